@@ -1,0 +1,133 @@
+"""Packed variable-length batches: the one batch format that crosses every call.
+
+A batch holds N samples. Each key is one tensor that concatenates the samples' values along
+dim 0 with no padding, and ``seqlens[key][i]`` says how many rows sample ``i`` owns. A per-sample
+scalar (a reward score) is a key whose every seqlen is 1. Padding exists only inside a model
+forward (``to_padded``), never in the batch that moves between role groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """Samples concatenated per key; ``sample_ids`` keeps each sample's identity across splits."""
+
+    sample_ids: list[int]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    seqlens: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, tensor in self.tensors.items():
+            lens = self.seqlens[key]
+            assert len(lens) == len(self.sample_ids), f"{key}: {len(lens)} seqlens"
+            assert sum(lens) == tensor.shape[0], f"{key}: seqlens sum != rows"
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.sample_ids)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def n_tokens(self, key: str) -> int:
+        return sum(self.seqlens[key])
+
+    def offsets(self, key: str) -> list[int]:
+        """Start row of every sample in ``tensors[key]``, plus the total at the end."""
+        out = [0]
+        for n in self.seqlens[key]:
+            out.append(out[-1] + n)
+        return out
+
+    def sample(self, key: str, i: int) -> torch.Tensor:
+        off = self.offsets(key)
+        return self.tensors[key][off[i] : off[i + 1]]
+
+    def add(self, key: str, tensor: torch.Tensor, seqlens: list[int]) -> None:
+        self.tensors[key] = tensor
+        self.seqlens[key] = list(seqlens)
+        self.__post_init__()
+
+    def update(self, other: PackedBatch) -> None:
+        """Take every key of ``other``, whose samples must be ours in the same order."""
+        assert other.sample_ids == self.sample_ids, "update needs the same samples in order"
+        for key in other.tensors:
+            self.add(key, other.tensors[key], other.seqlens[key])
+
+    def select(self, indices: list[int], keys: list[str] | None = None) -> PackedBatch:
+        """The samples at ``indices`` (in that order), restricted to ``keys`` if given."""
+        keys = self.keys() if keys is None else keys
+        tensors, seqlens = {}, {}
+        for key in keys:
+            off = self.offsets(key)
+            parts = [self.tensors[key][off[i] : off[i + 1]] for i in indices]
+            tensors[key] = torch.cat(parts) if parts else self.tensors[key][:0]
+            seqlens[key] = [self.seqlens[key][i] for i in indices]
+        return PackedBatch([self.sample_ids[i] for i in indices], tensors, seqlens)
+
+    def split(self, n_parts: int, by_key: str | None = None) -> list[PackedBatch]:
+        """Split into ``n_parts`` batches balanced by token count of ``by_key``."""
+        key = by_key or (self.keys()[0] if self.tensors else None)
+        costs = self.seqlens[key] if key else [1] * self.n_samples
+        groups = balanced_partition(costs, n_parts)
+        return [self.select(sorted(g)) for g in groups]
+
+    def minibatches(self, n_minibatches: int, by_key: str | None = None) -> list[PackedBatch]:
+        """Like ``split`` but never returns an empty part (fewer parts when samples run out)."""
+        parts = self.split(min(n_minibatches, max(self.n_samples, 1)), by_key)
+        return [p for p in parts if p.n_samples > 0]
+
+    @staticmethod
+    def concat(batches: list[PackedBatch]) -> PackedBatch:
+        """Join batches that hold the same keys (the inverse of ``split`` up to order)."""
+        assert batches, "concat of no batches"
+        keys = batches[0].keys()
+        ids = [i for b in batches for i in b.sample_ids]
+        tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in keys}
+        seqlens = {k: [n for b in batches for n in b.seqlens[k]] for k in keys}
+        return PackedBatch(ids, tensors, seqlens)
+
+    def reorder(self, sample_ids: list[int]) -> PackedBatch:
+        """The same batch with samples in the order of ``sample_ids``."""
+        where = {sid: i for i, sid in enumerate(self.sample_ids)}
+        return self.select([where[sid] for sid in sample_ids])
+
+    def to_padded(self, key: str, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ``[N, max_len, ...]`` tensor of ``key`` and its boolean mask."""
+        lens = self.seqlens[key]
+        src = self.tensors[key]
+        max_len = max(lens, default=0)
+        out = src.new_full((len(lens), max_len, *src.shape[1:]), pad_value)
+        mask = torch.zeros(len(lens), max_len, dtype=torch.bool)
+        off = self.offsets(key)
+        for i, n in enumerate(lens):
+            out[i, :n] = src[off[i] : off[i + 1]]
+            mask[i, :n] = True
+        return out, mask
+
+
+def pack_padded(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Inverse of ``to_padded``: the first ``lengths[i]`` rows of every sample, concatenated."""
+    return torch.cat([padded[i, :n] for i, n in enumerate(lengths)]) if lengths else padded[:0, 0]
+
+
+def balanced_partition(costs: list[int], n_parts: int) -> list[list[int]]:
+    """Indices of ``costs`` in ``n_parts`` groups with near-equal total cost.
+
+    Greedy longest-processing-time: the largest remaining item goes to the lightest group, so the
+    heaviest group exceeds the mean by at most the largest single item. Ties in group load go to
+    the group with fewer items, so equal costs split evenly by count too.
+    """
+    assert n_parts >= 1, "n_parts must be positive"
+    groups: list[list[int]] = [[] for _ in range(n_parts)]
+    loads = [0] * n_parts
+    for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        g = min(range(n_parts), key=lambda k: (loads[k], len(groups[k]), k))
+        groups[g].append(i)
+        loads[g] += costs[i]
+    return groups
