@@ -1,0 +1,110 @@
+"""What a call computes, separate from where it runs.
+
+An *interface* (named in the graph file, e.g. ``ppo_actor``) turns a packed batch into outputs
+(generate, inference) or into an optimizer update (train). It sees the model only through the
+``ModelEngine`` protocol, so the runtime that hosts it names no algorithm, and an algorithm is
+added by registering an interface here, not by touching the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.native import GenerateOutput, GenerationConfig
+
+
+class ModelEngine(Protocol):
+    """The model-side operations an interface may use (``rayhf.engines`` implements it)."""
+
+    model: Any
+    tokenizer: Any
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+    def generate(
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+    ) -> GenerateOutput: ...
+
+    def train(
+        self,
+        minibatches: Sequence[PackedBatch],
+        loss_fn: Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]],
+    ) -> dict[str, float]: ...
+
+    def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]: ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Where and when a call runs, for seeding and logging."""
+
+    step: int
+    dp_rank: int
+    dp_size: int
+    seed: int
+    args: dict[str, Any] = field(default_factory=dict)  # the graph's per-call ``args``
+
+
+@dataclass(frozen=True)
+class InterfaceSettings:
+    """The experiment settings an interface may read."""
+
+    algorithm: Any  # the algorithm's config model, e.g. PPOConfig
+    generation: GenerationConfig
+    function: str | None = None  # "module:function" for a function-valued role (rewards)
+
+
+class Interface:
+    """Base class: a call kind an interface does not support is a graph error."""
+
+    name = "interface"
+
+    def __init__(self, settings: InterfaceSettings) -> None:
+        self.settings = settings
+
+    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        raise NotImplementedError(f"interface '{self.name}' has no generate call")
+
+    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        raise NotImplementedError(f"interface '{self.name}' has no inference call")
+
+    def train_step(
+        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+    ) -> dict[str, float]:
+        raise NotImplementedError(f"interface '{self.name}' has no train call")
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that must survive a resume (e.g. an adaptive KL coefficient)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+INTERFACES: dict[str, type[Interface]] = {}
+
+
+def register(name: str) -> Callable[[type[Interface]], type[Interface]]:
+    def wrap(cls: type[Interface]) -> type[Interface]:
+        cls.name = name
+        INTERFACES[name] = cls
+        return cls
+
+    return wrap
+
+
+def make_interface(name: str, settings: InterfaceSettings) -> Interface:
+    return INTERFACES[name](settings)

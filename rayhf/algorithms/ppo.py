@@ -1,0 +1,247 @@
+"""PPO for RLHF as pure torch functions: no Ray, no processes, no model code.
+
+Every per-token tensor is right-padded ``[B, T]`` over response tokens only, with a bool ``mask``
+that is True on valid tokens, contiguous from position 0 of each row. A row may be empty; every
+function returns zeros for it instead of NaN. The data flow of one PPO step:
+
+    scores, logprobs, ref_logprobs --kl_shaped_rewards--> rewards
+    rewards, values                --gae_advantages-----> advantages, returns
+    advantages (masked_whiten)     --ppo_policy_loss----> actor loss
+    returns, old values            --ppo_value_loss-----> critic loss
+
+Defaults follow ReaLHF's PPO interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from rayhf.errors import RayhfError
+
+
+class PPOConfig(BaseModel):
+    """Hyper-parameters of the PPO loss, reward shaping and KL control."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kl_ctl: float = Field(0.1, ge=0)
+    """Initial coefficient of the per-token KL penalty against the reference policy."""
+    adaptive_kl: bool = False
+    """Adapt the KL coefficient towards ``kl_target`` (Ziegler et al.) instead of fixing it."""
+    kl_target: float = Field(6.0, gt=0)
+    """KL per sequence the adaptive controller steers towards."""
+    kl_horizon: int = Field(10000, gt=0)
+    """Samples over which the adaptive controller corrects a full proportional error."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor of GAE."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda: 1 gives Monte-Carlo returns, 0 gives one-step TD."""
+    eps_clip: float = Field(0.2, gt=0)
+    """Policy ratio is clipped to ``[1 - eps_clip, 1 + eps_clip]``."""
+    value_eps_clip: float = Field(0.2, gt=0)
+    """New values may move at most this far from the old values before clipping applies."""
+    reward_clip: float = Field(20.0, gt=0)
+    """Reward-model scores are clipped to ``[-reward_clip, reward_clip]``."""
+    n_minibatches: int = Field(4, gt=0)
+    """Optimizer steps per PPO epoch; the batch is split into this many minibatches."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each generated batch."""
+    adv_norm: bool = True
+    """Whiten advantages over the valid tokens of the batch before the policy loss."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus subtracted from the policy loss."""
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is True; 0 where there are none."""
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=dim)
+    count = mask.sum(dim=dim)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalize ``x`` to std 1 (and mean 0 if ``shift_mean``) over its valid elements.
+
+    Statistics span the whole batch, not each row, so rows keep their relative scale.
+    Padded positions come back as 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability ``[B, T]`` of each label under ``softmax(logits / temperature)``.
+
+    Computed in float32 as gather minus logsumexp, which avoids a second ``[B, T, V]`` tensor.
+    The temperature must match the one used for sampling, or the ratios are biased.
+    """
+    if temperature <= 0:
+        raise RayhfError(f"temperature must be > 0, got {temperature}; set a positive value")
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy ``[B, T]`` of the categorical distribution ``softmax(logits)``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def _lengths(mask: Tensor) -> Tensor:
+    """Valid tokens per row; asserts the right-padded layout the callers rely on."""
+    lengths = mask.sum(dim=1)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    assert torch.equal(mask.bool(), positions < lengths.unsqueeze(1)), "mask is not right-padded"
+    return lengths
+
+
+def kl_shaped_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_ctl: float,
+    reward_clip: float,
+) -> tuple[Tensor, Tensor]:
+    """Per-token rewards: a KL penalty on every token plus the clipped score on the last one.
+
+    Returns ``(rewards, kl)``, both ``[B, T]`` and 0 on padding. The KL estimate is the
+    sampled log-ratio ``logprobs - ref_logprobs``; an empty row receives no score.
+    """
+    lengths = _lengths(mask)
+    kl = torch.where(mask, logprobs - ref_logprobs, torch.zeros_like(logprobs))
+    rewards = -kl_ctl * kl
+    clipped = scores.to(rewards.dtype).clamp(-reward_clip, reward_clip)
+    last = (lengths - 1).clamp(min=0).unsqueeze(1)
+    bonus = torch.where(lengths > 0, clipped, torch.zeros_like(clipped)).unsqueeze(1)
+    return rewards.scatter_add(1, last, bonus), kl
+
+
+def gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation per row; returns ``(advantages, returns)``.
+
+    The episode ends after the last valid token, so the bootstrap value there is 0.
+    Zeroing rewards and values on padding makes the reverse recursion yield exactly that,
+    because padding only ever follows the valid tokens.
+    """
+    _lengths(mask)
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    values = torch.where(mask, values, torch.zeros_like(values))
+    next_value = values.new_zeros(values.shape[0])
+    running = values.new_zeros(values.shape[0])
+    reversed_advantages = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        reversed_advantages.append(running)
+        next_value = values[:, t]
+    advantages = torch.stack(reversed_advantages[::-1], dim=1) if reversed_advantages else rewards
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def ppo_policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate loss, averaged over valid tokens; returns ``(loss, stats)``.
+
+    ``stats``: ``clip_frac`` (tokens where the clipped term is the larger loss),
+    ``approx_kl`` (mean of ``old - new`` log-probs) and ``ratio_mean``.
+    """
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    loss = masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
+            "approx_kl": masked_mean(-log_ratio, mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+        }
+    return loss, stats
+
+
+def ppo_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, eps_clip: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss ``0.5 * max(unclipped, clipped)`` squared error over valid tokens.
+
+    Clipping keeps the critic from moving far from the values the advantages were computed
+    with. ``stats``: ``value_clip_frac``, the share of tokens where the clipped term wins.
+    """
+    clipped_values = old_values + (values - old_values).clamp(-eps_clip, eps_clip)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        clip_frac = masked_mean((loss_clipped > loss_unclipped).float(), mask).item()
+    return loss, {"value_clip_frac": clip_frac}
+
+
+class FixedKLController:
+    """KL coefficient that never changes."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op, so callers need not know which controller they hold."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from ``state_dict()``."""
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional KL controller of Ziegler et al. (2019), steering the KL towards a target.
+
+    The error is clipped to ±0.2 so one noisy batch cannot swing the coefficient far.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise RayhfError(f"kl_target and kl_horizon must be > 0, got {target}, {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move the coefficient after ``n_steps`` samples whose mean KL was ``current_kl``."""
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state."""
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from ``state_dict()``."""
+        self.value = float(state["value"])
+        self.target = float(state["target"])
+        self.horizon = int(state["horizon"])
+
+
+KLController = FixedKLController | AdaptiveKLController
+
+
+def make_kl_controller(cfg: PPOConfig) -> KLController:
+    """The controller ``cfg`` asks for, starting at ``cfg.kl_ctl``."""
+    if cfg.adaptive_kl:
+        return AdaptiveKLController(cfg.kl_ctl, cfg.kl_target, cfg.kl_horizon)
+    return FixedKLController(cfg.kl_ctl)

@@ -1,0 +1,178 @@
+"""The experiment config: one YAML file, composed of each component's own small config.
+
+Components own their configs (``PPOConfig`` next to the PPO math, ``GenerationConfig`` next to
+the generation engine, ...); this module only composes them, loads YAML, applies
+``key.sub=value`` overrides and turns validation errors into one-line messages that name the
+field. Unknown keys are rejected everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rayhf.algorithms.ppo import PPOConfig
+from rayhf.data.datasets import DatasetConfig
+from rayhf.engines.native import GenerationConfig
+from rayhf.engines.torch_engine import OptimizerConfig
+from rayhf.errors import RayhfError
+from rayhf.models.hf import ModelInit
+from rayhf.planner import ClusterConfig, PlanConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class RoleConfig(BaseModel):
+    """Where a role's weights come from (exactly one source) and how it trains."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None  # a local Hugging Face model directory
+    init: ModelInit | None = None  # create a small random model of this shape
+    init_from: str | None = None  # start from another role's initial weights (ref <- actor)
+    function: str | None = None  # "module:function" reward instead of a model
+    value_head: bool = False  # scalar head per token (critic, reward model)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RoleConfig:
+        given = [k for k in ("path", "init", "init_from", "function") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of path, init, init_from, function (got {given})")
+        return self
+
+
+class TokenizerConfig(BaseModel):
+    """A local tokenizer directory, or a character tokenizer built from an alphabet."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None  # None with no alphabet = the actor's model directory
+    alphabet: str | None = None  # build a character-level tokenizer over these characters
+
+
+class MetricsConfig(BaseModel):
+    """Where step metrics go."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jsonl: bool = True  # metrics.jsonl in the run directory
+    ray_metrics: bool = True  # ray.util.metrics gauges for the dashboard
+    plot: bool = True  # reward and KL against step, PNG, at the end
+    console: bool = True  # one line per step
+    progress: bool | None = None  # progress bar; None = when stdout is a terminal
+
+
+class ExperimentConfig(BaseModel):
+    """Everything one run needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "ppo"
+    graph: str = "graphs/ppo.yaml"  # the dataflow graph file
+    run_dir: str | None = None  # None = runs/{name}
+    seed: int = 1
+    steps: int = Field(30, gt=0)  # PPO iterations
+    batch_size: int = Field(16, gt=0)  # prompts per step
+    save_every: int = Field(0, ge=0)  # checkpoint every N steps (0 = only at the end)
+    models: dict[str, RoleConfig]
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    dataset: DatasetConfig
+    dataset_builder: str | None = None  # "module:function(path)" that writes a missing dataset
+    algorithm: PPOConfig = Field(default_factory=PPOConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    plan: PlanConfig = "auto"
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+    def graph_path(self) -> Path:
+        return resolve_path(self.graph)
+
+    def with_overrides(self, overrides: dict[str, Any] | list[str]) -> ExperimentConfig:
+        """A new validated config with dotted-key overrides applied."""
+        raw = self.model_dump(mode="json", exclude_unset=False)
+        return validate_config(apply_overrides(raw, overrides), "overrides")
+
+
+def resolve_path(path: str) -> Path:
+    """A path as given if it exists, else relative to the rayhf checkout (graphs/, examples/)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    return REPO_ROOT / p if (REPO_ROOT / p).exists() else p
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise RayhfError(f"override '{item}' must look like key.sub=value")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:
+        return key.strip(), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | list[str]) -> dict[str, Any]:
+    """Set ``a.b.c=value`` entries in the raw config dict (values parsed as YAML)."""
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides)
+    for key, value in items:
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RayhfError(f"override {key}: '{part}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (remove it or check its spelling)"
+    extra = f" (got {first['input']!r})" if first["type"] not in ("extra_forbidden", "missing") else ""
+    if len(extra) > 80:
+        extra = ""
+    more = f" [+{err.error_count() - 1} more]" if err.error_count() > 1 else ""
+    return f"{source}: config field {field}: {msg}{extra}{more}"
+
+
+def validate_config(raw: Any, source: str) -> ExperimentConfig:
+    if not isinstance(raw, dict):
+        raise RayhfError(f"{source}: the config must be a YAML mapping")
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as e:
+        raise RayhfError(_format_error(e, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None):
+    """Load ``path`` (YAML), apply overrides, validate; every mistake is one RayhfError line."""
+    p = Path(path)
+    if not p.is_file():
+        raise RayhfError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RayhfError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if overrides and isinstance(raw, dict):
+        raw = apply_overrides(raw, overrides)
+    return validate_config(raw, str(p))
+
+
+def dump_config(cfg: ExperimentConfig, path: Path) -> None:
+    """Write the resolved config (every default filled in) as YAML, atomically."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,65 @@
+"""The demo task, "echo the digits": small enough that a ~1M-parameter Llama learns it from scratch.
+
+A prompt is 4-8 random digits separated by spaces and closed by ``=``, e.g. ``"3 1 4 1 5 ="``;
+the ideal response repeats them, ``"3 1 4 1 5"``. The reward is verifiable (no reward model):
+the fraction of the response's non-space characters that are digits occurring in the prompt.
+It is dense and graded, so PPO sees progress within ~30 steps:
+
+* a random policy over ``ALPHABET`` scores about 0.2 (a prompt holds ~4.6 distinct digits out
+  of 21 non-space characters);
+* a policy that only learned "print digits" scores about 0.5 (~4.6 of 10 digits);
+* a policy that copies the prompt's digits scores 1.0.
+
+Reward contract: a reward function referenced as ``module:function`` in a config (this one is
+``rayhf.data.demo_task:reward``) takes ``(prompts, responses)``, two equally long lists of
+strings (prompt text without bos; decoded response with the eos removed), and returns one float
+per sample, in the same order.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+from rayhf.data.datasets import write_rows
+from rayhf.models.tokenizer import build_char_tokenizer
+
+ALPHABET = "0123456789abcdefghij ="  # letters are distractors the policy must learn to avoid
+MIN_DIGITS, MAX_DIGITS = 4, 8
+
+
+def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The character tokenizer over ``ALPHABET`` (26 ids: 4 specials + 22 characters)."""
+    return build_char_tokenizer(ALPHABET, out_dir)
+
+
+def make_prompts(n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` rows ``{"prompt": "d d ... d ="}``, a pure function of ``seed``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = [str(rng.randrange(10)) for _ in range(rng.randint(MIN_DIGITS, MAX_DIGITS))]
+        rows.append({"prompt": " ".join([*digits, "="])})
+    return rows
+
+
+def make_dataset(path: str | Path, n: int = 512, seed: int = 0) -> Path:
+    """Write ``make_prompts(n, seed)`` to ``path`` (.parquet or .jsonl) and return the path."""
+    return write_rows(make_prompts(n, seed), path)
+
+
+def score(prompt: str, response: str) -> float:
+    """Share of the response's non-space characters that are digits of the prompt."""
+    chars = [c for c in response if not c.isspace()]
+    if not chars:
+        return 0.0
+    allowed = {c for c in prompt if c.isdigit()}
+    return sum(c in allowed for c in chars) / len(chars)
+
+
+def reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """One score in [0, 1] per sample; an empty response scores 0 (see the module docstring)."""
+    assert len(prompts) == len(responses), f"{len(prompts)} prompts, {len(responses)} responses"
+    return [score(p, r) for p, r in zip(prompts, responses, strict=True)]

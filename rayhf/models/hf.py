@@ -1,0 +1,121 @@
+"""Hugging Face causal LMs: create tiny ones from a config, load from a local directory.
+
+The actor and reference are ``AutoModelForCausalLM``; critic and reward models are the same
+backbone with a scalar head (``AutoModelForSequenceClassification`` with one label), whose
+``score`` layer we apply to every token to get per-token values. Both save with
+``save_pretrained`` and load offline; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+
+from rayhf.errors import RayhfError
+
+Family = Literal["llama", "qwen2", "mistral", "gpt2"]
+
+
+class ModelInit(BaseModel):
+    """Shape of a small model created from scratch (random weights, seeded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    family: Family = "llama"
+    hidden_size: int = Field(64, gt=0)
+    n_layers: int = Field(2, gt=0)
+    n_heads: int = Field(4, gt=0)
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    intermediate_size: int | None = None  # None = 4 * hidden_size (2.75x for llama-style)
+    max_positions: int = Field(256, gt=0)
+    seed: int = 0
+
+
+def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
+    """The Hugging Face config for ``init`` with the tokenizer's vocabulary and special ids."""
+    ids = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    if init.family == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=init.hidden_size,
+            n_layer=init.n_layers,
+            n_head=init.n_heads,
+            n_inner=init.intermediate_size,
+            n_positions=init.max_positions,
+            **ids,
+        )
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[init.family]
+    inter = init.intermediate_size or int(2.75 * init.hidden_size)
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=init.hidden_size,
+        num_hidden_layers=init.n_layers,
+        num_attention_heads=init.n_heads,
+        num_key_value_heads=init.n_kv_heads or init.n_heads,
+        intermediate_size=inter,
+        max_position_embeddings=init.max_positions,
+        tie_word_embeddings=False,
+        **ids,
+    )
+
+
+def build_model(config: PretrainedConfig, value_head: bool, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialized model (fp32, eager attention so CPU results are exact)."""
+    torch.manual_seed(seed)
+    if value_head:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.float()
+
+
+def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def load_model(path: str | Path, value_head: bool, field: str) -> PreTrainedModel:
+    """Load a local model directory; ``field`` names the config entry in errors."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise RayhfError(f"{field}: {p} is not a model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        cls = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
+        if value_head:
+            config.num_labels = 1
+        model = cls.from_pretrained(
+            p, config=config, local_files_only=True, attn_implementation="eager"
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise RayhfError(f"{field}: cannot load a model from {p}: {str(e).splitlines()[0]}") from None
+    return model.float()
+
+
+def per_token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Scalar head applied to every position: ``[B, T]`` values."""
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]
+    return model.score(hidden).squeeze(-1)
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

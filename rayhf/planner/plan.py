@@ -1,0 +1,92 @@
+"""Plans: the layout of every call, from the config (manual) or a heuristic (auto).
+
+The search-based planner replaces ``heuristic_plan`` later; whatever makes the plan, the runtime
+only reads ``Plan``. Until reallocation between layouts exists, all calls of one role must share
+a layout, and ``make_plan`` refuses a plan that breaks that, naming the calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from rayhf.errors import RayhfError
+from rayhf.graph import Graph
+from rayhf.planner.cluster import ClusterConfig
+from rayhf.planner.layout import Layout, LayoutSpec, layout_from_spec
+
+PlanConfig = Literal["auto"] | dict[str, LayoutSpec]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Call name -> layout, and where the plan came from."""
+
+    layouts: dict[str, Layout]
+    source: str  # "heuristic" or "manual"
+
+    def role_layouts(self, graph: Graph) -> dict[str, Layout]:
+        """The single layout each role is held in."""
+        return {c.role: self.layouts[c.name] for c in graph.calls}
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                name: {"mesh": list(lay.mesh), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+                       "n_mbs": lay.n_mbs}
+                for name, lay in self.layouts.items()
+            },
+            indent=2,
+        )
+
+
+def heuristic_plan(graph: Graph, n_devices: int) -> Plan:
+    """Every call on every device, data parallel (the colocated, verl-style placement)."""
+    layout = Layout(tuple(range(n_devices)), dp=n_devices)
+    return Plan({c.name: layout for c in graph.calls}, "heuristic")
+
+
+def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Plan:
+    """The plan for ``graph`` on ``cluster``: heuristic for ``auto``, else the manual entries."""
+    if plan_cfg == "auto":
+        return heuristic_plan(graph, cluster.n_devices)
+    assert isinstance(plan_cfg, dict)
+    unknown = sorted(set(plan_cfg) - set(graph.by_name))
+    if unknown:
+        raise RayhfError(f"plan.{unknown[0]}: no call of that name in graph '{graph.name}'")
+    missing = [c.name for c in graph.calls if c.name not in plan_cfg]
+    if missing:
+        raise RayhfError(f"plan: a manual plan needs every call; missing plan.{missing[0]}")
+    layouts = {
+        name: layout_from_spec(spec, cluster.n_devices, f"plan.{name}")
+        for name, spec in plan_cfg.items()
+    }
+    for role in graph.roles:
+        calls = graph.role_calls(role)
+        distinct = {layouts[c] for c in calls}
+        if len(distinct) > 1:
+            raise RayhfError(
+                f"plan: calls {', '.join(f'plan.{c}' for c in calls)} of role '{role}' must "
+                f"share one layout (reallocation between layouts is not available yet)"
+            )
+    for name, lay in layouts.items():
+        if lay.tp > 1 or lay.pp > 1:
+            raise RayhfError(
+                f"plan.{name}: tp={lay.tp} pp={lay.pp}; this version runs data parallel only "
+                f"(set tp: 1 and pp: 1)"
+            )
+    return Plan(layouts, "manual")
+
+
+def format_plan(plan: Plan, graph: Graph) -> str:
+    """A table of the plan for ``rayhf plan``."""
+    rows = [f"plan ({plan.source}) for graph '{graph.name}':"]
+    rows.append(f"  {'call':<14}{'role':<10}{'kind':<11}{'mesh':<14}{'dp':>4}{'tp':>4}{'pp':>4}"
+                f"{'mbs':>5}")
+    for name in graph.order:
+        c, lay = graph.by_name[name], plan.layouts[name]
+        mesh = ",".join(str(d) for d in lay.mesh)
+        rows.append(f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
+                    f"{lay.pp:>4}{lay.n_mbs:>5}")
+    return "\n".join(rows)
