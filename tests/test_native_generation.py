@@ -196,6 +196,29 @@ def test_min_new_tokens_prevents_early_eos(model: PreTrainedModel) -> None:
         assert tokens == _hf_greedy(model, prompt, cfg, eos)
 
 
+def test_finished_rows_get_pad_and_all_finished_stops_early() -> None:
+    model = _tiny_model("llama")
+    fed: list[list[int]] = []  # input ids of every forward, flattened per call
+    hook = model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: fed.append(kwargs["input_ids"][:, -1].tolist()),
+        with_kwargs=True,
+    )
+    try:
+        cfg = GenerationConfig(greedy=True, max_new_tokens=12)
+        free = _run(model, cfg, eos=VOCAB + 5)
+        eos = free.tokens[0][0]
+        fed.clear()
+        out = generate(model, PROMPTS, cfg, eos, PAD)
+        assert out.tokens[0] == [eos] and not all(out.finished)
+        assert len(fed) == max(len(t) for t in out.tokens)  # prefill + one per further token
+        assert all(step[0] == PAD for step in fed[2:])  # row 0 is fed pad after its EOS
+        fed.clear()
+        generate(model, [PROMPTS[0]], cfg, eos, PAD)
+        assert len(fed) == 1  # the only row ended at its first token: no decode step
+    finally:
+        hook.remove()
+
+
 def test_restores_training_mode_and_disables_dropout() -> None:
     model = _tiny_model("gpt2")  # dropout 0.1: sampling in train mode would change outputs
     cfg = GenerationConfig(greedy=True, max_new_tokens=12)

@@ -76,7 +76,11 @@ class _PPOBase(Interface):
         """``(advantages, returns, kl, rewards)``, each ``[B, R]``."""
         logp, ref_logp = _padded(batch, "logprobs"), _padded(batch, "ref_logprobs")
         rewards, kl = kl_shaped_rewards(
-            batch.tensors["scores"].float(), logp, ref_logp, mask, self.kl_ctl.value,
+            batch.tensors["scores"].float(),
+            logp,
+            ref_logp,
+            mask,
+            self.kl_ctl.value,
             self.cfg.reward_clip,
         )
         adv, returns = gae_advantages(
@@ -183,7 +187,10 @@ class PPOCriticInterface(_PPOBase):
         def loss_fn(mb: PackedBatch):
             values, _, mask = _response_forward(engine, mb, 1.0)
             loss, s = ppo_value_loss(
-                values, _padded(mb, "values"), _padded(mb, "returns"), mask,
+                values,
+                _padded(mb, "values"),
+                _padded(mb, "returns"),
+                mask,
                 self.cfg.value_eps_clip,
             )
             return loss, {"value_loss": loss.item(), **s}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from rayhf.errors import RayhfError
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
 
-def resolve_function(ref: str, field: str) -> RewardFn:
+def resolve_function(ref: str, field: str) -> Callable[..., Any]:
     """Import ``module:function``; errors name the config ``field``."""
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
@@ -55,7 +56,9 @@ class RewardInterface(Interface):
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
-        self.fn = resolve_function(settings.function, "reward function") if settings.function else None
+        self.fn = (
+            resolve_function(settings.function, "reward function") if settings.function else None
+        )
 
     def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         if self.fn is not None:

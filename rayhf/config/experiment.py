@@ -19,6 +19,7 @@ from rayhf.data.datasets import DatasetConfig
 from rayhf.engines.native import GenerationConfig
 from rayhf.engines.torch_engine import OptimizerConfig
 from rayhf.errors import RayhfError
+from rayhf.metrics.tracker import MetricsConfig
 from rayhf.models.hf import ModelInit
 from rayhf.planner import ClusterConfig, PlanConfig
 
@@ -52,18 +53,6 @@ class TokenizerConfig(BaseModel):
 
     path: str | None = None  # None with no alphabet = the actor's model directory
     alphabet: str | None = None  # build a character-level tokenizer over these characters
-
-
-class MetricsConfig(BaseModel):
-    """Where step metrics go."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    jsonl: bool = True  # metrics.jsonl in the run directory
-    ray_metrics: bool = True  # ray.util.metrics gauges for the dashboard
-    plot: bool = True  # reward and KL against step, PNG, at the end
-    console: bool = True  # one line per step
-    progress: bool | None = None  # progress bar; None = when stdout is a terminal
 
 
 class ExperimentConfig(BaseModel):
@@ -141,7 +130,9 @@ def _format_error(err: ValidationError, source: str) -> str:
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key (remove it or check its spelling)"
-    extra = f" (got {first['input']!r})" if first["type"] not in ("extra_forbidden", "missing") else ""
+    extra = (
+        f" (got {first['input']!r})" if first["type"] not in ("extra_forbidden", "missing") else ""
+    )
     if len(extra) > 80:
         extra = ""
     more = f" [+{err.error_count() - 1} more]" if err.error_count() > 1 else ""

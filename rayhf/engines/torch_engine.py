@@ -15,10 +15,11 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
+from rayhf.data.batch import PackedBatch
 from rayhf.engines.native import GenerateOutput, GenerationConfig, generate
 from rayhf.models.hf import per_token_values
 
-LossFn = Callable[[object], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
 class OptimizerConfig(BaseModel):
@@ -83,7 +84,7 @@ class TorchEngine:
         gen = torch.Generator().manual_seed(seed)
         return generate(self.model, prompts, cfg, self.eos_id, self.pad_id, gen)
 
-    def train(self, minibatches: Sequence[object], loss_fn: LossFn) -> dict[str, float]:
+    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step per minibatch; returns the mean of each stat over minibatches.
 
         ``minibatches`` has the same length on every dp rank (a rank with no samples for one
@@ -94,7 +95,7 @@ class TorchEngine:
         totals: dict[str, float] = {}
         for mb in minibatches:
             self.optimizer.zero_grad(set_to_none=False)
-            if getattr(mb, "n_samples", 1) > 0:
+            if mb.n_samples > 0:
                 loss, stats = loss_fn(mb)
                 loss.backward()
                 for k, v in stats.items():
@@ -114,7 +115,7 @@ class TorchEngine:
         for p in self.model.parameters():
             if p.grad is None:  # a rank whose minibatch was empty still joins the all-reduce
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.model.parameters()]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         flat /= dist.get_world_size(self.dp_group)

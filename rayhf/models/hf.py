@@ -47,7 +47,6 @@ class ModelInit(BaseModel):
 
 def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
     """The Hugging Face config for ``init`` with the tokenizer's vocabulary and special ids."""
-    ids = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
     if init.family == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size,
@@ -56,7 +55,9 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
             n_head=init.n_heads,
             n_inner=init.intermediate_size,
             n_positions=init.max_positions,
-            **ids,
+            pad_token_id=pad_id,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
         )
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[init.family]
     inter = init.intermediate_size or int(2.75 * init.hidden_size)
@@ -69,7 +70,9 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
         intermediate_size=inter,
         max_position_embeddings=init.max_positions,
         tie_word_embeddings=False,
-        **ids,
+        pad_token_id=pad_id,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
     )
 
 
@@ -107,14 +110,17 @@ def load_model(path: str | Path, value_head: bool, field: str) -> PreTrainedMode
             p, config=config, local_files_only=True, attn_implementation="eager"
         )
     except (OSError, ValueError, KeyError) as e:
-        raise RayhfError(f"{field}: cannot load a model from {p}: {str(e).splitlines()[0]}") from None
+        raise RayhfError(
+            f"{field}: cannot load a model from {p}: {str(e).splitlines()[0]}"
+        ) from None
     return model.float()
 
 
 def per_token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """Scalar head applied to every position: ``[B, T]`` values."""
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)[0]
-    return model.score(hidden).squeeze(-1)
+    head = model.get_submodule("score")
+    return head(hidden).squeeze(-1)
 
 
 def n_params(model: torch.nn.Module) -> int:

@@ -4,4 +4,12 @@ from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.layout import Layout, LayoutSpec
 from rayhf.planner.plan import Plan, PlanConfig, format_plan, make_plan
 
-__all__ = ["ClusterConfig", "Layout", "LayoutSpec", "Plan", "PlanConfig", "format_plan", "make_plan"]
+__all__ = [
+    "ClusterConfig",
+    "Layout",
+    "LayoutSpec",
+    "Plan",
+    "PlanConfig",
+    "format_plan",
+    "make_plan",
+]

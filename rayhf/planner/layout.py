@@ -67,7 +67,5 @@ def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:
         )
     dp = spec.dp or len(mesh) // (spec.tp * spec.pp)
     if dp * spec.tp * spec.pp != len(mesh):
-        raise RayhfError(
-            f"{where}: dp*tp*pp = {dp}*{spec.tp}*{spec.pp} != mesh size {len(mesh)}"
-        )
+        raise RayhfError(f"{where}: dp*tp*pp = {dp}*{spec.tp}*{spec.pp} != mesh size {len(mesh)}")
     return Layout(mesh, dp, spec.tp, spec.pp, spec.n_mbs)

@@ -33,8 +33,13 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(
             {
-                name: {"mesh": list(lay.mesh), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-                       "n_mbs": lay.n_mbs}
+                name: {
+                    "mesh": list(lay.mesh),
+                    "dp": lay.dp,
+                    "tp": lay.tp,
+                    "pp": lay.pp,
+                    "n_mbs": lay.n_mbs,
+                }
                 for name, lay in self.layouts.items()
             },
             indent=2,
@@ -82,11 +87,14 @@ def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Pla
 def format_plan(plan: Plan, graph: Graph) -> str:
     """A table of the plan for ``rayhf plan``."""
     rows = [f"plan ({plan.source}) for graph '{graph.name}':"]
-    rows.append(f"  {'call':<14}{'role':<10}{'kind':<11}{'mesh':<14}{'dp':>4}{'tp':>4}{'pp':>4}"
-                f"{'mbs':>5}")
+    rows.append(
+        f"  {'call':<14}{'role':<10}{'kind':<11}{'mesh':<14}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}"
+    )
     for name in graph.order:
         c, lay = graph.by_name[name], plan.layouts[name]
         mesh = ",".join(str(d) for d in lay.mesh)
-        rows.append(f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
-                    f"{lay.pp:>4}{lay.n_mbs:>5}")
+        rows.append(
+            f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
+            f"{lay.pp:>4}{lay.n_mbs:>5}"
+        )
     return "\n".join(rows)

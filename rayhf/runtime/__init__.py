@@ -1,0 +1,1 @@
+"""Role groups on Ray, the driver that runs the graph, checkpoints."""

@@ -1,0 +1,52 @@
+"""rayhf: RLHF on Ray, each model call in its own layout (the ReaLHF idea).
+
+The public API for driver scripts (``ray job submit -- python my_driver.py``)::
+
+    import rayhf
+    cfg = rayhf.load_config("examples/ppo_tiny.yaml", ["steps=10"])
+    cfg = cfg.with_overrides({"algorithm.kl_ctl": 0.02})
+    print(rayhf.format_plan(rayhf.make_plan(cfg), rayhf.load_graph(cfg.graph_path())))
+    result = rayhf.run(cfg)
+    result.metrics, result.actor_checkpoint
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rayhf.config import ExperimentConfig, load_config
+from rayhf.errors import RayhfError
+from rayhf.graph import load_graph
+from rayhf.planner import Plan, format_plan
+
+if TYPE_CHECKING:
+    from rayhf.runtime.trainer import RunResult
+
+__version__ = "0.1.0"
+
+
+def make_plan(cfg: ExperimentConfig) -> Plan:
+    """The plan ``rayhf run`` would use for ``cfg`` (no Ray started)."""
+    from rayhf.planner import make_plan as _make_plan
+
+    graph = load_graph(cfg.graph_path())
+    graph.validate_roles(set(cfg.models))
+    return _make_plan(graph, cfg.plan, cfg.cluster)
+
+
+def run(cfg: ExperimentConfig | None = None, resume: str | None = None) -> RunResult:
+    """Run ``cfg`` to the end (or continue the run in directory ``resume``)."""
+    from rayhf.runtime.trainer import run as _run
+
+    return _run(cfg, resume)
+
+
+__all__ = [
+    "ExperimentConfig",
+    "RayhfError",
+    "format_plan",
+    "load_config",
+    "load_graph",
+    "make_plan",
+    "run",
+]

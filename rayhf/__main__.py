@@ -1,0 +1,3 @@
+from rayhf.cli.main import main
+
+main()

@@ -1,0 +1,89 @@
+"""The ``rayhf`` command: a thin layer over the public API in ``rayhf/__init__.py``.
+
+User errors (``RayhfError``) print one line to stderr and exit 2; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from rayhf.errors import RayhfError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="rayhf: RLHF on Ray with a per-call layout for every model call.",
+    pretty_exceptions_enable=False,
+)
+
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="Config overrides, e.g. steps=5 algorithm.kl_ctl=0.05")
+]
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+@app.command()
+def run(
+    config: Annotated[str | None, typer.Argument(help="Experiment YAML")] = None,
+    overrides: Overrides = None,
+    resume: Annotated[
+        str | None, typer.Option(help="Continue the run in this directory from its last checkpoint")
+    ] = None,
+) -> None:
+    """Train: plan the graph, start the role groups on Ray, run the steps, checkpoint."""
+    import rayhf
+
+    _quiet_libraries()
+    if resume is None and config is None:
+        raise RayhfError("give a CONFIG file, or --resume RUN_DIR")
+    if resume is not None and (config or overrides):
+        raise RayhfError("--resume takes the config saved in the run directory; drop CONFIG")
+    cfg = rayhf.load_config(config, overrides or []) if config is not None else None
+    result = rayhf.run(cfg, resume=resume)
+    last = result.metrics[-1] if result.metrics else {}
+    typer.echo(f"run directory: {result.run_dir}")
+    if result.actor_checkpoint is not None:
+        typer.echo(f"actor checkpoint (Hugging Face format): {result.actor_checkpoint}")
+    if result.plot is not None:
+        typer.echo(f"plot: {result.plot}")
+    if "task_reward" in last:
+        typer.echo(f"final task reward: {last['task_reward']:.3f}")
+
+
+@app.command()
+def plan(
+    config: Annotated[str, typer.Argument(help="Experiment YAML")],
+    overrides: Overrides = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
+) -> None:
+    """Print the plan (per call: mesh and dp/tp/pp) without starting anything."""
+    import rayhf
+
+    cfg = rayhf.load_config(config, overrides or [])
+    the_plan = rayhf.make_plan(cfg)
+    if json_out:
+        typer.echo(the_plan.to_json())
+    else:
+        typer.echo(rayhf.format_plan(the_plan, rayhf.load_graph(cfg.graph_path())))
+
+
+def main() -> None:
+    try:
+        app()
+    except RayhfError as e:
+        typer.echo(f"rayhf: error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Step metrics fan out to sinks: console line, JSONL file, progress bar, Ray metrics.
+
+Each sink takes ``(step, metrics)``; a run owns one ``Tracker``. On resume the JSONL file is
+cut back to the checkpoint's step first, so the file holds each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsConfig(BaseModel):
+    """Where step metrics go."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jsonl: bool = True  # metrics.jsonl in the run directory
+    ray_metrics: bool = True  # ray.util.metrics gauges for the dashboard
+    plot: bool = True  # reward and KL against step, PNG, at the end
+    console: bool = True  # one line per step
+    progress: bool | None = None  # progress bar; None = when stdout is a terminal
+
+
+class Sink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# console line: (metric key, label, format)
+CONSOLE_FIELDS = [
+    ("task_reward", "reward", ".3f"),
+    ("kl", "kl", ".4f"),
+    ("policy_loss", "pg_loss", ".4f"),
+    ("value_loss", "v_loss", ".4f"),
+    ("entropy", "entropy", ".3f"),
+    ("response_len", "len", ".1f"),
+    ("tokens_per_s", "tok/s", ".0f"),
+    ("step_seconds", "s", ".2f"),
+]
+
+
+def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step}/{total}"]
+    parts += [f"{label} {metrics[k]:{fmt}}" for k, label, fmt in CONSOLE_FIELDS if k in metrics]
+    calls = [
+        f"{k.removeprefix('seconds/')} {v:.2f}s"
+        for k, v in metrics.items()
+        if k.startswith("seconds/")
+    ]
+    return "  ".join(parts) + ("  | " + " ".join(calls) if calls else "")
+
+
+class ConsoleSink:
+    def __init__(self, total: int, write=print) -> None:
+        self.total, self.write = total, write
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.write(console_line(step, self.total, metrics))
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON object per step; ``truncate_after`` drops rows of steps not kept."""
+
+    def __init__(self, path: Path, truncate_after: int | None = None) -> None:
+        self.path = path
+        if truncate_after is not None and path.exists():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            kept = [r for r in rows if r.get("step", 0) <= truncate_after]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(path)
+        self.file = path.open("a")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class ProgressSink:
+    def __init__(self, total: int, start: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        reward = metrics.get("task_reward")
+        if reward is not None:
+            self.bar.set_postfix(reward=f"{reward:.3f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class RayMetricsSink:
+    """A ``ray.util.metrics.Gauge`` per metric, tagged with the run name (for the dashboard)."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.gauges: dict[str, Any] = {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        from ray.util.metrics import Gauge
+
+        for key, value in {"step": float(step), **metrics}.items():
+            name = "rayhf_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            if name not in self.gauges:
+                self.gauges[name] = Gauge(name, description=f"rayhf {key}", tag_keys=("run",))
+            self.gauges[name].set(float(value), tags={"run": self.run})
+
+    def close(self) -> None:
+        pass
+
+
+class Tracker:
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def make_tracker(
+    cfg: MetricsConfig, run_dir: Path, run_name: str, total: int, start: int
+) -> Tracker:
+    """The sinks ``cfg`` asks for; ``start`` > 0 means a resumed run."""
+    sinks: list[Sink] = []
+    show_bar = cfg.progress if cfg.progress is not None else sys.stdout.isatty()
+    if cfg.console:
+        sinks.append(ConsoleSink(total, write=_bar_safe_print if show_bar else print))
+    if cfg.jsonl:
+        sinks.append(JsonlSink(run_dir / METRICS_FILE, truncate_after=start if start else None))
+    if show_bar:
+        sinks.append(ProgressSink(total, start))
+    if cfg.ray_metrics:
+        sinks.append(RayMetricsSink(run_name))
+    return Tracker(sinks)
+
+
+def _bar_safe_print(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,83 @@
+"""The Ray cluster and its devices: an embedded local cluster or an existing one by address.
+
+On CPU every device is emulated: a custom resource ``rayhf_device`` plus a share of the CPUs.
+One placement group holds one bundle per device; role-group actors on the same device share its
+bundle in equal fractions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from rayhf.errors import RayhfError
+from rayhf.planner import ClusterConfig
+
+DEVICE_RESOURCE = "rayhf_device"
+
+
+@dataclass
+class DeviceCluster:
+    """The placement group over the devices and what each device bundle holds."""
+
+    pg: PlacementGroup
+    n_devices: int
+    cpus_per_device: float
+    gpu: bool
+    started_ray: bool
+
+    def close(self) -> None:
+        remove_placement_group(self.pg)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def connect(cluster: ClusterConfig) -> bool:
+    """Make sure Ray is up; returns True if this call started it (and so must stop it)."""
+    if ray.is_initialized():
+        return False
+    if cluster.address is not None:
+        ray.init(address=cluster.address, log_to_driver=True)
+        return False
+    resources = {} if cluster.device == "cuda" else {DEVICE_RESOURCE: float(cluster.n_devices)}
+    ray.init(
+        num_cpus=cluster.num_cpus or os.cpu_count() or 1,
+        resources=resources,
+        include_dashboard=cluster.dashboard,
+        configure_logging=False,
+        log_to_driver=True,
+    )
+    return True
+
+
+def reserve_devices(
+    cluster: ClusterConfig, started_ray: bool, timeout_s: float = 60
+) -> DeviceCluster:
+    """One placement group with a bundle per device; a clear error if Ray cannot provide it."""
+    total = ray.cluster_resources()
+    gpu = cluster.device == "cuda"
+    if gpu:
+        have = total.get("GPU", 0)
+        cpus = max(1.0, (total.get("CPU", 1) // max(have, 1)))
+        bundle = {"GPU": 1.0, "CPU": min(cpus, 4.0)}
+    else:
+        have = total.get(DEVICE_RESOURCE, 0)
+        cpus = total.get("CPU", 1) / cluster.n_devices
+        bundle = {DEVICE_RESOURCE: 1.0, "CPU": cpus}
+    if have < cluster.n_devices:
+        kind = "GPUs" if gpu else f"'{DEVICE_RESOURCE}' resources"
+        raise RayhfError(
+            f"cluster.n_devices={cluster.n_devices} but the Ray cluster has {have:g} {kind}"
+        )
+    pg = placement_group([dict(bundle) for _ in range(cluster.n_devices)], strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise RayhfError(
+            f"cluster.n_devices={cluster.n_devices}: Ray could not reserve {bundle} per device "
+            f"within {timeout_s:g}s (is another run holding them?)"
+        )
+    return DeviceCluster(pg, cluster.n_devices, bundle["CPU"], gpu, started_ray)

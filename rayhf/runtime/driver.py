@@ -1,0 +1,68 @@
+"""The driver: runs one iteration of the graph over the role groups.
+
+    dataset prompts -> [actor_gen] -> seq, logprobs -> [rew_inf] [ref_inf] [critic_inf]
+                    -> scores, ref_logprobs, values -> [actor_train] [critic_train]
+
+The step batch lives in the driver; each call gets the keys it reads (renamed to its
+interface's names), split across its role group's data-parallel ranks, and its outputs are
+merged back under the graph's key names. ``Executor`` is the seam behind which a compiled-graph
+executor can replace ``PlainExecutor``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rayhf.data.batch import PackedBatch
+from rayhf.graph import Call, Graph
+from rayhf.runtime.role_group import RoleGroup
+
+
+@dataclass
+class StepOutcome:
+    batch: PackedBatch
+    stats: dict[str, float] = field(default_factory=dict)
+    compute_seconds: dict[str, float] = field(default_factory=dict)  # slowest rank, per call
+    wall_seconds: dict[str, float] = field(default_factory=dict)  # as seen by the driver
+
+
+class Executor(Protocol):
+    def run_step(self, step: int, batch: PackedBatch) -> StepOutcome: ...
+
+
+def call_inputs(batch: PackedBatch, call: Call) -> PackedBatch:
+    """The keys ``call`` reads, under its interface's names."""
+    view = PackedBatch(list(batch.sample_ids))
+    for iface_key, graph_key in call.interface_inputs().items():
+        view.add(iface_key, batch.tensors[graph_key], batch.seqlens[graph_key])
+    return view
+
+
+def merge_outputs(batch: PackedBatch, out: PackedBatch, call: Call) -> None:
+    """Add ``call``'s outputs to the step batch under the graph's key names."""
+    for iface_key, graph_key in call.interface_outputs().items():
+        if iface_key not in out.tensors:
+            raise RuntimeError(f"call '{call.name}' did not produce '{iface_key}'")
+        batch.add(graph_key, out.tensors[iface_key], out.seqlens[iface_key])
+
+
+class PlainExecutor:
+    """Calls in topological order with plain ``.remote()`` actor calls."""
+
+    def __init__(self, graph: Graph, groups: dict[str, RoleGroup]) -> None:
+        self.graph, self.groups = graph, groups
+
+    def run_step(self, step: int, batch: PackedBatch) -> StepOutcome:
+        outcome = StepOutcome(batch)
+        for name in self.graph.order:
+            call = self.graph.by_name[name]
+            start = time.perf_counter()
+            result = self.groups[call.role].run(name, call.kind, step, call_inputs(batch, call))
+            if result.batch is not None:
+                merge_outputs(batch, result.batch, call)
+            outcome.stats.update(result.stats)
+            outcome.compute_seconds[name] = result.compute_seconds
+            outcome.wall_seconds[name] = time.perf_counter() - start
+        return outcome

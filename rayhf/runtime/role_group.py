@@ -1,0 +1,101 @@
+"""A role group: the Ray actors that hold one role in one layout, one per device of its mesh.
+
+Actors are named ``{role}.{layout}[{rank}]`` so the dashboard shows roles. The group spreads a
+call's batch over its data-parallel ranks (balanced by tokens), and joins the results in the
+original sample order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rayhf.data.batch import PackedBatch
+from rayhf.planner import Layout
+from rayhf.runtime.cluster import DEVICE_RESOURCE, DeviceCluster
+from rayhf.runtime.messages import CallRequest, CallResult, WorkerSpec
+from rayhf.runtime.worker import DISPATCH, RoleWorker
+
+RemoteWorker = ray.remote(RoleWorker)
+
+
+@dataclass
+class CallOutcome:
+    """The joined result of one call over the group's ranks."""
+
+    batch: PackedBatch | None
+    stats: dict[str, float]
+    compute_seconds: float  # the slowest rank's compute time
+
+
+class RoleGroup:
+    def __init__(
+        self,
+        role: str,
+        layout: Layout,
+        spec_for_rank: Callable[[int], WorkerSpec],
+        devices: DeviceCluster,
+        share: float,
+        namespace: str,
+    ) -> None:
+        """Start one actor per mesh device; ``share`` is the fraction of a device each takes."""
+        self.role, self.layout = role, layout
+        self.actors: list[Any] = []  # ActorHandle[RoleWorker]
+        for rank, device in enumerate(layout.mesh):
+            strategy = PlacementGroupSchedulingStrategy(devices.pg, device)
+            resources = {} if devices.gpu else {DEVICE_RESOURCE: share}
+            actor = RemoteWorker.options(
+                name=self.actor_name(rank),
+                namespace=namespace,
+                num_cpus=devices.cpus_per_device * share,
+                num_gpus=share if devices.gpu else 0,
+                resources=resources,
+                scheduling_strategy=strategy,
+                max_concurrency=1,
+            ).remote(spec_for_rank(rank))
+            self.actors.append(actor)
+
+    def actor_name(self, rank: int) -> str:
+        return f"{self.role}.{self.layout.name}[{rank}]"
+
+    def setup(self) -> None:
+        """Wait for the actors and join them into their data-parallel group."""
+        address = ray.get(self.actors[0].rendezvous_address.remote())
+        ray.get([a.setup_dp.remote(address) for a in self.actors])
+
+    def submit(self, call: str, kind: str, step: int, batch: PackedBatch) -> list[ray.ObjectRef]:
+        split, _ = DISPATCH[kind]
+        assert split == "split"
+        parts = batch.split(len(self.actors), by_key=_balance_key(batch))
+        return [
+            a.run.remote(CallRequest(call, step, part))
+            for a, part in zip(self.actors, parts, strict=True)
+        ]
+
+    def join(self, kind: str, results: list[CallResult], order: list[int]) -> CallOutcome:
+        _, how = DISPATCH[kind]
+        seconds = max(r.seconds for r in results)
+        if how == "first":
+            return CallOutcome(None, results[0].stats, seconds)
+        batches = [r.batch for r in results if r.batch is not None and r.batch.n_samples]
+        joined = PackedBatch.concat(batches).reorder(order)
+        return CallOutcome(joined, {}, seconds)
+
+    def run(self, call: str, kind: str, step: int, batch: PackedBatch) -> CallOutcome:
+        results = ray.get(self.submit(call, kind, step, batch))
+        return self.join(kind, results, batch.sample_ids)
+
+    def kill(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+
+def _balance_key(batch: PackedBatch) -> str:
+    for key in ("seq", "prompts"):
+        if key in batch.tensors:
+            return key
+    return batch.keys()[0]

@@ -1,0 +1,127 @@
+"""A run's live Ray side: the cluster, the device placement group and the role groups.
+
+``Session`` is a context manager: whatever happens inside (an error, Ctrl-C), leaving it kills
+the actors, removes the placement group and stops an embedded Ray cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import uuid
+from pathlib import Path
+
+import ray
+
+from rayhf.algorithms import InterfaceSettings
+from rayhf.config import ExperimentConfig
+from rayhf.planner import Layout
+from rayhf.realloc import ObjectStoreCopy, ReallocStats
+from rayhf.runtime.assets import RunAssets
+from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
+from rayhf.runtime.messages import CallSpec, WorkerSpec
+from rayhf.runtime.role_group import RoleGroup
+
+
+class Session:
+    def __init__(self, cfg: ExperimentConfig, assets: RunAssets, resume: Path | None) -> None:
+        self.cfg, self.assets, self.resume = cfg, assets, resume
+        self.groups: dict[str, RoleGroup] = {}
+        self.devices: DeviceCluster | None = None
+        self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
+        self.init_realloc: ReallocStats | None = None
+
+    def __enter__(self) -> Session:
+        try:
+            started = connect(self.cfg.cluster)
+            self.devices = reserve_devices(self.cfg.cluster, started)
+            self._start_groups()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            with contextlib.suppress(Exception):  # a dead actor must not stop the cleanup
+                ray.get([a.shutdown.remote() for a in group.actors], timeout=10)
+            group.kill()
+        self.groups = {}
+        if self.devices is not None:
+            self.devices.close()
+            self.devices = None
+
+    def _start_groups(self) -> None:
+        assert self.devices is not None
+        layouts = self.assets.plan.role_layouts(self.assets.graph)
+        per_device: dict[int, int] = {}
+        for layout in layouts.values():
+            for d in layout.mesh:
+                per_device[d] = per_device.get(d, 0) + 1
+        share = 1.0 / max(per_device.values())
+        threads = max(1, int(self.devices.cpus_per_device))
+        for role, layout in layouts.items():
+            self.groups[role] = RoleGroup(
+                role,
+                layout,
+                functools.partial(self._spec, role, layout, threads=threads),
+                self.devices,
+                share,
+                self.namespace,
+            )
+        for group in self.groups.values():
+            group.setup()
+        self._init_copies()
+        if self.resume is not None:
+            for role in sorted(self.assets.trainable):
+                path = str(self.resume / "optim" / f"{role}.pt")
+                ray.get([a.load_optimizer.remote(path) for a in self.groups[role].actors])
+
+    def _init_copies(self) -> None:
+        """A fresh run's ``init_from`` roles get their weights by reallocation from the source."""
+        if self.resume is not None:
+            return
+        for role, rc in self.cfg.models.items():
+            if rc.init_from is not None and role in self.groups:
+                src, dst = self.groups[rc.init_from], self.groups[role]
+                self.init_realloc = ObjectStoreCopy().copy(src.actors, dst.actors)
+
+    def _spec(self, role: str, layout: Layout, rank: int, *, threads: int) -> WorkerSpec:
+        cfg, assets = self.cfg, self.assets
+        rc = cfg.models[role]
+        model_dir, config_dir = self._weights_source(role)
+        calls = tuple(
+            CallSpec(c.name, c.kind, c.interface, dict(c.args))
+            for c in assets.graph.calls
+            if c.role == role
+        )
+        return WorkerSpec(
+            role=role,
+            layout_name=layout.name,
+            rank=rank,
+            dp_size=layout.dp,
+            calls=calls,
+            settings=InterfaceSettings(cfg.algorithm, cfg.generation, rc.function),
+            tokenizer_dir=str(assets.tokenizer_dir),
+            model_dir=model_dir,
+            config_dir=config_dir,
+            value_head=rc.value_head,
+            optimizer=rc.optimizer if role in assets.trainable else None,
+            seed=cfg.seed,
+            threads=threads,
+            device="cuda" if cfg.cluster.device == "cuda" else "cpu",
+        )
+
+    def _weights_source(self, role: str) -> tuple[str | None, str | None]:
+        """(model_dir, config_dir): where a role's first weights come from."""
+        rc, assets = self.cfg.models[role], self.assets
+        if rc.function is not None:
+            return None, None
+        if self.resume is not None and role in assets.trainable:
+            return str(self.resume / role), None
+        if rc.init_from is not None and self.resume is None:
+            return None, str(assets.model_dirs[role])  # weights arrive by reallocation
+        return str(assets.model_dirs[role]), None

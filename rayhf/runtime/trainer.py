@@ -1,0 +1,158 @@
+"""One training run from config to checkpoint.
+
+    config -> assets (files, graph, plan, dataset; no Ray yet) -> Session (Ray, role groups)
+           -> per step: prompts -> executor.run_step -> metrics -> checkpoint on schedule
+           -> final checkpoint, plot, teardown
+
+A resumed run reads the config written into the run directory, loads the newest complete
+checkpoint (models, optimizer and interface state, dataset cursor) and continues its steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from rayhf.config import ExperimentConfig, dump_config, load_config
+from rayhf.data.batch import PackedBatch
+from rayhf.errors import RayhfError
+from rayhf.metrics import make_tracker, plot_run, read_metrics
+from rayhf.runtime.assets import RunAssets, prepare_run
+from rayhf.runtime.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    read_state,
+    write_checkpoint,
+)
+from rayhf.runtime.driver import PlainExecutor, StepOutcome
+from rayhf.runtime.session import Session
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves behind."""
+
+    run_dir: Path
+    metrics: list[dict[str, float]]
+    checkpoints: list[Path]
+    plot: Path | None
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def final_checkpoint(self) -> Path | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    @property
+    def actor_checkpoint(self) -> Path | None:
+        """The actor of the last checkpoint, in Hugging Face format."""
+        ckpt = self.final_checkpoint
+        return ckpt / "actor" if ckpt is not None else None
+
+
+def prompt_batch(prompts: list) -> PackedBatch:
+    ids = [p.sample_id for p in prompts]
+    tokens = torch.tensor([t for p in prompts for t in p.ids], dtype=torch.long)
+    batch = PackedBatch(ids)
+    batch.add("prompts", tokens, [len(p.ids) for p in prompts])
+    return batch
+
+
+def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
+    """The train stats plus timing: per call, the step, and the driver/Ray overhead."""
+    metrics = dict(outcome.stats)
+    for name, s in outcome.compute_seconds.items():
+        metrics[f"seconds/{name}"] = s
+    compute = sum(outcome.compute_seconds.values())
+    metrics["step_seconds"] = seconds
+    metrics["overhead_seconds"] = max(seconds - compute, 0.0)
+    seq = outcome.batch.seqlens.get("seq", [])
+    metrics["tokens_per_s"] = sum(seq) / seconds if seconds > 0 else 0.0
+    return metrics
+
+
+def _open_run(cfg: ExperimentConfig | None, resume: str | Path | None):
+    """(config, run_dir, checkpoint to resume from or None)."""
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / CONFIG_FILE).is_file():
+            raise RayhfError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
+        saved = load_config(run_dir / CONFIG_FILE)
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise RayhfError(f"--resume {run_dir}: no complete checkpoint to resume from")
+        return saved, run_dir, ckpt
+    assert cfg is not None
+    run_dir = cfg.resolved_run_dir()
+    if list_checkpoints(run_dir):
+        raise RayhfError(
+            f"run_dir {run_dir} already holds a run; continue it with --resume {run_dir} "
+            f"or set run_dir (or name) to a new directory"
+        )
+    return cfg, run_dir, None
+
+
+class Trainer:
+    """Owns the step loop of one run."""
+
+    def __init__(self, cfg: ExperimentConfig, assets: RunAssets, session: Session) -> None:
+        self.cfg, self.assets, self.session = cfg, assets, session
+        self.executor = PlainExecutor(assets.graph, session.groups)
+
+    def checkpoint(self, step: int) -> Path:
+        groups = self.session.groups
+
+        def fill(tmp: Path) -> None:
+            refs = [
+                groups[role]
+                .actors[0]
+                .save.remote(str(tmp / role), str(tmp / "optim" / f"{role}.pt"))
+                for role in sorted(self.assets.trainable)
+            ]
+            ray.get(refs)
+
+        return write_checkpoint(
+            self.assets.run_dir, step, fill, {"dataset": self.assets.dataset.state_dict()}
+        )
+
+    def loop(self, start: int) -> None:
+        cfg = self.cfg
+        tracker = make_tracker(cfg.metrics, self.assets.run_dir, cfg.name, cfg.steps, start)
+        try:
+            for step in range(start + 1, cfg.steps + 1):
+                batch = prompt_batch(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
+                begin = time.perf_counter()
+                outcome = self.executor.run_step(step, batch)
+                tracker.log(step, step_metrics(outcome, time.perf_counter() - begin))
+                if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    self.checkpoint(step)
+        finally:
+            tracker.close()
+
+
+def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -> RunResult:
+    """Run (or with ``resume``, continue) an experiment to its last step."""
+    cfg, run_dir, ckpt = _open_run(cfg, resume)
+    assets = prepare_run(cfg, run_dir)
+    start = 0
+    if ckpt is not None:
+        state = read_state(ckpt)
+        assets.dataset.load_state_dict(state["dataset"])
+        start = int(state["step"])
+    else:
+        dump_config(cfg, run_dir / CONFIG_FILE)
+    info: dict[str, float] = {"start_step": float(start)}
+    if start < cfg.steps:
+        with Session(cfg, assets, ckpt) as session:
+            if session.init_realloc is not None:
+                info["init_realloc_seconds"] = session.init_realloc.seconds
+                info["init_realloc_bytes"] = float(session.init_realloc.bytes)
+            Trainer(cfg, assets, session).loop(start)
+    rows = read_metrics(run_dir)
+    plot = plot_run(rows, run_dir / "reward_kl.png", cfg.name) if cfg.metrics.plot else None
+    return RunResult(run_dir, rows, list_checkpoints(run_dir), plot, info)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv with rayhf and its test tools. torch is pinned first to the CPU build that is
+# installable offline here; the project's torch range then installs nothing more.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+pip install -q --disable-pip-version-check --upgrade pip
+python -c "import torch" 2>/dev/null || pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
+pip install -q --disable-pip-version-check -e ".[test]"
+python -c "import rayhf, torch, ray; print(f'rayhf {rayhf.__version__}, torch {torch.__version__}, ray {ray.__version__}')"

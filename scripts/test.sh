@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up .venv, then lint, type-check and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check rayhf tests examples benchmarks
+ruff format --check rayhf tests examples benchmarks
+mypy
+set +e
+python -m pytest -q -p no:cacheprovider "$@"
+code=$?
+set -e
+if [ "$code" -eq 5 ]; then
+  echo "pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit "$code"

@@ -1,0 +1,60 @@
+"""Shared fixtures: one small Ray cluster per test session, tiny run configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO.parent / "shared"))
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A 2-CPU Ray cluster with 4 emulated devices, shared by every Ray test."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        resources={"rayhf_device": 4.0},
+        include_dashboard=True,  # the state API (list_actors) needs it
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def tiny_overrides(run_dir: Path, **extra: object) -> dict[str, object]:
+    """Overrides that make examples/ppo_tiny.yaml a seconds-long run."""
+    ov: dict[str, object] = {
+        "run_dir": str(run_dir),
+        "steps": 2,
+        "batch_size": 4,
+        "save_every": 1,
+        "generation.max_new_tokens": 4,
+        "dataset.path": str(run_dir.parent / "data" / "echo.parquet"),
+        "metrics.console": False,
+        "metrics.ray_metrics": False,
+    }
+    ov.update(extra)
+    return ov
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    import rayhf
+
+    def make(**extra):
+        cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml")
+        return cfg.with_overrides(tiny_overrides(tmp_path / "run", **extra))
+
+    return make

@@ -1,0 +1,108 @@
+"""Bad input: a one-line error naming the field or file, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
+
+
+def rayhf_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rayhf", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "data").mkdir()
+    return tmp_path
+
+
+def _run(workdir, *overrides):
+    return rayhf_cli(
+        "run",
+        str(EXAMPLE),
+        f"run_dir={workdir / 'run'}",
+        f"dataset.path={workdir / 'data' / 'p.jsonl'}",
+        *overrides,
+        cwd=workdir,
+    )
+
+
+def test_unknown_config_key(workdir):
+    _assert_user_error(_run(workdir, "algorithm.kl_ctll=0.1"), "algorithm.kl_ctll", "unknown key")
+
+
+def test_wrong_type(workdir):
+    _assert_user_error(_run(workdir, "steps=many"), "config field steps", "integer")
+
+
+def test_graph_key_nobody_produces(workdir):
+    graph = yaml.safe_load((REPO / "graphs" / "ppo.yaml").read_text())
+    graph["calls"][1]["inputs"].append("rewards_typo")
+    path = workdir / "bad.yaml"
+    path.write_text(yaml.safe_dump(graph))
+    _assert_user_error(_run(workdir, f"graph={path}"), "rew_inf", "rewards_typo")
+
+
+def test_missing_dataset_file(workdir):
+    _assert_user_error(_run(workdir, "dataset_builder=null"), "p.jsonl", "dataset.path")
+
+
+def test_empty_dataset(workdir):
+    (workdir / "data" / "p.jsonl").write_text("")
+    _assert_user_error(_run(workdir), "p.jsonl")
+
+
+def test_prompt_longer_than_maximum(workdir):
+    (workdir / "data" / "p.jsonl").write_text('{"prompt": "1 2 3 4 5 6 7 8 9 ="}\n')
+    _assert_user_error(_run(workdir, "dataset.max_prompt_len=8"), "dataset.max_prompt_len", "row 0")
+
+
+def test_model_dir_that_is_not_a_model(workdir):
+    bogus = workdir / "not_a_model"
+    bogus.mkdir()
+    (bogus / "config.json").write_text('{"hello": 1}')
+    proc = _run(workdir, "models.critic.init=null", f"models.critic.path={bogus}")
+    _assert_user_error(proc, "models.critic.path", str(bogus))
+
+
+def test_nothing_written_is_lost_on_a_rerun(workdir):
+    run = workdir / "run" / "checkpoints" / "step_000001"
+    run.mkdir(parents=True)
+    (run / "state.json").write_text("{}")
+    _assert_user_error(_run(workdir), "--resume")
+    assert (run / "state.json").read_text() == "{}"
+
+
+def test_plan_refuses_split_role_layouts(workdir):
+    plan = {
+        c: {"mesh": [0, 1]}
+        for c in ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+    }
+    plan["actor_train"] = {"mesh": [0]}
+    path = workdir / "cfg.yaml"
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["plan"] = plan
+    path.write_text(yaml.safe_dump(cfg))
+    _assert_user_error(rayhf_cli("plan", str(path), cwd=workdir), "plan.actor_gen", "actor")

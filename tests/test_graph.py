@@ -1,0 +1,91 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayhf.errors import RayhfError
+from rayhf.graph import load_graph
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_ppo_graph_order_and_edges():
+    g = load_graph(REPO / "graphs" / "ppo.yaml")
+    assert g.order[0] == "actor_gen"
+    assert set(g.order[1:4]) == {"rew_inf", "ref_inf", "critic_inf"}
+    assert set(g.order[4:]) == {"actor_train", "critic_train"}
+    assert ("actor_gen", "ref_inf") in g.edges and ("ref_inf", "actor_train") in g.edges
+    assert ("actor_train", "critic_train") not in g.edges
+    assert g.role_calls("actor") == ["actor_gen", "actor_train"]
+    ref = g.by_name["ref_inf"]
+    assert ref.interface_outputs() == {"logprobs": "ref_logprobs"}
+
+
+def _write(tmp_path, calls, inputs=("prompts",)):
+    p = tmp_path / "g.yaml"
+    p.write_text(yaml.safe_dump({"name": "t", "inputs": list(inputs), "calls": calls}))
+    return p
+
+
+def _call(name, role="actor", kind="inference", inputs=(), outputs=(), **kw):
+    return {
+        "name": name,
+        "role": role,
+        "kind": kind,
+        "interface": "ppo_actor",
+        "inputs": list(inputs),
+        "outputs": list(outputs),
+        **kw,
+    }
+
+
+def test_key_nobody_produces_is_named(tmp_path):
+    p = _write(
+        tmp_path,
+        [
+            _call("a", inputs=["prompts"], outputs=["x"]),
+            _call("b", inputs=["x", "ghost"], outputs=[]),
+        ],
+    )
+    with pytest.raises(RayhfError, match="call 'b' reads key 'ghost'"):
+        load_graph(p)
+
+
+def test_cycle_is_reported(tmp_path):
+    p = _write(
+        tmp_path, [_call("a", inputs=["y"], outputs=["x"]), _call("b", inputs=["x"], outputs=["y"])]
+    )
+    with pytest.raises(RayhfError, match="cycle through calls: a, b"):
+        load_graph(p)
+
+
+def test_key_produced_twice(tmp_path):
+    p = _write(
+        tmp_path,
+        [
+            _call("a", inputs=["prompts"], outputs=["x"]),
+            _call("b", inputs=["prompts"], outputs=["x"]),
+        ],
+    )
+    with pytest.raises(RayhfError, match="key 'x' is produced by call 'b' and by call 'a'"):
+        load_graph(p)
+
+
+def test_remap_to_missing_key(tmp_path):
+    p = _write(
+        tmp_path, [_call("a", inputs=["prompts"], outputs=["x"], output_remap={"logprobs": "nope"})]
+    )
+    with pytest.raises(RayhfError, match="call 'a' output_remap maps 'logprobs' to 'nope'"):
+        load_graph(p)
+
+
+def test_unknown_role(tmp_path):
+    g = load_graph(REPO / "graphs" / "ppo.yaml")
+    with pytest.raises(RayhfError, match="call 'critic_inf' uses role 'critic'"):
+        g.validate_roles({"actor", "ref", "reward"})
+
+
+def test_unknown_field_in_graph(tmp_path):
+    p = _write(tmp_path, [_call("a", inputs=["prompts"], outputs=["x"], colour="red")])
+    with pytest.raises(RayhfError, match=r"calls\.0\.colour"):
+        load_graph(p)

@@ -1,0 +1,58 @@
+"""A run killed with SIGKILL mid-run resumes from its last complete checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, tiny_overrides
+
+pytestmark = pytest.mark.ray
+
+
+def _cli(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rayhf", *args]
+
+
+def test_sigkill_then_resume(ray_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    ov = tiny_overrides(run_dir, steps=12, save_every=3, **{"cluster.address": ray_cluster})
+    args = ["run", str(REPO / "examples" / "ppo_tiny.yaml")] + [f"{k}={v}" for k, v in ov.items()]
+    proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_ckpt = run_dir / "checkpoints" / "step_000003" / "state.json"
+    deadline = time.time() + 240
+    while not first_ckpt.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert first_ckpt.exists(), "the run never wrote its first checkpoint"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "step_000012" not in done, "killed too late to test a resume"
+
+    resumed = subprocess.run(
+        _cli(["run", "--resume", str(run_dir)]), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13)), "each step logged exactly once"
+    final = run_dir / "checkpoints" / "step_000012"
+    assert json.loads((final / "state.json").read_text())["step"] == 12
+    assert (final / "actor" / "config.json").is_file()
+    assert (final / "optim" / "actor.pt").is_file()
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_resume_of_a_finished_run_is_a_no_op(ray_cluster, tmp_path, tiny_config):
+    import rayhf
+
+    cfg = tiny_config(steps=1)
+    first = rayhf.run(cfg)
+    again = rayhf.run(resume=str(first.run_dir))
+    assert again.info["start_step"] == 1 and len(again.metrics) == 1
+    assert Path(again.checkpoints[-1]) == first.checkpoints[-1]
