@@ -44,6 +44,7 @@ def tiny_overrides(run_dir: Path, **extra: object) -> dict[str, object]:
         "dataset.path": str(run_dir.parent / "data" / "echo.parquet"),
         "metrics.console": False,
         "metrics.ray_metrics": False,
+        "cluster.n_devices": 1,  # 4 actors; each costs ~4 s of CPU to import torch + transformers
     }
     ov.update(extra)
     return ov

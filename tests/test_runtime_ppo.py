@@ -22,7 +22,7 @@ def _weights(path):
 
 
 def test_two_ppo_steps_on_two_devices(ray_cluster, tiny_config):
-    cfg = tiny_config(**{"metrics.ray_metrics": True})
+    cfg = tiny_config(**{"metrics.ray_metrics": True, "cluster.n_devices": 2})
     result = run(cfg)
     assert [m["step"] for m in result.metrics] == [1, 2]
     lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()
@@ -40,7 +40,7 @@ def test_two_ppo_steps_on_two_devices(ray_cluster, tiny_config):
 def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_config):
     import ray
 
-    cfg = tiny_config(steps=1)
+    cfg = tiny_config(steps=1, **{"cluster.n_devices": 2})
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
         alive = {

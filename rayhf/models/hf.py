@@ -45,6 +45,14 @@ class ModelInit(BaseModel):
     seed: int = 0
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars or info logs from transformers (one run saves many models)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
     """The Hugging Face config for ``init`` with the tokenizer's vocabulary and special ids."""
     if init.family == "gpt2":

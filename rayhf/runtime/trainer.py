@@ -21,6 +21,7 @@ from rayhf.config import ExperimentConfig, dump_config, load_config
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
+from rayhf.models.hf import quiet_transformers
 from rayhf.runtime.assets import RunAssets, prepare_run
 from rayhf.runtime.checkpoint import (
     latest_checkpoint,
@@ -137,6 +138,7 @@ class Trainer:
 
 def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -> RunResult:
     """Run (or with ``resume``, continue) an experiment to its last step."""
+    quiet_transformers()
     cfg, run_dir, ckpt = _open_run(cfg, resume)
     assets = prepare_run(cfg, run_dir)
     start = 0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from rayhf.algorithms import CallContext, make_interface
 from rayhf.engines.torch_engine import TorchEngine
+from rayhf.models.hf import quiet_transformers
 from rayhf.runtime.messages import CallRequest, CallResult, WorkerSpec
 
 # kind -> how the driver spreads the batch and joins the results:
@@ -49,6 +50,7 @@ class RoleWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         from transformers import AutoTokenizer
 
+        quiet_transformers()
         torch.set_num_threads(spec.threads)
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
         self.spec = spec

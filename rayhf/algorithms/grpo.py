@@ -1,0 +1,137 @@
+"""GRPO and Dr. GRPO as pure torch functions: PPO's clipped surrogate with a group baseline.
+
+Each prompt is sampled ``group_size`` times. A sample's advantage is its score relative to the
+other samples of its prompt, shared by all of its tokens, so no critic is trained:
+
+    scores, group_ids                         --grpo_advantages---> advantages [B]
+    logprobs, old, ref logprobs, advantages   --grpo_loss---------> surrogate + kl_coef * k3
+
+Tensor conventions are those of ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` response tokens
+with a bool ``mask``; empty rows contribute nothing and never produce NaN. GRPO is DeepSeekMath
+(Shao et al., 2024); Dr. GRPO is "Understanding R1-Zero-Like Training" (Liu et al., 2025).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from rayhf.algorithms.ppo import masked_mean
+from rayhf.errors import RayhfError
+
+
+class GRPOConfig(BaseModel):
+    """Hyper-parameters of the GRPO loss and its group-relative advantages."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    group_size: int = Field(4, gt=1)
+    """Samples generated per prompt; each sample is compared with the others of its prompt."""
+    kl_coef: float = Field(0.04, ge=0)
+    """Weight of the per-token k3 KL penalty against the reference policy, added to the loss."""
+    eps_clip: float = Field(0.2, gt=0)
+    """Policy ratio is clipped to ``[1 - eps_clip, 1 + eps_clip]``."""
+    eps: float = Field(1e-6, gt=0)
+    """Added to the group std, so a group whose scores are all equal gets advantage 0, not NaN."""
+    dr_grpo: bool = False
+    """Dr. GRPO: no division by the group std, and a loss summed over tokens then divided by a
+    constant, so neither response length nor prompt difficulty reweights the samples."""
+    max_new_tokens_norm: int | None = Field(None, gt=0)
+    """Dr. GRPO's constant divisor per sequence, normally the generation's ``max_new_tokens``;
+    None uses the longest response of the batch, which changes from batch to batch."""
+    n_minibatches: int = Field(4, gt=0)
+    """Optimizer steps per epoch; the batch is split into this many minibatches."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each generated batch."""
+
+
+def group_advantages(scores: Tensor, group_ids: Tensor, eps: float, scale: bool = True) -> Tensor:
+    """Each score minus its group's mean, divided by ``std + eps`` of the group if ``scale``.
+
+    Groups are found by id, so the samples of a prompt may sit anywhere in the batch. The std
+    is the sample std (``n - 1`` divisor), as in DeepSeekMath's formula as implemented by TRL and
+    verl, so ``eps`` and learning rates tuned there carry over. A group of one sample has no
+    baseline to compare against and gets advantage 0.
+    """
+    assert scores.dim() == 1 and scores.shape == group_ids.shape, "need scores, group_ids [N]"
+    x = scores if scores.is_floating_point() else scores.float()
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    count = x.new_zeros(n_groups).index_add_(0, group, torch.ones_like(x))
+    mean = x.new_zeros(n_groups).index_add_(0, group, x) / count
+    centered = x - mean[group]
+    if scale:
+        square_sum = x.new_zeros(n_groups).index_add_(0, group, centered**2)
+        std = (square_sum / (count - 1).clamp(min=1)).sqrt()
+        centered = centered / (std[group] + eps)
+    return torch.where(count[group] < 2, torch.zeros_like(centered), centered)
+
+
+def grpo_advantages(scores: Tensor, group_ids: Tensor, cfg: GRPOConfig) -> Tensor:
+    """``group_advantages`` as ``cfg`` asks.
+
+    Dr. GRPO does not divide by the std, which would up-weight prompts that are nearly always
+    or nearly never solved, whose scores barely vary.
+    """
+    return group_advantages(scores, group_ids, cfg.eps, scale=not cfg.dr_grpo)
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || ref): ``exp(d) - d - 1`` with ``d = ref - logp``.
+
+    Like the plain log-ratio it is unbiased on samples from the policy, but it is never negative
+    and has lower variance (Schulman, "Approximating KL Divergence", 2020). Written as
+    ``expm1(d) - d``: the literal formula rounds to small negatives near ``d = 0``. 0 on padding.
+    """
+    d = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+    return torch.expm1(d) - d
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, cfg: GRPOConfig) -> Tensor:
+    """Token-mean over the batch for GRPO; sum over ``B * max_new_tokens_norm`` for Dr. GRPO."""
+    if not cfg.dr_grpo:
+        return masked_mean(per_token, mask)
+    longest = int(mask.sum(dim=1).max()) if mask.numel() else 0
+    norm = cfg.max_new_tokens_norm or longest
+    if norm < longest:
+        raise RayhfError(
+            f"max_new_tokens_norm={norm} is shorter than a {longest}-token response; "
+            "set it to the generation's max_new_tokens or leave it None"
+        )
+    total = torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
+    return total / max(mask.shape[0] * norm, 1)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: GRPOConfig,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate plus ``kl_coef`` times k3 per token, aggregated over the batch.
+
+    ``advantages`` is ``[B]``, one per sequence, shared by its tokens. GRPO averages over all
+    valid tokens of the batch (verl's and DAPO's "token-mean"): every token weighs the same, so
+    a long response weighs more than a short one. Dr. GRPO divides the token sum by
+    ``B * max_new_tokens_norm``, a per-token weight that does not depend on any length.
+    ``stats``: ``clip_frac``, ``kl`` (mean k3 per valid token), ``approx_kl`` (mean old - new).
+    """
+    assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(ratio.dtype).unsqueeze(1)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip)
+    kl = k3_kl(logprobs, ref_logprobs, mask)
+    per_token = torch.maximum(loss_unclipped, loss_clipped) + cfg.kl_coef * kl
+    loss = _aggregate(per_token, mask, cfg)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
+            "kl": masked_mean(kl, mask).item(),
+            "approx_kl": masked_mean(-log_ratio, mask).item(),
+        }
+    return loss, stats

@@ -1,0 +1,75 @@
+"""ReMax as pure torch functions: REINFORCE with the greedy response's score as the baseline.
+
+Per prompt, one sampled and one greedy response are scored; the greedy score removes the
+prompt's difficulty from the sampled one, so no critic is needed (Li et al., 2023):
+
+    sampled, greedy scores, logprobs, ref logprobs --remax_advantages--> return-to-go [B, T]
+    logprobs, advantages                           --reinforce_loss----> loss
+
+Tensor conventions are those of ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` response tokens
+with a bool ``mask``; empty rows contribute nothing and never produce NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from rayhf.algorithms.ppo import kl_shaped_rewards, masked_mean
+
+
+class ReMaxConfig(BaseModel):
+    """Hyper-parameters of the ReMax reward shaping and loss."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kl_ctl: float = Field(0.1, ge=0)
+    """Coefficient of the per-token KL penalty against the reference policy."""
+    reward_clip: float = Field(20.0, gt=0)
+    """Sampled and greedy scores are each clipped to ``[-reward_clip, reward_clip]``."""
+    n_minibatches: int = Field(1, gt=0)
+    """Optimizer steps per batch; the batch is split into this many minibatches."""
+    adv_norm: bool = False
+    """Whiten advantages over the batch's valid tokens (``masked_whiten``) before the loss; off by
+    default because the greedy baseline already centres them."""
+
+
+def remax_advantages(
+    sampled_scores: Tensor,
+    greedy_scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_ctl: float,
+    reward_clip: float,
+) -> Tensor:
+    """Undiscounted return-to-go ``[B, T]`` of KL-shaped rewards, used as each token's advantage.
+
+    Every token is penalised by ``kl_ctl * (logp - ref)`` of the sampled response; the last
+    valid token also gets ``clip(sampled) - clip(greedy)``. Each score is clipped before the
+    difference, as PPO clips its one score. 0 on padding and for empty rows.
+    """
+    clipped_sampled = sampled_scores.clamp(-reward_clip, reward_clip)
+    baselined = clipped_sampled - greedy_scores.clamp(-reward_clip, reward_clip)
+    # already clipped, so the shaping must not clip the difference again
+    rewards, _ = kl_shaped_rewards(baselined, logprobs, ref_logprobs, mask, kl_ctl, math.inf)
+    returns = rewards.flip(1).cumsum(dim=1).flip(1)
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
+def reinforce_loss(
+    logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """REINFORCE loss ``-mean(A * logp)`` over the batch's valid tokens; returns ``(loss, stats)``.
+
+    Advantages are detached: they are the return, a constant of the policy gradient, even
+    though their KL part was computed from the same log-probs. ``stats``: ``advantage_mean``.
+    """
+    adv = torch.where(mask, advantages, torch.zeros_like(advantages)).detach()
+    loss = -masked_mean(adv * logprobs, mask)
+    with torch.no_grad():
+        stats = {"advantage_mean": masked_mean(adv, mask).item()}
+    return loss, stats

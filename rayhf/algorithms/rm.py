@@ -1,0 +1,43 @@
+"""Reward-model training as pure torch functions: a Bradley-Terry loss on preference pairs.
+
+A reward model is a value-head model; its score for a sequence is its value at the sequence's
+last token, the only position that has attended to the whole sequence:
+
+    values [B, L] of chosen / rejected --final_token_scores--> scores [B] each
+    chosen, rejected scores            --bradley_terry_loss--> loss
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def final_token_scores(values: Tensor, seq_lens: Tensor) -> Tensor:
+    """Each row's value at its last token ``[B]``; ``values`` is right-padded ``[B, L]``.
+
+    ``seq_lens`` counts the whole sequence (prompt and response), so it is at least 1.
+    """
+    assert values.dim() == 2 and seq_lens.shape == values.shape[:1], "need [B, L] and [B]"
+    lens = seq_lens.long().to(values.device)
+    assert bool(((lens >= 1) & (lens <= values.shape[1])).all()), "seq_lens must be in [1, L]"
+    return values.gather(1, (lens - 1).unsqueeze(1)).squeeze(1)
+
+
+def bradley_terry_loss(
+    chosen_scores: Tensor, rejected_scores: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """Mean of ``-logsigmoid(chosen - rejected)``: the NLL of the labels under Bradley-Terry.
+
+    ``stats``: ``accuracy`` (share of pairs with chosen > rejected; ties count as wrong) and
+    ``margin`` (mean of chosen - rejected).
+    """
+    margin = chosen_scores - rejected_scores
+    loss = -F.logsigmoid(margin).mean()
+    with torch.no_grad():
+        stats = {
+            "accuracy": (margin > 0).float().mean().item(),
+            "margin": margin.mean().item(),
+        }
+    return loss, stats

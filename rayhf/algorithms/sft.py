@@ -1,0 +1,26 @@
+"""Supervised fine-tuning loss as a pure torch function: cross entropy on response tokens.
+
+Per-token tensors follow ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` over response tokens
+with a bool ``mask``; prompt tokens are never in the mask, so the model is not trained to
+reproduce prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rayhf.algorithms.ppo import masked_mean, token_logprobs
+
+
+def sft_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """Cross entropy averaged over every valid response token of the batch.
+
+    ``logits[:, t]`` is the prediction of ``labels[:, t]`` (already shifted). Averaging over
+    tokens, not per sequence, matches Hugging Face's causal-LM loss. Labels on padding are
+    ignored, even ones such as -100 that do not index the vocabulary. ``stats``: ``nll``.
+    """
+    safe_labels = torch.where(mask, labels, torch.zeros_like(labels))
+    nll = -token_logprobs(logits, safe_labels)
+    loss = masked_mean(nll, mask)
+    return loss, {"nll": loss.item()}

@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayhf.config import dump_config, load_config
+from rayhf.errors import RayhfError
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
+
+
+def test_overrides_parse_yaml_values_and_nested_keys():
+    cfg = load_config(EXAMPLE, ["steps=7", "algorithm.kl_ctl=0.3", "generation.greedy=true"])
+    assert cfg.steps == 7 and cfg.algorithm.kl_ctl == 0.3 and cfg.generation.greedy is True
+    cfg2 = cfg.with_overrides({"models.actor.optimizer.lr": 1e-2})
+    assert cfg2.models["actor"].optimizer.lr == 1e-2 and cfg.models["actor"].optimizer.lr != 1e-2
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("algorithm.gama=1", "config field algorithm.gama: unknown key"),
+        ("batch_size=-3", "config field batch_size"),
+        ("cluster.device=tpu", "config field cluster.device"),
+        ("models.ref.path=/x", "config field models.ref"),
+        ("plan=sometimes", "config field plan"),
+    ],
+)
+def test_bad_values_name_the_field(override, needle):
+    with pytest.raises(RayhfError) as err:
+        load_config(EXAMPLE, [override])
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_resolved_config_roundtrip(tmp_path):
+    cfg = load_config(EXAMPLE, ["seed=9"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert raw["algorithm"]["gamma"] == 1.0  # defaults are written out, not left implicit
+
+
+def test_override_into_a_scalar_is_refused():
+    with pytest.raises(RayhfError, match="override steps.x: 'steps' is not a section"):
+        load_config(EXAMPLE, ["steps.x=1"])
