@@ -43,5 +43,5 @@ def test_resolved_config_roundtrip(tmp_path):
 
 
 def test_override_into_a_scalar_is_refused():
-    with pytest.raises(RayhfError, match="override steps.x: 'steps' is not a section"):
+    with pytest.raises(RayhfError, match=r"override steps\.x: 'steps' is not a section"):
         load_config(EXAMPLE, ["steps.x=1"])

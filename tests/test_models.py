@@ -44,5 +44,5 @@ def test_same_seed_same_weights_other_seed_differs():
 
 
 def test_not_a_model_directory(tmp_path):
-    with pytest.raises(RayhfError, match="models.actor.path: .* is not a model directory"):
+    with pytest.raises(RayhfError, match=r"models\.actor\.path: .* is not a model directory"):
         load_model(tmp_path, False, "models.actor.path")
