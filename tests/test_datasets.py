@@ -128,9 +128,11 @@ def test_batches_are_deterministic_and_cover_each_epoch(tok):
 
 def test_sample_carries_text_and_ids(tok):
     ds = dataset(tok)
-    for sample_id, text, ids in draw(ds, 3)[2]:
-        assert text == ROWS[sample_id % 10]["prompt"]
-        assert ids == [tok.bos_token_id, *tok.encode(text)]
+    for sample in draw(ds, 3)[2]:
+        assert sample.text == ROWS[sample.sample_id % 10]["prompt"]
+        assert sample.ids == [tok.bos_token_id, *tok.encode(sample.text)]
+        assert sample.fields == {"prompts": sample.ids}
+        assert sample.prompt_len == len(sample.ids)
 
 
 def test_seed_changes_order(tok):

@@ -1,6 +1,12 @@
 """RLHF algorithms as pure torch functions, and the interfaces that bind them to graph calls."""
 
-from rayhf.algorithms import ppo_interfaces, reward  # noqa: F401  (register the interfaces)
+from rayhf.algorithms import (  # noqa: F401  (importing registers the interfaces)
+    lm,
+    offline_interfaces,
+    ppo_interfaces,
+    reward,
+    rl_interfaces,
+)
 from rayhf.algorithms.interface import (
     INTERFACES,
     CallContext,

@@ -11,6 +11,8 @@ Per-token tensors follow ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` with 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +23,9 @@ class DPOConfig(BaseModel):
     """Hyper-parameters of the DPO loss."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["dpo"] = "dpo"
+    """Selects this algorithm in the config's ``algorithm:`` section."""
 
     beta: float = Field(0.1, gt=0)
     """Scale of the implicit reward ``beta * log(pi / ref)``; smaller keeps pi closer to ref."""

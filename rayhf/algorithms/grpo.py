@@ -13,6 +13,8 @@ with a bool ``mask``; empty rows contribute nothing and never produce NaN. GRPO 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
@@ -25,6 +27,9 @@ class GRPOConfig(BaseModel):
     """Hyper-parameters of the GRPO loss and its group-relative advantages."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["grpo"] = "grpo"
+    """Selects this algorithm in the config's ``algorithm:`` section."""
 
     group_size: int = Field(4, gt=1)
     """Samples generated per prompt; each sample is compared with the others of its prompt."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel
 
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.native import GenerateOutput, GenerationConfig
@@ -46,6 +47,8 @@ class ModelEngine(Protocol):
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
+    def all_gather_object(self, obj: object) -> list[object]: ...
+
 
 @dataclass(frozen=True)
 class CallContext:
@@ -71,6 +74,9 @@ class Interface:
     """Base class: a call kind an interface does not support is a graph error."""
 
     name = "interface"
+    config_type: ClassVar[type[BaseModel] | None] = (
+        None  # the algorithm config it needs; None = any
+    )
 
     def __init__(self, settings: InterfaceSettings) -> None:
         self.settings = settings
@@ -85,6 +91,15 @@ class Interface:
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         raise NotImplementedError(f"interface '{self.name}' has no train call")
+
+    def evaluate(
+        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+    ) -> dict[str, float]:
+        """Held-out metrics of a train call, without updating anything (none by default).
+
+        Every dp rank calls it, so an override must call the same collectives on every rank.
+        """
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a resume (e.g. an adaptive KL coefficient)."""

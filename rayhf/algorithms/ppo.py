@@ -14,7 +14,7 @@ Defaults follow ReaLHF's PPO interface.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +27,9 @@ class PPOConfig(BaseModel):
     """Hyper-parameters of the PPO loss, reward shaping and KL control."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["ppo"] = "ppo"
+    """Selects this algorithm in the config's ``algorithm:`` section."""
 
     kl_ctl: float = Field(0.1, ge=0)
     """Initial coefficient of the per-token KL penalty against the reference policy."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.lm import LMInterface, logprob_batch, padded, response_forward
 from rayhf.algorithms.ppo import (
     PPOConfig,
     entropy_from_logits,
@@ -22,28 +23,9 @@ from rayhf.algorithms.ppo import (
     masked_mean,
     ppo_policy_loss,
     ppo_value_loss,
-    token_logprobs,
 )
-from rayhf.algorithms.seqs import (
-    gather_positions,
-    pack_rows,
-    padded_inputs,
-    response_index,
-    response_labels,
-)
+from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
-
-
-def _response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float):
-    """Log-probs (LM) or values (value head) of the response tokens, ``[B, R]``, and the mask."""
-    ids, attn = padded_inputs(batch, engine.pad_id)
-    positions, mask = response_index(batch)
-    out = engine.forward(ids, attn)
-    if out.dim() == 2:  # value head
-        return gather_positions(out, positions), None, mask
-    logits = gather_positions(out, positions)
-    logp = token_logprobs(logits, response_labels(ids, positions), temperature)
-    return logp, logits, mask
 
 
 def _global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,12 +39,10 @@ def _global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> 
     return torch.where(mask, out, torch.zeros_like(out))
 
 
-def _padded(batch: PackedBatch, key: str) -> torch.Tensor:
-    return batch.to_padded(key, 0.0)[0].float()
-
-
 class _PPOBase(Interface):
     """Reward shaping and GAE shared by the actor and critic train calls."""
+
+    config_type = PPOConfig
 
     @property
     def cfg(self) -> PPOConfig:
@@ -74,7 +54,7 @@ class _PPOBase(Interface):
 
     def advantages(self, batch: PackedBatch, mask: torch.Tensor):
         """``(advantages, returns, kl, rewards)``, each ``[B, R]``."""
-        logp, ref_logp = _padded(batch, "logprobs"), _padded(batch, "ref_logprobs")
+        logp, ref_logp = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
         rewards, kl = kl_shaped_rewards(
             batch.tensors["scores"].float(),
             logp,
@@ -84,7 +64,7 @@ class _PPOBase(Interface):
             self.cfg.reward_clip,
         )
         adv, returns = gae_advantages(
-            rewards, _padded(batch, "values"), mask, self.cfg.gamma, self.cfg.lam
+            rewards, padded(batch, "values"), mask, self.cfg.gamma, self.cfg.lam
         )
         return adv, returns, kl, rewards
 
@@ -118,33 +98,8 @@ class _PPOBase(Interface):
 
 
 @register("ppo_actor")
-class PPOActorInterface(_PPOBase):
+class PPOActorInterface(_PPOBase, LMInterface):
     """The policy: samples responses, scores log-probs (also for the reference), PPO update."""
-
-    @property
-    def temperature(self) -> float:
-        gen = self.settings.generation
-        return 1.0 if gen.greedy else gen.temperature
-
-    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
-        prompts = [batch.sample("prompts", i).tolist() for i in range(batch.n_samples)]
-        cfg = self.settings.generation.model_copy(update=ctx.args)
-        out = engine.generate(prompts, cfg, seed=ctx.seed * 100_003 + ctx.step * 101 + ctx.dp_rank)
-        seqs = [p + t for p, t in zip(prompts, out.tokens, strict=True)]
-        result = PackedBatch(list(batch.sample_ids))
-        result.add("seq", torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs])
-        result.add("prompt_lens", torch.tensor([len(p) for p in prompts]), [1] * len(prompts))
-        lps = [lp for row in out.logprobs for lp in row]
-        result.add("logprobs", torch.tensor(lps, dtype=torch.float32), [len(t) for t in out.tokens])
-        return result
-
-    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
-        with torch.no_grad():
-            logp, _, mask = _response_forward(engine, batch, self.temperature)
-        packed, lens = pack_rows(logp, mask)
-        result = PackedBatch(list(batch.sample_ids))
-        result.add("logprobs", packed, lens)
-        return result
 
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
@@ -152,9 +107,9 @@ class PPOActorInterface(_PPOBase):
         stats = self.add_targets(engine, batch)
 
         def loss_fn(mb: PackedBatch):
-            logp, logits, mask = _response_forward(engine, mb, self.temperature)
+            logp, logits, mask = response_forward(engine, mb, self.temperature)
             loss, s = ppo_policy_loss(
-                logp, _padded(mb, "logprobs"), _padded(mb, "advantages"), mask, self.cfg.eps_clip
+                logp, padded(mb, "logprobs"), padded(mb, "advantages"), mask, self.cfg.eps_clip
             )
             entropy = masked_mean(entropy_from_logits(logits), mask)
             if self.cfg.entropy_coef:
@@ -172,12 +127,7 @@ class PPOCriticInterface(_PPOBase):
     """The value function: per-token values, clipped value-loss update toward GAE returns."""
 
     def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
-        with torch.no_grad():
-            values, _, mask = _response_forward(engine, batch, 1.0)
-        packed, lens = pack_rows(values, mask)
-        result = PackedBatch(list(batch.sample_ids))
-        result.add("values", packed, lens)
-        return result
+        return logprob_batch(engine, batch, 1.0, key="values")
 
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
@@ -185,11 +135,11 @@ class PPOCriticInterface(_PPOBase):
         stats = self.add_targets(engine, batch)
 
         def loss_fn(mb: PackedBatch):
-            values, _, mask = _response_forward(engine, mb, 1.0)
+            values, _, mask = response_forward(engine, mb, 1.0)
             loss, s = ppo_value_loss(
                 values,
-                _padded(mb, "values"),
-                _padded(mb, "returns"),
+                padded(mb, "values"),
+                padded(mb, "returns"),
                 mask,
                 self.cfg.value_eps_clip,
             )

@@ -13,6 +13,7 @@ with a bool ``mask``; empty rows contribute nothing and never produce NaN.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +26,9 @@ class ReMaxConfig(BaseModel):
     """Hyper-parameters of the ReMax reward shaping and loss."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["remax"] = "remax"
+    """Selects this algorithm in the config's ``algorithm:`` section."""
 
     kl_ctl: float = Field(0.1, ge=0)
     """Coefficient of the per-token KL penalty against the reference policy."""

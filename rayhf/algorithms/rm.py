@@ -9,9 +9,23 @@ last token, the only position that has attended to the whole sequence:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
+
+
+class RMConfig(BaseModel):
+    """Bradley-Terry reward-model training on preference pairs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["rm"] = "rm"
+    """Selects this algorithm in the config's ``algorithm:`` section."""
+    n_minibatches: int = Field(1, gt=0)
+    """Optimizer steps per batch; the batch is split into this many minibatches."""
 
 
 def final_token_scores(values: Tensor, seq_lens: Tensor) -> Tensor:

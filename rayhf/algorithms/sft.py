@@ -7,10 +7,24 @@ reproduce prompts.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.ppo import masked_mean, token_logprobs
+
+
+class SFTConfig(BaseModel):
+    """Supervised fine-tuning on prompt/response pairs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["sft"] = "sft"
+    """Selects this algorithm in the config's ``algorithm:`` section."""
+    n_minibatches: int = Field(1, gt=0)
+    """Optimizer steps per batch; the batch is split into this many minibatches."""
 
 
 def sft_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:

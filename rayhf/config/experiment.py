@@ -9,12 +9,25 @@ field. Unknown keys are rejected everywhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
+from rayhf.algorithms.dpo import DPOConfig
+from rayhf.algorithms.grpo import GRPOConfig
 from rayhf.algorithms.ppo import PPOConfig
+from rayhf.algorithms.remax import ReMaxConfig
+from rayhf.algorithms.rm import RMConfig
+from rayhf.algorithms.sft import SFTConfig
 from rayhf.data.datasets import DatasetConfig
 from rayhf.engines.native import GenerationConfig
 from rayhf.engines.torch_engine import OptimizerConfig
@@ -24,6 +37,24 @@ from rayhf.models.hf import ModelInit
 from rayhf.planner import ClusterConfig, PlanConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _algorithm_name(value: Any) -> str:
+    """The ``name`` that selects an algorithm config; PPO when none is given."""
+    if isinstance(value, dict):
+        return value.get("name", "ppo")
+    return getattr(value, "name", "ppo")
+
+
+AlgorithmConfig = Annotated[
+    Annotated[PPOConfig, Tag("ppo")]
+    | Annotated[GRPOConfig, Tag("grpo")]
+    | Annotated[ReMaxConfig, Tag("remax")]
+    | Annotated[DPOConfig, Tag("dpo")]
+    | Annotated[RMConfig, Tag("rm")]
+    | Annotated[SFTConfig, Tag("sft")],
+    Discriminator(_algorithm_name),
+]
 
 
 class RoleConfig(BaseModel):
@@ -64,14 +95,15 @@ class ExperimentConfig(BaseModel):
     graph: str = "graphs/ppo.yaml"  # the dataflow graph file
     run_dir: str | None = None  # None = runs/{name}
     seed: int = 1
-    steps: int = Field(30, gt=0)  # PPO iterations
-    batch_size: int = Field(16, gt=0)  # prompts per step
+    steps: int = Field(30, gt=0)  # iterations of the graph
+    batch_size: int = Field(16, gt=0)  # dataset rows per step (prompts, pairs, demonstrations)
+    eval_every: int = Field(0, ge=0)  # evaluate on dataset.eval_path every N steps (0 = never)
     save_every: int = Field(0, ge=0)  # checkpoint every N steps (0 = only at the end)
     models: dict[str, RoleConfig]
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     dataset: DatasetConfig
     dataset_builder: str | None = None  # "module:function(path)" that writes a missing dataset
-    algorithm: PPOConfig = Field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)  # by ``name``; default ppo
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plan: PlanConfig = "auto"
@@ -126,7 +158,10 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | list[str]) 
 
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-after"))
+    loc = [str(p) for p in first["loc"] if not str(p).startswith("function-after")]
+    if len(loc) > 1 and loc[0] == "algorithm":
+        loc.pop(1)  # the union tag (ppo, grpo, ...) is not a key the user wrote
+    field = ".".join(loc)
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key (remove it or check its spelling)"

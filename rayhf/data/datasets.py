@@ -1,4 +1,13 @@
-"""Prompt datasets: load rows from a file, tokenize once, draw resumable shuffled batches.
+"""Datasets: load rows from a file, tokenize once, draw resumable shuffled batches.
+
+A dataset has a *kind*, chosen by the keys the dataflow graph reads from it (``kind_for_inputs``):
+
+* ``prompts`` (PPO, GRPO, ReMax): ``prompts`` = bos + prompt; generation adds the rest;
+* ``sft``: ``seq`` = bos + prompt + response + eos, and ``prompt_lens``;
+* ``pairs`` (DPO, reward model): ``chosen`` and ``rejected`` = bos + prompt + answer + eos, and
+  ``prompt_lens``.
+
+``prompt_lens`` counts bos + prompt tokens, so ``seq[prompt_len:]`` is the response and its eos.
 
 Batches are a pure function of ``(seed, epoch, position)``: epoch ``e`` visits the rows in a
 permutation seeded by ``seed + e``, and a batch that runs off the end of an epoch continues in
@@ -13,14 +22,17 @@ import os
 import random
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 
 if TYPE_CHECKING:
@@ -30,23 +42,85 @@ PARQUET_SUFFIXES = (".parquet",)
 JSONL_SUFFIXES = (".jsonl", ".json")  # .json must hold JSON lines, one object per line
 
 
+DatasetKind = Literal["prompts", "sft", "pairs"]
+
+# The keys each kind provides: a graph's ``inputs`` must be one of these sets.
+KIND_INPUTS: dict[DatasetKind, tuple[str, ...]] = {
+    "prompts": ("prompts",),
+    "sft": ("seq", "prompt_lens"),
+    "pairs": ("chosen", "rejected", "prompt_lens"),
+}
+# Per kind, every sequence key and the config field naming the column appended to its prompt.
+SEQUENCE_COLUMNS: dict[DatasetKind, tuple[tuple[str, str], ...]] = {
+    "prompts": (),
+    "sft": (("seq", "response_key"),),
+    "pairs": (("chosen", "chosen_key"), ("rejected", "rejected_key")),
+}
+
+
 class DatasetConfig(BaseModel):
-    """Where the prompts are and how they are read."""
+    """Where the rows are and how they are read."""
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str  # a .parquet, .jsonl or .json (JSON lines) file, one prompt per row
+    path: str  # a .parquet, .jsonl or .json (JSON lines) file, one sample per row
     prompt_key: str = "prompt"  # the column holding the prompt text
+    response_key: str = "response"  # the column holding the target response (sft)
+    chosen_key: str = "chosen"  # the column holding the preferred response (pairs)
+    rejected_key: str = "rejected"  # the column holding the dispreferred response (pairs)
     max_prompt_len: int = Field(64, gt=0)  # prompt tokens, counting the prepended bos
+    max_seq_len: int = Field(128, gt=0)  # bos + prompt + response + eos tokens (sft, pairs)
     shuffle: bool = True  # reshuffle every epoch; False keeps file order
+    eval_path: str | None = None  # held-out rows in the same format, evaluated whole
 
 
-class Prompt(NamedTuple):
-    """One drawn sample; ``sample_id`` is unique across epochs (``epoch * n + index``)."""
+def kind_for_inputs(inputs: list[str]) -> DatasetKind:
+    """The dataset kind that provides exactly the keys a graph reads from the dataset."""
+    for kind, keys in KIND_INPUTS.items():
+        if sorted(inputs) == sorted(keys):
+            return kind
+    supported = ", ".join(f"{list(keys)} ({kind})" for kind, keys in KIND_INPUTS.items())
+    raise RayhfError(
+        f"graph inputs {list(inputs)} match no dataset kind; set the graph's inputs to one of "
+        f"{supported}, in any order"
+    )
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One drawn row; ``sample_id`` is unique across epochs (``epoch * n + index``).
+
+    ``text`` and ``ids`` are the prompt (ids with bos); ``fields`` holds the token ids of every
+    key the dataset kind provides.
+    """
 
     sample_id: int
     text: str
     ids: list[int]
+    fields: dict[str, list[int]]
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the response (bos + prompt), the sample's ``prompt_lens`` value."""
+        return len(self.ids)
+
+
+def to_packed(samples: list[Sample]) -> PackedBatch:
+    """One key per sample field, plus ``prompt_lens`` when the fields are whole sequences.
+
+    The prompts kind gets no ``prompt_lens``: its generate call produces it together with ``seq``.
+    """
+    assert samples, "to_packed needs at least one sample"
+    keys = list(samples[0].fields)
+    assert all(list(s.fields) == keys for s in samples), "to_packed needs samples of one kind"
+    batch = PackedBatch([s.sample_id for s in samples])
+    for key in keys:
+        tokens = torch.tensor([t for s in samples for t in s.fields[key]], dtype=torch.long)
+        batch.add(key, tokens, [len(s.fields[key]) for s in samples])
+    if "prompts" not in keys:
+        prompt_lens = torch.tensor([s.prompt_len for s in samples], dtype=torch.long)
+        batch.add("prompt_lens", prompt_lens, [1] * len(samples))
+    return batch
 
 
 def _one_line(err: BaseException) -> str:
@@ -54,10 +128,10 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a parquet or JSON-lines file, as dicts."""
+def load_rows(path: str | Path, field: str = "dataset.path") -> list[dict[str, Any]]:
+    """All rows of a parquet or JSON-lines file, as dicts; errors tell the user to fix ``field``."""
     path = Path(path)
-    hint = "set dataset.path to a .parquet or .jsonl file of prompts"
+    hint = f"set {field} to a .parquet or .jsonl file of rows"
     if not path.is_file():
         raise RayhfError(f"dataset file {path} does not exist; {hint}")
     suffix = path.suffix.lower()
@@ -97,16 +171,27 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
 
 class PromptDataset:
-    """Tokenized prompts plus the ``(epoch, position)`` cursor of the batch stream."""
+    """Tokenized rows of one kind plus the ``(epoch, position)`` cursor of the batch stream."""
 
     def __init__(
-        self, rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, config: DatasetConfig
+        self,
+        rows: list[dict[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        config: DatasetConfig,
+        kind: DatasetKind = "prompts",
     ) -> None:
+        assert kind in KIND_INPUTS, f"unknown dataset kind {kind!r}"
         if not rows:
             raise RayhfError(f"dataset file {config.path} has no rows; set dataset.path")
-        self.config = config
-        self.texts = [self._prompt_text(row, i) for i, row in enumerate(rows)]
+        if kind != "prompts" and tokenizer.eos_token_id is None:
+            raise RayhfError(
+                f"the tokenizer has no eos token, which ends every {kind} sequence; "
+                "use a tokenizer with one"
+            )
+        self.config, self.kind = config, kind
+        self.texts = [self._text(row, i, "prompt_key") for i, row in enumerate(rows)]
         self.ids = [self._tokenize(tokenizer, text, i) for i, text in enumerate(self.texts)]
+        self.fields = [self._row_fields(tokenizer, row, i) for i, row in enumerate(rows)]
         self.epoch = 0
         self.position = 0
         self._order: list[int] = []
@@ -114,25 +199,37 @@ class PromptDataset:
 
     @classmethod
     def from_config(
-        cls, config: DatasetConfig, tokenizer: PreTrainedTokenizerBase
+        cls,
+        config: DatasetConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        kind: DatasetKind = "prompts",
+        path: str | Path | None = None,
     ) -> PromptDataset:
-        return cls(load_rows(config.path), tokenizer, config)
+        """The rows at ``config.path``, or at ``path`` read with the same settings.
+
+        ``path`` exists to load ``config.eval_path``, so its file errors name that field.
+        """
+        if path is None:
+            return cls(load_rows(config.path), tokenizer, config, kind)
+        rows = load_rows(path, field="dataset.eval_path")
+        return cls(rows, tokenizer, config.model_copy(update={"path": str(path)}), kind)
 
     def __len__(self) -> int:
         return len(self.texts)
 
-    def _prompt_text(self, row: dict[str, Any], i: int) -> str:
-        key, path = self.config.prompt_key, self.config.path
+    def _text(self, row: dict[str, Any], i: int, field: str) -> str:
+        """Row ``i``'s text in the column that config field ``field`` names."""
+        key, path = getattr(self.config, field), self.config.path
         if key not in row:
             raise RayhfError(
                 f"dataset file {path} has no column {key!r} (row {i} has {sorted(row)}); "
-                "set dataset.prompt_key"
+                f"set dataset.{field}"
             )
         text = row[key]
         if not isinstance(text, str):
             raise RayhfError(
                 f"dataset file {path} row {i}: column {key!r} holds {type(text).__name__}, "
-                "not text; fix the file or set dataset.prompt_key"
+                f"not text; fix the file or set dataset.{field}"
             )
         return text
 
@@ -148,6 +245,33 @@ class PromptDataset:
             )
         return ids
 
+    def _row_fields(
+        self, tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], i: int
+    ) -> dict[str, list[int]]:
+        """The token ids of every key this kind provides for row ``i`` (prompt ids already set)."""
+        if self.kind == "prompts":
+            return {"prompts": self.ids[i]}
+        fields: dict[str, list[int]] = {}
+        limit, eos = self.config.max_seq_len, tokenizer.eos_token_id
+        for key, field in SEQUENCE_COLUMNS[self.kind]:
+            answer = tokenizer.encode(self._text(row, i, field), add_special_tokens=False)
+            seq = [*self.ids[i], *answer, eos]
+            if len(seq) > limit:
+                raise RayhfError(
+                    f"dataset file {self.config.path} row {i}: {key} is {len(seq)} tokens "
+                    f"(bos + prompt + {key} + eos), over dataset.max_seq_len={limit}; "
+                    "raise it or shorten the row"
+                )
+            fields[key] = seq
+        return fields
+
+    def _sample(self, sample_id: int, index: int) -> Sample:
+        return Sample(sample_id, self.texts[index], self.ids[index], self.fields[index])
+
+    def all_samples(self) -> list[Sample]:
+        """Every row once in file order, ``sample_id`` = row index: a whole evaluation set."""
+        return [self._sample(i, i) for i in range(len(self))]
+
     def order(self, epoch: int, seed: int) -> list[int]:
         """Row indices in the order epoch ``epoch`` visits them."""
         if self._order_key != (epoch, seed):
@@ -157,20 +281,20 @@ class PromptDataset:
             self._order, self._order_key = order, (epoch, seed)
         return self._order
 
-    def next_batch(self, batch_size: int, seed: int) -> list[Prompt]:
-        """The next ``batch_size`` prompts, continuing into the next epoch when one runs out."""
+    def next_batch(self, batch_size: int, seed: int) -> list[Sample]:
+        """The next ``batch_size`` samples, continuing into the next epoch when one runs out."""
         assert batch_size > 0, "batch_size must be positive"
         n = len(self)
-        batch: list[Prompt] = []
+        batch: list[Sample] = []
         while len(batch) < batch_size:
             if self.position >= n:
                 self.epoch, self.position = self.epoch + 1, 0
             index = self.order(self.epoch, seed)[self.position]
-            batch.append(Prompt(self.epoch * n + index, self.texts[index], self.ids[index]))
+            batch.append(self._sample(self.epoch * n + index, index))
             self.position += 1
         return batch
 
-    def batches(self, batch_size: int, seed: int) -> Iterator[list[Prompt]]:
+    def batches(self, batch_size: int, seed: int) -> Iterator[list[Sample]]:
         """Endless stream of batches; the cursor advances before each yield, so
         ``state_dict()`` taken between batches resumes right after the last one drawn."""
         while True:

@@ -14,6 +14,19 @@ Reward contract: a reward function referenced as ``module:function`` in a config
 ``rayhf.data.demo_task:reward``) takes ``(prompts, responses)``, two equally long lists of
 strings (prompt text without bos; decoded response with the eos removed), and returns one float
 per sample, in the same order.
+
+The same prompts (``make_prompts(n, seed)``) back two more datasets:
+
+* ``make_sft_dataset``: rows ``{"prompt", "response"}``, the response being the ideal echo
+  (``"3 1 4 ="`` -> ``"3 1 4"``), for supervised fine-tuning;
+* ``make_preference_dataset``: rows ``{"prompt", "chosen", "rejected"}`` for DPO and reward
+  models. ``chosen`` is the ideal echo (reward 1.0); ``rejected`` is that echo with 1 to all of
+  its digits replaced by digits absent from the prompt (reward < 1.0). Both have the same length
+  and format, so only the prompt tells them apart: a reward model has to learn the
+  prompt/response relation, not surface statistics. A prompt has at most 8 of the 10 digits, so
+  absent digits always exist.
+
+Every character of all three datasets (digits, space, ``=``) is in ``ALPHABET``.
 """
 
 from __future__ import annotations
@@ -48,6 +61,46 @@ def make_prompts(n: int, seed: int) -> list[dict[str, str]]:
 def make_dataset(path: str | Path, n: int = 512, seed: int = 0) -> Path:
     """Write ``make_prompts(n, seed)`` to ``path`` (.parquet or .jsonl) and return the path."""
     return write_rows(make_prompts(n, seed), path)
+
+
+def echo(prompt: str) -> str:
+    """The ideal response: the prompt's digits, space-separated, without the closing ``=``."""
+    return " ".join(c for c in prompt.split() if c.isdigit())
+
+
+def corrupt(prompt: str, response: str, rng: random.Random) -> str:
+    """``response`` with 1 to all of its digits replaced by digits that are not in ``prompt``."""
+    digits = response.split()
+    absent = [d for d in "0123456789" if d not in prompt]
+    assert absent and digits, f"cannot corrupt {response!r} for {prompt!r}"
+    for pos in rng.sample(range(len(digits)), rng.randint(1, len(digits))):
+        digits[pos] = rng.choice(absent)
+    return " ".join(digits)
+
+
+def make_sft_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """``make_prompts(n, seed)`` with ``"response"``, the ideal echo of each prompt."""
+    return [{"prompt": r["prompt"], "response": echo(r["prompt"])} for r in make_prompts(n, seed)]
+
+
+def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """``make_prompts(n, seed)`` with ``"chosen"`` (the echo) and ``"rejected"`` (corrupted)."""
+    rng = random.Random(f"rejected-{seed}")  # apart from the prompts' stream, which stays shared
+    rows = []
+    for row in make_prompts(n, seed):
+        prompt, chosen = row["prompt"], echo(row["prompt"])
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": corrupt(prompt, chosen, rng)})
+    return rows
+
+
+def make_sft_dataset(path: str | Path, n: int = 512, seed: int = 0) -> Path:
+    """Write ``make_sft_rows(n, seed)`` to ``path`` (.parquet or .jsonl) and return the path."""
+    return write_rows(make_sft_rows(n, seed), path)
+
+
+def make_preference_dataset(path: str | Path, n: int = 512, seed: int = 0) -> Path:
+    """Write ``make_preference_rows(n, seed)`` to ``path`` (.parquet or .jsonl); return the path."""
+    return write_rows(make_preference_rows(n, seed), path)
 
 
 def score(prompt: str, response: str) -> float:

@@ -134,6 +134,14 @@ class TorchEngine:
         t /= dist.get_world_size(self.dp_group)
         return dict(zip(keys, t.tolist(), strict=True))
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """``obj`` from every dp rank, in rank order."""
+        if self.dp_group is None:
+            return [obj]
+        out: list[object] = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_group is not None:
             t = t.clone()

@@ -51,6 +51,7 @@ CONSOLE_FIELDS = [
 def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
     parts = [f"step {step}/{total}"]
     parts += [f"{label} {metrics[k]:{fmt}}" for k, label, fmt in CONSOLE_FIELDS if k in metrics]
+    parts += [f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/")]
     calls = [
         f"{k.removeprefix('seconds/')} {v:.2f}s"
         for k, v in metrics.items()
@@ -98,6 +99,8 @@ class ProgressSink:
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step == 0:  # the baseline evaluation before the first step
+            return
         reward = metrics.get("task_reward")
         if reward is not None:
             self.bar.set_postfix(reward=f"{reward:.3f}")

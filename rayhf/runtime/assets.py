@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from rayhf.algorithms.reward import resolve_function
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
-from rayhf.data.datasets import PromptDataset
+from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
@@ -31,6 +31,7 @@ class RunAssets:
     graph: Graph
     plan: Plan
     dataset: PromptDataset
+    eval_dataset: PromptDataset | None
     tokenizer_dir: Path
     model_dirs: dict[str, Path]  # initial weights of every role that has a model
     trainable: set[str]  # roles with a train call
@@ -51,11 +52,28 @@ def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path):
         raise RayhfError(f"tokenizer.path: cannot load a tokenizer from {path}: {e}") from None
 
 
-def prepare_dataset(cfg: ExperimentConfig, tokenizer) -> PromptDataset:
-    path = Path(cfg.dataset.path)
-    if not path.exists() and cfg.dataset_builder:
-        resolve_function(cfg.dataset_builder, "dataset_builder")(path)
-    return PromptDataset.from_config(cfg.dataset, tokenizer)
+EVAL_BUILD = {"n": 256, "seed": 10_007}  # held-out rows: another seed than the training file
+
+
+def prepare_dataset(
+    cfg: ExperimentConfig, tokenizer, kind: DatasetKind
+) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training dataset and the held-out one (``dataset.eval_path``), built if missing."""
+    build = (
+        resolve_function(cfg.dataset_builder, "dataset_builder") if cfg.dataset_builder else None
+    )
+    path, eval_path = Path(cfg.dataset.path), cfg.dataset.eval_path
+    if build is not None and not path.exists():
+        build(path)
+    if build is not None and eval_path is not None and not Path(eval_path).exists():
+        build(Path(eval_path), **EVAL_BUILD)
+    train = PromptDataset.from_config(cfg.dataset, tokenizer, kind)
+    held_out = None
+    if eval_path is not None:
+        held_out = PromptDataset.from_config(cfg.dataset, tokenizer, kind, path=eval_path)
+    if cfg.eval_every and held_out is None:
+        raise RayhfError("eval_every is set but dataset.eval_path is not")
+    return train, held_out
 
 
 def _check_model_dir(path: Path, field: str) -> None:
@@ -97,30 +115,50 @@ def prepare_models(cfg: ExperimentConfig, run_dir: Path, tokenizer) -> dict[str,
     return dirs
 
 
+def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
+    """Interfaces exist and fit the algorithm; function-valued roles only score."""
+    from rayhf.algorithms import INTERFACES
+
+    for c in graph.calls:
+        iface = INTERFACES.get(c.interface)
+        if iface is None:
+            raise RayhfError(
+                f"graph '{graph.name}': call '{c.name}' has unknown interface '{c.interface}' "
+                f"(have: {', '.join(sorted(INTERFACES))})"
+            )
+        needs = iface.config_type
+        if needs is not None and not isinstance(cfg.algorithm, needs):
+            raise RayhfError(
+                f"graph '{graph.name}': call '{c.name}' (interface {c.interface}) needs "
+                f"algorithm.name: {needs.model_fields['name'].default}, the config has "
+                f"'{cfg.algorithm.name}'"
+            )
+        if cfg.models[c.role].function is not None and c.interface != "reward":
+            raise RayhfError(
+                f"graph '{graph.name}': call '{c.name}' ({c.kind}, {c.interface}) runs on role "
+                f"'{c.role}', which has no model (models.{c.role}.function)"
+            )
+
+
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
-    for c in graph.calls:
-        if c.interface not in _interfaces():
-            raise RayhfError(
-                f"graph '{graph.name}': call '{c.name}' has unknown interface '{c.interface}'"
-            )
+    check_graph_against_config(graph, cfg)
     plan = make_plan(graph, cfg.plan, cfg.cluster)
+    widest = max(lay.dp for lay in plan.layouts.values())
+    if cfg.batch_size < widest:
+        raise RayhfError(f"batch_size={cfg.batch_size} is smaller than the plan's dp={widest}")
     for role, rc in cfg.models.items():
         if rc.function is not None:
             resolve_function(rc.function, f"models.{role}.function")
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir)
-    dataset = prepare_dataset(cfg, tokenizer)
+    dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
     trainable = {c.role for c in graph.calls if c.kind == "train"}
     for role in trainable:
         if role not in model_dirs:
             raise RayhfError(f"models.{role}: role '{role}' is trained, so it needs a model")
-    return RunAssets(run_dir, graph, plan, dataset, tokenizer_dir, model_dirs, trainable)
-
-
-def _interfaces() -> set[str]:
-    from rayhf.algorithms import INTERFACES
-
-    return set(INTERFACES)
+    return RunAssets(
+        run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, trainable
+    )

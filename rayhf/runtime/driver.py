@@ -29,13 +29,20 @@ class StepOutcome:
 
 
 class Executor(Protocol):
-    def run_step(self, step: int, batch: PackedBatch) -> StepOutcome: ...
+    def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
+        """One iteration; with ``evaluate`` train calls report metrics instead of updating."""
+        ...
 
 
 def call_inputs(batch: PackedBatch, call: Call) -> PackedBatch:
     """The keys ``call`` reads, under its interface's names."""
     view = PackedBatch(list(batch.sample_ids))
     for iface_key, graph_key in call.interface_inputs().items():
+        if graph_key not in batch.tensors:
+            raise RuntimeError(
+                f"call '{call.name}' reads '{graph_key}', which is not in the batch: keys made "
+                f"before a call that created new samples do not carry over"
+            )
         view.add(iface_key, batch.tensors[graph_key], batch.seqlens[graph_key])
     return view
 
@@ -54,13 +61,17 @@ class PlainExecutor:
     def __init__(self, graph: Graph, groups: dict[str, RoleGroup]) -> None:
         self.graph, self.groups = graph, groups
 
-    def run_step(self, step: int, batch: PackedBatch) -> StepOutcome:
+    def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
         outcome = StepOutcome(batch)
         for name in self.graph.order:
             call = self.graph.by_name[name]
             start = time.perf_counter()
-            result = self.groups[call.role].run(name, call.kind, step, call_inputs(batch, call))
+            group = self.groups[call.role]
+            result = group.run(name, call.kind, step, call_inputs(batch, call), evaluate)
             if result.batch is not None:
+                if result.batch.sample_ids != batch.sample_ids:
+                    # a generate call made several samples per input: they form the batch now
+                    batch = outcome.batch = PackedBatch(result.batch.sample_ids)
                 merge_outputs(batch, result.batch, call)
             outcome.stats.update(result.stats)
             outcome.compute_seconds[name] = result.compute_seconds

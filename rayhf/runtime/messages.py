@@ -45,6 +45,7 @@ class CallRequest:
     call: str
     step: int
     batch: PackedBatch
+    evaluate: bool = False  # train calls report held-out metrics instead of updating
 
 
 @dataclass

@@ -67,12 +67,14 @@ class RoleGroup:
         address = ray.get(self.actors[0].rendezvous_address.remote())
         ray.get([a.setup_dp.remote(address) for a in self.actors])
 
-    def submit(self, call: str, kind: str, step: int, batch: PackedBatch) -> list[ray.ObjectRef]:
+    def submit(
+        self, call: str, kind: str, step: int, batch: PackedBatch, evaluate: bool = False
+    ) -> list[ray.ObjectRef]:
         split, _ = DISPATCH[kind]
         assert split == "split"
         parts = batch.split(len(self.actors), by_key=_balance_key(batch))
         return [
-            a.run.remote(CallRequest(call, step, part))
+            a.run.remote(CallRequest(call, step, part, evaluate))
             for a, part in zip(self.actors, parts, strict=True)
         ]
 
@@ -82,11 +84,15 @@ class RoleGroup:
         if how == "first":
             return CallOutcome(None, results[0].stats, seconds)
         batches = [r.batch for r in results if r.batch is not None and r.batch.n_samples]
-        joined = PackedBatch.concat(batches).reorder(order)
+        joined = PackedBatch.concat(batches)
+        if sorted(joined.sample_ids) == sorted(order):
+            joined = joined.reorder(order)  # else new samples (several per input): rank order
         return CallOutcome(joined, {}, seconds)
 
-    def run(self, call: str, kind: str, step: int, batch: PackedBatch) -> CallOutcome:
-        results = ray.get(self.submit(call, kind, step, batch))
+    def run(
+        self, call: str, kind: str, step: int, batch: PackedBatch, evaluate: bool = False
+    ) -> CallOutcome:
+        results = ray.get(self.submit(call, kind, step, batch, evaluate))
         return self.join(kind, results, batch.sample_ids)
 
     def kill(self) -> None:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
-import torch
 
 from rayhf.config import ExperimentConfig, dump_config, load_config
-from rayhf.data.batch import PackedBatch
+from rayhf.data.datasets import to_packed
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.models.hf import quiet_transformers
@@ -56,14 +55,6 @@ class RunResult:
         return ckpt / "actor" if ckpt is not None else None
 
 
-def prompt_batch(prompts: list) -> PackedBatch:
-    ids = [p.sample_id for p in prompts]
-    tokens = torch.tensor([t for p in prompts for t in p.ids], dtype=torch.long)
-    batch = PackedBatch(ids)
-    batch.add("prompts", tokens, [len(p.ids) for p in prompts])
-    return batch
-
-
 def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
     """The train stats plus timing: per call, the step, and the driver/Ray overhead."""
     metrics = dict(outcome.stats)
@@ -72,8 +63,9 @@ def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
     compute = sum(outcome.compute_seconds.values())
     metrics["step_seconds"] = seconds
     metrics["overhead_seconds"] = max(seconds - compute, 0.0)
-    seq = outcome.batch.seqlens.get("seq", [])
-    metrics["tokens_per_s"] = sum(seq) / seconds if seconds > 0 else 0.0
+    lens = outcome.batch.seqlens
+    tokens = sum(sum(lens[k]) for k in ("seq", "chosen", "rejected") if k in lens)
+    metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
     return metrics
 
 
@@ -121,15 +113,27 @@ class Trainer:
             self.assets.run_dir, step, fill, {"dataset": self.assets.dataset.state_dict()}
         )
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The graph on the whole held-out set, train calls reporting instead of updating."""
+        assert self.assets.eval_dataset is not None
+        batch = to_packed(self.assets.eval_dataset.all_samples())
+        outcome = self.executor.run_step(step, batch, evaluate=True)
+        return {f"eval/{k}": v for k, v in outcome.stats.items()}
+
     def loop(self, start: int) -> None:
         cfg = self.cfg
         tracker = make_tracker(cfg.metrics, self.assets.run_dir, cfg.name, cfg.steps, start)
         try:
+            if cfg.eval_every and start == 0:
+                tracker.log(0, self.evaluate(0))  # the held-out baseline before any update
             for step in range(start + 1, cfg.steps + 1):
-                batch = prompt_batch(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
+                batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
                 begin = time.perf_counter()
                 outcome = self.executor.run_step(step, batch)
-                tracker.log(step, step_metrics(outcome, time.perf_counter() - begin))
+                metrics = step_metrics(outcome, time.perf_counter() - begin)
+                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    metrics.update(self.evaluate(step))
+                tracker.log(step, metrics)
                 if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     self.checkpoint(step)
         finally:

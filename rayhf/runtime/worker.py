@@ -97,6 +97,8 @@ class RoleWorker:
             batch = interface.generate(self.engine, req.batch, ctx)
         elif call.kind == "inference":
             batch = interface.inference(self.engine, req.batch, ctx)
+        elif req.evaluate:
+            stats = interface.evaluate(self.engine, req.batch, ctx)
         else:
             stats = interface.train_step(self.engine, req.batch, ctx)
         return CallResult(req.call, self.spec.rank, batch, stats, time.perf_counter() - start)

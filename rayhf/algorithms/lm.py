@@ -1,0 +1,113 @@
+"""Policy-model operations shared by the algorithms: sampling, per-token log-probs, values.
+
+A sample's ``seq`` is prompt + response ids and ``prompt_lens`` its prompt length; every
+per-response-token tensor is right-padded ``[B, R]`` with a bool mask (see ``seqs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.ppo import token_logprobs
+from rayhf.algorithms.seqs import (
+    gather_positions,
+    pack_rows,
+    padded_inputs,
+    response_index,
+    response_labels,
+)
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.native import GenerationConfig
+
+
+def response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float = 1.0):
+    """``(logprobs or values [B, R], logits [B, R, V] or None, mask [B, R])``.
+
+    An LM gives the log-probs of the response tokens (and their logits); a value-head model
+    gives the value of the state before each response token.
+    """
+    ids, attn = padded_inputs(batch, engine.pad_id)
+    positions, mask = response_index(batch)
+    out = engine.forward(ids, attn).cpu()
+    if out.dim() == 2:
+        return gather_positions(out, positions), None, mask
+    logits = gather_positions(out, positions)
+    return token_logprobs(logits, response_labels(ids, positions), temperature), logits, mask
+
+
+def padded(batch: PackedBatch, key: str) -> torch.Tensor:
+    return batch.to_padded(key, 0.0)[0].float()
+
+
+def generation_config(base: GenerationConfig, args: dict[str, Any]) -> GenerationConfig:
+    """The experiment's generation settings with a call's ``args.generation`` overrides."""
+    overrides = args.get("generation", {})
+    return GenerationConfig.model_validate({**base.model_dump(), **overrides})
+
+
+def sample_batch(
+    engine: ModelEngine,
+    batch: PackedBatch,
+    cfg: GenerationConfig,
+    ctx: CallContext,
+    n_samples: int = 1,
+) -> PackedBatch:
+    """Generate ``n_samples`` responses per prompt: ``seq``, ``prompt_lens``, ``logprobs``.
+
+    With ``n_samples > 1`` the result is a new batch: sample ``j`` of prompt ``p`` gets id
+    ``p * n_samples + j``, and key ``group_ids`` holds ``p`` (its prompt's sample id).
+    """
+    prompts = [batch.sample("prompts", i).tolist() for i in range(batch.n_samples)]
+    expanded = [p for p in prompts for _ in range(n_samples)]
+    seed = ctx.seed * 100_003 + ctx.step * 101 + ctx.dp_rank
+    out = engine.generate(expanded, cfg, seed=seed)
+    seqs = [p + t for p, t in zip(expanded, out.tokens, strict=True)]
+    if n_samples == 1:
+        ids = list(batch.sample_ids)
+    else:
+        ids = [sid * n_samples + j for sid in batch.sample_ids for j in range(n_samples)]
+    result = PackedBatch(ids)
+    result.add("seq", torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs])
+    result.add("prompt_lens", torch.tensor([len(p) for p in expanded]), [1] * len(expanded))
+    lps = [lp for row in out.logprobs for lp in row]
+    result.add("logprobs", torch.tensor(lps, dtype=torch.float32), [len(t) for t in out.tokens])
+    if n_samples > 1:
+        groups = [sid for sid in batch.sample_ids for _ in range(n_samples)]
+        result.add("group_ids", torch.tensor(groups), [1] * len(groups))
+    return result
+
+
+def logprob_batch(
+    engine: ModelEngine, batch: PackedBatch, temperature: float, key: str = "logprobs"
+) -> PackedBatch:
+    """Per-response-token log-probs (or values, for a value head) under ``key``."""
+    with torch.no_grad():
+        values, _, mask = response_forward(engine, batch, temperature)
+    packed, lens = pack_rows(values, mask)
+    result = PackedBatch(list(batch.sample_ids))
+    result.add(key, packed, lens)
+    return result
+
+
+@register("lm")
+class LMInterface(Interface):
+    """A causal LM's generate (``seq``, ``prompt_lens``, ``logprobs``) and log-prob inference.
+
+    Call args: ``generation`` (overrides of the experiment's generation settings, e.g.
+    ``{greedy: true}``).
+    """
+
+    @property
+    def temperature(self) -> float:
+        gen = self.settings.generation
+        return 1.0 if gen.greedy else gen.temperature
+
+    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        cfg = generation_config(self.settings.generation, ctx.args)
+        return sample_batch(engine, batch, cfg, ctx)
+
+    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        return logprob_batch(engine, batch, self.temperature)
