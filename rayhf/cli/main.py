@@ -49,7 +49,10 @@ def run(
     if resume is not None and (config or overrides):
         raise RayhfError("--resume takes the config saved in the run directory; drop CONFIG")
     cfg = rayhf.load_config(config, overrides or []) if config is not None else None
-    result = rayhf.run(cfg, resume=resume)
+    _report(rayhf.run(cfg, resume=resume))
+
+
+def _report(result) -> None:
     last = result.metrics[-1] if result.metrics else {}
     typer.echo(f"run directory: {result.run_dir}")
     if result.actor_checkpoint is not None:
@@ -58,6 +61,40 @@ def run(
         typer.echo(f"plot: {result.plot}")
     if "task_reward" in last:
         typer.echo(f"final task reward: {last['task_reward']:.3f}")
+    for key in sorted(k for k in last if k.startswith("eval/")):
+        typer.echo(f"final {key}: {last[key]:.4f}")
+
+
+def _stage(config: str, overrides: list[str] | None, graph_name: str) -> None:
+    import rayhf
+    from rayhf.runtime.train_stage import run_train_stage
+
+    _quiet_libraries()
+    cfg = rayhf.load_config(config, overrides or [])
+    if cfg.graph_path().name != f"{graph_name}.yaml":
+        raise RayhfError(
+            f"graph: `rayhf {graph_name}` runs graphs/{graph_name}.yaml, got {cfg.graph}"
+        )
+    result = run_train_stage(cfg)
+    _report(result)
+
+
+@app.command()
+def sft(
+    config: Annotated[str, typer.Argument(help="Experiment YAML with graph: graphs/sft.yaml")],
+    overrides: Overrides = None,
+) -> None:
+    """Supervised fine-tuning as a Ray Train job (TorchTrainer, data parallel)."""
+    _stage(config, overrides, "sft")
+
+
+@app.command()
+def rm(
+    config: Annotated[str, typer.Argument(help="Experiment YAML with graph: graphs/rm.yaml")],
+    overrides: Overrides = None,
+) -> None:
+    """Reward-model training (Bradley-Terry) as a Ray Train job."""
+    _stage(config, overrides, "rm")
 
 
 @app.command()

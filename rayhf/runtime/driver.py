@@ -1,7 +1,7 @@
 """The driver: runs one iteration of the graph over the role groups.
 
-    dataset prompts -> [actor_gen] -> seq, logprobs -> [rew_inf] [ref_inf] [critic_inf]
-                    -> scores, ref_logprobs, values -> [actor_train] [critic_train]
+    dataset rows -> step batch --(keys a call reads)--> [call on its role group, dp-split]
+                 <--(keys it writes)-- joined in sample order ... every call in graph order
 
 The step batch lives in the driver; each call gets the keys it reads (renamed to its
 interface's names), split across its role group's data-parallel ranks, and its outputs are

@@ -17,6 +17,7 @@ from pathlib import Path
 import ray
 
 from rayhf.config import ExperimentConfig, dump_config, load_config
+from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
@@ -55,6 +56,15 @@ class RunResult:
         return ckpt / "actor" if ckpt is not None else None
 
 
+def sample_means(batch: PackedBatch) -> dict[str, float]:
+    """``batch/{key}``: the mean of every per-sample float key (e.g. scores of each reward call)."""
+    return {
+        f"batch/{key}": t.float().mean().item()
+        for key, t in batch.tensors.items()
+        if t.is_floating_point() and t.numel() and all(n == 1 for n in batch.seqlens[key])
+    }
+
+
 def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
     """The train stats plus timing: per call, the step, and the driver/Ray overhead."""
     metrics = dict(outcome.stats)
@@ -63,6 +73,7 @@ def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
     compute = sum(outcome.compute_seconds.values())
     metrics["step_seconds"] = seconds
     metrics["overhead_seconds"] = max(seconds - compute, 0.0)
+    metrics.update(sample_means(outcome.batch))
     lens = outcome.batch.seqlens
     tokens = sum(sum(lens[k]) for k in ("seq", "chosen", "rejected") if k in lens)
     metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0

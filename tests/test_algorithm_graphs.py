@@ -1,0 +1,128 @@
+"""Every algorithm is a graph file on the same runtime; graph mistakes are refused by name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO
+
+import rayhf
+from rayhf.algorithms import InterfaceSettings
+from rayhf.algorithms.grpo import GRPOConfig
+from rayhf.algorithms.rl_interfaces import GRPOActorInterface
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.native import GenerationConfig
+from rayhf.errors import RayhfError
+from rayhf.runtime.assets import check_graph_against_config
+
+ALGORITHM_WORDS = re.compile(r"\b(ppo|grpo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE)
+
+
+def test_runtime_names_no_algorithm():
+    offenders = [
+        f"{p.name}:{i}"
+        for p in sorted((REPO / "rayhf" / "runtime").glob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if ALGORITHM_WORDS.search(line)
+    ]
+    assert offenders == []
+
+
+class _TwoRankEngine:
+    """Pretends to be rank ``rank`` of two: ``all_gather_object`` returns both ranks' parts."""
+
+    def __init__(self, other: object, rank: int) -> None:
+        self.other, self.rank = other, rank
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return [obj, self.other] if self.rank == 0 else [self.other, obj]
+
+
+def _scored(ids: list[int], groups: list[int], scores: list[float]) -> PackedBatch:
+    b = PackedBatch(ids)
+    b.add("group_ids", torch.tensor(groups), [1] * len(ids))
+    b.add("scores", torch.tensor(scores), [1] * len(ids))
+    return b
+
+
+def test_grpo_groups_are_normalized_across_dp_ranks():
+    cfg = GRPOConfig(group_size=2)
+    iface = GRPOActorInterface(InterfaceSettings(cfg, GenerationConfig()))
+    # group 7 has one sample on each rank; group 9 both on rank 1
+    rank0 = _scored([0], [7], [1.0])
+    rank1 = _scored([1, 2, 3], [7, 9, 9], [0.0, 0.5, 0.5])
+    part0 = (rank0.tensors["group_ids"], rank0.tensors["scores"])
+    part1 = (rank1.tensors["group_ids"], rank1.tensors["scores"])
+    adv0 = iface.advantages(_TwoRankEngine(part1, 0), rank0, 0)
+    adv1 = iface.advantages(_TwoRankEngine(part0, 1), rank1, 1)
+    std = torch.tensor([1.0, 0.0]).std().item()  # sample std of group 7
+    assert adv0.tolist() == pytest.approx([0.5 / (std + cfg.eps)])
+    assert adv1.tolist() == pytest.approx([-0.5 / (std + cfg.eps), 0.0, 0.0])
+
+
+def _cfg(name: str, **ov):
+    return rayhf.load_config(REPO / "examples" / f"{name}_tiny.yaml").with_overrides(ov)
+
+
+def test_call_on_a_role_with_no_model_is_refused():
+    cfg = _cfg("ppo")
+    graph = rayhf.load_graph(cfg.graph_path())
+    cfg = cfg.with_overrides({"models.critic": {"function": "rayhf.data.demo_task:reward"}})
+    with pytest.raises(RayhfError, match=r"call 'critic_inf' .* role 'critic', which has no model"):
+        check_graph_against_config(graph, cfg)
+
+
+def test_graph_and_algorithm_must_match():
+    cfg = _cfg("grpo", **{"algorithm": {"name": "ppo"}})
+    graph = rayhf.load_graph(cfg.graph_path())
+    with pytest.raises(RayhfError, match=r"call 'actor_gen' .* needs algorithm\.name: grpo"):
+        check_graph_against_config(graph, cfg)
+
+
+def test_remap_to_missing_key_names_call_and_key(tmp_path: Path):
+    graph = yaml.safe_load((REPO / "graphs" / "remax.yaml").read_text())
+    graph["calls"][3]["input_remap"] = {"seq": "greedy_sequence"}
+    path = tmp_path / "remax.yaml"
+    path.write_text(yaml.safe_dump(graph))
+    with pytest.raises(RayhfError, match="'rew_greedy_inf' input_remap maps 'seq' to 'greedy_sequ"):
+        rayhf.load_graph(path)
+
+
+RUNS = {
+    "grpo": {"cluster.n_devices": 2},
+    "remax": {},
+    "dpo": {"eval_every": 1},
+    "rm": {"eval_every": 1},
+    "sft": {"eval_every": 1},
+}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
+    from conftest import tiny_overrides
+
+    ov = tiny_overrides(tmp_path / "run", **RUNS[name])
+    if name in ("dpo", "rm", "sft"):
+        ov["dataset.eval_path"] = str(tmp_path / "data" / "eval.parquet")
+    cfg = _cfg(name, **ov)
+    result = rayhf.run(cfg)
+    train_rows = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in train_rows] == [1, 2]
+    expect = {
+        "grpo": "clip_frac",
+        "remax": "greedy_reward",
+        "dpo": "reward_margin",
+        "rm": "accuracy",
+        "sft": "nll",
+    }[name]
+    assert all(expect in m for m in train_rows)
+    if name in ("dpo", "rm", "sft"):
+        evals = [m for m in result.metrics if any(k.startswith("eval/") for k in m)]
+        assert [m["step"] for m in evals] == [0, 1, 2]
+    trained = next(p for p in result.final_checkpoint.iterdir() if (p / "config.json").exists())
+    assert trained.name in ("actor", "reward")
