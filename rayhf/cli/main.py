@@ -13,6 +13,8 @@ from typing import Annotated
 import typer
 
 from rayhf.errors import RayhfError
+from rayhf.k8s.cli import app as k8s_app
+from rayhf.serve.cli import serve as serve_command
 
 app = typer.Typer(
     add_completion=False,
@@ -112,6 +114,10 @@ def plan(
         typer.echo(the_plan.to_json())
     else:
         typer.echo(rayhf.format_plan(the_plan, rayhf.load_graph(cfg.graph_path())))
+
+
+app.add_typer(k8s_app, name="k8s", help="Render and validate KubeRay manifests offline.")
+app.command("serve")(serve_command)
 
 
 def main() -> None:

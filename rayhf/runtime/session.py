@@ -105,7 +105,7 @@ class Session:
             dp_size=layout.dp,
             calls=calls,
             settings=InterfaceSettings(cfg.algorithm, cfg.generation, rc.function),
-            tokenizer_dir=str(assets.tokenizer_dir),
+            tokenizer_dir=str(assets.tokenizer_dir.resolve()),
             model_dir=model_dir,
             config_dir=config_dir,
             value_head=rc.value_head,
@@ -121,7 +121,8 @@ class Session:
         if rc.function is not None:
             return None, None
         if self.resume is not None and role in assets.trainable:
-            return str(self.resume / role), None
+            return str((self.resume / role).resolve()), None
+        source = str(assets.model_dirs[role].resolve())  # actors may run in another directory
         if rc.init_from is not None and self.resume is None:
-            return None, str(assets.model_dirs[role])  # weights arrive by reallocation
-        return str(assets.model_dirs[role]), None
+            return None, source  # weights arrive by reallocation
+        return source, None

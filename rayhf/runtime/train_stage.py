@@ -52,6 +52,17 @@ class StageSpec:
     threads: int
 
 
+def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Ray Train workers run in their own working directory: give them absolute paths."""
+    ds = cfg.dataset
+    paths: dict[str, str | Path | None] = {
+        "graph": cfg.graph_path(),
+        "dataset.path": ds.path,
+        "dataset.eval_path": ds.eval_path,
+    }
+    return cfg.with_overrides({k: str(Path(v).resolve()) for k, v in paths.items() if v})
+
+
 def _stage_call(assets: RunAssets) -> tuple[str, str]:
     calls = assets.graph.calls
     if len(calls) != 1 or calls[0].kind != "train":
@@ -185,7 +196,8 @@ def run_train_stage(cfg: ExperimentConfig) -> RunResult:
     started = connect(cfg.cluster)
     threads = max(1, int(ray.cluster_resources().get("CPU", 1) // cfg.cluster.n_devices))
     spec = StageSpec(
-        cfg.model_dump(mode="json"), role, interface, str(assets.model_dirs[role]),
+        absolute_paths(cfg).model_dump(mode="json"), role, interface,
+        str(assets.model_dirs[role].resolve()),
         cfg.models[role].value_head, threads,
     )  # fmt: skip
     try:

@@ -112,13 +112,12 @@ class Trainer:
         groups = self.session.groups
 
         def fill(tmp: Path) -> None:
-            refs = [
-                groups[role]
-                .actors[0]
-                .save.remote(str(tmp / role), str(tmp / "optim" / f"{role}.pt"))
-                for role in sorted(self.assets.trainable)
-            ]
-            ray.get(refs)
+            tmp = tmp.resolve()  # actors may run in another working directory
+            roles = sorted(self.assets.trainable)
+            saves = [(str(tmp / r), str(tmp / "optim" / f"{r}.pt")) for r in roles]
+            ray.get(
+                [groups[r].actors[0].save.remote(*s) for r, s in zip(roles, saves, strict=True)]
+            )
 
         return write_checkpoint(
             self.assets.run_dir, step, fill, {"dataset": self.assets.dataset.state_dict()}

@@ -1,0 +1,364 @@
+"""The Ray Serve application: an OpenAI-compatible HTTP API in front of a ``ServingEngine``.
+
+    HTTP -> FastAPI route -> body parsed by ``protocol.py`` (any content type; 400 on failure)
+         -> engine.prepare per prompt (tokenize, limits; 400 on failure)
+         -> @serve.batch queue: concurrent prompts of all requests grouped, up to max_batch_size
+         -> engine.generate in a worker thread (the event loop keeps accepting requests)
+         -> JSON response, or SSE chunks replaying each output's per-token text pieces
+
+``build_app(args)`` is the entry point of ``serve run``/``serve deploy`` configs and KubeRay
+RayService manifests (``import_path: rayhf.serve.app:build_app``); ``serve_checkpoint`` starts
+Serve and blocks, for the CLI. ``GET /v1/stats`` reports the replica's batch sizes (debug) and
+``GET /health`` answers 200 once the model is loaded.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the route annotations as classes,
+# which it cannot resolve from strings once Serve's ingress has rewritten the methods.
+import asyncio
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, ValidationError
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rayhf.errors import RayhfError
+from rayhf.serve.engine import (
+    EngineConfig,
+    EngineOutput,
+    EngineRequest,
+    RequestRejected,
+    SamplingSpec,
+    check_checkpoint,
+    load_engine,
+    require_vllm,
+)
+from rayhf.serve.protocol import (
+    SSE_DONE,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    ServerStats,
+    Usage,
+    render_simple_chat,
+    sse_event,
+)
+
+APP_NAME = "policy"
+
+
+class ServeConfig(EngineConfig):
+    """``build_app``'s args: the engine's fields plus how the deployment runs."""
+
+    model_id: str | None = None  # None = the checkpoint directory's name
+    max_batch_size: int = Field(16, gt=0)  # prompts generated together, at most
+    # How long a batch waits to fill up. benchmarks/serve_latency.py, 16 clients on 2 cores:
+    # 0.01 s -> mean batch 4, 30 req/s; 0.05 s -> 16, 63 req/s; a lone request pays the wait.
+    batch_wait_timeout_s: float = Field(0.05, ge=0)
+    num_replicas: int = Field(1, gt=0)
+    num_cpus: float = Field(1.0, gt=0)  # per replica; also its torch threads (at least 1)
+
+    @property
+    def served_model_id(self) -> str:
+        return self.model_id or Path(self.checkpoint).name
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Per replica: one batch generating while the next one fills."""
+        return 2 * self.max_batch_size
+
+
+def parse_args(args: dict[str, Any]) -> ServeConfig:
+    """Validate ``build_app`` args; a mistake is one RayhfError line naming the fields."""
+    try:
+        return ServeConfig.model_validate(args)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'args'}: {err['msg']}" for err in e.errors()
+        )
+        raise RayhfError(f"serve args: {problems}") from None
+
+
+def sampling_spec(body: GenerationRequest, cfg: ServeConfig) -> SamplingSpec:
+    """The engine's view of a request's sampling options; temperature 0 means greedy."""
+    return SamplingSpec(
+        max_tokens=body.max_tokens or cfg.default_max_tokens,
+        greedy=body.temperature == 0,
+        temperature=body.temperature or 1.0,
+        top_k=max(body.top_k, 0),
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings(),
+    )
+
+
+def usage_of(outputs: list[EngineOutput]) -> Usage:
+    prompt = sum(o.prompt_tokens for o in outputs)
+    completion = sum(o.completion_tokens for o in outputs)
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def completion_response(rid: str, model: str, outputs: list[EngineOutput]) -> CompletionResponse:
+    choices = [
+        CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+        for i, o in enumerate(outputs)
+    ]
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outputs))
+
+
+def completion_events(
+    rid: str, model: str, outputs: list[EngineOutput], include_usage: bool
+) -> Iterator[str]:
+    """SSE events: each choice's text pieces, its finish chunk, [usage], then [DONE]."""
+    created = int(time.time())
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return sse_event(
+            CompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    for i, out in enumerate(outputs):
+        for piece in filter(None, out.pieces):
+            yield chunk([CompletionChoice(index=i, text=piece, finish_reason=None)])
+        yield chunk([CompletionChoice(index=i, text="", finish_reason=out.finish_reason)])
+    if include_usage:
+        yield chunk([], usage_of(outputs))
+    yield SSE_DONE
+
+
+def chat_response(rid: str, model: str, out: EngineOutput) -> ChatCompletionResponse:
+    message = ChatMessage(role="assistant", content=out.text)
+    choice = ChatChoice(index=0, message=message, finish_reason=out.finish_reason)
+    return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage_of([out]))
+
+
+def chat_events(rid: str, model: str, out: EngineOutput, include_usage: bool) -> Iterator[str]:
+    """SSE events: a role delta, one content delta per piece, an empty finish delta, [DONE]."""
+    created = int(time.time())
+
+    def chunk(delta: ChatDelta | None, finish: Any = None, usage: Usage | None = None) -> str:
+        choices = (
+            [] if delta is None else [ChatChunkChoice(index=0, delta=delta, finish_reason=finish)]
+        )
+        return sse_event(
+            ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    yield chunk(ChatDelta(role="assistant", content=""))
+    for piece in filter(None, out.pieces):
+        yield chunk(ChatDelta(content=piece))
+    yield chunk(ChatDelta(), out.finish_reason)
+    if include_usage:
+        yield chunk(None, usage=usage_of([out]))
+    yield SSE_DONE
+
+
+def error_response(
+    status: int, message: str, kind: str, code: str | None = None, param: str | None = None
+) -> JSONResponse:
+    detail = ErrorDetail(message=message, type=kind, code=code, param=param)
+    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+
+
+api = FastAPI(title="rayhf policy server", docs_url=None, redoc_url=None)
+
+
+def validation_error_response(errors: list[Any]) -> JSONResponse:
+    """400 naming each bad field; a body that is not JSON gets its own code."""
+    if errors and errors[0].get("type") == "json_invalid":
+        reason = errors[0].get("ctx", {}).get("error", "malformed")
+        message = f"the body is not valid JSON: {reason}"
+        return error_response(400, message, "invalid_request_error", "invalid_json")
+    where = [[str(p) for p in e["loc"] if p != "body"] for e in errors]
+    message = "; ".join(
+        f"{'.'.join(w) or 'body'}: {e['msg']}" for w, e in zip(where, errors, strict=True)
+    )
+    param = where[0][0] if where and where[0] else None  # the top-level field
+    return error_response(400, message, "invalid_request_error", "invalid_value", param)
+
+
+@api.exception_handler(ValidationError)
+async def _invalid_body(request: Request, exc: ValidationError) -> JSONResponse:
+    return validation_error_response(list(exc.errors()))
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error_response(list(exc.errors()))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see /v1/models"
+        return error_response(404, message, "not_found_error", "unknown_route")
+    return error_response(
+        exc.status_code, str(exc.detail), "invalid_request_error", f"http_{exc.status_code}"
+    )
+
+
+@api.exception_handler(RequestRejected)
+async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
+    if exc.code == "model_not_found":
+        return error_response(404, str(exc), "not_found_error", exc.code, exc.param)
+    return error_response(400, str(exc), "invalid_request_error", exc.code, exc.param)
+
+
+@api.exception_handler(Exception)
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not a bad request: 500 with the exception's first line."""
+    message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return error_response(500, message, "internal_error", "internal_error")
+
+
+@serve.deployment(name="PolicyServer")
+@serve.ingress(api)
+class PolicyServer:
+    """One replica: the engine, the batch queue in front of it, and the routes."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        torch.set_num_threads(max(1, int(cfg.num_cpus)))
+        self._cfg = cfg
+        self._model_id = cfg.served_model_id
+        self._engine = load_engine(cfg)
+        # serve.batch's setters are attributes its type stubs do not declare.
+        self._generate.set_max_batch_size(cfg.max_batch_size)  # type: ignore[attr-defined]
+        self._generate.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)  # type: ignore[attr-defined]
+        self._batch_sizes: Counter[int] = Counter()
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self._model_id)])
+
+    @api.get("/v1/stats")
+    async def stats(self) -> ServerStats:
+        sizes = self._batch_sizes
+        return ServerStats(
+            requests=sum(n * k for n, k in sizes.items()),
+            batches=sum(sizes.values()),
+            largest_batch=max(sizes, default=0),
+            batch_sizes=dict(sorted(sizes.items())),
+        )
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        body = CompletionRequest.model_validate_json(await request.body())
+        outputs = await self._run(body.prompts(), body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            events = completion_events(rid, self._model_id, outputs, body.include_usage())
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(completion_response(rid, self._model_id, outputs).model_dump())
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        body = ChatCompletionRequest.model_validate_json(await request.body())
+        messages = [m.model_dump() for m in body.messages]
+        prompt = self._engine.render_chat(messages) or render_simple_chat(body.messages)
+        [out] = await self._run([prompt], body)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            events = chat_events(rid, self._model_id, out, body.include_usage())
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(chat_response(rid, self._model_id, out).model_dump())
+
+    async def _run(self, prompts: list[str], body: GenerationRequest) -> list[EngineOutput]:
+        """Check the request whole before queueing any of it, then generate its prompts."""
+        if body.model is not None and body.model != self._model_id:
+            raise RequestRejected(
+                f"model {body.model!r} is not served here; use {self._model_id!r}",
+                code="model_not_found",
+                param="model",
+            )
+        if len(prompts) > self._cfg.max_batch_size:
+            raise RequestRejected(
+                f"{len(prompts)} prompts in one request; send at most {self._cfg.max_batch_size}",
+                code="too_many_prompts",
+                param="prompt",
+            )
+        sampling = sampling_spec(body, self._cfg)
+        requests = [self._engine.prepare(p, sampling) for p in prompts]
+        return list(await asyncio.gather(*(self._generate(r) for r in requests)))
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.05)  # set from the config in __init__
+    async def _generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        self._batch_sizes[len(requests)] += 1
+        return await asyncio.to_thread(self._engine.generate, requests)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The Serve application for ``args`` (see ``ServeConfig``); ``checkpoint`` is required."""
+    cfg = parse_args(args)
+    if cfg.engine == "vllm":
+        return _vllm_app(cfg)
+    check_checkpoint(cfg.checkpoint)
+    return PolicyServer.options(  # type: ignore[attr-defined]  # a Deployment, once decorated
+        num_replicas=cfg.num_replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.num_cpus},
+    ).bind(cfg)
+
+
+def _vllm_app(cfg: ServeConfig) -> Application:
+    """Ray Serve LLM's OpenAI app on vLLM (GPUs); untested here: vLLM is not installed."""
+    require_vllm()
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    llm = LLMConfig(
+        model_loading_config={"model_id": cfg.served_model_id, "model_source": cfg.checkpoint},
+        deployment_config={"num_replicas": cfg.num_replicas},
+        engine_kwargs={"max_model_len": cfg.max_prompt_tokens + cfg.max_tokens},
+    )
+    return build_openai_app({"llm_configs": [llm]})
+
+
+def serve_checkpoint(
+    checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, **args: Any
+) -> None:
+    """Serve ``checkpoint`` over HTTP on ``host:port`` until Ctrl-C; ``args`` as ``build_app``.
+
+    Joins the cluster named by ``RAY_ADDRESS`` if set, else starts a local one.
+    """
+    import ray
+
+    app = build_app({"checkpoint": str(checkpoint), **args})  # fail on bad args before Ray
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init()
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()

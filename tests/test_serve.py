@@ -1,0 +1,371 @@
+"""The policy server over real HTTP: a tiny checkpoint served by Ray Serve on 127.0.0.1.
+
+One Serve application for the module (Ray startup and the replica's imports cost ~15 s); every
+test talks to it with ``requests``. Greedy outputs are compared with ``native.generate`` on the
+same checkpoint, and usage counts with the tokenizer's. The pure pieces (detokenization,
+request grouping, the config files) are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from rayhf.data.demo_task import build_tokenizer
+from rayhf.engines.native import GenerationConfig, generate
+from rayhf.errors import RayhfError
+from rayhf.models.hf import (
+    ModelInit,
+    build_model,
+    hf_config,
+    load_model,
+    quiet_transformers,
+    save_model,
+)
+from rayhf.serve.engine import EngineRequest, SamplingSpec, detokenize, group_requests
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_PROMPT_TOKENS = 32
+MAX_TOKENS = 32
+TIMEOUT = 60
+
+
+def make_checkpoint(out: Path) -> Path:
+    """A ~40k-parameter random Llama with the demo char tokenizer, saved like a training actor."""
+    quiet_transformers()
+    tok = build_tokenizer()
+    ids = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    cfg = hf_config(ModelInit(hidden_size=32, n_layers=2, n_heads=4), len(tok), *ids)
+    cfg.initializer_range = 0.5  # peaked logits: greedy text varies and ties are unlikely
+    return save_model(build_model(cfg, value_head=False, seed=0), out, tok)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("serve") / "tiny-policy")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """Base URL of the app: Ray (2 CPUs), Serve HTTP on a free port, one replica."""
+    import ray
+    from ray import serve
+
+    from rayhf.serve.app import build_app
+
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {
+            "checkpoint": str(checkpoint),
+            "max_prompt_tokens": MAX_PROMPT_TOKENS,
+            "max_tokens": MAX_TOKENS,
+            "max_batch_size": 16,
+            "batch_wait_timeout_s": 0.05,
+        }
+        serve.run(build_app(args), name="policy", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        if owns_ray:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Greedy ``native.generate`` on the checkpoint: prompt text -> (tokens, text, finished)."""
+    model = load_model(checkpoint, value_head=False, field="checkpoint")
+    tok = build_tokenizer()
+
+    def run(prompt: str, max_tokens: int) -> tuple[list[int], str, bool]:
+        ids = [tok.bos_token_id, *tok.encode(prompt, add_special_tokens=False)]
+        cfg = GenerationConfig(max_new_tokens=max_tokens, greedy=True)
+        out = generate(model, [ids], cfg, tok.eos_token_id, tok.pad_token_id)
+        text = tok.decode(out.tokens[0], skip_special_tokens=True)
+        return out.tokens[0], text, out.finished[0]
+
+    return run
+
+
+def post(server: str, path: str, body: Any) -> requests.Response:
+    return requests.post(f"{server}{path}", json=body, timeout=TIMEOUT)
+
+
+def sse_chunks(resp: requests.Response) -> list[Any]:
+    """The JSON payloads of an SSE response; the last event must be [DONE]."""
+    events = [line[len("data: ") :] for line in resp.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def assert_error(resp: requests.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"], error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def test_models(server, checkpoint):
+    resp = requests.get(f"{server}/v1/models", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [checkpoint.name]
+
+
+def test_completion_usage_and_finish_reason(server, reference):
+    prompt = "3 1 4 1 ="
+    resp = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    [choice] = body["choices"]
+    tokens, _, finished = reference(prompt, 10)
+    tok = build_tokenizer()
+    n_prompt = 1 + len(tok.encode(prompt, add_special_tokens=False))  # bos + characters
+    assert body["usage"] == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": len(tokens),
+        "total_tokens": n_prompt + len(tokens),
+    }
+    assert choice["finish_reason"] == ("stop" if finished else "length")
+
+
+@pytest.mark.parametrize("prompt", ["1 2 3 =", "9 8 7 6 5 4 =", ""])
+def test_greedy_equals_native_generate(server, reference, prompt):
+    resp = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == reference(prompt, 12)[1]
+
+
+def test_prompt_list_is_one_choice_per_prompt(server, reference):
+    prompts = ["1 2 =", "5 5 5 5 ="]
+    resp = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["text"] for c in choices] == [reference(p, 6)[1] for p in prompts]
+
+
+def test_streaming_completion_matches_whole(server):
+    body = {"prompt": "2 7 1 8 =", "max_tokens": 16, "temperature": 0}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]
+    resp = post(server, "/v1/completions", {**body, "stream": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_chunks(resp)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert len(chunks) > 2  # streamed in pieces, not one blob
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_stream_usage_chunk(server):
+    body = {"prompt": "1 =", "max_tokens": 4, "temperature": 0, "stream": True}
+    chunks = sse_chunks(
+        post(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 4
+
+
+def test_stop_string_cuts_text(server):
+    body = {"prompt": "3 1 4 1 =", "max_tokens": 10, "temperature": 0}
+    text = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert len(text) >= 3, text
+    stop = text[2]
+    cut = post(server, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[: text.index(stop)]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible(server):
+    body = {"prompt": "4 4 =", "max_tokens": 12, "temperature": 1.0, "top_k": 5, "seed": 123}
+    texts = {post(server, "/v1/completions", body).json()["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) == 1
+
+
+def test_chat_completion(server):
+    body = {"messages": [{"role": "user", "content": "1 2 3 ="}], "max_tokens": 8, "temperature": 0}
+    resp = post(server, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    whole = resp.json()
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    [choice] = whole["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length")
+    # No chat template on the char tokenizer: "user: 1 2 3 =\nassistant:" (+ bos)
+    assert whole["usage"]["prompt_tokens"] == 1 + len("user: 1 2 3 =\nassistant:")
+
+    chunks = sse_chunks(post(server, "/v1/chat/completions", {**body, "stream": True}))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == choice["message"]["content"]
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "finish_reason": choice["finish_reason"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "code"),
+    [
+        ('{"prompt": "1 2", ', 400, "invalid_json"),
+        ("", 400, "invalid_json"),
+        ("[1, 2]", 400, "invalid_value"),
+        ('{"max_tokens": 4}', 400, "invalid_value"),
+        ('{"prompt": 12}', 400, "invalid_value"),
+        ('{"prompt": "1", "max_tokens": "many"}', 400, "invalid_value"),
+        ('{"prompt": "1", "temperature": -1}', 400, "invalid_value"),
+        ('{"prompt": "1", "n": 2}', 400, "invalid_value"),
+        ('{"prompt": "1", "logprobs": 3}', 400, "invalid_value"),
+        ('{"prompt": []}', 400, "invalid_value"),
+        ('{"prompt": "' + "1 " * MAX_PROMPT_TOKENS + '"}', 400, "context_length_exceeded"),
+        ('{"prompt": "1", "max_tokens": ' + str(MAX_TOKENS + 1) + "}", 400, "max_tokens_exceeded"),
+        ('{"prompt": "1", "model": "gpt-4"}', 404, "model_not_found"),
+    ],
+)
+def test_bad_completion_requests(server, data, status, code):
+    resp = requests.post(
+        f"{server}/v1/completions",
+        data=data,
+        headers={"content-type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert_error(resp, status, code)
+
+
+def test_body_is_json_whatever_the_content_type(server):
+    # curl -d sends application/x-www-form-urlencoded unless told otherwise
+    data = json.dumps({"prompt": "1 2", "max_tokens": 2})
+    resp = requests.post(f"{server}/v1/completions", data=data, timeout=TIMEOUT)
+    assert resp.status_code == 200, resp.text
+    error = assert_error(post(server, "/v1/completions", {"prompt": [1, 2]}), 400)
+    assert error["param"] == "prompt"
+
+
+def test_bad_requests_elsewhere_then_still_serving(server):
+    assert_error(requests.get(f"{server}/v1/nope", timeout=TIMEOUT), 404, "unknown_route")
+    assert_error(requests.get(f"{server}/v1/completions", timeout=TIMEOUT), 405)
+    error = assert_error(post(server, "/v1/chat/completions", {"messages": [{"role": "x"}]}), 400)
+    assert "messages.0" in error["message"]
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "invalid_value")
+    assert requests.get(f"{server}/v1/models", timeout=TIMEOUT).status_code == 200
+    assert post(server, "/v1/completions", {"prompt": "1", "max_tokens": 2}).status_code == 200
+
+
+def test_concurrent_requests_are_batched(server):
+    before = requests.get(f"{server}/v1/stats", timeout=TIMEOUT).json()
+    n = 32
+    start = threading.Barrier(n)
+    statuses: list[int] = []
+
+    def one(i: int) -> None:
+        start.wait()
+        body = {"prompt": f"{i % 10} {i // 10} =", "max_tokens": 8, "temperature": 0}
+        statuses.append(post(server, "/v1/completions", body).status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert statuses == [200] * n
+    after = requests.get(f"{server}/v1/stats", timeout=TIMEOUT).json()
+    assert after["requests"] - before["requests"] == n
+    batches = after["batches"] - before["batches"]
+    assert batches < n, after  # some requests shared a forward pass
+    assert after["largest_batch"] > 1
+
+
+def test_detokenize_pieces_join_to_text_and_stop():
+    tok = build_tokenizer()
+    ids = [*tok.encode("12 ab3", add_special_tokens=False), tok.eos_token_id]
+
+    def decode(t: list[int]) -> str:
+        return tok.decode(t, skip_special_tokens=True)
+
+    pieces, n, stopped = detokenize(decode, ids, ())
+    assert "".join(pieces) == "12 ab3" and n == len(ids) and not stopped
+    pieces, n, stopped = detokenize(decode, ids, ("b3", " a"))
+    assert "".join(pieces) == "12" and n == 4 and stopped  # " a" completes at token 4
+    assert detokenize(decode, [], ("x",)) == ([], 0, False)
+
+
+def test_group_requests():
+    def req(**kw: Any) -> EngineRequest:
+        return EngineRequest((1,), SamplingSpec(max_tokens=4, **kw))
+
+    reqs = [
+        req(greedy=True),
+        req(),
+        req(seed=1),
+        req(greedy=True, temperature=0.5),
+        req(),
+        req(seed=1),
+    ]
+    groups = list(group_requests(reqs).values())
+    assert groups == [[0, 3], [1, 4], [2], [5]]
+
+
+def test_deploy_config_passes_serve_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    from rayhf.serve.app import build_app, parse_args
+
+    raw = yaml.safe_load((REPO / "deployments" / "policy.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    [application] = schema.applications
+    assert application.import_path == "rayhf.serve.app:build_app"
+    module, attr = application.import_path.split(":")
+    assert getattr(__import__(module, fromlist=[attr]), attr) is build_app
+    cfg = parse_args(application.args)
+    assert cfg.engine == "native"
+
+
+def test_bad_args_and_checkpoints_are_one_line_errors(tmp_path, checkpoint):
+    from rayhf.serve.app import build_app
+
+    with pytest.raises(RayhfError, match="checkpoint: Field required"):
+        build_app({})
+    with pytest.raises(RayhfError, match="max_batch_size"):
+        build_app({"checkpoint": str(checkpoint), "max_batch_size": 0})
+    with pytest.raises(RayhfError, match="not a directory"):
+        build_app({"checkpoint": str(tmp_path / "missing")})
+    with pytest.raises(RayhfError, match=r"no config\.json"):
+        build_app({"checkpoint": str(tmp_path)})
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(RayhfError, match=r"rayhf\[vllm\]"):
+            build_app({"checkpoint": str(checkpoint), "engine": "vllm"})
+
+
+def test_cli_rejects_a_non_model_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from rayhf.serve.cli import app
+
+    result = CliRunner().invoke(app, [str(tmp_path), "--port", "8123"])
+    assert isinstance(result.exception, RayhfError)
+    assert "no config.json" in str(result.exception)
+    assert "\n" not in str(result.exception)
