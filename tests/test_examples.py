@@ -6,12 +6,29 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import REPO, tiny_overrides
 
 import rayhf
 
+EXAMPLE_CONFIGS = sorted(
+    p for p in (REPO / "examples").rglob("*.yaml") if "models" in yaml.safe_load(p.read_text())
+)
+EXAMPLE_GRAPHS = sorted(
+    p for p in (REPO / "examples").rglob("*.yaml") if "calls" in yaml.safe_load(p.read_text())
+)
 
-@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+
+def test_examples_are_found():
+    assert len(EXAMPLE_CONFIGS) >= 9 and EXAMPLE_GRAPHS
+
+
+@pytest.mark.parametrize("path", EXAMPLE_GRAPHS + sorted((REPO / "graphs").glob("*.yaml")))
+def test_graph_files_load(path):
+    assert rayhf.load_graph(path).order
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
 def test_example_configs_load_and_plan(path):
     cfg = rayhf.load_config(path)
     plan = rayhf.make_plan(cfg)

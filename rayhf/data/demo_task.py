@@ -69,12 +69,17 @@ def echo(prompt: str) -> str:
 
 
 def corrupt(prompt: str, response: str, rng: random.Random) -> str:
-    """``response`` with 1 to all of its digits replaced by digits that are not in ``prompt``."""
+    """``response`` with 1 to all of its digits replaced by digits not in ``prompt`` or letters.
+
+    Digit swaps make the reward model learn the prompt/response relation; letter swaps cover
+    what an untrained policy emits, so PPO cannot exploit a reward model that never saw them.
+    """
     digits = response.split()
     absent = [d for d in "0123456789" if d not in prompt]
     assert absent and digits, f"cannot corrupt {response!r} for {prompt!r}"
+    pool = absent if rng.random() < 0.5 else list("abcdefghij")
     for pos in rng.sample(range(len(digits)), rng.randint(1, len(digits))):
-        digits[pos] = rng.choice(absent)
+        digits[pos] = rng.choice(pool)
     return " ".join(digits)
 
 
