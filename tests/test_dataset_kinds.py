@@ -273,25 +273,19 @@ def test_demo_sft_rows_echo_the_prompt():
     )
 
 
-def test_demo_preference_rows_need_the_prompt_to_tell_apart():
+def test_demo_preference_rows_rank_by_the_task_score():
     rows = demo_task.make_preference_rows(512, seed=0)
     assert rows == demo_task.make_preference_rows(512, seed=0)
     assert rows != demo_task.make_preference_rows(512, seed=1)
     prompts = [r["prompt"] for r in rows]
-    assert demo_task.reward(prompts, [r["chosen"] for r in rows]) == [1.0] * 512
-    assert all(s < 1.0 for s in demo_task.reward(prompts, [r["rejected"] for r in rows]))
-    n_replaced, swaps = set(), set()
-    for r in rows:
-        assert r["chosen"] == demo_task.echo(r["prompt"])
-        assert len(r["chosen"]) == len(r["rejected"])
-        chosen, rejected = r["chosen"].split(), r["rejected"].split()
-        assert all(len(d) == 1 and d in "0123456789abcdefghij" for d in rejected)
-        changed = [(c, x) for c, x in zip(chosen, rejected, strict=True) if c != x]
-        assert all(x not in r["prompt"] for _, x in changed)
-        swaps |= {"letter" if x.isalpha() else "digit" for _, x in changed}
-        n_replaced.add(len(changed) / len(chosen))
-    assert min(n_replaced) < 0.2 and max(n_replaced) == 1.0  # from one digit up to all of them
-    assert swaps == {"digit", "letter"}  # wrong digits, and letters an untrained policy emits
+    chosen = demo_task.reward(prompts, [r["chosen"] for r in rows])
+    rejected = demo_task.reward(prompts, [r["rejected"] for r in rows])
+    assert all(c - r >= demo_task.MIN_SCORE_GAP for c, r in zip(chosen, rejected, strict=True))
+    tokens = {t for r in rows for side in ("chosen", "rejected") for t in r[side].split()}
+    assert tokens <= set("0123456789abcdefghij") and tokens & set("abcdefghij")
+    assert any(r["chosen"] == demo_task.echo(r["prompt"]) for r in rows)
+    assert len({len(r["rejected"]) for r in rows}) > 4  # short and long answers, not one shape
+    assert min(rejected) == 0.0 and max(rejected) > 0.5  # from all-wrong to mostly right
 
 
 @pytest.mark.parametrize(

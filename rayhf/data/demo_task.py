@@ -20,13 +20,16 @@ The same prompts (``make_prompts(n, seed)``) back two more datasets:
 * ``make_sft_dataset``: rows ``{"prompt", "response"}``, the response being the ideal echo
   (``"3 1 4 ="`` -> ``"3 1 4"``), for supervised fine-tuning;
 * ``make_preference_dataset``: rows ``{"prompt", "chosen", "rejected"}`` for DPO and reward
-  models. ``chosen`` is the ideal echo (reward 1.0); ``rejected`` is that echo with 1 to all of
-  its digits replaced by digits absent from the prompt (reward < 1.0). Both have the same length
-  and format, so only the prompt tells them apart: a reward model has to learn the
-  prompt/response relation, not surface statistics. A prompt has at most 8 of the 10 digits, so
-  absent digits always exist.
+  models: two candidate responses whose task scores differ by at least 0.25, the better one
+  chosen. A candidate is the echo or a random run of the prompt's digits, with a random share
+  of its tokens swapped for digits absent from the prompt or for letters. So the pairs span
+  what a policy may emit (repeats, wrong digits, letters, short and long answers), and a reward
+  model that ranks them must learn the task's own score, not a quirk of one kind of pair: PPO
+  against a model trained on echo-vs-corrupted-echo pairs alone was measured to raise the
+  learned reward while the true score fell. A prompt has at most 8 of the 10 digits, so absent
+  digits always exist.
 
-Every character of all three datasets (digits, space, ``=``) is in ``ALPHABET``.
+Every character of all three datasets (digits, letters, space, ``=``) is in ``ALPHABET``.
 """
 
 from __future__ import annotations
@@ -68,33 +71,41 @@ def echo(prompt: str) -> str:
     return " ".join(c for c in prompt.split() if c.isdigit())
 
 
-def corrupt(prompt: str, response: str, rng: random.Random) -> str:
-    """``response`` with 1 to all of its digits replaced by digits not in ``prompt`` or letters.
-
-    Digit swaps make the reward model learn the prompt/response relation; letter swaps cover
-    what an untrained policy emits, so PPO cannot exploit a reward model that never saw them.
-    """
-    digits = response.split()
-    absent = [d for d in "0123456789" if d not in prompt]
-    assert absent and digits, f"cannot corrupt {response!r} for {prompt!r}"
-    pool = absent if rng.random() < 0.5 else list("abcdefghij")
-    for pos in rng.sample(range(len(digits)), rng.randint(1, len(digits))):
-        digits[pos] = rng.choice(pool)
-    return " ".join(digits)
-
-
 def make_sft_rows(n: int, seed: int) -> list[dict[str, str]]:
     """``make_prompts(n, seed)`` with ``"response"``, the ideal echo of each prompt."""
     return [{"prompt": r["prompt"], "response": echo(r["prompt"])} for r in make_prompts(n, seed)]
 
 
+MIN_SCORE_GAP = 0.25  # a pair's task scores differ at least this much
+
+
+def candidate(prompt: str, rng: random.Random) -> str:
+    """A response a policy might give: the echo or a run of prompt digits, partly corrupted."""
+    digits = echo(prompt).split()
+    if rng.random() < 0.3:
+        tokens = list(digits)
+    else:
+        tokens = [rng.choice(digits) for _ in range(rng.randint(1, MAX_DIGITS))]
+    absent = [d for d in "0123456789" if d not in prompt]
+    share = rng.choice([0.0, rng.random(), 1.0])
+    for i in range(len(tokens)):
+        if rng.random() < share:
+            tokens[i] = rng.choice(absent) if rng.random() < 0.5 else rng.choice("abcdefghij")
+    return " ".join(tokens)
+
+
 def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
-    """``make_prompts(n, seed)`` with ``"chosen"`` (the echo) and ``"rejected"`` (corrupted)."""
-    rng = random.Random(f"rejected-{seed}")  # apart from the prompts' stream, which stays shared
+    """``make_prompts(n, seed)`` with two candidates each, the higher-scoring one ``chosen``."""
+    rng = random.Random(f"pairs-{seed}")  # apart from the prompts' stream, which stays shared
     rows = []
     for row in make_prompts(n, seed):
-        prompt, chosen = row["prompt"], echo(row["prompt"])
-        rows.append({"prompt": prompt, "chosen": chosen, "rejected": corrupt(prompt, chosen, rng)})
+        prompt = row["prompt"]
+        while True:
+            a, b = candidate(prompt, rng), candidate(prompt, rng)
+            if abs(score(prompt, a) - score(prompt, b)) >= MIN_SCORE_GAP:
+                break
+        chosen, rejected = (a, b) if score(prompt, a) > score(prompt, b) else (b, a)
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
 
