@@ -52,7 +52,13 @@ def decode_samples(engine: ModelEngine, batch: PackedBatch) -> tuple[list[str], 
 
 @register("reward")
 class RewardInterface(Interface):
-    """``scores``: one float per sample, from the function or the reward model."""
+    """``scores``: one float per sample, from the function or the reward model.
+
+    Call args: ``no_eos_score`` (float): the score of a response cut off before EOS. A reward
+    model only ever saw finished answers, so its value at a cut-off answer's last token is
+    an extrapolation a policy learns to exploit (measured: runs of one digit, never finished,
+    scored above the correct answers).
+    """
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
@@ -70,7 +76,11 @@ class RewardInterface(Interface):
             with torch.no_grad():
                 values = engine.forward(ids, attn)
             last = torch.tensor(batch.seqlens["seq"]) - 1
-            scores = values.gather(1, last.unsqueeze(1)).squeeze(1)
+            scores = values.gather(1, last.unsqueeze(1)).squeeze(1).cpu()
+        if "no_eos_score" in ctx.args:
+            ends = torch.tensor([int(batch.sample("seq", i)[-1]) for i in range(batch.n_samples)])
+            unfinished = ends != engine.eos_id
+            scores = torch.where(unfinished, float(ctx.args["no_eos_score"]), scores.float())
         result = PackedBatch(list(batch.sample_ids))
         result.add("scores", scores.float(), [1] * batch.n_samples)
         return result

@@ -20,9 +20,10 @@ The same prompts (``make_prompts(n, seed)``) back two more datasets:
 * ``make_sft_dataset``: rows ``{"prompt", "response"}``, the response being the ideal echo
   (``"3 1 4 ="`` -> ``"3 1 4"``), for supervised fine-tuning;
 * ``make_preference_dataset``: rows ``{"prompt", "chosen", "rejected"}`` for DPO and reward
-  models: two candidate responses whose task scores differ by at least 0.25, the better one
-  chosen. A candidate is the echo or a random run of the prompt's digits, with a random share
-  of its tokens swapped for digits absent from the prompt or for letters. So the pairs span
+  models: two answers whose task scores differ by at least 0.25, the better one chosen. Half
+  are equally long runs of prompt digits with more or fewer swapped for absent digits (only the
+  prompt tells them apart); half are free candidates: the echo or a random run of the prompt's
+  digits with a random share swapped for absent digits or letters. So the pairs span
   what a policy may emit (repeats, wrong digits, letters, short and long answers), and a reward
   model that ranks them must learn the task's own score, not a quirk of one kind of pair: PPO
   against a model trained on echo-vs-corrupted-echo pairs alone was measured to raise the
@@ -34,6 +35,7 @@ Every character of all three datasets (digits, letters, space, ``=``) is in ``AL
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -94,17 +96,44 @@ def candidate(prompt: str, rng: random.Random) -> str:
     return " ".join(tokens)
 
 
+def digit_pair(prompt: str, rng: random.Random) -> tuple[str, str]:
+    """(better, worse): one run of prompt digits with fewer / more digits swapped for absent ones.
+
+    Both are digits only and equally long, so only the prompt tells them apart.
+    """
+    digits = echo(prompt).split()
+    absent = [d for d in "0123456789" if d not in prompt]
+    n, gap = len(digits), math.ceil(MIN_SCORE_GAP * len(digits))
+    base = [rng.choice(digits) for _ in range(n)]
+    k_better = rng.randint(0, n - gap)
+    k_worse = rng.randint(k_better + gap, n)
+    order = rng.sample(range(n), n)
+    better, worse = list(base), list(base)
+    for i, pos in enumerate(order[:k_worse]):
+        worse[pos] = rng.choice(absent)
+        if i < k_better:
+            better[pos] = worse[pos]
+    return " ".join(better), " ".join(worse)
+
+
 def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
-    """``make_prompts(n, seed)`` with two candidates each, the higher-scoring one ``chosen``."""
+    """``make_prompts(n, seed)`` with two answers each, the higher-scoring one ``chosen``.
+
+    Half the pairs are ``digit_pair``s (only the prompt separates them); half are two free
+    ``candidate``s (repeats, letters, lengths: what a policy may emit).
+    """
     rng = random.Random(f"pairs-{seed}")  # apart from the prompts' stream, which stays shared
     rows = []
     for row in make_prompts(n, seed):
         prompt = row["prompt"]
-        while True:
-            a, b = candidate(prompt, rng), candidate(prompt, rng)
-            if abs(score(prompt, a) - score(prompt, b)) >= MIN_SCORE_GAP:
-                break
-        chosen, rejected = (a, b) if score(prompt, a) > score(prompt, b) else (b, a)
+        if rng.random() < 0.5:
+            chosen, rejected = digit_pair(prompt, rng)
+        else:
+            while True:
+                a, b = candidate(prompt, rng), candidate(prompt, rng)
+                if abs(score(prompt, a) - score(prompt, b)) >= MIN_SCORE_GAP:
+                    break
+            chosen, rejected = (a, b) if score(prompt, a) > score(prompt, b) else (b, a)
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
