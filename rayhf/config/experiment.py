@@ -103,6 +103,7 @@ class ExperimentConfig(BaseModel):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     dataset: DatasetConfig
     dataset_builder: str | None = None  # "module:function(path)" that writes a missing dataset
+    dataset_builder_args: dict[str, Any] = Field(default_factory=dict)  # its keyword arguments
     algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)  # by ``name``; default ppo
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

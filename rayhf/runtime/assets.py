@@ -64,7 +64,7 @@ def prepare_dataset(
     )
     path, eval_path = Path(cfg.dataset.path), cfg.dataset.eval_path
     if build is not None and not path.exists():
-        build(path)
+        build(path, **cfg.dataset_builder_args)
     if build is not None and eval_path is not None and not Path(eval_path).exists():
         build(Path(eval_path), **EVAL_BUILD)
     train = PromptDataset.from_config(cfg.dataset, tokenizer, kind)
