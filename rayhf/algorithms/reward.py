@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.rm import final_token_scores
 from rayhf.algorithms.seqs import padded_inputs
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -75,8 +76,7 @@ class RewardInterface(Interface):
             ids, attn = padded_inputs(batch, engine.pad_id)
             with torch.no_grad():
                 values = engine.forward(ids, attn)
-            last = torch.tensor(batch.seqlens["seq"]) - 1
-            scores = values.gather(1, last.unsqueeze(1)).squeeze(1).cpu()
+            scores = final_token_scores(values.cpu(), torch.tensor(batch.seqlens["seq"]))
         if "no_eos_score" in ctx.args:
             ends = torch.tensor([int(batch.sample("seq", i)[-1]) for i in range(batch.n_samples)])
             unfinished = ends != engine.eos_id
