@@ -28,8 +28,5 @@ class ObjectStoreCopy:
     def copy(self, src_actors: list[Any], dst_actors: list[Any]) -> ReallocStats:
         start = time.perf_counter()
         weights_ref = src_actors[0].get_weights.remote()
-        sizes = ray.get([a.set_weights.remote(weights_ref) for a in dst_actors])
-        del sizes
-        weights = ray.get(weights_ref)
-        n_bytes = sum(t.numel() * t.element_size() for t in weights.values()) * len(dst_actors)
-        return ReallocStats(time.perf_counter() - start, n_bytes)
+        received = ray.get([a.set_weights.remote(weights_ref) for a in dst_actors])
+        return ReallocStats(time.perf_counter() - start, sum(received))

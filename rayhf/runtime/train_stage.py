@@ -32,7 +32,7 @@ from ray.util.queue import Empty, Queue
 
 from rayhf.algorithms import CallContext, InterfaceSettings, make_interface
 from rayhf.config import ExperimentConfig, dump_config
-from rayhf.data.datasets import PromptDataset, kind_for_inputs, to_packed
+from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs, to_packed
 from rayhf.engines.torch_engine import TorchEngine
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
@@ -53,6 +53,7 @@ class StageSpec:
     model_dir: str
     value_head: bool
     threads: int
+    kind: DatasetKind  # the dataset format the graph's inputs ask for
 
 
 def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -106,7 +107,7 @@ def stage_worker(config: dict[str, Any]) -> None:
     group = dist.group.WORLD if world > 1 else None
     engine = TorchEngine(model, tokenizer, spec.value_head, cfg.models[spec.role].optimizer, group)
     iface = make_interface(spec.interface, InterfaceSettings(cfg.algorithm, cfg.generation))
-    kind = kind_for_inputs(_graph_inputs(cfg))
+    kind = spec.kind
     data = PromptDataset.from_config(cfg.dataset, tokenizer, kind)
     held_out = None
     if cfg.dataset.eval_path and cfg.eval_every:
@@ -131,13 +132,6 @@ def _quiet_report_log() -> None:
         from ray.train.v2._internal.execution import context
 
         logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
-def _graph_inputs(cfg: ExperimentConfig) -> list[str]:
-    from rayhf.config.experiment import resolve_path
-    from rayhf.graph import load_graph
-
-    return load_graph(resolve_path(cfg.graph)).inputs
 
 
 class QueueCallback(UserCallback):
@@ -214,7 +208,7 @@ def run_train_stage(cfg: ExperimentConfig) -> RunResult:
     spec = StageSpec(
         absolute_paths(cfg).model_dump(mode="json"), role, interface,
         str(assets.model_dirs[role].resolve()),
-        cfg.models[role].value_head, threads,
+        cfg.models[role].value_head, threads, kind_for_inputs(assets.graph.inputs),
     )  # fmt: skip
     try:
         result = _fit(cfg, assets, spec)

@@ -107,9 +107,11 @@ class RoleWorker:
         assert self.engine.model is not None
         return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
 
-    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> int:
+        """Load ``weights``; returns the bytes received."""
         assert self.engine.model is not None
         self.engine.model.load_state_dict(weights, strict=True)
+        return sum(t.numel() * t.element_size() for t in weights.values())
 
     def weights_digest(self) -> float:
         """Sum of |w| over all parameters: a cheap fingerprint for tests and logs."""
