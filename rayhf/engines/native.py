@@ -86,7 +86,7 @@ def generate(
             tokens, logprobs = _decode(model, prompts, cfg, eos_token_id, pad_token_id, generator)
     finally:
         model.train(was_training)
-    return _cut_at_eos(tokens, logprobs, eos_token_id)
+    return cut_at_eos(tokens, logprobs, eos_token_id)
 
 
 def _decode(
@@ -106,7 +106,7 @@ def _decode(
     step_logprobs: list[Tensor] = []
     logits, cache = _forward(model, ids, mask, positions, None)
     for step in range(cfg.max_new_tokens):
-        tokens, logprobs = _next_tokens(logits, step, cfg, eos_token_id, generator)
+        tokens, logprobs = next_tokens(logits, step, cfg, eos_token_id, generator)
         tokens = tokens.masked_fill(finished, pad_token_id)
         step_tokens.append(tokens)
         step_logprobs.append(logprobs)
@@ -154,7 +154,7 @@ def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def _next_tokens(
+def next_tokens(
     logits: Tensor,
     step: int,
     cfg: GenerationConfig,
@@ -175,7 +175,7 @@ def _next_tokens(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _cut_at_eos(tokens: Tensor, logprobs: Tensor, eos_token_id: int) -> GenerateOutput:
+def cut_at_eos(tokens: Tensor, logprobs: Tensor, eos_token_id: int) -> GenerateOutput:
     """Keep each row up to and including its first EOS."""
     out = GenerateOutput()
     for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist(), strict=True):

@@ -1,14 +1,18 @@
-"""The torch training/inference engine of one role-group rank.
+"""The torch training/inference engine of one rank of a role group.
 
-It owns the model, the optimizer and the rank's data-parallel process group. Algorithms see it
-through ``rayhf.algorithms.interface.ModelEngine``: forward passes, generation, and ``train`` over
-minibatches, where every rank takes the same number of optimizer steps and gradients are
-all-reduced (mean) across the data-parallel group before each step.
+It holds this rank's piece of the model (``rayhf.parallel.ShardedModel``: its pipeline stage,
+its tensor-parallel shards), the optimizer over that piece, and the rank's process groups.
+Algorithms see it through ``rayhf.algorithms.interface.ModelEngine``: padded forward passes
+(packed inside), generation, and ``train`` over minibatches. Every rank of a data-parallel
+replica runs the same algorithm code on the same batch and gets the same outputs; gradients are
+averaged over the replicas before each optimizer step, and the clipping norm is taken over the
+whole model (all tp shards, all pp stages).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,8 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel
 
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.native import GenerateOutput, GenerationConfig, generate
-from rayhf.models.hf import per_token_values
+from rayhf.engines.native import GenerateOutput, GenerationConfig
+from rayhf.models.sharding import embedding_name, join_shards, take_shard
+from rayhf.models.spec import model_spec
+from rayhf.parallel.generate import generate
+from rayhf.parallel.groups import ParallelGroups, single
+from rayhf.parallel.model import ShardedModel
+from rayhf.parallel.pipeline import Pipeline
 
 LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
 
@@ -32,10 +41,11 @@ class OptimizerConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, gt=0)  # max global grad norm
+    zero1: bool = False  # shard optimizer state over the data-parallel replicas (ZeRO stage 1)
 
 
 class TorchEngine:
-    """Model + optimizer of one rank; ``dp_group`` is None when the role has one replica."""
+    """This rank's model piece + optimizer; ``model`` is None for a function-valued role."""
 
     def __init__(
         self,
@@ -43,24 +53,29 @@ class TorchEngine:
         tokenizer,
         value_head: bool,
         optimizer: OptimizerConfig | None,
-        dp_group: dist.ProcessGroup | None = None,
+        groups: ParallelGroups | None = None,
+        n_mbs: int = 1,
     ) -> None:
-        self.model = model
         self.tokenizer = tokenizer
         self.value_head = value_head
-        self.dp_group = dp_group
+        self.groups = groups or single()
         self.optim_cfg = optimizer
         self.optimizer: torch.optim.Optimizer | None = None
-        if model is not None and optimizer is not None:
-            self.optimizer = torch.optim.AdamW(
-                model.parameters(),
-                lr=optimizer.lr,
-                betas=optimizer.betas,
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-            )
-        if model is not None:
-            model.train(False)
+        self.model: ShardedModel | None = None
+        self.hf_config = None
+        if model is None:
+            return
+        self.hf_config = model.config
+        spec = model_spec(model.config, value_head)
+        self.model = ShardedModel(spec, self.groups, model.state_dict())
+        self.model.train(False)
+        self.pipe = Pipeline(self.model, self.groups, n_mbs)
+        if optimizer is not None:
+            self.optimizer = _make_optimizer(self.model, optimizer, self.groups)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.groups.dp_group
 
     @property
     def pad_id(self) -> int:
@@ -71,18 +86,23 @@ class TorchEngine:
         return int(self.tokenizer.eos_token_id)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, V]`` (LM) or values ``[B, T]`` (value head)."""
+        """Logits ``[B, T, V]`` (LM) or values ``[B, T]`` (value head) of right-padded rows.
+
+        Rows are packed (padding dropped) for the model; padded positions of the result are 0.
+        """
         assert self.model is not None, "forward on a role without a model"
-        if self.value_head:
-            return per_token_values(self.model, input_ids, attention_mask)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        keep = attention_mask.bool()
+        lengths = keep.sum(dim=1).tolist()
+        out = self.pipe.forward(input_ids[keep], lengths)
+        padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
+        return padded.index_put((keep.nonzero(as_tuple=True)), out)
 
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
     ) -> GenerateOutput:
         assert self.model is not None, "generate on a role without a model"
         gen = torch.Generator().manual_seed(seed)
-        return generate(self.model, prompts, cfg, self.eos_id, self.pad_id, gen)
+        return generate(self.pipe, prompts, cfg, self.eos_id, self.pad_id, gen)
 
     def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step per minibatch; returns the mean of each stat over minibatches.
@@ -91,24 +111,31 @@ class TorchEngine:
         passes an empty batch and contributes zero gradient), so the all-reduces line up.
         """
         assert self.model is not None and self.optimizer is not None, "train on a frozen role"
+        assert self.optim_cfg is not None
         self.model.train(True)
+        self.pipe.record = True
         totals: dict[str, float] = {}
-        for mb in minibatches:
-            self.optimizer.zero_grad(set_to_none=False)
-            if mb.n_samples > 0:
-                loss, stats = loss_fn(mb)
-                loss.backward()
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v / len(minibatches)
-            self._all_reduce_grads()
-            assert self.optim_cfg is not None
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(norm) / len(minibatches)
-            self.optimizer.step()
-        self.model.train(False)
+        try:
+            for mb in minibatches:
+                self.optimizer.zero_grad(set_to_none=False)
+                if mb.n_samples > 0:
+                    loss, stats = loss_fn(mb)
+                    loss.backward()
+                    self.pipe.backward_pending()
+                    for k, v in stats.items():
+                        totals[k] = totals.get(k, 0.0) + v / len(minibatches)
+                self._all_reduce_grads()
+                norm = self._clip_grads(self.optim_cfg.grad_clip)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm / len(minibatches)
+                self.optimizer.step()
+        finally:
+            self.pipe.record = False
+            self.pipe.pending.clear()
+            self.model.train(False)
         return self.all_reduce_mean(totals)
 
     def _all_reduce_grads(self) -> None:
+        """Average gradients over the data-parallel replicas (one flat all-reduce)."""
         if self.dp_group is None:
             return
         assert self.model is not None
@@ -123,6 +150,36 @@ class TorchEngine:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def _clip_grads(self, max_norm: float) -> float:
+        """Scale gradients so the whole model's gradient norm is at most ``max_norm``.
+
+        A tp-replicated parameter has the same gradient on every tp rank, so it is counted once.
+        """
+        assert self.model is not None
+        sharded = torch.zeros((), dtype=torch.float32)
+        replicated = torch.zeros((), dtype=torch.float32)
+        params = dict(self.model.local_state())
+        for name, p in params.items():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().float().pow(2).sum()
+            if self.model.shards[name].tp_dim is None or self.groups.tp == 1:
+                replicated += sq
+            else:
+                sharded += sq
+        if self.groups.tp_group is not None:
+            dist.all_reduce(sharded, group=self.groups.tp_group)
+        total = sharded + replicated
+        if self.groups.pp_group is not None:
+            dist.all_reduce(total, group=self.groups.pp_group)
+        norm = float(total.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
 
     def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
         """Mean of each value over the dp ranks (identity with one replica)."""
@@ -147,3 +204,72 @@ class TorchEngine:
             t = t.clone()
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
         return t
+
+    def local_bytes(self) -> int:
+        """Bytes of the parameters this rank holds."""
+        assert self.model is not None
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's Hugging Face state dict, gathered over this replica's tp and pp
+        ranks (a collective: every rank of the replica calls it)."""
+        assert self.model is not None
+        local = {k: v.detach().cpu() for k, v in self.model.local_state().items()}
+        stage = local
+        if self.groups.tp_group is not None:
+            parts: list = [None] * self.groups.tp
+            dist.all_gather_object(parts, local, group=self.groups.tp_group)
+            stage = {k: join_shards([p[k] for p in parts], self.model.shards[k]) for k in local}
+        full = dict(stage)
+        if self.groups.pp_group is not None:
+            stages: list = [None] * self.groups.pp
+            dist.all_gather_object(stages, stage, group=self.groups.pp_group)
+            full = {k: v for s in stages for k, v in s.items()}
+        if self.model.spec.tied:
+            full["lm_head.weight"] = full[embedding_name(self.model.spec)]
+        return full
+
+    def load_full_state(self, full: dict[str, torch.Tensor]) -> int:
+        """Keep this rank's shards of a whole-model state dict; returns the bytes kept."""
+        assert self.model is not None
+        c, kept = self.groups.coords, 0
+        with torch.no_grad():
+            for name, p in self.model.local_state().items():
+                shard = take_shard(full[name], self.model.shards[name], self.groups.tp, c.tp_rank)
+                p.copy_(shard)
+                kept += shard.numel() * shard.element_size()
+        return kept
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """Write the whole model in Hugging Face format (collective; the head rank writes)."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        full = self.full_state()
+        if not self.groups.is_head:
+            return
+        cls = AutoModelForSequenceClassification if self.value_head else AutoModelForCausalLM
+        hf = cls.from_config(self.hf_config)
+        hf.load_state_dict(full, strict=True)
+        hf.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+
+
+def _make_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, groups: ParallelGroups
+) -> torch.optim.Optimizer:
+    kwargs = {
+        "lr": cfg.lr,
+        "betas": cfg.betas,
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.zero1 and groups.dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            list(model.parameters()),
+            optimizer_class=torch.optim.AdamW,
+            process_group=groups.dp_group,
+            **kwargs,
+        )
+    return torch.optim.AdamW(model.parameters(), **kwargs)

@@ -63,6 +63,10 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
             n_head=init.n_heads,
             n_inner=init.intermediate_size,
             n_positions=init.max_positions,
+            tie_word_embeddings=False,  # pipeline stages hold embedding and head apart
+            resid_pdrop=0.0,  # no dropout: RLHF log-probs must be reproducible
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
             pad_token_id=pad_id,
             bos_token_id=bos_id,
             eos_token_id=eos_id,

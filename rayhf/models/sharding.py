@@ -1,0 +1,237 @@
+"""How every parameter of a supported model splits under tp and groups into pp stages.
+
+This is data, kept in one place: the parallel runtime reads it to build each rank's shard, and
+reallocation reads it to know which slice of a parameter lives on which device.
+
+- tp: a ``ParamShard`` names the tensor dim that splits (``tp_dim``), or None for a replicated
+  parameter (norms, biases added after a row-parallel reduce, GPT-2's position table, the value
+  head). Column-parallel weights split their output dim, row-parallel ones their input dim (GPT-2's
+  ``Conv1D`` stores weights as ``[in, out]``, so its dims are the other way round). Embedding and
+  LM head split the vocabulary. A fused parameter (GPT-2's ``c_attn`` = q|k|v) splits each of its
+  ``fused`` blocks and concatenates the pieces, so a rank holds whole heads of q, k and v.
+  Chunks follow ``torch.tensor_split``: sizes differ by at most one (an odd vocabulary is fine);
+  head dims are checked to divide evenly in ``check_layout``.
+- pp: parameters belong to *units*: 0 = embeddings, 1..L = decoder layers, L+1 = final norm and
+  head. ``stage_layers`` cuts the layers into contiguous stages balanced by parameter count,
+  stage 0 holding the embeddings and the last stage the head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rayhf.errors import RayhfError
+from rayhf.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One Hugging Face parameter: its shape, its tp split, and its pp unit."""
+
+    name: str  # the Hugging Face state-dict key
+    shape: tuple[int, ...]
+    tp_dim: int | None  # None = every tp rank holds all of it
+    unit: int  # 0 embeddings, 1..n_layers decoder layers, n_layers + 1 final norm + head
+    fused: int = 1  # blocks along tp_dim that split separately (q|k|v)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
+    h, q_out, kv_out = spec.hidden_size, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    inter, unit, p = spec.intermediate_size, i + 1, f"{spec.prefix}.layers.{i}"
+    out = [
+        ParamShard(f"{p}.input_layernorm.weight", (h,), None, unit),
+        ParamShard(f"{p}.self_attn.q_proj.weight", (q_out, h), 0, unit),
+        ParamShard(f"{p}.self_attn.k_proj.weight", (kv_out, h), 0, unit),
+        ParamShard(f"{p}.self_attn.v_proj.weight", (kv_out, h), 0, unit),
+        ParamShard(f"{p}.self_attn.o_proj.weight", (h, q_out), 1, unit),
+        ParamShard(f"{p}.post_attention_layernorm.weight", (h,), None, unit),
+        ParamShard(f"{p}.mlp.gate_proj.weight", (inter, h), 0, unit),
+        ParamShard(f"{p}.mlp.up_proj.weight", (inter, h), 0, unit),
+        ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit),
+    ]
+    if spec.qkv_bias:
+        out += [
+            ParamShard(f"{p}.self_attn.q_proj.bias", (q_out,), 0, unit),
+            ParamShard(f"{p}.self_attn.k_proj.bias", (kv_out,), 0, unit),
+            ParamShard(f"{p}.self_attn.v_proj.bias", (kv_out,), 0, unit),
+        ]
+    if spec.o_bias:
+        out.append(ParamShard(f"{p}.self_attn.o_proj.bias", (h,), None, unit))
+    if spec.mlp_bias:
+        out += [
+            ParamShard(f"{p}.mlp.gate_proj.bias", (inter,), 0, unit),
+            ParamShard(f"{p}.mlp.up_proj.bias", (inter,), 0, unit),
+            ParamShard(f"{p}.mlp.down_proj.bias", (h,), None, unit),
+        ]
+    return out
+
+
+def _gpt2_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
+    h, inter, unit, p = spec.hidden_size, spec.intermediate_size, i + 1, f"transformer.h.{i}"
+    return [
+        ParamShard(f"{p}.ln_1.weight", (h,), None, unit),
+        ParamShard(f"{p}.ln_1.bias", (h,), None, unit),
+        ParamShard(f"{p}.attn.c_attn.weight", (h, 3 * h), 1, unit, fused=3),
+        ParamShard(f"{p}.attn.c_attn.bias", (3 * h,), 0, unit, fused=3),
+        ParamShard(f"{p}.attn.c_proj.weight", (h, h), 0, unit),
+        ParamShard(f"{p}.attn.c_proj.bias", (h,), None, unit),
+        ParamShard(f"{p}.ln_2.weight", (h,), None, unit),
+        ParamShard(f"{p}.ln_2.bias", (h,), None, unit),
+        ParamShard(f"{p}.mlp.c_fc.weight", (h, inter), 1, unit),
+        ParamShard(f"{p}.mlp.c_fc.bias", (inter,), 0, unit),
+        ParamShard(f"{p}.mlp.c_proj.weight", (inter, h), 0, unit),
+        ParamShard(f"{p}.mlp.c_proj.bias", (h,), None, unit),
+    ]
+
+
+def param_shards(spec: ModelSpec) -> list[ParamShard]:
+    """Every parameter of the model, in unit order."""
+    v, h, last = spec.vocab_size, spec.hidden_size, spec.n_layers + 1
+    gpt2 = spec.family == "gpt2"
+    out = [ParamShard(f"{spec.prefix}.{'wte' if gpt2 else 'embed_tokens'}.weight", (v, h), 0, 0)]
+    if gpt2:
+        out.append(ParamShard("transformer.wpe.weight", (spec.max_positions, h), None, 0))
+    layer = _gpt2_layer if gpt2 else _llama_layer
+    for i in range(spec.n_layers):
+        out += layer(spec, i)
+    if gpt2:
+        out += [
+            ParamShard("transformer.ln_f.weight", (h,), None, last),
+            ParamShard("transformer.ln_f.bias", (h,), None, last),
+        ]
+    else:
+        out.append(ParamShard("model.norm.weight", (h,), None, last))
+    if spec.value_head:
+        out.append(ParamShard("score.weight", (1, h), None, last))
+    elif not spec.tied:
+        out.append(ParamShard("lm_head.weight", (v, h), 0, last))
+    return out
+
+
+def embedding_name(spec: ModelSpec) -> str:
+    return f"{spec.prefix}.{'wte' if spec.family == 'gpt2' else 'embed_tokens'}.weight"
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` when ``size`` splits like ``torch.tensor_split``."""
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def shard_ranges(p: ParamShard, tp: int, tp_rank: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges along ``p.tp_dim`` that ``tp_rank`` holds (one per block)."""
+    assert p.tp_dim is not None
+    block = p.shape[p.tp_dim] // p.fused
+    ranges = []
+    for b in range(p.fused):
+        lo, hi = chunk_bounds(block, tp, tp_rank)
+        ranges.append((b * block + lo, b * block + hi))
+    return ranges
+
+
+def take_shard(full: torch.Tensor, p: ParamShard, tp: int, tp_rank: int) -> torch.Tensor:
+    """The slice of ``full`` that ``tp_rank`` of ``tp`` holds (a copy, contiguous)."""
+    if p.tp_dim is None or tp == 1:
+        return full.detach().clone()
+    pieces = [full.narrow(p.tp_dim, lo, hi - lo) for lo, hi in shard_ranges(p, tp, tp_rank)]
+    return torch.cat(pieces, dim=p.tp_dim).contiguous()
+
+
+def join_shards(shards: list[torch.Tensor], p: ParamShard) -> torch.Tensor:
+    """The full parameter from every tp rank's shard, in tp-rank order."""
+    if p.tp_dim is None or len(shards) == 1:
+        return shards[0].clone()
+    tp = len(shards)
+    blocks: list[list[torch.Tensor]] = [[] for _ in range(p.fused)]
+    for rank, shard in enumerate(shards):
+        sizes = [hi - lo for lo, hi in shard_ranges(p, tp, rank)]
+        for b, piece in enumerate(torch.split(shard, sizes, dim=p.tp_dim)):
+            blocks[b].append(piece)
+    return torch.cat([piece for block in blocks for piece in block], dim=p.tp_dim)
+
+
+def stage_layers(spec: ModelSpec, pp: int) -> list[range]:
+    """Contiguous decoder layers per stage, minimizing the largest stage's parameter count."""
+    if pp > spec.n_layers:
+        raise RayhfError(f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers")
+    unit_size = [0] * (spec.n_layers + 2)
+    for p in param_shards(spec):
+        unit_size[p.unit] += p.numel
+    layer, first, last = unit_size[1:-1], unit_size[0], unit_size[-1]
+    n = spec.n_layers
+    prefix = [0]
+    for s in layer:
+        prefix.append(prefix[-1] + s)
+    # best[k][i]: smallest max-stage size cutting layers[:i] into k stages (stage 0 + embeddings).
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    for i in range(1, n + 1):
+        best[1][i] = first + prefix[i]
+    for k in range(2, pp + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                stage = prefix[i] - prefix[j] + (last if (k == pp and i == n) else 0)
+                cost = max(best[k - 1][j], stage)
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    if pp == 1:
+        return [range(0, n)]
+    bounds, i = [n], n
+    for k in range(pp, 1, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+def stage_units(spec: ModelSpec, pp: int, pp_rank: int) -> set[int]:
+    """The units (see module doc) that stage ``pp_rank`` of ``pp`` holds."""
+    layers = stage_layers(spec, pp)[pp_rank]
+    units = {i + 1 for i in layers}
+    if pp_rank == 0:
+        units.add(0)
+    if pp_rank == pp - 1:
+        units.add(spec.n_layers + 1)
+    return units
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int) -> str | None:
+    """Why ``tp x pp`` cannot hold this model, or None if it can."""
+    if tp > spec.n_heads:
+        return f"tp={tp} is larger than the model's {spec.n_heads} attention heads"
+    if spec.n_heads % tp:
+        return f"tp={tp} does not divide the model's {spec.n_heads} attention heads"
+    if spec.n_kv_heads % tp:
+        return f"tp={tp} does not divide the model's {spec.n_kv_heads} key/value heads"
+    if tp > spec.vocab_size or tp > spec.intermediate_size:
+        return f"tp={tp} is larger than the vocabulary or the MLP width"
+    if pp > spec.n_layers:
+        return f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers"
+    if spec.tied and pp > 1:
+        return f"pp={pp} with tied input/output embeddings is not supported; use pp=1"
+    return None
+
+
+def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int) -> int:
+    """Parameter elements one device holds under ``tp x pp``."""
+    units = stage_units(spec, pp, pp_rank)
+    total = 0
+    for p in param_shards(spec):
+        if p.unit not in units:
+            continue
+        if p.tp_dim is None:
+            total += p.numel
+        else:
+            held = sum(hi - lo for lo, hi in shard_ranges(p, tp, tp_rank))
+            total += p.numel // p.shape[p.tp_dim] * held
+    return total

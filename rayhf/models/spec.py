@@ -1,0 +1,110 @@
+"""The shape of a supported Hugging Face model, read once from its config.
+
+Everything that shards, stages or runs a model reads a ``ModelSpec`` rather than the Hugging
+Face config, so the four families (Llama, Qwen2, Mistral, GPT-2) differ in one place: here
+(sizes, norms, position encoding, biases) and in ``sharding`` (parameter names and split dims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rayhf.errors import RayhfError
+
+Family = Literal["llama", "qwen2", "mistral", "gpt2"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gpt2")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes and per-family switches of one causal LM (+ scalar head when ``value_head``)."""
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    norm_eps: float
+    act: str  # a key of transformers.activations.ACT2FN
+    rope_theta: float | None  # None = learned absolute positions (GPT-2)
+    qkv_bias: bool  # q/k/v projections have a bias
+    o_bias: bool  # attention output projection has a bias
+    mlp_bias: bool
+    sliding_window: int | None  # keys further back than this are masked (Mistral)
+    tied: bool  # the LM head is the token embedding
+    value_head: bool  # a ``score`` head with one output instead of the LM head
+
+    @property
+    def prefix(self) -> str:
+        """Where the backbone's parameters live in the Hugging Face state dict."""
+        return "transformer" if self.family == "gpt2" else "model"
+
+    @property
+    def head_name(self) -> str:
+        return "score.weight" if self.value_head else "lm_head.weight"
+
+
+def model_spec(config: Any, value_head: bool) -> ModelSpec:
+    """The spec of a Hugging Face config; unsupported families or features are refused."""
+    family = config.model_type
+    if family not in FAMILIES:
+        raise RayhfError(
+            f"model type '{family}' is not supported; use one of {', '.join(FAMILIES)}"
+        )
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
+    if family == "gpt2":
+        hidden = config.n_embd
+        return ModelSpec(
+            family="gpt2",
+            vocab_size=config.vocab_size,
+            hidden_size=hidden,
+            n_layers=config.n_layer,
+            n_heads=config.n_head,
+            n_kv_heads=config.n_head,
+            head_dim=hidden // config.n_head,
+            intermediate_size=config.n_inner or 4 * hidden,
+            max_positions=config.n_positions,
+            norm_eps=config.layer_norm_epsilon,
+            act=config.activation_function,
+            rope_theta=None,
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            sliding_window=None,
+            tied=tied,
+            value_head=value_head,
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise RayhfError(f"rope_type '{rope['rope_type']}' is not supported; use default RoPE")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    window = None
+    if family == "mistral" or getattr(config, "use_sliding_window", False):
+        window = getattr(config, "sliding_window", None)
+    return ModelSpec(
+        family=family,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=getattr(config, "head_dim", None)
+        or config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        max_positions=config.max_position_embeddings,
+        norm_eps=config.rms_norm_eps,
+        act=config.hidden_act,
+        rope_theta=float(theta),
+        qkv_bias=family == "qwen2" or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        sliding_window=window,
+        tied=tied,
+        value_head=value_head,
+    )

@@ -1,0 +1,121 @@
+"""The process groups of one layout, built inside the processes that hold it.
+
+A layout of ``dp x pp x tp`` ranks orders them with tp innermost (tensor-parallel peers are
+neighbouring devices, where the fastest links are), then pp, then dp::
+
+    rank = base + (dp_rank * pp + pp_rank) * tp + tp_rank
+
+Every process of the world calls ``build_groups`` with the same arguments except ``rank``
+(``torch.distributed.new_group`` is collective over the whole world, members or not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Coords:
+    """A rank's place on the three named mesh axes."""
+
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+
+
+@dataclass
+class ParallelGroups:
+    """The groups of one rank. Axes: ``dp`` (replicas, gradient all-reduce), ``pp`` (stages,
+    activations point to point), ``tp`` (shards of one layer, all-reduce/all-gather).
+
+    A group is None when its axis has size 1, so single-process code never touches
+    ``torch.distributed``.
+    """
+
+    dp: int
+    pp: int
+    tp: int
+    coords: Coords
+    dp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, stage order
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp_rank == self.pp - 1
+
+    @property
+    def is_head(self) -> bool:
+        """The rank that reports its replica's results (tp 0, stage 0)."""
+        return self.coords.pp_rank == 0 and self.coords.tp_rank == 0
+
+
+def single() -> ParallelGroups:
+    """The groups of a lone process (dp = tp = pp = 1)."""
+    return ParallelGroups(1, 1, 1, Coords(0, 0, 0), None, None, None, (0,))
+
+
+def layout_rank(dp_rank: int, pp_rank: int, tp_rank: int, pp: int, tp: int) -> int:
+    return (dp_rank * pp + pp_rank) * tp + tp_rank
+
+
+def coords_of(rank: int, pp: int, tp: int) -> Coords:
+    return Coords(rank // (pp * tp), rank // tp % pp, rank % tp)
+
+
+def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> ParallelGroups:
+    """Create the dp, pp and tp groups of a layout whose ranks are ``base .. base+dp*tp*pp-1``.
+
+    ``rank`` is this process's global rank; it need not belong to the layout (it must still call,
+    since group creation is collective); then the returned groups are all None.
+    """
+    size = dp * tp * pp
+    assert dist.is_initialized() or size == 1, "build_groups needs torch.distributed"
+    assert base + size <= (dist.get_world_size() if dist.is_initialized() else 1)
+    local = rank - base
+    member = 0 <= local < size
+    coords = coords_of(local, pp, tp) if member else Coords(-1, -1, -1)
+    mine: dict[str, dist.ProcessGroup | None] = {"dp": None, "pp": None, "tp": None}
+    pp_ranks: tuple[int, ...] = (rank,)
+    for axis, n, lines in (
+        ("dp", dp, _lines(dp, pp, tp, "dp")),
+        ("pp", pp, _lines(dp, pp, tp, "pp")),
+        ("tp", tp, _lines(dp, pp, tp, "tp")),
+    ):
+        if n == 1:
+            continue
+        for line in lines:
+            ranks = [base + r for r in line]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = group
+                if axis == "pp":
+                    pp_ranks = tuple(ranks)
+    return ParallelGroups(
+        dp, pp, tp, coords, mine["dp"], mine["pp"], mine["tp"], pp_ranks if member else ()
+    )
+
+
+def _lines(dp: int, pp: int, tp: int, axis: str) -> list[list[int]]:
+    """Every set of layout ranks that differ only along ``axis``."""
+    out = []
+    if axis == "dp":
+        for p in range(pp):
+            for t in range(tp):
+                out.append([layout_rank(d, p, t, pp, tp) for d in range(dp)])
+    elif axis == "pp":
+        for d in range(dp):
+            for t in range(tp):
+                out.append([layout_rank(d, p, t, pp, tp) for p in range(pp)])
+    else:
+        for d in range(dp):
+            for p in range(pp):
+                out.append([layout_rank(d, p, t, pp, tp) for t in range(tp)])
+    return out

@@ -1,0 +1,169 @@
+"""One rank's piece of a causal LM: its pipeline stage's layers, its tensor-parallel shards.
+
+Parameters keep their Hugging Face names (``model.layers.3.mlp.up_proj.weight``) and hold the
+slice ``rayhf.models.sharding`` assigns to this rank, so checkpoints and reallocation need no
+renaming. The forward pass is written once for the four families; it mirrors the Hugging Face
+modules operation by operation, so fp32 results match a single-process Hugging Face model to
+rounding. Stage 0 maps token ids to hidden states; the last stage maps hidden states to logits
+(or, with a value head, one value per token); the stages between map hidden to hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from rayhf.models.sharding import (
+    ParamShard,
+    chunk_bounds,
+    embedding_name,
+    param_shards,
+    stage_layers,
+    stage_units,
+    take_shard,
+)
+from rayhf.models.spec import ModelSpec
+from rayhf.parallel.attention import KVCache, TokenLayout, attention, rope
+from rayhf.parallel.groups import ParallelGroups
+from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class ShardedModel(torch.nn.Module):
+    def __init__(self, spec: ModelSpec, groups: ParallelGroups, full: Mapping[str, torch.Tensor]):
+        """Keep this rank's shards of the full Hugging Face state dict ``full``."""
+        super().__init__()
+        self.spec, self.groups = spec, groups
+        tp, c = groups.tp, groups.coords
+        self.layers = stage_layers(spec, groups.pp)[c.pp_rank]
+        units = stage_units(spec, groups.pp, c.pp_rank)
+        self.shards: dict[str, ParamShard] = {
+            p.name: p for p in param_shards(spec) if p.unit in units
+        }
+        for name, p in self.shards.items():
+            local = take_shard(full[name].float(), p, tp, c.tp_rank)
+            self.register_parameter(_key(name), torch.nn.Parameter(local))
+        self.n_heads = spec.n_heads // tp
+        self.n_kv_heads = spec.n_kv_heads // tp
+        self.vocab_range = chunk_bounds(spec.vocab_size, tp, c.tp_rank)
+        self.act = ACT2FN[spec.act]
+
+    def w(self, name: str) -> torch.Tensor:
+        return getattr(self, _key(name))
+
+    def b(self, name: str) -> torch.Tensor | None:
+        return getattr(self, _key(name), None)
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shards under their Hugging Face names."""
+        return {name: self.w(name) for name in self.shards}
+
+    def new_cache(self, n_rows: int, capacity: int) -> KVCache:
+        return KVCache(n_rows, capacity, self.n_kv_heads, self.spec.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        where: TokenLayout,
+        cache: KVCache | None = None,
+        select: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids ``[n]`` (first stage) or hidden ``[n, h]`` -> hidden, or logits/values.
+
+        ``select`` (token indices) keeps only those tokens' outputs on the last stage, so a
+        prefill computes the LM head for each row's last token only.
+        """
+        if self.groups.is_first_stage:
+            x = self.embed(x, where.positions)
+        for i in self.layers:
+            x = self.layer(x, i, where, cache)
+        if self.groups.is_last_stage:
+            x = self.head(x if select is None else x[select])
+        return x
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: rows outside this rank's range give 0, then sum over tp."""
+        lo, hi = self.vocab_range
+        table = self.w(embedding_name(self.spec))
+        inside = (ids >= lo) & (ids < hi)
+        local = F.embedding((ids - lo).clamp(0, hi - lo - 1), table) * inside[:, None]
+        x = reduce_from_tp(local, self.groups.tp_group)
+        if self.spec.family == "gpt2":
+            x = x + F.embedding(positions, self.w("transformer.wpe.weight"))
+        return x
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.spec.family == "gpt2":
+            return F.layer_norm(
+                x, x.shape[-1:], self.w(f"{name}.weight"), self.b(f"{name}.bias"),
+                self.spec.norm_eps,
+            )  # fmt: skip
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.w(f"{name}.weight") * (x * torch.rsqrt(variance + self.spec.norm_eps))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        gpt2 = self.spec.family == "gpt2"
+        x = self.norm(x, "transformer.ln_f" if gpt2 else "model.norm")
+        if self.spec.value_head:
+            return (x @ self.w("score.weight").T).squeeze(-1)
+        table = self.w(embedding_name(self.spec) if self.spec.tied else "lm_head.weight")
+        logits = copy_to_tp(x, self.groups.tp_group) @ table.T
+        return gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
+
+    def layer(
+        self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None
+    ) -> torch.Tensor:
+        if self.spec.family == "gpt2":
+            p = f"transformer.h.{i}"
+            x = x + self.gpt2_attention(self.norm(x, f"{p}.ln_1"), i, where, cache)
+            return x + self.gpt2_mlp(self.norm(x, f"{p}.ln_2"), p)
+        p = f"model.layers.{i}"
+        x = x + self.llama_attention(self.norm(x, f"{p}.input_layernorm"), i, where, cache)
+        return x + self.llama_mlp(self.norm(x, f"{p}.post_attention_layernorm"), p)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        out = reduce_from_tp(x @ weight, self.groups.tp_group)
+        return out if bias is None else out + bias
+
+    def llama_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
+        p, d = f"model.layers.{i}.self_attn", self.spec.head_dim
+        h = copy_to_tp(h, self.groups.tp_group)
+        q = F.linear(h, self.w(f"{p}.q_proj.weight"), self.b(f"{p}.q_proj.bias"))
+        k = F.linear(h, self.w(f"{p}.k_proj.weight"), self.b(f"{p}.k_proj.bias"))
+        v = F.linear(h, self.w(f"{p}.v_proj.weight"), self.b(f"{p}.v_proj.bias"))
+        q = q.view(-1, self.n_heads, d)
+        k = k.view(-1, self.n_kv_heads, d)
+        v = v.view(-1, self.n_kv_heads, d)
+        assert self.spec.rope_theta is not None
+        q = rope(q, where.positions, self.spec.rope_theta)
+        k = rope(k, where.positions, self.spec.rope_theta)
+        out = attention(q, k, v, where, self.spec.sliding_window, cache, i).flatten(1)
+        return self._row_parallel(out, self.w(f"{p}.o_proj.weight").T, self.b(f"{p}.o_proj.bias"))
+
+    def llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        h = copy_to_tp(h, self.groups.tp_group)
+        gate = F.linear(h, self.w(f"{p}.mlp.gate_proj.weight"), self.b(f"{p}.mlp.gate_proj.bias"))
+        up = F.linear(h, self.w(f"{p}.mlp.up_proj.weight"), self.b(f"{p}.mlp.up_proj.bias"))
+        down = self.w(f"{p}.mlp.down_proj.weight").T
+        return self._row_parallel(self.act(gate) * up, down, self.b(f"{p}.mlp.down_proj.bias"))
+
+    def gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
+        p, d = f"transformer.h.{i}.attn", self.spec.head_dim
+        h = copy_to_tp(h, self.groups.tp_group)
+        qkv = h @ self.w(f"{p}.c_attn.weight") + self.w(f"{p}.c_attn.bias")
+        q, k, v = (t.reshape(-1, self.n_heads, d) for t in qkv.chunk(3, dim=-1))
+        out = attention(q, k, v, where, None, cache, i).flatten(1)
+        return self._row_parallel(out, self.w(f"{p}.c_proj.weight"), self.w(f"{p}.c_proj.bias"))
+
+    def gpt2_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        h = copy_to_tp(h, self.groups.tp_group)
+        inner = self.act(h @ self.w(f"{p}.mlp.c_fc.weight") + self.w(f"{p}.mlp.c_fc.bias"))
+        return self._row_parallel(
+            inner, self.w(f"{p}.mlp.c_proj.weight"), self.w(f"{p}.mlp.c_proj.bias")
+        )

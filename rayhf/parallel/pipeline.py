@@ -1,0 +1,146 @@
+"""Pipeline-parallel execution of a ``ShardedModel`` stage: forward, backward, one decode step.
+
+Forward (GPipe over micro-batches): the rows of a batch are cut into ``n_mbs`` micro-batches;
+stage 0 embeds each and sends its hidden states on (asynchronously, so it starts the next
+micro-batch while stage 1 works), middle stages receive, compute and send, the last stage
+computes logits or values. The last stage then broadcasts the whole output to its pipeline, so
+every rank returns the same tensor and the algorithm code above runs unchanged on every rank.
+
+Backward: when training with pp > 1, the broadcast output is a fresh leaf on every rank; the loss
+(computed identically everywhere) fills its gradient, and ``backward_pending`` walks the
+micro-batches in reverse: the last stage back-propagates its slice of that gradient, sends the
+gradient of its input to the stage before, which back-propagates it, and so on to stage 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rayhf.parallel.attention import KVCache, TokenLayout
+from rayhf.parallel.groups import ParallelGroups
+from rayhf.parallel.model import ShardedModel
+
+
+@dataclass
+class _Pending:
+    """One training forward whose backward still has to cross the stages."""
+
+    inputs: list[torch.Tensor]  # per micro-batch: what the stage received (leaf) or ids
+    outputs: list[torch.Tensor]  # per micro-batch: what the stage produced
+    bounds: list[tuple[int, int]]  # per micro-batch: its token range in the broadcast output
+    output: torch.Tensor  # the broadcast output leaf the loss was computed from
+
+
+def split_rows(n_rows: int, n_mbs: int) -> list[range]:
+    """Contiguous row ranges of (at most) ``n_mbs`` non-empty micro-batches."""
+    n = max(1, min(n_mbs, n_rows))
+    base, extra = divmod(n_rows, n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class Pipeline:
+    def __init__(self, model: ShardedModel, groups: ParallelGroups, n_mbs: int = 1) -> None:
+        self.model, self.groups, self.n_mbs = model, groups, n_mbs
+        self.pending: list[_Pending] = []
+        self.record = False  # set by the engine while training: keep graphs for backward
+        rank = groups.coords.pp_rank
+        self.prev = groups.pp_ranks[rank - 1] if rank > 0 else None
+        self.next = groups.pp_ranks[rank + 1] if rank + 1 < groups.pp else None
+        self.last = groups.pp_ranks[-1]
+
+    def out_shape(self, n_tokens: int) -> tuple[int, ...]:
+        spec = self.model.spec
+        return (n_tokens,) if spec.value_head else (n_tokens, spec.vocab_size)
+
+    def forward(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Packed token ids of rows with ``lengths`` -> packed logits ``[n, V]`` or values ``[n]``."""
+        if self.groups.pp == 1:
+            return self.model(ids, TokenLayout.packed(lengths))
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        inputs, outputs, bounds, sends = [], [], [], []
+        keep = self.record and torch.is_grad_enabled()
+        for tag, rows in enumerate(split_rows(len(lengths), self.n_mbs)):
+            lo, hi = offsets[rows.start], offsets[rows.stop]
+            where = TokenLayout.packed(lengths[rows.start : rows.stop])
+            x = ids[lo:hi] if self.prev is None else self._recv((hi - lo, self._hidden), self.prev, tag)
+            if keep and self.prev is not None:
+                x.requires_grad_(True)
+            y = self.model(x, where)
+            if self.next is not None:
+                sends.append(self._isend(y.detach(), self.next, tag))
+            inputs.append(x)
+            outputs.append(y)
+            bounds.append((lo, hi))
+        for s in sends:
+            s.wait()
+        out = torch.cat(outputs) if self.next is None else torch.empty(self.out_shape(len(ids)))
+        out = self.broadcast(out.detach() if keep else out)
+        if keep:
+            out.requires_grad_(True)
+            self.pending.append(_Pending(inputs, outputs, bounds, out))
+        return out
+
+    def backward_pending(self) -> None:
+        """Carry the loss gradient of every recorded forward back through the stages."""
+        for pend in reversed(self.pending):
+            if pend.output.grad is None:  # the loss did not use this forward (same on every rank)
+                continue
+            sends = []
+            for tag in reversed(range(len(pend.outputs))):
+                y = pend.outputs[tag]
+                if self.next is None:
+                    lo, hi = pend.bounds[tag]
+                    grad = pend.output.grad[lo:hi]
+                else:
+                    grad = self._recv(tuple(y.shape), self.next, tag)
+                torch.autograd.backward(y, grad)
+                if self.prev is not None:
+                    x = pend.inputs[tag]
+                    assert x.grad is not None
+                    sends.append(self._isend(x.grad, self.prev, tag))
+            for s in sends:
+                s.wait()
+        self.pending.clear()
+
+    def step(
+        self, x: torch.Tensor, where: TokenLayout, cache: KVCache, select: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One cached forward (prefill or decode); the last stage returns logits at ``select``."""
+        if self.prev is not None:
+            x = self._recv((len(where.rows), self._hidden), self.prev, 0)
+        y = self.model(x, where, cache, select=select)
+        if self.next is not None:
+            self._isend(y, self.next, 0).wait()
+            return None
+        return y
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``t`` on every stage (``t`` elsewhere is a buffer of the right shape)."""
+        if self.groups.pp > 1:
+            t = t.contiguous()
+            dist.broadcast(t, src=self.last, group=self.groups.pp_group)
+        return t
+
+    @property
+    def _hidden(self) -> int:
+        return self.model.spec.hidden_size
+
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape)
+        dist.recv(buf, src=src, group=self.groups.pp_group, tag=tag)
+        return buf
+
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        work = dist.isend(t.contiguous(), dst=dst, group=self.groups.pp_group, tag=tag)
+        assert work is not None
+        return work
