@@ -44,7 +44,7 @@ def test_sigkill_then_resume(ray_cluster, tmp_path):
     final = run_dir / "checkpoints" / "step_000012"
     assert json.loads((final / "state.json").read_text())["step"] == 12
     assert (final / "actor" / "config.json").is_file()
-    assert (final / "optim" / "actor.pt").is_file()
+    assert (final / "optim" / "actor.rank0.pt").is_file()
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
 

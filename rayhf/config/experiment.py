@@ -107,7 +107,7 @@ class ExperimentConfig(BaseModel):
     algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)  # by ``name``; default ppo
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    plan: PlanConfig = "auto"
+    plan: PlanConfig = "auto"  # "auto", call -> layout entries, or a YAML/JSON file of them
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     def resolved_run_dir(self) -> Path:
@@ -175,9 +175,25 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"{source}: config field {field}: {msg}{extra}{more}"
 
 
+def _inline_plan_file(raw: dict[str, Any]) -> dict[str, Any]:
+    """``plan: some/file.yaml`` -> the file's call -> layout mapping."""
+    plan = raw.get("plan")
+    if not isinstance(plan, str) or plan == "auto":
+        return raw
+    path = resolve_path(plan)
+    if not path.is_file():
+        raise RayhfError(f"plan: '{plan}' is neither 'auto' nor a plan file that exists")
+    try:
+        entries = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RayhfError(f"plan file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return {**raw, "plan": entries}
+
+
 def validate_config(raw: Any, source: str) -> ExperimentConfig:
     if not isinstance(raw, dict):
         raise RayhfError(f"{source}: the config must be a YAML mapping")
+    raw = _inline_plan_file(raw)
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:

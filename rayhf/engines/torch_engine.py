@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -257,7 +258,7 @@ class TorchEngine:
 def _make_optimizer(
     model: torch.nn.Module, cfg: OptimizerConfig, groups: ParallelGroups
 ) -> torch.optim.Optimizer:
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "lr": cfg.lr,
         "betas": cfg.betas,
         "eps": cfg.eps,

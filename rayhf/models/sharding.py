@@ -43,7 +43,8 @@ class ParamShard:
 
 
 def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
-    h, q_out, kv_out = spec.hidden_size, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    h = spec.hidden_size
+    q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     inter, unit, p = spec.intermediate_size, i + 1, f"{spec.prefix}.layers.{i}"
     out = [
         ParamShard(f"{p}.input_layernorm.weight", (h,), None, unit),

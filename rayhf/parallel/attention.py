@@ -38,7 +38,8 @@ class TokenLayout:
 
 
 class KVCache:
-    """Keys and values of this rank's layers (its stage, its tp heads), ``[rows, slots, heads, dim]``."""
+    """Keys and values of this rank's layers (its stage, its tp heads), each
+    ``[rows, slots, heads, dim]``."""
 
     def __init__(self, n_rows: int, capacity: int, n_kv_heads: int, head_dim: int) -> None:
         self.shape = (n_rows, capacity, n_kv_heads, head_dim)

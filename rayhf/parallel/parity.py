@@ -74,7 +74,7 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.
     return (-(logp * m).sum(1) / m.sum(1)).mean()
 
 
-def _grad_error(engine, ref_params: dict[str, torch.nn.Parameter]) -> float:
+def _grad_error(engine, ref_params: dict[str, Any]) -> float:
     """Max abs difference of this rank's (clipped, dp-averaged) gradient shards from the same
     slices of the reference gradients, over the largest reference gradient."""
     from rayhf.models.sharding import take_shard
@@ -105,18 +105,19 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     ref = _model(family, False)
     engine = TorchEngine(_model(family, False), _Tok(), False, opt, groups)
     with torch.no_grad():
-        logit_err = _rel(engine.forward(my_ids, my_mask)[keep], ref(input_ids=my_ids, attention_mask=my_mask).logits[keep])
+        want = ref(input_ids=my_ids, attention_mask=my_mask).logits
+        logit_err = _rel(engine.forward(my_ids, my_mask)[keep], want[keep])
     critic_ref = _model(family, True)
     critic = TorchEngine(_model(family, True), _Tok(), True, None, groups)
     with torch.no_grad():
-        value_err = _rel(
-            critic.forward(my_ids, my_mask)[keep], per_token_values(critic_ref, my_ids, my_mask)[keep]
-        )
+        want = per_token_values(critic_ref, my_ids, my_mask)
+        value_err = _rel(critic.forward(my_ids, my_mask)[keep], want[keep])
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
-    same_tokens = engine.generate(prompts, greedy, 0).tokens == hf_generate(
-        ref, prompts, greedy, EOS, PAD
-    ).tokens
+    same_tokens = (
+        engine.generate(prompts, greedy, 0).tokens
+        == hf_generate(ref, prompts, greedy, EOS, PAD).tokens
+    )
     # One optimizer step: the engine on its rows; the reference on all rows (dp averages).
     dummy = PackedBatch(list(range(rows.stop - rows.start)))
     engine.train([dummy], lambda _: (_loss(engine.forward(my_ids, my_mask), my_ids, my_mask), {}))
@@ -127,7 +128,8 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     grad_err = _grad_error(engine, dict(ref.named_parameters()))
     full = engine.full_state()
     step_err = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
-    moved = max(float((full[k] - v).abs().max()) for k, v in _model(family, False).state_dict().items())
+    before = _model(family, False).state_dict()
+    moved = max(float((full[k] - v).abs().max()) for k, v in before.items())
     return {
         "family": family,
         "dp": dp,

@@ -61,7 +61,7 @@ class Pipeline:
         return (n_tokens,) if spec.value_head else (n_tokens, spec.vocab_size)
 
     def forward(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Packed token ids of rows with ``lengths`` -> packed logits ``[n, V]`` or values ``[n]``."""
+        """Packed ids of rows of ``lengths`` tokens -> packed logits ``[n, V]``/values ``[n]``."""
         if self.groups.pp == 1:
             return self.model(ids, TokenLayout.packed(lengths))
         offsets = [0]
@@ -72,7 +72,10 @@ class Pipeline:
         for tag, rows in enumerate(split_rows(len(lengths), self.n_mbs)):
             lo, hi = offsets[rows.start], offsets[rows.stop]
             where = TokenLayout.packed(lengths[rows.start : rows.stop])
-            x = ids[lo:hi] if self.prev is None else self._recv((hi - lo, self._hidden), self.prev, tag)
+            if self.prev is None:
+                x = ids[lo:hi]
+            else:
+                x = self._recv((hi - lo, self._hidden), self.prev, tag)
             if keep and self.prev is not None:
                 x.requires_grad_(True)
             y = self.model(x, where)
@@ -125,7 +128,7 @@ class Pipeline:
         return y
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``t`` on every stage (``t`` elsewhere is a buffer of the right shape)."""
+        """The last stage's ``t`` on every stage (elsewhere ``t`` is a buffer of its shape)."""
         if self.groups.pp > 1:
             t = t.contiguous()
             dist.broadcast(t, src=self.last, group=self.groups.pp_group)

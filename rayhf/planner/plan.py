@@ -13,6 +13,8 @@ from typing import Literal
 
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph
+from rayhf.models.sharding import check_layout
+from rayhf.models.spec import ModelSpec
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.layout import Layout, LayoutSpec, layout_from_spec
 
@@ -75,13 +77,18 @@ def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Pla
                 f"plan: calls {', '.join(f'plan.{c}' for c in calls)} of role '{role}' must "
                 f"share one layout (reallocation between layouts is not available yet)"
             )
-    for name, lay in layouts.items():
-        if lay.tp > 1 or lay.pp > 1:
-            raise RayhfError(
-                f"plan.{name}: tp={lay.tp} pp={lay.pp}; this version runs data parallel only "
-                f"(set tp: 1 and pp: 1)"
-            )
     return Plan(layouts, "manual")
+
+
+def check_plan_fits(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> None:
+    """Refuse a layout its role's model cannot take (tp over the heads, pp over the layers);
+    ``specs`` maps each role that has a model to its spec."""
+    for name in graph.order:
+        role, lay = graph.by_name[name].role, plan.layouts[name]
+        if role in specs:
+            reason = check_layout(specs[role], lay.tp, lay.pp)
+            if reason is not None:
+                raise RayhfError(f"plan.{name}: {reason} (role '{role}')")
 
 
 def format_plan(plan: Plan, graph: Graph) -> str:

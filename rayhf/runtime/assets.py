@@ -19,8 +19,10 @@ from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
+from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.planner import Plan, make_plan
+from rayhf.planner.plan import check_plan_fits
 
 
 @dataclass
@@ -140,6 +142,14 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
             )
 
 
+def _model_specs(cfg: ExperimentConfig, model_dirs: dict[str, Path]) -> dict[str, ModelSpec]:
+    specs = {}
+    for role, path in model_dirs.items():
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        specs[role] = model_spec(config, cfg.models[role].value_head)
+    return specs
+
+
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
@@ -155,6 +165,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir)
     dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
+    check_plan_fits(plan, graph, _model_specs(cfg, model_dirs))
     trainable = {c.role for c in graph.calls if c.kind == "train"}
     for role in trainable:
         if role not in model_dirs:

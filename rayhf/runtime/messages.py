@@ -26,8 +26,11 @@ class WorkerSpec:
 
     role: str
     layout_name: str
-    rank: int
+    rank: int  # in the role group: (dp_rank * pp + pp_rank) * tp + tp_rank
     dp_size: int
+    tp_size: int
+    pp_size: int
+    n_mbs: int  # micro-batches per forward (pipeline)
     calls: tuple[CallSpec, ...]
     settings: InterfaceSettings
     tokenizer_dir: str

@@ -1,7 +1,9 @@
 """A role group: the Ray actors that hold one role in one layout, one per device of its mesh.
 
-Actors are named ``{role}.{layout}[{rank}]`` so the dashboard shows roles. The group spreads a
-call's batch over its data-parallel ranks (balanced by tokens), and joins the results in the
+Actors are named ``{role}.{layout}[{rank}]`` so the dashboard shows roles; rank order is
+``(dp_rank * pp + pp_rank) * tp + tp_rank`` over the layout's mesh. The group spreads a call's
+batch over its data-parallel replicas (balanced by tokens; every tp/pp rank of a replica gets the
+replica's share), and joins the replicas' results, read from each replica's head rank, in the
 original sample order.
 """
 
@@ -62,25 +64,39 @@ class RoleGroup:
     def actor_name(self, rank: int) -> str:
         return f"{self.role}.{self.layout.name}[{rank}]"
 
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.layout.tp * self.layout.pp
+
+    @property
+    def heads(self) -> list[Any]:
+        """One actor per data-parallel replica: the one whose results the driver reads."""
+        return self.actors[:: self.ranks_per_replica]
+
+    def replica(self, dp_rank: int) -> list[Any]:
+        n = self.ranks_per_replica
+        return self.actors[dp_rank * n : (dp_rank + 1) * n]
+
     def setup(self) -> None:
-        """Wait for the actors and join them into their data-parallel group."""
+        """Wait for the actors, join their process groups, shard the model."""
         address = ray.get(self.actors[0].rendezvous_address.remote())
-        ray.get([a.setup_dp.remote(address) for a in self.actors])
+        ray.get([a.setup.remote(address) for a in self.actors])
 
     def submit(
         self, call: str, kind: str, step: int, batch: PackedBatch, evaluate: bool = False
     ) -> list[ray.ObjectRef]:
         split, _ = DISPATCH[kind]
         assert split == "split"
-        parts = batch.split(len(self.actors), by_key=_balance_key(batch))
+        parts = batch.split(self.layout.dp, by_key=_balance_key(batch))
         return [
-            a.run.remote(CallRequest(call, step, part, evaluate))
-            for a, part in zip(self.actors, parts, strict=True)
+            a.run.remote(CallRequest(call, step, parts[i // self.ranks_per_replica], evaluate))
+            for i, a in enumerate(self.actors)
         ]
 
     def join(self, kind: str, results: list[CallResult], order: list[int]) -> CallOutcome:
         _, how = DISPATCH[kind]
         seconds = max(r.seconds for r in results)
+        results = results[:: self.ranks_per_replica]  # the replicas' head ranks
         if how == "first":
             return CallOutcome(None, results[0].stats, seconds)
         batches = [r.batch for r in results if r.batch is not None and r.batch.n_samples]

@@ -77,7 +77,7 @@ class Session:
         self._init_copies()
         if self.resume is not None:
             for role in sorted(self.assets.trainable):
-                path = str(self.resume / "optim" / f"{role}.pt")
+                path = str(self.resume / "optim")
                 ray.get([a.load_optimizer.remote(path) for a in self.groups[role].actors])
 
     def _init_copies(self) -> None:
@@ -87,7 +87,7 @@ class Session:
         for role, rc in self.cfg.models.items():
             if rc.init_from is not None and role in self.groups:
                 src, dst = self.groups[rc.init_from], self.groups[role]
-                self.init_realloc = ObjectStoreCopy().copy(src.actors, dst.actors)
+                self.init_realloc = ObjectStoreCopy().copy(src.replica(0), dst.actors)
 
     def _spec(self, role: str, layout: Layout, rank: int, *, threads: int) -> WorkerSpec:
         cfg, assets = self.cfg, self.assets
@@ -103,6 +103,9 @@ class Session:
             layout_name=layout.name,
             rank=rank,
             dp_size=layout.dp,
+            tp_size=layout.tp,
+            pp_size=layout.pp,
+            n_mbs=layout.n_mbs,
             calls=calls,
             settings=InterfaceSettings(cfg.algorithm, cfg.generation, rc.function),
             tokenizer_dir=str(assets.tokenizer_dir.resolve()),

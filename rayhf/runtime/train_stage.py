@@ -25,7 +25,6 @@ from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 from ray.train import Checkpoint, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
@@ -37,6 +36,7 @@ from rayhf.engines.torch_engine import TorchEngine
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.models.hf import load_model, quiet_transformers
+from rayhf.parallel.groups import build_groups
 from rayhf.runtime.assets import RunAssets, prepare_run
 from rayhf.runtime.checkpoint import list_checkpoints, write_checkpoint
 from rayhf.runtime.cluster import DEVICE_RESOURCE, connect
@@ -85,9 +85,7 @@ def _evaluate(iface, engine, held_out, rank: int, world: int, step: int) -> dict
 
 def _save(engine: TorchEngine, role: str) -> Checkpoint:
     out = Path(tempfile.mkdtemp(prefix="rayhf-ckpt-"))
-    assert engine.model is not None
-    engine.model.save_pretrained(out / role)
-    engine.tokenizer.save_pretrained(out / role)
+    engine.save_pretrained(out / role)
     return Checkpoint.from_directory(str(out))
 
 
@@ -104,8 +102,9 @@ def stage_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir, local_files_only=True)
     model = load_model(spec.model_dir, spec.value_head, f"models.{spec.role}")
-    group = dist.group.WORLD if world > 1 else None
-    engine = TorchEngine(model, tokenizer, spec.value_head, cfg.models[spec.role].optimizer, group)
+    groups = build_groups(world, 1, 1, rank) if world > 1 else None  # data parallel only
+    optim = cfg.models[spec.role].optimizer
+    engine = TorchEngine(model, tokenizer, spec.value_head, optim, groups)
     iface = make_interface(spec.interface, InterfaceSettings(cfg.algorithm, cfg.generation))
     kind = spec.kind
     data = PromptDataset.from_config(cfg.dataset, tokenizer, kind)

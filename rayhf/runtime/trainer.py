@@ -114,10 +114,8 @@ class Trainer:
         def fill(tmp: Path) -> None:
             tmp = tmp.resolve()  # actors may run in another working directory
             roles = sorted(self.assets.trainable)
-            saves = [(str(tmp / r), str(tmp / "optim" / f"{r}.pt")) for r in roles]
-            ray.get(
-                [groups[r].actors[0].save.remote(*s) for r, s in zip(roles, saves, strict=True)]
-            )
+            optim = str(tmp / "optim")
+            ray.get([a.save.remote(str(tmp / r), optim) for r in roles for a in groups[r].actors])
 
         return write_checkpoint(
             self.assets.run_dir, step, fill, {"dataset": self.assets.dataset.state_dict()}

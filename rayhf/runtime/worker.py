@@ -1,9 +1,9 @@
 """The Ray actor that holds one rank of one role group.
 
-Its remote surface is small and typed: ``setup_dp`` joins the data-parallel group, ``run``
-executes one call through the call's interface, ``get_weights``/``set_weights`` serve
-reallocation, ``save``/``load_optimizer`` serve checkpoints. How a call's batch is spread over
-the ranks is declared in ``DISPATCH``.
+Its remote surface is small and typed: ``setup`` joins the role group's process groups and
+shards the model for the layout, ``run`` executes one call through the call's interface,
+``get_weights``/``set_weights`` serve reallocation, ``save``/``load_optimizer`` serve
+checkpoints. How a call's batch is spread over the ranks is declared in ``DISPATCH``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ import torch.distributed as dist
 from rayhf.algorithms import CallContext, make_interface
 from rayhf.engines.torch_engine import TorchEngine
 from rayhf.models.hf import quiet_transformers
+from rayhf.parallel.groups import ParallelGroups, build_groups, single
 from rayhf.runtime.messages import CallRequest, CallResult, WorkerSpec
 
-# kind -> how the driver spreads the batch and joins the results:
-#   split/concat: each dp rank gets a token-balanced share; outputs are concatenated
-#   split/first: each rank trains on its share; stats are already all-reduced, take rank 0's
+# kind -> how the driver spreads the batch and joins the results. "split": each data-parallel
+# replica gets a token-balanced share, and every rank of a replica (its tp x pp ranks) gets that
+# same share; every rank of a replica returns the same result, and the driver reads each
+# replica's head rank (tp 0, stage 0).
+#   concat: the replicas' outputs are concatenated
+#   first: the stats are already all-reduced over the replicas; take replica 0's
 DISPATCH: dict[str, tuple[str, str]] = {
     "generate": ("split", "concat"),
     "inference": ("split", "concat"),
@@ -44,6 +48,15 @@ def _build_model(spec: WorkerSpec):
     return None
 
 
+def optim_file(optim_dir: str, role: str, rank: int) -> str:
+    return os.path.join(optim_dir, f"{role}.rank{rank}.pt")
+
+
+def _local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer over this rank's state: ZeRO-1 wraps one over the rank's partition."""
+    return getattr(opt, "optim", opt)
+
+
 class RoleWorker:
     """One rank: model, optimizer, and one interface instance per interface name."""
 
@@ -54,12 +67,10 @@ class RoleWorker:
         torch.set_num_threads(spec.threads)
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
         self.spec = spec
-        model = _build_model(spec)
-        if model is not None:
-            model.to(spec.device)
-        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
-        optim = spec.optimizer if model is not None else None
-        self.engine = TorchEngine(model, tokenizer, spec.value_head, optim)
+        self._hf_model = _build_model(spec)  # the full model until ``setup`` shards it
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
+        self.groups: ParallelGroups = single()
+        self.engine = TorchEngine(None, self.tokenizer, spec.value_head, None)
         self.calls = {c.name: c for c in spec.calls}
         self.interfaces = {
             c.interface: make_interface(c.interface, spec.settings) for c in spec.calls
@@ -75,20 +86,28 @@ class RoleWorker:
             port = s.getsockname()[1]
         return f"tcp://{ip}:{port}"
 
-    def setup_dp(self, init_method: str) -> None:
-        """Join the data-parallel process group (gloo on CPU, NCCL on GPU)."""
-        if self.spec.dp_size == 1:
-            return
-        backend = "nccl" if self.spec.device.startswith("cuda") else "gloo"
-        dist.init_process_group(
-            backend, init_method=init_method, rank=self.spec.rank, world_size=self.spec.dp_size
+    def setup(self, init_method: str) -> None:
+        """Join the role group's dp, tp and pp groups (gloo on CPU, NCCL on GPU), then keep
+        this rank's shards of the model."""
+        spec = self.spec
+        world = spec.dp_size * spec.tp_size * spec.pp_size
+        if world > 1:
+            backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+            dist.init_process_group(
+                backend, init_method=init_method, rank=spec.rank, world_size=world
+            )
+            self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
+        model, self._hf_model = self._hf_model, None
+        optim = spec.optimizer if model is not None else None
+        self.engine = TorchEngine(
+            model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs
         )
-        self.engine.dp_group = dist.group.WORLD
 
     def run(self, req: CallRequest) -> CallResult:
         call = self.calls[req.call]
         interface = self.interfaces[call.interface]
-        ctx = CallContext(req.step, self.spec.rank, self.spec.dp_size, self.spec.seed, call.args)
+        dp_rank = self.groups.coords.dp_rank
+        ctx = CallContext(req.step, dp_rank, self.spec.dp_size, self.spec.seed, call.args)
         start = time.perf_counter()
         batch, stats = None, {}
         if call.kind != "train" and req.batch.n_samples == 0:
@@ -104,38 +123,41 @@ class RoleWorker:
         return CallResult(req.call, self.spec.rank, batch, stats, time.perf_counter() - start)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        assert self.engine.model is not None
-        return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
+        """The whole model (gathered over this replica's tp and pp ranks: every rank of the
+        replica must call); the head rank returns it, the others an empty dict."""
+        full = self.engine.full_state()
+        return full if self.groups.is_head else {}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> int:
-        """Load ``weights``; returns the bytes received."""
-        assert self.engine.model is not None
-        self.engine.model.load_state_dict(weights, strict=True)
-        return sum(t.numel() * t.element_size() for t in weights.values())
+        """Keep this rank's shards of the whole-model ``weights``; returns the bytes kept."""
+        return self.engine.load_full_state(weights)
 
     def weights_digest(self) -> float:
-        """Sum of |w| over all parameters: a cheap fingerprint for tests and logs."""
+        """Sum of |w| over this rank's parameters: a cheap fingerprint for tests and logs."""
         assert self.engine.model is not None
         return float(sum(p.detach().abs().sum() for p in self.engine.model.parameters()))
 
-    def save(self, model_dir: str | None, optim_path: str | None) -> None:
-        """Write the model (Hugging Face format) and/or optimizer + interface state."""
-        if model_dir is not None:
-            assert self.engine.model is not None
-            self.engine.model.save_pretrained(model_dir)
-            self.engine.tokenizer.save_pretrained(model_dir)
-        if optim_path is not None:
-            state: dict[str, Any] = {
-                "interfaces": {k: v.state_dict() for k, v in self.interfaces.items()}
-            }
-            if self.engine.optimizer is not None:
-                state["optimizer"] = self.engine.optimizer.state_dict()
-            torch.save(state, optim_path)
+    def local_bytes(self) -> int:
+        return self.engine.local_bytes()
 
-    def load_optimizer(self, optim_path: str) -> None:
-        state = torch.load(optim_path, weights_only=False)
+    def save(self, model_dir: str, optim_dir: str) -> None:
+        """Every rank calls: replica 0 gathers and its head writes the model (Hugging Face
+        format) to ``model_dir``; each rank writes its optimizer + interface state to
+        ``optim_dir/{role}.rank{r}.pt`` (ranks hold different shards of the optimizer)."""
+        if self.groups.coords.dp_rank == 0:
+            self.engine.save_pretrained(model_dir)
+        state: dict[str, Any] = {
+            "interfaces": {k: v.state_dict() for k, v in self.interfaces.items()}
+        }
         if self.engine.optimizer is not None:
-            self.engine.optimizer.load_state_dict(state["optimizer"])
+            state["optimizer"] = _local_optimizer(self.engine.optimizer).state_dict()
+        torch.save(state, optim_file(optim_dir, self.spec.role, self.spec.rank))
+
+    def load_optimizer(self, optim_dir: str) -> None:
+        path = optim_file(optim_dir, self.spec.role, self.spec.rank)
+        state = torch.load(path, weights_only=False)
+        if self.engine.optimizer is not None:
+            _local_optimizer(self.engine.optimizer).load_state_dict(state["optimizer"])
         for name, s in state["interfaces"].items():
             self.interfaces[name].load_state_dict(s)
 
