@@ -106,3 +106,30 @@ def test_plan_refuses_split_role_layouts(workdir):
     cfg["plan"] = plan
     path.write_text(yaml.safe_dump(cfg))
     _assert_user_error(rayhf_cli("plan", str(path), cwd=workdir), "plan.actor_gen", "actor")
+
+
+PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+
+
+def _plan_file(workdir: Path, n_devices: int, **roles: dict) -> str:
+    """A plan with every call data parallel over ``n_devices`` except the given roles' calls."""
+    plan = {c: roles.get(c.split("_")[0], {"dp": n_devices}) for c in PPO_CALLS}
+    path = workdir / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("n_devices", "roles", "needles"),
+    [
+        (8, {"actor": {"tp": 8}}, ("plan.actor_gen", "tp=8", "4 attention heads")),
+        (4, {"critic": {"pp": 4}}, ("plan.critic_inf", "pp=4", "2 layers")),
+        (2, {"critic": {"mesh": [0, 1], "dp": 1}}, ("plan.critic_inf", "!= mesh size 2")),
+    ],
+)
+def test_impossible_layouts_are_refused_before_any_actor_starts(workdir, n_devices, roles, needles):
+    plan = _plan_file(workdir, n_devices, **roles)
+    proc = _run(workdir, f"cluster.n_devices={n_devices}", f"plan={plan}")
+    _assert_user_error(proc, *needles)
+    assert not (workdir / "run" / "checkpoints").exists()
+    assert not (workdir / "run" / "metrics.jsonl").exists()

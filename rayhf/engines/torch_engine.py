@@ -56,6 +56,7 @@ class TorchEngine:
         optimizer: OptimizerConfig | None,
         groups: ParallelGroups | None = None,
         n_mbs: int = 1,
+        device: str = "cpu",
     ) -> None:
         self.tokenizer = tokenizer
         self.value_head = value_head
@@ -68,7 +69,7 @@ class TorchEngine:
             return
         self.hf_config = model.config
         spec = model_spec(model.config, value_head)
-        self.model = ShardedModel(spec, self.groups, model.state_dict())
+        self.model = ShardedModel(spec, self.groups, model.state_dict()).to(device)
         self.model.train(False)
         self.pipe = Pipeline(self.model, self.groups, n_mbs)
         if optimizer is not None:
@@ -92,9 +93,10 @@ class TorchEngine:
         Rows are packed (padding dropped) for the model; padded positions of the result are 0.
         """
         assert self.model is not None, "forward on a role without a model"
-        keep = attention_mask.bool()
+        device = self.model.device
+        keep = attention_mask.to(device).bool()
         lengths = keep.sum(dim=1).tolist()
-        out = self.pipe.forward(input_ids[keep], lengths)
+        out = self.pipe.forward(input_ids.to(device)[keep], lengths)
         padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
         return padded.index_put((keep.nonzero(as_tuple=True)), out)
 

@@ -36,6 +36,12 @@ class TokenLayout:
         n_keys = max((s + n for s, n in zip(start, lengths, strict=True)), default=0)
         return TokenLayout(rows, positions, slots, len(lengths), max(lengths, default=0), n_keys)
 
+    def to(self, device: torch.device) -> TokenLayout:
+        if self.rows.device == device:
+            return self
+        rows, positions, slots = (t.to(device) for t in (self.rows, self.positions, self.slots))
+        return TokenLayout(rows, positions, slots, self.n_rows, self.n_slots, self.n_keys)
+
 
 class KVCache:
     """Keys and values of this rank's layers (its stage, its tp heads), each
@@ -88,9 +94,9 @@ def attention(
     queries = q.new_zeros(where.n_rows, where.n_slots, n_heads, q.shape[-1])
     queries = queries.index_put((where.rows, where.slots), q)
     # Query slots no token fills look at key 0 only (every row has one); their output is dropped.
-    qpos = torch.zeros(where.n_rows, where.n_slots, dtype=torch.long)
+    qpos = torch.zeros(where.n_rows, where.n_slots, dtype=torch.long, device=q.device)
     qpos[where.rows, where.slots] = where.positions
-    key_pos = torch.arange(keys.shape[1])
+    key_pos = torch.arange(keys.shape[1], device=q.device)
     allowed = key_pos[None, None, :] <= qpos[:, :, None]
     if window is not None:
         allowed &= key_pos[None, None, :] > qpos[:, :, None] - window

@@ -43,23 +43,23 @@ def _decode(
     pad_token_id: int,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n_rows = len(prompts)
+    n_rows, device = len(prompts), pipe.model.device
     lengths = [len(p) for p in prompts]
     cache = pipe.model.new_cache(n_rows, max(lengths) + cfg.max_new_tokens)
-    last_token = torch.tensor(lengths).cumsum(0) - 1
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    last_token = torch.tensor(lengths, device=device).cumsum(0) - 1
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     logits = pipe.step(ids, TokenLayout.packed(lengths), cache, last_token)
-    finished = torch.zeros(n_rows, dtype=torch.bool)
+    finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
     step_tokens: list[torch.Tensor] = []
     step_logprobs: list[torch.Tensor] = []
-    every_row = torch.arange(n_rows)
+    every_row = torch.arange(n_rows, device=device)
     for step in range(cfg.max_new_tokens):
         if logits is not None:
             tokens, logprobs = next_tokens(logits.float(), step, cfg, eos_token_id, generator)
             tokens = tokens.masked_fill(finished, pad_token_id)
         else:
-            tokens = torch.empty(n_rows, dtype=torch.long)
-            logprobs = torch.empty(n_rows)
+            tokens = torch.empty(n_rows, dtype=torch.long, device=device)
+            logprobs = torch.empty(n_rows, device=device)
         tokens, logprobs = pipe.broadcast(tokens), pipe.broadcast(logprobs)
         step_tokens.append(tokens)
         step_logprobs.append(logprobs)
@@ -69,4 +69,4 @@ def _decode(
         # Finished rows keep decoding pad tokens; their outputs are dropped by cut_at_eos.
         where = TokenLayout.packed([1] * n_rows, start=[n + step for n in lengths])
         logits = pipe.step(tokens, where, cache, every_row)
-    return torch.stack(step_tokens, dim=1), torch.stack(step_logprobs, dim=1)
+    return torch.stack(step_tokens, dim=1).cpu(), torch.stack(step_logprobs, dim=1).cpu()

@@ -54,6 +54,10 @@ class ShardedModel(torch.nn.Module):
         self.vocab_range = chunk_bounds(spec.vocab_size, tp, c.tp_rank)
         self.act = ACT2FN[spec.act]
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def w(self, name: str) -> torch.Tensor:
         return getattr(self, _key(name))
 
@@ -79,6 +83,7 @@ class ShardedModel(torch.nn.Module):
         ``select`` (token indices) keeps only those tokens' outputs on the last stage, so a
         prefill computes the LM head for each row's last token only.
         """
+        where = where.to(x.device)
         if self.groups.is_first_stage:
             x = self.embed(x, where.positions)
         for i in self.layers:

@@ -5,8 +5,10 @@ thread each, as emulated devices) and, for each family and each ``dp x tp x pp``
 fits, compares with a single-process Hugging Face model built from the same seed:
 
 - ``logits``: forward logits (and critic values) of a padded batch, max abs error / max abs ref;
+- ``grads``: this rank's gradient shards against the same slices of the reference gradients;
 - ``step``: parameters after one AdamW step (global-norm clipping on) on the same batch, max abs
-  difference, with the gathered shards compared against the Hugging Face parameters;
+  difference, with the gathered shards compared against the Hugging Face parameters (and
+  ``zero1_step``, the same with ZeRO-1 optimizer sharding, for Llama layouts with dp > 1);
 - ``generate``: greedy tokens identical (bool).
 
 It writes one row per (family, layout) to OUT.json; ``tests/test_parallel_parity.py`` asserts on
@@ -128,6 +130,15 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     grad_err = _grad_error(engine, dict(ref.named_parameters()))
     full = engine.full_state()
     step_err = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    zero1_err = None
+    if dp > 1 and family == "llama":  # ZeRO-1: optimizer state sharded over the replicas
+        zero = OptimizerConfig(zero1=True)
+        engine = TorchEngine(_model(family, False), _Tok(), False, zero, groups)
+        engine.train(
+            [dummy], lambda _: (_loss(engine.forward(my_ids, my_mask), my_ids, my_mask), {})
+        )
+        zero_full = engine.full_state()
+        zero1_err = max(float((zero_full[k] - v).abs().max()) for k, v in ref.state_dict().items())
     before = _model(family, False).state_dict()
     moved = max(float((full[k] - v).abs().max()) for k, v in before.items())
     return {
@@ -140,6 +151,7 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
         "values": value_err,
         "grads": grad_err,
         "step": step_err,
+        "zero1_step": zero1_err,
         "moved": moved,
         "generate": same_tokens,
         "bytes": engine.local_bytes(),

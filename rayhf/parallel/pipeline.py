@@ -86,7 +86,11 @@ class Pipeline:
             bounds.append((lo, hi))
         for s in sends:
             s.wait()
-        out = torch.cat(outputs) if self.next is None else torch.empty(self.out_shape(len(ids)))
+        out = (
+            torch.cat(outputs)
+            if self.next is None
+            else torch.empty(self.out_shape(len(ids)), device=ids.device)
+        )
         out = self.broadcast(out.detach() if keep else out)
         if keep:
             out.requires_grad_(True)
@@ -139,7 +143,7 @@ class Pipeline:
         return self.model.spec.hidden_size
 
     def _recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape)
+        buf = torch.empty(shape, device=self.model.device)
         dist.recv(buf, src=src, group=self.groups.pp_group, tag=tag)
         return buf
 

@@ -100,7 +100,7 @@ class RoleWorker:
         model, self._hf_model = self._hf_model, None
         optim = spec.optimizer if model is not None else None
         self.engine = TorchEngine(
-            model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs
+            model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs, spec.device
         )
 
     def run(self, req: CallRequest) -> CallResult:

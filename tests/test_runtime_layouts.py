@@ -1,0 +1,72 @@
+"""PPO on Ray role groups whose roles run tensor- and pipeline-parallel layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from ray.util.state import list_actors
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rayhf.runtime.assets import prepare_run
+from rayhf.runtime.session import Session
+from rayhf.runtime.trainer import Trainer
+
+pytestmark = pytest.mark.ray
+
+PLAN = {
+    "actor_gen": {"tp": 2},
+    "actor_train": {"tp": 2},
+    "critic_inf": {"pp": 2, "n_mbs": 2},
+    "critic_train": {"pp": 2, "n_mbs": 2},
+    "ref_inf": {"dp": 2},
+    "rew_inf": {"dp": 2},
+}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
+    import ray
+
+    cfg = tiny_config(steps=2, plan=PLAN, **{"cluster.n_devices": 2})
+    assets = prepare_run(cfg, cfg.resolved_run_dir())
+    with Session(cfg, assets, resume=None) as session:
+        alive = {a.name for a in list_actors(ray_cluster, filters=[("state", "=", "ALIVE")])}
+        assert {"actor.d0-1.dp1tp2pp1[0]", "actor.d0-1.dp1tp2pp1[1]"} <= alive
+        assert {"critic.d0-1.dp1tp1pp2[0]", "critic.d0-1.dp1tp1pp2[1]"} <= alive
+        actor, ref, critic = (session.groups[r] for r in ("actor", "ref", "critic"))
+        # Each tp rank holds about half the actor; the dp ref ranks hold all of it.
+        actor_bytes = ray.get([a.local_bytes.remote() for a in actor.actors])
+        ref_bytes = ray.get(ref.actors[0].local_bytes.remote())
+        assert max(actor_bytes) < 0.6 * ref_bytes
+        # The ref was copied from the actor's gathered shards: the same whole model.
+        gathered = ray.get([a.get_weights.remote() for a in actor.actors])[0]
+        assert _same(gathered, ray.get(ref.replica(0)[0].get_weights.remote()))
+        trainer = Trainer(cfg, assets, session)
+        trainer.loop(0)
+        actor_after = ray.get([a.get_weights.remote() for a in actor.actors])[0]
+        critic_after = ray.get([a.get_weights.remote() for a in critic.actors])[0]
+    assert not _same(gathered, actor_after), "the tp=2 actor did not train"
+    ckpt = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002"
+    # Checkpoints hold the whole model in Hugging Face format, gathered from the shards.
+    saved = AutoModelForCausalLM.from_pretrained(ckpt / "actor", local_files_only=True)
+    assert _same(dict(saved.state_dict()), actor_after)
+    saved_critic = AutoModelForSequenceClassification.from_pretrained(
+        ckpt / "critic", local_files_only=True, num_labels=1
+    )
+    assert _same(dict(saved_critic.state_dict()), critic_after)
+    init_critic = AutoModelForSequenceClassification.from_pretrained(
+        Path(cfg.resolved_run_dir()) / "init" / "critic", local_files_only=True, num_labels=1
+    )
+    assert not _same(dict(init_critic.state_dict()), critic_after), "the pp=2 critic did not train"
+    # Each rank saved its own optimizer shard.
+    for role in ("actor", "critic"):
+        shards = [torch.load(ckpt / "optim" / f"{role}.rank{r}.pt") for r in (0, 1)]
+        sizes = [
+            sum(s["exp_avg"].numel() for s in o["optimizer"]["state"].values()) for o in shards
+        ]
+        assert all(n > 0 for n in sizes), role
