@@ -175,14 +175,17 @@ def _format_error(err: ValidationError, source: str) -> str:
     return f"{source}: config field {field}: {msg}{extra}{more}"
 
 
-def _inline_plan_file(raw: dict[str, Any]) -> dict[str, Any]:
+def _inline_plan_file(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """``plan: some/file.yaml`` -> the file's call -> layout mapping."""
     plan = raw.get("plan")
     if not isinstance(plan, str) or plan == "auto":
         return raw
     path = resolve_path(plan)
     if not path.is_file():
-        raise RayhfError(f"plan: '{plan}' is neither 'auto' nor a plan file that exists")
+        raise RayhfError(
+            f"{source}: config field plan: '{plan}' is neither 'auto', call -> layout entries, "
+            f"nor a plan file that exists"
+        )
     try:
         entries = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -193,7 +196,7 @@ def _inline_plan_file(raw: dict[str, Any]) -> dict[str, Any]:
 def validate_config(raw: Any, source: str) -> ExperimentConfig:
     if not isinstance(raw, dict):
         raise RayhfError(f"{source}: the config must be a YAML mapping")
-    raw = _inline_plan_file(raw)
+    raw = _inline_plan_file(raw, source)
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
