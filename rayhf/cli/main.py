@@ -105,15 +105,20 @@ def plan(
     overrides: Overrides = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
-    """Print the plan (per call: mesh and dp/tp/pp) without starting anything."""
+    """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies)."""
     import rayhf
+
+    from rayhf.realloc.plan import format_reallocations
+    from rayhf.runtime.assets import model_specs
 
     cfg = rayhf.load_config(config, overrides or [])
     the_plan = rayhf.make_plan(cfg)
     if json_out:
         typer.echo(the_plan.to_json())
     else:
-        typer.echo(rayhf.format_plan(the_plan, rayhf.load_graph(cfg.graph_path())))
+        graph = rayhf.load_graph(cfg.graph_path())
+        typer.echo(rayhf.format_plan(the_plan, graph))
+        typer.echo(format_reallocations(the_plan, graph, model_specs(cfg)))
 
 
 app.add_typer(k8s_app, name="k8s", help="Render and validate KubeRay manifests offline.")

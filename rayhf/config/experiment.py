@@ -65,6 +65,8 @@ class RoleConfig(BaseModel):
     path: str | None = None  # a local Hugging Face model directory
     init: ModelInit | None = None  # create a small random model of this shape
     init_from: str | None = None  # start from another role's initial weights (ref <- actor)
+    ema: float | None = Field(None, gt=0, le=1)  # with init_from: after each train step of that
+    # role, w = ema * source + (1 - ema) * w (a moving-average reference); None = frozen
     function: str | None = None  # "module:function" reward instead of a model
     value_head: bool = False  # scalar head per token (critic, reward model)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -74,6 +76,8 @@ class RoleConfig(BaseModel):
         given = [k for k in ("path", "init", "init_from", "function") if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(f"give exactly one of path, init, init_from, function (got {given})")
+        if self.ema is not None and self.init_from is None:
+            raise ValueError("ema needs init_from (the role whose weights it follows)")
         return self
 
 

@@ -146,6 +146,14 @@ def take_shard(full: torch.Tensor, p: ParamShard, tp: int, tp_rank: int) -> torc
     return torch.cat(pieces, dim=p.tp_dim).contiguous()
 
 
+def shard_shape(p: ParamShard, tp: int, tp_rank: int) -> tuple[int, ...]:
+    if p.tp_dim is None or tp == 1:
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = sum(hi - lo for lo, hi in shard_ranges(p, tp, tp_rank))
+    return tuple(shape)
+
+
 def join_shards(shards: list[torch.Tensor], p: ParamShard) -> torch.Tensor:
     """The full parameter from every tp rank's shard, in tp-rank order."""
     if p.tp_dim is None or len(shards) == 1:

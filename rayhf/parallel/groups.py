@@ -3,7 +3,7 @@
 A layout of ``dp x pp x tp`` ranks orders them with tp innermost (tensor-parallel peers are
 neighbouring devices, where the fastest links are), then pp, then dp::
 
-    rank = base + (dp_rank * pp + pp_rank) * tp + tp_rank
+    rank = base + (dp_rank * pp + pp_rank) * tp + tp_rank     (rayhf.planner.layout.layout_rank)
 
 Every process of the world calls ``build_groups`` with the same arguments except ``rank``
 (``torch.distributed.new_group`` is collective over the whole world, members or not).
@@ -15,14 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Coords:
-    """A rank's place on the three named mesh axes."""
-
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
+from rayhf.planner.layout import Coords, coords_of, layout_rank
 
 
 @dataclass
@@ -60,14 +53,6 @@ class ParallelGroups:
 def single() -> ParallelGroups:
     """The groups of a lone process (dp = tp = pp = 1)."""
     return ParallelGroups(1, 1, 1, Coords(0, 0, 0), None, None, None, (0,))
-
-
-def layout_rank(dp_rank: int, pp_rank: int, tp_rank: int, pp: int, tp: int) -> int:
-    return (dp_rank * pp + pp_rank) * tp + tp_rank
-
-
-def coords_of(rank: int, pp: int, tp: int) -> Coords:
-    return Coords(rank // (pp * tp), rank // tp % pp, rank % tp)
 
 
 def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> ParallelGroups:

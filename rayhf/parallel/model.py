@@ -21,6 +21,7 @@ from rayhf.models.sharding import (
     chunk_bounds,
     embedding_name,
     param_shards,
+    shard_shape,
     stage_layers,
     stage_units,
     take_shard,
@@ -36,8 +37,10 @@ def _key(name: str) -> str:
 
 
 class ShardedModel(torch.nn.Module):
-    def __init__(self, spec: ModelSpec, groups: ParallelGroups, full: Mapping[str, torch.Tensor]):
-        """Keep this rank's shards of the full Hugging Face state dict ``full``."""
+    def __init__(
+        self, spec: ModelSpec, groups: ParallelGroups, full: Mapping[str, torch.Tensor] | None
+    ):
+        """Keep this rank's shards of the full Hugging Face state dict ``full`` (None: zeros)."""
         super().__init__()
         self.spec, self.groups = spec, groups
         tp, c = groups.tp, groups.coords
@@ -47,8 +50,12 @@ class ShardedModel(torch.nn.Module):
             p.name: p for p in param_shards(spec) if p.unit in units
         }
         for name, p in self.shards.items():
-            local = take_shard(full[name].float(), p, tp, c.tp_rank)
+            if full is None:  # the weights arrive later (reallocation)
+                local = torch.zeros(shard_shape(p, tp, c.tp_rank))
+            else:
+                local = take_shard(full[name].float(), p, tp, c.tp_rank)
             self.register_parameter(_key(name), torch.nn.Parameter(local))
+        self.shard_shapes = {name: tuple(self.w(name).shape) for name in self.shards}
         self.n_heads = spec.n_heads // tp
         self.n_kv_heads = spec.n_kv_heads // tp
         self.vocab_range = chunk_bounds(spec.vocab_size, tp, c.tp_rank)
@@ -67,6 +74,18 @@ class ShardedModel(torch.nn.Module):
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards under their Hugging Face names."""
         return {name: self.w(name) for name in self.shards}
+
+    def release(self) -> None:
+        """Free the weights' memory (a copy that reallocation refills before its next call)."""
+        for name in self.shards:
+            self.w(name).data = torch.empty(0, device=self.device)
+
+    def allocate(self) -> None:
+        """Give released weights storage again (uninitialized: reallocation fills it)."""
+        for name, shape in self.shard_shapes.items():
+            p = self.w(name)
+            if tuple(p.shape) != shape:
+                p.data = torch.empty(shape, device=p.device)
 
     def new_cache(self, n_rows: int, capacity: int) -> KVCache:
         return KVCache(n_rows, capacity, self.n_kv_heads, self.spec.head_dim)

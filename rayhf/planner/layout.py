@@ -51,6 +51,25 @@ class Layout:
         return len(self.mesh)
 
 
+@dataclass(frozen=True)
+class Coords:
+    """A rank's place on the three named mesh axes."""
+
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+
+
+def layout_rank(dp_rank: int, pp_rank: int, tp_rank: int, pp: int, tp: int) -> int:
+    """A layout's rank order: tp innermost (tp peers are neighbouring devices), then pp, then dp."""
+    return (dp_rank * pp + pp_rank) * tp + tp_rank
+
+
+def coords_of(rank: int, pp: int, tp: int) -> Coords:
+    """Inverse of ``layout_rank``."""
+    return Coords(rank // (pp * tp), rank // tp % pp, rank % tp)
+
+
 def _ranges(mesh: tuple[int, ...]) -> str:
     if list(mesh) == list(range(mesh[0], mesh[0] + len(mesh))) and len(mesh) > 1:
         return f"{mesh[0]}-{mesh[-1]}"

@@ -1,8 +1,9 @@
 """Plans: the layout of every call, from the config (manual) or a heuristic (auto).
 
 The search-based planner replaces ``heuristic_plan`` later; whatever makes the plan, the runtime
-only reads ``Plan``. Until reallocation between layouts exists, all calls of one role must share
-a layout, and ``make_plan`` refuses a plan that breaks that, naming the calls.
+only reads ``Plan``. A role's *home* layout holds its weights (and optimizer): the layout of its
+train call, or of its first call if it is not trained. A call in another layout runs on a copy
+that reallocation fills from the home layout before the call and that is dropped after it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,32 @@ class Plan:
     layouts: dict[str, Layout]
     source: str  # "heuristic" or "manual"
 
-    def role_layouts(self, graph: Graph) -> dict[str, Layout]:
-        """The single layout each role is held in."""
-        return {c.role: self.layouts[c.name] for c in graph.calls}
+    def home_layouts(self, graph: Graph) -> dict[str, Layout]:
+        """Where each role's weights live: its train call's layout, else its first call's."""
+        homes: dict[str, Layout] = {}
+        for name in graph.order:
+            call = graph.by_name[name]
+            if call.kind == "train" or call.role not in homes:
+                homes[call.role] = self.layouts[name]
+        return homes
+
+    def role_layouts(self, graph: Graph) -> dict[str, list[Layout]]:
+        """Every distinct layout each role runs in, its home layout first."""
+        out: dict[str, list[Layout]] = {r: [lay] for r, lay in self.home_layouts(graph).items()}
+        for name in graph.order:
+            lay = self.layouts[name]
+            if lay not in out[graph.by_name[name].role]:
+                out[graph.by_name[name].role].append(lay)
+        return out
+
+    def reallocations(self, graph: Graph) -> list[tuple[str, Layout, Layout]]:
+        """(call, home layout, call layout) for every call that runs away from its role's home."""
+        homes = self.home_layouts(graph)
+        return [
+            (name, homes[graph.by_name[name].role], self.layouts[name])
+            for name in graph.order
+            if self.layouts[name] != homes[graph.by_name[name].role]
+        ]
 
     def to_json(self) -> str:
         return json.dumps(
@@ -69,14 +93,6 @@ def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Pla
         name: layout_from_spec(spec, cluster.n_devices, f"plan.{name}")
         for name, spec in plan_cfg.items()
     }
-    for role in graph.roles:
-        calls = graph.role_calls(role)
-        distinct = {layouts[c] for c in calls}
-        if len(distinct) > 1:
-            raise RayhfError(
-                f"plan: calls {', '.join(f'plan.{c}' for c in calls)} of role '{role}' must "
-                f"share one layout (reallocation between layouts is not available yet)"
-            )
     return Plan(layouts, "manual")
 
 

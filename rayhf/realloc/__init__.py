@@ -1,11 +1,9 @@
-"""Reallocation: turning a role's weights in one layout into weights in another.
+"""Reallocation: plan which weight slices move between layouts, then move them.
 
-This version keeps every role in one layout, so the only reallocation is a full copy from one
-role group to another of the same shape (the reference starts as a copy of the actor). It goes
-through ``WeightCopy`` so that the sharded, collective-group path replaces it behind the same
-call.
+``rayhf.realloc.plan`` is pure (no Ray, no processes); ``transport`` moves slices inside the
+actors; ``collective`` is the driver side (it imports Ray, so it is not imported here).
 """
 
-from rayhf.realloc.copy import ObjectStoreCopy, ReallocStats, WeightCopy
+from rayhf.realloc.plan import ReallocPlan, Transfer, check_compatible, plan_realloc
 
-__all__ = ["ObjectStoreCopy", "ReallocStats", "WeightCopy"]
+__all__ = ["ReallocPlan", "Transfer", "check_compatible", "plan_realloc"]

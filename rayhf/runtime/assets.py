@@ -23,6 +23,7 @@ from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.planner import Plan, make_plan
 from rayhf.planner.plan import check_plan_fits
+from rayhf.realloc.plan import check_compatible
 
 
 @dataclass
@@ -36,6 +37,7 @@ class RunAssets:
     eval_dataset: PromptDataset | None
     tokenizer_dir: Path
     model_dirs: dict[str, Path]  # initial weights of every role that has a model
+    specs: dict[str, ModelSpec]  # shape of every role that has a model
     trainable: set[str]  # roles with a train call
 
 
@@ -117,6 +119,28 @@ def prepare_models(cfg: ExperimentConfig, run_dir: Path, tokenizer) -> dict[str,
     return dirs
 
 
+def model_specs(cfg: ExperimentConfig) -> dict[str, ModelSpec]:
+    """Every model role's shape, from the config alone (nothing written; for ``rayhf plan``)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer, _ = prepare_tokenizer(cfg, Path(tmp))
+        specs: dict[str, ModelSpec] = {}
+        for role, rc in cfg.models.items():
+            if rc.path is not None:
+                _check_model_dir(Path(rc.path), f"models.{role}.path")
+                config = AutoConfig.from_pretrained(rc.path, local_files_only=True)
+                specs[role] = model_spec(config, rc.value_head)
+            elif rc.init is not None:
+                ids = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+                config = hf_config(rc.init, len(tokenizer), *ids)
+                specs[role] = model_spec(config, rc.value_head)
+        for role, rc in cfg.models.items():
+            if rc.init_from is not None and rc.init_from in specs:
+                specs[role] = specs[rc.init_from]
+    return specs
+
+
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
     """Interfaces exist and fit the algorithm; function-valued roles only score."""
     from rayhf.algorithms import INTERFACES
@@ -165,11 +189,15 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir)
     dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
-    check_plan_fits(plan, graph, _model_specs(cfg, model_dirs))
+    specs = _model_specs(cfg, model_dirs)
+    check_plan_fits(plan, graph, specs)
+    for role, rc in cfg.models.items():
+        if rc.init_from is not None and role in specs:
+            check_compatible(specs[rc.init_from], specs[role], f"models.{role}.init_from")
     trainable = {c.role for c in graph.calls if c.kind == "train"}
     for role in trainable:
         if role not in model_dirs:
             raise RayhfError(f"models.{role}: role '{role}' is trained, so it needs a model")
     return RunAssets(
-        run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, trainable
+        run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, specs, trainable
     )

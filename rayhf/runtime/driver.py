@@ -4,19 +4,24 @@
                  <--(keys it writes)-- joined in sample order ... every call in graph order
 
 The step batch lives in the driver; each call gets the keys it reads (renamed to its
-interface's names), split across its role group's data-parallel ranks, and its outputs are
-merged back under the graph's key names. ``Executor`` is the seam behind which a compiled-graph
-executor can replace ``PlainExecutor``.
+interface's names), split across its role group's data-parallel replicas, and its outputs are
+merged back under the graph's key names. A call whose layout is not its role's home layout runs
+on a copy: the weights are reallocated home -> copy before the call and the copy is dropped
+after it. After a role trains, roles that follow it by EMA are blended toward it.
+``Executor`` is the seam behind which a compiled-graph executor can replace ``PlainExecutor``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from rayhf.data.batch import PackedBatch
 from rayhf.graph import Call, Graph
+from rayhf.models.spec import ModelSpec
+from rayhf.realloc.collective import ReallocStats, WeightMover
 from rayhf.runtime.role_group import RoleGroup
 
 
@@ -26,12 +31,24 @@ class StepOutcome:
     stats: dict[str, float] = field(default_factory=dict)
     compute_seconds: dict[str, float] = field(default_factory=dict)  # slowest rank, per call
     wall_seconds: dict[str, float] = field(default_factory=dict)  # as seen by the driver
+    reallocs: dict[str, ReallocStats] = field(default_factory=dict)  # by what they served
 
 
 class Executor(Protocol):
     def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
         """One iteration; with ``evaluate`` train calls report metrics instead of updating."""
         ...
+
+
+@dataclass
+class Placement:
+    """Where calls run and how weights reach them (the session provides it)."""
+
+    group_of_call: Callable[[str], RoleGroup]
+    homes: dict[str, RoleGroup]  # role -> the group holding its weights
+    specs: dict[str, ModelSpec]  # role -> model shape (reallocation plans)
+    mover: WeightMover
+    followers: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # EMA targets
 
 
 def call_inputs(batch: PackedBatch, call: Call) -> PackedBatch:
@@ -58,16 +75,21 @@ def merge_outputs(batch: PackedBatch, out: PackedBatch, call: Call) -> None:
 class PlainExecutor:
     """Calls in topological order with plain ``.remote()`` actor calls."""
 
-    def __init__(self, graph: Graph, groups: dict[str, RoleGroup]) -> None:
-        self.graph, self.groups = graph, groups
+    def __init__(self, graph: Graph, placement: Placement) -> None:
+        self.graph, self.placement = graph, placement
 
     def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
         outcome = StepOutcome(batch)
         for name in self.graph.order:
             call = self.graph.by_name[name]
             start = time.perf_counter()
-            group = self.groups[call.role]
+            group = self.placement.group_of_call(name)
+            home = self.placement.homes[call.role]
+            if group is not home:
+                outcome.reallocs[name] = self._move(home, group, call.role)
             result = group.run(name, call.kind, step, call_inputs(batch, call), evaluate)
+            if group is not home:
+                group.release()
             if result.batch is not None:
                 if result.batch.sample_ids != batch.sample_ids:
                     # a generate call made several samples per input: they form the batch now
@@ -76,4 +98,14 @@ class PlainExecutor:
             outcome.stats.update(result.stats)
             outcome.compute_seconds[name] = result.compute_seconds
             outcome.wall_seconds[name] = time.perf_counter() - start
+            if call.kind == "train" and not evaluate:
+                for follower, eta in self.placement.followers.get(call.role, []):
+                    outcome.reallocs[f"{follower}_ema"] = self._move(
+                        home, self.placement.homes[follower], follower, eta
+                    )
         return outcome
+
+    def _move(
+        self, src: RoleGroup, dst: RoleGroup, role: str, eta: float | None = None
+    ) -> ReallocStats:
+        return self.placement.mover.move(src, dst, self.placement.specs[role], eta)

@@ -46,6 +46,7 @@ class RoleGroup:
     ) -> None:
         """Start one actor per mesh device; ``share`` is the fraction of a device each takes."""
         self.role, self.layout = role, layout
+        self.key = f"{role}.{layout.name}"  # unique per run: names its actors and transfer groups
         self.actors: list[Any] = []  # ActorHandle[RoleWorker]
         for rank, device in enumerate(layout.mesh):
             strategy = PlacementGroupSchedulingStrategy(devices.pg, device)
@@ -110,6 +111,10 @@ class RoleGroup:
     ) -> CallOutcome:
         results = ray.get(self.submit(call, kind, step, batch, evaluate))
         return self.join(kind, results, batch.sample_ids)
+
+    def release(self) -> None:
+        """Drop a copy's weights after its call (reallocation refills them)."""
+        ray.get([a.release_weights.remote() for a in self.actors])
 
     def kill(self) -> None:
         for a in self.actors:

@@ -16,9 +16,10 @@ import ray
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
 from rayhf.planner import Layout
-from rayhf.realloc import ObjectStoreCopy, ReallocStats
+from rayhf.realloc.collective import CollectiveRealloc, ReallocStats
 from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
+from rayhf.runtime.driver import Placement
 from rayhf.runtime.messages import CallSpec, WorkerSpec
 from rayhf.runtime.role_group import RoleGroup
 
@@ -26,7 +27,9 @@ from rayhf.runtime.role_group import RoleGroup
 class Session:
     def __init__(self, cfg: ExperimentConfig, assets: RunAssets, resume: Path | None) -> None:
         self.cfg, self.assets, self.resume = cfg, assets, resume
-        self.groups: dict[str, RoleGroup] = {}
+        self.groups: dict[str, RoleGroup] = {}  # role -> its home group (weights, optimizer)
+        self.copies: dict[str, RoleGroup] = {}  # group key -> a role's group in another layout
+        self.mover = CollectiveRealloc()
         self.devices: DeviceCluster | None = None
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
         self.init_realloc: ReallocStats | None = None
@@ -44,35 +47,58 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def all_groups(self) -> list[RoleGroup]:
+        return [*self.groups.values(), *self.copies.values()]
+
+    def group_of_call(self, call: str) -> RoleGroup:
+        """The group a call runs on: its role's home group or the copy in the call's layout."""
+        graph = self.assets.graph
+        role, layout = graph.by_name[call].role, self.assets.plan.layouts[call]
+        home = self.groups[role]
+        return home if home.layout == layout else self.copies[f"{role}.{layout.name}"]
+
+    def placement(self) -> Placement:
+        followers: dict[str, list[tuple[str, float]]] = {}
+        for role, rc in self.cfg.models.items():
+            if rc.init_from is not None and rc.ema is not None:
+                followers.setdefault(rc.init_from, []).append((role, rc.ema))
+        return Placement(self.group_of_call, self.groups, self.assets.specs, self.mover, followers)
+
     def close(self) -> None:
-        for group in self.groups.values():
+        for group in self.all_groups():
             with contextlib.suppress(Exception):  # a dead actor must not stop the cleanup
                 ray.get([a.shutdown.remote() for a in group.actors], timeout=10)
             group.kill()
-        self.groups = {}
+        self.groups, self.copies = {}, {}
         if self.devices is not None:
             self.devices.close()
             self.devices = None
 
     def _start_groups(self) -> None:
+        """One role group per distinct (role, layout); the first of a role is its home."""
         assert self.devices is not None
         layouts = self.assets.plan.role_layouts(self.assets.graph)
         per_device: dict[int, int] = {}
-        for layout in layouts.values():
-            for d in layout.mesh:
-                per_device[d] = per_device.get(d, 0) + 1
+        for role_layouts in layouts.values():
+            for layout in role_layouts:
+                for d in layout.mesh:
+                    per_device[d] = per_device.get(d, 0) + 1
         share = 1.0 / max(per_device.values())
         threads = max(1, int(self.devices.cpus_per_device))
-        for role, layout in layouts.items():
-            self.groups[role] = RoleGroup(
-                role,
-                layout,
-                functools.partial(self._spec, role, layout, threads=threads),
-                self.devices,
-                share,
-                self.namespace,
-            )
-        for group in self.groups.values():
+        for role, role_layouts in layouts.items():
+            for layout in role_layouts:
+                group = RoleGroup(
+                    role,
+                    layout,
+                    functools.partial(self._spec, role, layout, threads=threads),
+                    self.devices,
+                    share,
+                    self.namespace,
+                )
+                self.groups.setdefault(role, group)
+                if group is not self.groups[role]:
+                    self.copies[group.key] = group
+        for group in self.all_groups():
             group.setup()
         self._init_copies()
         if self.resume is not None:
@@ -87,16 +113,18 @@ class Session:
         for role, rc in self.cfg.models.items():
             if rc.init_from is not None and role in self.groups:
                 src, dst = self.groups[rc.init_from], self.groups[role]
-                self.init_realloc = ObjectStoreCopy().copy(src.replica(0), dst.actors)
+                spec = self.assets.specs[role]
+                self.init_realloc = self.mover.move(src, dst, spec)
 
     def _spec(self, role: str, layout: Layout, rank: int, *, threads: int) -> WorkerSpec:
         cfg, assets = self.cfg, self.assets
         rc = cfg.models[role]
         model_dir, config_dir = self._weights_source(role)
+        home = assets.plan.home_layouts(assets.graph)[role] == layout
         calls = tuple(
             CallSpec(c.name, c.kind, c.interface, dict(c.args))
             for c in assets.graph.calls
-            if c.role == role
+            if c.role == role and assets.plan.layouts[c.name] == layout
         )
         return WorkerSpec(
             role=role,
@@ -112,7 +140,7 @@ class Session:
             model_dir=model_dir,
             config_dir=config_dir,
             value_head=rc.value_head,
-            optimizer=rc.optimizer if role in assets.trainable else None,
+            optimizer=rc.optimizer if role in assets.trainable and home else None,
             seed=cfg.seed,
             threads=threads,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",

@@ -71,8 +71,14 @@ def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
     for name, s in outcome.compute_seconds.items():
         metrics[f"seconds/{name}"] = s
     compute = sum(outcome.compute_seconds.values())
+    for name, moved in outcome.reallocs.items():
+        metrics[f"realloc_seconds/{name}"] = moved.seconds
+        metrics[f"realloc_bytes/{name}"] = float(moved.bytes)
+    realloc = sum(m.seconds for m in outcome.reallocs.values())
+    if outcome.reallocs:
+        metrics["realloc_seconds"] = realloc
     metrics["step_seconds"] = seconds
-    metrics["overhead_seconds"] = max(seconds - compute, 0.0)
+    metrics["overhead_seconds"] = max(seconds - compute - realloc, 0.0)
     metrics.update(sample_means(outcome.batch))
     lens = outcome.batch.seqlens
     tokens = sum(sum(lens[k]) for k in ("seq", "chosen", "rejected") if k in lens)
@@ -106,7 +112,7 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, assets: RunAssets, session: Session) -> None:
         self.cfg, self.assets, self.session = cfg, assets, session
-        self.executor = PlainExecutor(assets.graph, session.groups)
+        self.executor = PlainExecutor(assets.graph, session.placement())
 
     def checkpoint(self, step: int) -> Path:
         groups = self.session.groups

@@ -2,7 +2,8 @@
 
 Its remote surface is small and typed: ``setup`` joins the role group's process groups and
 shards the model for the layout, ``run`` executes one call through the call's interface,
-``get_weights``/``set_weights`` serve reallocation, ``save``/``load_optimizer`` serve
+``realloc_send``/``realloc_recv`` move weight slices to and from other role groups
+(``get_weights``/``set_weights`` are the whole-model path), ``save``/``load_optimizer`` serve
 checkpoints. How a call's batch is spread over the ranks is declared in ``DISPATCH``.
 """
 
@@ -20,6 +21,8 @@ from rayhf.algorithms import CallContext, make_interface
 from rayhf.engines.torch_engine import TorchEngine
 from rayhf.models.hf import quiet_transformers
 from rayhf.parallel.groups import ParallelGroups, build_groups, single
+from rayhf.realloc.plan import Transfer
+from rayhf.realloc.transport import TransferGroup, copy_into, ema_into, recv_all, send_all
 from rayhf.runtime.messages import CallRequest, CallResult, WorkerSpec
 
 # kind -> how the driver spreads the batch and joins the results. "split": each data-parallel
@@ -71,6 +74,7 @@ class RoleWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
         self.groups: ParallelGroups = single()
         self.engine = TorchEngine(None, self.tokenizer, spec.value_head, None)
+        self.transfer_groups: dict[str, TransferGroup] = {}
         self.calls = {c.name: c for c in spec.calls}
         self.interfaces = {
             c.interface: make_interface(c.interface, spec.settings) for c in spec.calls
@@ -131,6 +135,30 @@ class RoleWorker:
     def set_weights(self, weights: dict[str, torch.Tensor]) -> int:
         """Keep this rank's shards of the whole-model ``weights``; returns the bytes kept."""
         return self.engine.load_full_state(weights)
+
+    def join_transfer_group(self, name: str, address: str, rank: int, size: int) -> None:
+        """Join the reallocation transfer group ``name`` (made once per pair of role groups)."""
+        self.transfer_groups[name] = TransferGroup(address, rank, size, self.spec.device)
+
+    def realloc_send(self, group: str, by_peer: dict[int, list[Transfer]]) -> int:
+        """Send this rank's planned source slices; returns bytes sent."""
+        assert self.engine.model is not None
+        return send_all(self.transfer_groups[group], self.engine.model.local_state(), by_peer)
+
+    def realloc_recv(
+        self, group: str, by_peer: dict[int, list[Transfer]], eta: float | None = None
+    ) -> int:
+        """Receive this rank's planned slices (copy, or blend with weight ``eta``)."""
+        assert self.engine.model is not None
+        self.engine.model.allocate()
+        blend = copy_into if eta is None else ema_into(eta)
+        shards = self.engine.model.local_state()
+        return recv_all(self.transfer_groups[group], shards, by_peer, blend)
+
+    def release_weights(self) -> None:
+        """Drop this copy's weights until the next reallocation refills them."""
+        assert self.engine.model is not None
+        self.engine.model.release()
 
     def weights_digest(self) -> float:
         """Sum of |w| over this rank's parameters: a cheap fingerprint for tests and logs."""

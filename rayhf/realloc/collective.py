@@ -1,0 +1,124 @@
+"""The driver side of reallocation: plan once per layout pair, then have the role groups'
+actors exchange their slices over a transfer group made lazily per pair of role groups.
+
+    move(src group, dst group)
+      -> plan_realloc(spec, src.layout, dst.layout)         (cached per layout pair)
+      -> transfer group over src actors + dst actors          (created once, cached)
+      -> every source actor: realloc_send(its slices, by peer)      } concurrently
+         every destination actor: realloc_recv(its slices, by peer) }
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import ray
+
+from rayhf.models.spec import ModelSpec
+from rayhf.planner.layout import Layout
+from rayhf.realloc.plan import ReallocPlan, Transfer, plan_realloc
+
+
+@dataclass(frozen=True)
+class ReallocStats:
+    seconds: float
+    bytes: int  # bytes that arrived, summed over destination ranks
+
+
+class GroupRef(Protocol):
+    """What reallocation needs of a role group (``rayhf.runtime.RoleGroup`` is one)."""
+
+    key: str  # unique and stable, e.g. "actor.d0-1.dp1tp2pp1"
+    layout: Layout
+    actors: list[Any]
+
+
+class WeightMover(Protocol):
+    def move(
+        self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
+    ) -> ReallocStats:
+        """Make ``dst`` hold ``spec``'s weights as ``src`` holds them (``eta``: blend
+        ``dst = eta * src + (1 - eta) * dst`` instead of copying)."""
+        ...
+
+
+def _by_peer(transfers: list[Transfer], peer_of: Any) -> dict[int, list[Transfer]]:
+    out: dict[int, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        out[peer_of(t)].append(t)
+    return dict(out)
+
+
+class CollectiveRealloc:
+    """Slices move directly between the actors that hold and need them."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[ModelSpec, Layout, Layout], ReallocPlan] = {}
+        self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
+
+    def plan(self, spec: ModelSpec, src: Layout, dst: Layout) -> ReallocPlan:
+        key = (spec, src, dst)
+        if key not in self._plans:
+            self._plans[key] = plan_realloc(spec, src, dst)
+        return self._plans[key]
+
+    def _group(self, a: GroupRef, b: GroupRef) -> tuple[str, dict[str, int]]:
+        """The transfer group over both role groups' actors (one per pair, either direction)."""
+        members = tuple(sorted((a.key, b.key)))
+        name = "+".join(members)
+        if members not in self._groups:
+            ordered = sorted((a, b), key=lambda g: g.key)
+            offsets: dict[str, int] = {}
+            actors: list[Any] = []
+            for g in ordered:
+                offsets[g.key] = len(actors)
+                actors.extend(g.actors)
+            address = ray.get(actors[0].rendezvous_address.remote())
+            ray.get(
+                [
+                    actor.join_transfer_group.remote(name, address, rank, len(actors))
+                    for rank, actor in enumerate(actors)
+                ]
+            )
+            self._groups[members] = offsets
+        return name, self._groups[members]
+
+    def move(
+        self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
+    ) -> ReallocStats:
+        start = time.perf_counter()
+        plan = self.plan(spec, src.layout, dst.layout)
+        name, offset = self._group(src, dst)
+        s0, d0 = offset[src.key], offset[dst.key]
+        sends = [
+            actor.realloc_send.remote(name, _by_peer(plan.for_src(r), lambda t: d0 + t.dst))
+            for r, actor in enumerate(src.actors)
+            if plan.for_src(r)
+        ]
+        recvs = [
+            actor.realloc_recv.remote(name, _by_peer(plan.for_dst(r), lambda t: s0 + t.src), eta)
+            for r, actor in enumerate(dst.actors)
+        ]
+        received = ray.get(recvs)
+        ray.get(sends)
+        return ReallocStats(time.perf_counter() - start, sum(received))
+
+
+class ObjectStoreCopy:
+    """The naive path, kept as the baseline: the source's first replica gathers the whole state
+    dict into its head actor, which puts it in the object store once; every destination rank
+    fetches all of it and keeps its own shards."""
+
+    def move(
+        self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
+    ) -> ReallocStats:
+        assert eta is None, "the object-store path only copies"
+        start = time.perf_counter()
+        replica = src.actors[: src.layout.tp * src.layout.pp]
+        refs = [a.get_weights.remote() for a in replica]  # a collective over the replica
+        received = ray.get([a.set_weights.remote(refs[0]) for a in dst.actors])
+        ray.get(refs[1:])
+        return ReallocStats(time.perf_counter() - start, sum(received))

@@ -1,0 +1,144 @@
+"""Moving planned slices between processes: point-to-point over a process group of the actors
+involved, bucketed, inside each actor. No Ray here; the driver side is ``collective.py``.
+
+A ``TransferGroup`` is an independent torch process group (gloo for CPU tensors, NCCL for GPU
+tensors) over one set of actors, made from its own TCP store, so an actor can belong to its role
+group's dp/tp/pp world and to any number of transfer groups at once. (Ray's
+``ray.util.collective`` gloo groups reuse the process's default torch world, which our actors
+already own for their layout; see docs/decisions.md.)
+
+Both sides walk the same transfer list in the same order, so they cut the same buckets: every
+(sender, receiver) pair exchanges one message per bucket of at most ``bucket_bytes``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rayhf.realloc.plan import Transfer
+
+BUCKET_BYTES = 32 * 2**20
+
+
+class TransferGroup:
+    """A process group over ``size`` actors; rank 0 hosts the store at ``address``."""
+
+    def __init__(self, address: str, rank: int, size: int, device: str = "cpu") -> None:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=300)
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
+        self.rank, self.size = rank, size
+        self.pg: Any
+        if device.startswith("cuda"):
+            nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009 (CUDA builds only)
+            self.pg = nccl(store, rank, size)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int):
+        return self.pg.send([t], peer, tag)
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int):
+        return self.pg.recv([t], peer, tag)
+
+
+def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list[list[Transfer]]:
+    """Consecutive transfers grouped into buckets of at most ``bucket_bytes`` (a larger transfer
+    is a bucket of its own)."""
+    out: list[list[Transfer]] = []
+    size = 0
+    for t in transfers:
+        if not out or size + t.nbytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.nbytes
+    return out
+
+
+def _piece(shards: Mapping[str, torch.Tensor], t: Transfer, offset: int) -> torch.Tensor:
+    return shards[t.name].narrow(t.dim, offset, t.stop - t.start)
+
+
+def send_all(
+    group: TransferGroup,
+    shards: Mapping[str, torch.Tensor],
+    by_peer: Mapping[int, list[Transfer]],
+    bucket_bytes: int = BUCKET_BYTES,
+) -> int:
+    """Send this rank's source slices to each peer; returns bytes sent."""
+    works, sent = [], 0
+    with torch.no_grad():
+        for peer, transfers in sorted(by_peer.items()):
+            for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
+                flat = torch.cat([_piece(shards, t, t.src_offset).reshape(-1) for t in bucket])
+                works.append(group.isend(flat, peer, tag))
+                sent += flat.numel() * flat.element_size()
+    for w in works:
+        w.wait()
+    return sent
+
+
+Blend = Callable[[torch.Tensor, torch.Tensor], None]  # (destination slice, received) -> None
+
+
+def copy_into(dst: torch.Tensor, received: torch.Tensor) -> None:
+    dst.copy_(received)
+
+
+def ema_into(eta: float) -> Blend:
+    """``dst = eta * received + (1 - eta) * dst`` (a moving average toward the source)."""
+
+    def blend(dst: torch.Tensor, received: torch.Tensor) -> None:
+        dst.mul_(1.0 - eta).add_(received, alpha=eta)
+
+    return blend
+
+
+def recv_all(
+    group: TransferGroup,
+    shards: Mapping[str, torch.Tensor],
+    by_peer: Mapping[int, list[Transfer]],
+    blend: Blend = copy_into,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> int:
+    """Receive this rank's destination slices from each peer into ``shards``; returns bytes."""
+    pending = []
+    for peer, transfers in sorted(by_peer.items()):
+        for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
+            some = shards[bucket[0].name]
+            n = sum(_piece(shards, t, t.dst_offset).numel() for t in bucket)
+            flat = torch.empty(n, dtype=some.dtype, device=some.device)
+            pending.append((group.irecv(flat, peer, tag), flat, bucket))
+    received = 0
+    with torch.no_grad():
+        for work, flat, bucket in pending:
+            work.wait()
+            offset = 0
+            for t in bucket:
+                dst = _piece(shards, t, t.dst_offset)
+                blend(dst, flat[offset : offset + dst.numel()].view_as(dst))
+                offset += dst.numel()
+            received += flat.numel() * flat.element_size()
+    return received
+
+
+def copy_local(
+    src: Mapping[str, torch.Tensor],
+    dst: Mapping[str, torch.Tensor],
+    transfers: list[Transfer],
+    blend: Blend = copy_into,
+) -> int:
+    """Slices whose source and destination are the same process: a local copy."""
+    n = 0
+    with torch.no_grad():
+        for t in transfers:
+            piece = _piece(dst, t, t.dst_offset)
+            blend(piece, _piece(src, t, t.src_offset))
+            n += piece.numel() * piece.element_size()
+    return n
