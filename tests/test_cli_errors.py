@@ -133,3 +133,9 @@ def test_impossible_layouts_are_refused_before_any_actor_starts(workdir, n_devic
     _assert_user_error(proc, *needles)
     assert not (workdir / "run" / "checkpoints").exists()
     assert not (workdir / "run" / "metrics.jsonl").exists()
+
+
+def test_reallocation_between_different_models_is_refused(workdir):
+    proc = _run(workdir, "models.ref.value_head=true")
+    _assert_user_error(proc, "models.ref.init_from", "lm_head.weight", "same architecture")
+    assert not (workdir / "run" / "checkpoints").exists()

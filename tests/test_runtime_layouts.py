@@ -70,3 +70,38 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
             sum(s["exp_avg"].numel() for s in o["optimizer"]["state"].values()) for o in shards
         ]
         assert all(n > 0 for n in sizes), role
+
+
+def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
+    ray_cluster, tiny_config
+):
+    import json
+
+    import ray
+
+    plan = {c: {"dp": 2} for c in PLAN}
+    plan["actor_train"] = {"tp": 2}
+    cfg = tiny_config(steps=1, plan=plan, **{"cluster.n_devices": 2, "models.ref.ema": 0.25})
+    assets = prepare_run(cfg, cfg.resolved_run_dir())
+    with Session(cfg, assets, resume=None) as session:
+        home, ref = session.groups["actor"], session.groups["ref"]
+        copy = session.copies["actor.d0-1.dp2tp1pp1"]
+        assert home.layout.tp == 2 and copy.layout.dp == 2
+        actor_before = ray.get([a.get_weights.remote() for a in home.actors])[0]
+        ref_before = ray.get(ref.actors[0].get_weights.remote())
+        assert _same(actor_before, ref_before), "the ref starts as the actor, by reallocation"
+        Trainer(cfg, assets, session).loop(0)
+        actor_after = ray.get([a.get_weights.remote() for a in home.actors])[0]
+        ref_after = ray.get(ref.actors[0].get_weights.remote())
+        copy_bytes = ray.get([a.local_bytes.remote() for a in copy.actors])
+    assert not _same(actor_before, actor_after)
+    expected = {
+        k: v.clone().mul_(0.75).add_(actor_after[k], alpha=0.25) for k, v in ref_before.items()
+    }
+    assert _same(ref_after, expected), "ref = 0.25 * actor + 0.75 * ref, exactly"
+    assert copy_bytes == [0, 0], "the generation copy is dropped after its call"
+    row = json.loads((Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()[0])
+    moved = session.mover.plan(assets.specs["actor"], home.layout, copy.layout).total_bytes
+    assert row["realloc_bytes/actor_gen"] == moved
+    assert row["realloc_seconds/actor_gen"] > 0
+    assert row["realloc_bytes/ref_ema"] > 0

@@ -107,7 +107,6 @@ def plan(
 ) -> None:
     """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies)."""
     import rayhf
-
     from rayhf.realloc.plan import format_reallocations
     from rayhf.runtime.assets import model_specs
 

@@ -67,13 +67,20 @@ class TorchEngine:
         self.hf_config = None
         if model is None:
             return
-        self.hf_config = model.config
-        spec = model_spec(model.config, value_head)
-        self.model = ShardedModel(spec, self.groups, model.state_dict()).to(device)
+        self._shard(model.config, model.state_dict(), n_mbs, device)
+
+    def _shard(self, hf_config, full: dict[str, torch.Tensor] | None, n_mbs: int, device: str):
+        self.hf_config = hf_config
+        spec = model_spec(hf_config, self.value_head)
+        self.model = ShardedModel(spec, self.groups, full).to(device)
         self.model.train(False)
         self.pipe = Pipeline(self.model, self.groups, n_mbs)
-        if optimizer is not None:
-            self.optimizer = _make_optimizer(self.model, optimizer, self.groups)
+        if self.optim_cfg is not None:
+            self.optimizer = _make_optimizer(self.model, self.optim_cfg, self.groups)
+
+    def init_empty(self, hf_config, n_mbs: int = 1, device: str = "cpu") -> None:
+        """Hold zeros in this rank's shards of ``hf_config``'s model (reallocation fills them)."""
+        self._shard(hf_config, None, n_mbs, device)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:

@@ -38,6 +38,7 @@ class ModelSpec:
     sliding_window: int | None  # keys further back than this are masked (Mistral)
     tied: bool  # the LM head is the token embedding
     value_head: bool  # a ``score`` head with one output instead of the LM head
+    padding_idx: int | None = None  # this embedding row gets no gradient (Hugging Face's Llama)
 
     @property
     def prefix(self) -> str:
@@ -107,4 +108,5 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         sliding_window=window,
         tied=tied,
         value_head=value_head,
+        padding_idx=getattr(config, "pad_token_id", None),
     )

@@ -116,7 +116,10 @@ class ShardedModel(torch.nn.Module):
         lo, hi = self.vocab_range
         table = self.w(embedding_name(self.spec))
         inside = (ids >= lo) & (ids < hi)
-        local = F.embedding((ids - lo).clamp(0, hi - lo - 1), table) * inside[:, None]
+        pad = self.spec.padding_idx
+        pad = pad - lo if pad is not None and lo <= pad < hi else None
+        local = F.embedding((ids - lo).clamp(0, hi - lo - 1), table, padding_idx=pad)
+        local = local * inside[:, None]
         x = reduce_from_tp(local, self.groups.tp_group)
         if self.spec.family == "gpt2":
             x = x + F.embedding(positions, self.w("transformer.wpe.weight"))

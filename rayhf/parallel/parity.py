@@ -58,6 +58,7 @@ def _model(family: str, value_head: bool):
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (4, 10), generator=gen)
+    ids[0, 3] = ids[2, 1] = PAD  # a pad id inside a row: Llama's embedding gives it no gradient
     mask = torch.ones_like(ids)
     for row, n in enumerate((10, 7, 4, 9)):
         mask[row, n:] = 0

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from rayhf.realloc.plan import Transfer
 
 BUCKET_BYTES = 32 * 2**20
+DIRECT_BYTES = 2**20  # a slice this large travels alone, straight from/into the shard if it can
 
 
 class TransferGroup:
@@ -48,12 +49,16 @@ class TransferGroup:
 
 
 def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list[list[Transfer]]:
-    """Consecutive transfers grouped into buckets of at most ``bucket_bytes`` (a larger transfer
-    is a bucket of its own)."""
+    """Small transfers grouped in order into buckets of at most ``bucket_bytes``; a transfer of
+    ``DIRECT_BYTES`` or more is a bucket of its own (sent without packing when contiguous)."""
     out: list[list[Transfer]] = []
-    size = 0
+    size = bucket_bytes  # forces a new bucket for the first small transfer
     for t in transfers:
-        if not out or size + t.nbytes > bucket_bytes:
+        if t.nbytes >= DIRECT_BYTES:
+            out.append([t])
+            size = bucket_bytes
+            continue
+        if size + t.nbytes > bucket_bytes:
             out.append([])
             size = 0
         out[-1].append(t)
@@ -76,7 +81,11 @@ def send_all(
     with torch.no_grad():
         for peer, transfers in sorted(by_peer.items()):
             for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
-                flat = torch.cat([_piece(shards, t, t.src_offset).reshape(-1) for t in bucket])
+                pieces = [_piece(shards, t, t.src_offset) for t in bucket]
+                if len(pieces) == 1 and pieces[0].is_contiguous():
+                    flat = pieces[0]  # no packing copy
+                else:
+                    flat = torch.cat([piece.reshape(-1) for piece in pieces])
                 works.append(group.isend(flat, peer, tag))
                 sent += flat.numel() * flat.element_size()
     for w in works:
@@ -108,23 +117,28 @@ def recv_all(
     bucket_bytes: int = BUCKET_BYTES,
 ) -> int:
     """Receive this rank's destination slices from each peer into ``shards``; returns bytes."""
-    pending = []
+    pending: list[tuple[Any, torch.Tensor, list[Transfer]]] = []
+    direct_ok = blend is copy_into
     for peer, transfers in sorted(by_peer.items()):
         for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
-            some = shards[bucket[0].name]
+            first = _piece(shards, bucket[0], bucket[0].dst_offset)
+            if direct_ok and len(bucket) == 1 and first.is_contiguous():
+                # Straight into the shard's memory: nothing left to do after the wait.
+                pending.append((group.irecv(first.detach(), peer, tag), first, []))
+                continue
             n = sum(_piece(shards, t, t.dst_offset).numel() for t in bucket)
-            flat = torch.empty(n, dtype=some.dtype, device=some.device)
+            flat = torch.empty(n, dtype=first.dtype, device=first.device)
             pending.append((group.irecv(flat, peer, tag), flat, bucket))
     received = 0
     with torch.no_grad():
         for work, flat, bucket in pending:
             work.wait()
+            received += flat.numel() * flat.element_size()
             offset = 0
             for t in bucket:
                 dst = _piece(shards, t, t.dst_offset)
                 blend(dst, flat[offset : offset + dst.numel()].view_as(dst))
                 offset += dst.numel()
-            received += flat.numel() * flat.element_size()
     return received
 
 
