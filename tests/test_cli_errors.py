@@ -95,7 +95,7 @@ def test_nothing_written_is_lost_on_a_rerun(workdir):
     assert (run / "state.json").read_text() == "{}"
 
 
-def test_plan_refuses_split_role_layouts(workdir):
+def test_plan_shows_the_reallocations_of_split_role_layouts(workdir):
     plan = {
         c: {"mesh": [0, 1]}
         for c in ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
@@ -105,7 +105,13 @@ def test_plan_refuses_split_role_layouts(workdir):
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["plan"] = plan
     path.write_text(yaml.safe_dump(cfg))
-    _assert_user_error(rayhf_cli("plan", str(path), cwd=workdir), "plan.actor_gen", "actor")
+    proc = rayhf_cli("plan", str(path), cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    moves = [line for line in proc.stdout.splitlines() if "MiB in" in line]
+    assert (
+        len(moves) == 1 and "actor_gen" in moves[0] and "d0.dp1tp1pp1 -> d0-1.dp2tp1pp1" in moves[0]
+    )
+    assert not (workdir / "runs").exists(), "rayhf plan writes nothing"
 
 
 PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
