@@ -140,19 +140,3 @@ def recv_all(
                 blend(dst, flat[offset : offset + dst.numel()].view_as(dst))
                 offset += dst.numel()
     return received
-
-
-def copy_local(
-    src: Mapping[str, torch.Tensor],
-    dst: Mapping[str, torch.Tensor],
-    transfers: list[Transfer],
-    blend: Blend = copy_into,
-) -> int:
-    """Slices whose source and destination are the same process: a local copy."""
-    n = 0
-    with torch.no_grad():
-        for t in transfers:
-            piece = _piece(dst, t, t.dst_offset)
-            blend(piece, _piece(src, t, t.src_offset))
-            n += piece.numel() * piece.element_size()
-    return n

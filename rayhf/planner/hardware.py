@@ -1,0 +1,82 @@
+"""What the planner knows about hardware: device rates and the links between devices.
+
+Plans for clusters that are not at hand use published datasheet figures (cited below); the
+emulated CPU devices of this machine use measured rates (``benchmarks/`` writes them). A cluster
+is written ``NODESxDEVICESxKIND``, e.g. ``16x8xH100``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rayhf.errors import RayhfError
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device's peak rates; the cost model applies efficiencies to them."""
+
+    name: str
+    memory_bytes: float
+    flops: float  # dense matmul FLOP/s in the training dtype
+    memory_bandwidth: float  # bytes/s
+    dtype_bytes: int  # bytes per parameter/activation element in that dtype
+    source: str  # where the figures come from
+
+
+# NVIDIA datasheets: H100 SXM5 (nvidia.com/en-us/data-center/h100, "H100 Tensor Core GPU
+# Datasheet"): 989 TFLOPS BF16 dense (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4
+# 900 GB/s per GPU (both directions). H200 SXM (nvidia.com/en-us/data-center/h200): same
+# compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s. A100 SXM4 80GB (nvidia.com/en-us/
+# data-center/a100, "A100 Datasheet"): 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e, NVLink 3
+# 600 GB/s. Inter-node: one 400 Gb/s (NDR) InfiniBand NIC per H100/H200 and one 200 Gb/s (HDR)
+# per A100, as in the DGX H100/H200/A100 system datasheets.
+DEVICES: dict[str, DeviceSpec] = {
+    "H100": DeviceSpec("H100-SXM5-80GB", 80e9, 989e12, 3.35e12, 2, "NVIDIA H100 datasheet"),
+    "H200": DeviceSpec("H200-SXM-141GB", 141e9, 989e12, 4.8e12, 2, "NVIDIA H200 datasheet"),
+    "A100": DeviceSpec("A100-SXM4-80GB", 80e9, 312e12, 2.039e12, 2, "NVIDIA A100 datasheet"),
+}
+LINKS: dict[str, tuple[float, float]] = {  # kind -> (intra-node, inter-node) bytes/s per device
+    "H100": (450e9, 50e9),  # NVLink 4: 900 GB/s bidirectional; NDR 400 Gb/s
+    "H200": (450e9, 50e9),
+    "A100": (300e9, 25e9),  # NVLink 3: 600 GB/s bidirectional; HDR 200 Gb/s
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``n_nodes`` x ``devices_per_node`` identical devices; device ``d`` is on node
+    ``d // devices_per_node``."""
+
+    n_nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node_bandwidth: float  # bytes/s one device can send to a device on its node
+    inter_node_bandwidth: float  # bytes/s one device can send to another node
+    link_latency: float = 10e-6  # seconds per collective or message
+
+    @property
+    def n_devices(self) -> int:
+        return self.n_nodes * self.devices_per_node
+
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def bandwidth(self, devices: tuple[int, ...] | list[int]) -> float:
+        """Per-device bandwidth of a collective over ``devices`` (the slowest link it uses)."""
+        nodes = {self.node_of(d) for d in devices}
+        return self.intra_node_bandwidth if len(nodes) <= 1 else self.inter_node_bandwidth
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """``16x8xH100`` -> 16 nodes of 8 H100s."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\w+)", text.strip())
+    if m is None or m.group(3) not in DEVICES:
+        kinds = ", ".join(DEVICES)
+        raise RayhfError(f"--cluster {text!r}: write NODESxDEVICESxKIND with KIND in {kinds}")
+    nodes, per_node, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+    if nodes < 1 or per_node < 1:
+        raise RayhfError(f"--cluster {text!r}: nodes and devices per node must be at least 1")
+    intra, inter = LINKS[kind]
+    return ClusterSpec(nodes, per_node, DEVICES[kind], intra, inter)

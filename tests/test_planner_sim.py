@@ -1,0 +1,133 @@
+"""The planner's pure parts: cluster specs, the analytic cost model, the simulator, the search
+and the baselines (no Ray, no processes)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from rayhf.errors import RayhfError
+from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
+from rayhf.planner import baselines
+from rayhf.planner.cost import AnalyticCost, Workload
+from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.layout import Layout
+from rayhf.planner.plan import Plan
+from rayhf.planner.search import blocks, candidates, energy, search
+from rayhf.planner.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[1]
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+SPECS = {
+    "actor": public_shape("llama2-7b"),
+    "ref": public_shape("llama2-7b"),
+    "critic": public_shape("llama2-7b", value_head=True),
+    "reward": public_shape("llama2-7b", value_head=True),
+}
+WORKS = {
+    c.name: Workload(c.kind, 512, 128, 128, 4 if c.kind == "train" else 1) for c in GRAPH.calls
+}
+
+
+def test_cluster_specs_parse_and_name_their_links():
+    c = parse_cluster("16x8xH100")
+    assert (c.n_nodes, c.devices_per_node, c.n_devices) == (16, 8, 128)
+    assert c.device.memory_bytes == 80e9 and "datasheet" in c.device.source
+    assert c.bandwidth((0, 7)) > c.bandwidth((7, 8)), "NVLink within a node beats InfiniBand"
+    with pytest.raises(RayhfError, match="NODESxDEVICESxKIND"):
+        parse_cluster("16xH100")
+
+
+def test_public_shapes_have_their_published_sizes():
+    from rayhf.models.sharding import param_shards
+
+    sizes = {n: sum(p.numel for p in param_shards(public_shape(n))) / 1e9 for n in
+             ("llama2-7b", "llama2-13b", "codellama-34b", "llama2-70b")}  # fmt: skip
+    assert sizes == pytest.approx(
+        {"llama2-7b": 6.74, "llama2-13b": 13.02, "codellama-34b": 33.74, "llama2-70b": 68.98},
+        abs=0.01,
+    )
+
+
+def test_cost_model_responds_to_layout_as_expected():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, work = SPECS["actor"], WORKS["actor_train"]
+    one = cost.call(spec, Layout((0,), 1), work)
+    eight_dp = cost.call(spec, Layout(tuple(range(8)), 8), work)
+    eight_tp = cost.call(spec, Layout(tuple(range(8)), 1, 8), work)
+    assert eight_dp.seconds < one.seconds / 4, "8 replicas cut compute time"
+    assert eight_tp.memory < eight_dp.memory / 3, "tp=8 shards weights and optimizer state"
+    assert one.memory > 80e9, "a 7B model with AdamW does not fit one 80 GB device"
+    gen = cost.call(spec, Layout(tuple(range(8)), 8), WORKS["actor_gen"])
+    assert gen.parts["decode"] > gen.parts["prefill"], "decoding 128 tokens is memory bound"
+
+
+def _plan(layout_of) -> Plan:
+    return Plan({c.name: layout_of(c) for c in GRAPH.calls}, "test")
+
+
+def test_simulator_overlaps_disjoint_meshes_and_serializes_shared_ones():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    shared = _plan(lambda c: Layout(tuple(range(8)), 4, 2))
+    sim = simulate(GRAPH, shared, SPECS, WORKS, cost)
+    calls = [s for s in sim.spans if s.iteration == 0 and not s.name.startswith("realloc")]
+    for a, b in itertools.pairwise(calls):
+        assert b.start >= a.end - 1e-12, "calls on the same devices run one after another"
+    split = {"ref": (0, 1, 2, 3), "critic": (4, 5, 6, 7)}  # each role at home on its own half
+    apart = _plan(lambda c: Layout(split[c.role], 2, 2) if c.role in split else
+                  Layout(tuple(range(8)), 4, 2))  # fmt: skip
+    spans = {
+        s.name: s for s in simulate(GRAPH, apart, SPECS, WORKS, cost).spans if s.iteration == 0
+    }
+    ref, critic = spans["ref_inf"], spans["critic_inf"]
+    assert ref.start < critic.end and critic.start < ref.end, "disjoint meshes overlap in time"
+    # On-policy: no actor call of iteration 1 starts before the actor trained in iteration 0.
+    train0 = next(s for s in sim.spans if s.name == "actor_train" and s.iteration == 0)
+    gen1 = next(s for s in sim.spans if s.name == "actor_gen" and s.iteration == 1)
+    assert gen1.start >= train0.end
+
+
+def test_reallocation_appears_when_a_role_changes_layout():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    plan = _plan(lambda c: Layout(tuple(range(8)), 8) if c.name == "actor_gen"
+                 else Layout(tuple(range(8)), 2, 4))  # fmt: skip
+    sim = simulate(GRAPH, plan, SPECS, WORKS, cost)
+    moves = [s for s in sim.spans if s.name == "realloc:actor_gen"]
+    assert len(moves) == 2 and all(m.end > m.start for m in moves)
+
+
+def test_a_plan_over_memory_is_infeasible():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    crammed = _plan(lambda c: Layout((0,), 1))
+    sim = simulate(GRAPH, crammed, SPECS, WORKS, cost)
+    assert not sim.feasible and sim.over_memory[0][1] == 0
+    assert energy(sim, 80e9) > 10 * sim.iteration_seconds
+
+
+def test_candidates_respect_nodes_and_the_model():
+    assert blocks(4) == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
+    for lay in candidates(SPECS["actor"], 16, 8):
+        assert lay.tp <= 8 and lay.dp * lay.tp * lay.pp == len(lay.mesh)
+
+
+def test_search_is_deterministic_and_never_worse_than_its_starts():
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    cap = cost.cluster.device.memory_bytes
+
+    def score(plan: Plan) -> float:
+        return energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+
+    starts = [
+        baselines.colocated(GRAPH, SPECS, 16, 8, score),
+        baselines.realhf(GRAPH, SPECS, 2, 8, score),
+    ]
+    for s in starts:
+        assert s is not None and {c.name for c in GRAPH.calls} == set(s.layouts)
+    a = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
+    b = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
+    assert a.plan.layouts == b.plan.layouts
+    assert score(a.plan) <= min(score(s) for s in starts)
+    assert a.simulation.feasible
