@@ -131,3 +131,28 @@ def test_search_is_deterministic_and_never_worse_than_its_starts():
     assert a.plan.layouts == b.plan.layouts
     assert score(a.plan) <= min(score(s) for s in starts)
     assert a.simulation.feasible
+
+
+def test_rayhf_plan_searches_a_cluster_and_compares_baselines(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "rayhf", "plan", str(REPO / "examples" / "ppo_tiny.yaml"),
+           "--cluster", "2x8xH100", "--shape", "actor=llama2-7b", "--shape", "ref=llama2-7b",
+           "--shape", "critic=llama2-7b", "--search-seconds", "3", "--gantt",
+           str(tmp_path / "g.png"), "batch_size=256"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "plan (search)" in proc.stdout and "estimated iteration" in proc.stdout
+    for name in ("colocated", "disjoint", "realhf"):
+        assert name in proc.stdout
+    assert (tmp_path / "g.png").stat().st_size > 5000
+
+
+def test_a_cluster_too_small_for_a_call_is_refused_naming_it():
+    from rayhf.planner.auto import auto_plan, workloads
+
+    specs = {**SPECS, "actor": public_shape("llama2-70b"), "ref": public_shape("llama2-70b")}
+    works = workloads(GRAPH, 64, 128, 128, 4)
+    with pytest.raises(RayhfError, match=r"call 'actor_train' \(role 'actor'\) needs at least"):
+        auto_plan(GRAPH, specs, works, parse_cluster("1x2xA100"), time_limit=1)

@@ -104,20 +104,71 @@ def plan(
     config: Annotated[str, typer.Argument(help="Experiment YAML")],
     overrides: Overrides = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
+    cluster: Annotated[
+        str | None, typer.Option(help="Plan by search for a cluster spec, e.g. 16x8xH100")
+    ] = None,
+    shape: Annotated[
+        list[str] | None,
+        typer.Option(help="ROLE=SHAPE: plan with a public model shape, e.g. actor=llama2-70b"),
+    ] = None,
+    search_seconds: Annotated[float, typer.Option(help="Search time limit")] = 30.0,
+    gantt: Annotated[str | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
 ) -> None:
-    """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies)."""
+    """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies); with
+    --cluster, search the plan for that cluster and compare it with the baselines."""
     import rayhf
     from rayhf.realloc.plan import format_reallocations
     from rayhf.runtime.assets import model_specs
 
     cfg = rayhf.load_config(config, overrides or [])
+    graph = rayhf.load_graph(cfg.graph_path())
+    specs = _with_shapes(model_specs(cfg), cfg, shape or [])
+    if cluster is not None:
+        _search_plan(cfg, graph, specs, cluster, search_seconds, json_out, gantt)
+        return
     the_plan = rayhf.make_plan(cfg)
     if json_out:
         typer.echo(the_plan.to_json())
     else:
-        graph = rayhf.load_graph(cfg.graph_path())
         typer.echo(rayhf.format_plan(the_plan, graph))
-        typer.echo(format_reallocations(the_plan, graph, model_specs(cfg)))
+        typer.echo(format_reallocations(the_plan, graph, specs))
+
+
+def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
+    from rayhf.models.shapes import public_shape
+
+    for item in shapes:
+        role, sep, name = item.partition("=")
+        if not sep or role not in cfg.models:
+            raise RayhfError(
+                f"--shape {item!r}: write ROLE=SHAPE with ROLE one of {list(cfg.models)}"
+            )
+        specs[role] = public_shape(name, cfg.models[role].value_head)
+    return specs
+
+
+def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> None:
+    from pathlib import Path
+
+    from rayhf.planner import format_plan
+    from rayhf.planner.auto import auto_plan, format_auto, workloads, write_gantt
+    from rayhf.planner.hardware import parse_cluster
+
+    cluster = parse_cluster(cluster_text)
+    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
+    works = workloads(
+        graph, cfg.batch_size, cfg.dataset.max_prompt_len, cfg.generation.max_new_tokens,
+        minibatches,
+    )  # fmt: skip
+    result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds)
+    chosen = result.chosen.plan
+    if json_out:
+        typer.echo(chosen.to_json())
+        return
+    typer.echo(format_plan(chosen, graph))
+    typer.echo(format_auto(result))
+    if gantt is not None:
+        typer.echo(f"gantt chart: {write_gantt(result.chosen.simulation, Path(gantt))}")
 
 
 app.add_typer(k8s_app, name="k8s", help="Render and validate KubeRay manifests offline.")

@@ -12,7 +12,7 @@ lowest simulated time is kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout, param_shards
@@ -40,7 +40,7 @@ def _tune(plans: list[Plan], score: Score) -> Plan:
     return min(plans, key=score)
 
 
-def colocated(graph: Graph, specs: dict[str, ModelSpec | None], n: int, per_node: int, score):
+def colocated(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int, score):
     """Every call on every device, one layout for all (the best such layout)."""
     largest = max((s for s in specs.values() if s is not None), key=_size)
     options = _layouts_on(tuple(range(n)), largest, per_node)
@@ -56,7 +56,7 @@ def _size(spec: ModelSpec) -> int:
     return sum(p.numel for p in param_shards(spec))
 
 
-def disjoint(graph: Graph, specs: dict[str, ModelSpec | None], n: int, per_node: int, score):
+def disjoint(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int, score):
     """Roles on disjoint device blocks proportional to their sizes; each role tuned alone."""
     roles = [r for r in graph.roles if specs.get(r) is not None]
     sizes = {r: _size(specs[r]) for r in roles}  # type: ignore[arg-type]
@@ -86,7 +86,7 @@ def disjoint(graph: Graph, specs: dict[str, ModelSpec | None], n: int, per_node:
     return Plan({c.name: fixed[c.name] for c in graph.calls}, "disjoint")
 
 
-def realhf(graph: Graph, specs: dict[str, ModelSpec | None], n_nodes: int, per_node: int, score):
+def realhf(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, per_node: int, score):
     """ReaLHF's PPO heuristic (its public ``realhf/experiments/common/ppo_exp.py`` rules), for
     nodes of 8 devices; None for other graphs or node sizes."""
     if per_node != 8 or not {"actor_gen", "actor_train", "critic_train"} <= set(graph.by_name):
@@ -95,7 +95,7 @@ def realhf(graph: Graph, specs: dict[str, ModelSpec | None], n_nodes: int, per_n
     return _tune(plans, score)
 
 
-def _realhf_plan(graph: Graph, specs: dict[str, ModelSpec | None], n_nodes: int, n_mbs: int):
+def _realhf_plan(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_mbs: int):
     n = 8 * n_nodes
     every = tuple(range(n))
     actor, critic = specs.get("actor"), specs.get("critic")

@@ -115,7 +115,7 @@ def format_plan(plan: Plan, graph: Graph) -> str:
     )
     for name in graph.order:
         c, lay = graph.by_name[name], plan.layouts[name]
-        mesh = ",".join(str(d) for d in lay.mesh)
+        mesh = lay.name.split(".")[0][1:]  # "0-15" or "0_2_5"
         rows.append(
             f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
             f"{lay.pp:>4}{lay.n_mbs:>5}"

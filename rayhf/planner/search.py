@@ -63,6 +63,44 @@ class SearchResult:
     seconds: float
 
 
+def _neighbour(
+    cur: dict[str, Layout],
+    graph: Graph,
+    options: dict[str, list[Layout]],
+    specs: dict[str, ModelSpec],
+    per_node: int,
+    rng: random.Random,
+) -> dict[str, Layout]:
+    """One random move: a new layout for a call, a layout shared within a role, a call moved to
+    another block of the same size, or two calls split onto the two halves of a block (so they
+    can run at the same time)."""
+    trial = dict(cur)
+    name = rng.choice(graph.order)
+    role = graph.by_name[name].role
+    move = rng.random()
+    same_role = [n for n in graph.role_calls(role) if n != name]
+    if move < 0.3 or role not in specs:
+        trial[name] = rng.choice(options[name])
+    elif move < 0.5 and same_role:
+        trial[name] = trial[rng.choice(same_role)]  # share a layout: no reallocation
+    elif move < 0.7:
+        lay = trial[name]
+        size = len(lay.mesh)
+        starts = range(0, len(options[name][-1].mesh) - size + 1, size) if size else [0]
+        start = rng.choice(list(starts))
+        trial[name] = Layout(tuple(range(start, start + size)), lay.dp, lay.tp, lay.pp, lay.n_mbs)
+    else:
+        other = rng.choice([n for n in graph.order if n != name])
+        block = trial[name].mesh
+        if len(block) >= 2 and graph.by_name[other].role in specs:
+            half = len(block) // 2
+            for call, mesh in ((name, block[:half]), (other, block[half:])):
+                fits = [lay for lay in options[call] if lay.mesh == mesh]
+                if fits:
+                    trial[call] = rng.choice(fits)
+    return trial
+
+
 def energy(sim: Simulation, capacity: float) -> float:
     over = sum(max(0.0, b - capacity) for _, _, b in sim.over_memory)
     return sim.iteration_seconds * (1.0 + (10.0 + 10.0 * over / capacity if over else 0.0))
@@ -75,7 +113,7 @@ def search(
     cost: AnalyticCost,
     starts: list[Plan],
     seed: int = 0,
-    max_iterations: int = 4000,
+    max_iterations: int = 20000,
     time_limit: float = 30.0,
 ) -> SearchResult:
     """The lowest-energy plan found, starting from the best of ``starts``."""
@@ -99,14 +137,7 @@ def search(
     it = 0
     while it < max_iterations and time.perf_counter() - began < time_limit:
         it += 1
-        trial = dict(cur)
-        name = rng.choice(graph.order)
-        role = graph.by_name[name].role
-        same_role = [n for n in graph.role_calls(role) if n != name]
-        if same_role and rng.random() < 0.3:
-            trial[name] = trial[rng.choice(same_role)]  # share a layout: no reallocation
-        else:
-            trial[name] = rng.choice(options[name])
+        trial = _neighbour(cur, graph, options, specs, cluster.devices_per_node, rng)
         e, sim = evaluate(trial)
         temp = temp0 * (1.0 - it / max_iterations) + 1e-9
         if e < cur_e or rng.random() < math.exp((cur_e - e) / temp):
