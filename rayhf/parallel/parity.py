@@ -90,8 +90,18 @@ def _grad_error(engine, ref_params: dict[str, Any]) -> float:
     return worst / scale
 
 
-def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] | None:
+def _train_step(engine, ids: torch.Tensor, mask: torch.Tensor) -> None:
     from rayhf.data.batch import PackedBatch
+
+    rows = PackedBatch(list(range(len(ids))))
+    engine.train([rows], lambda _: (_loss(engine.forward(ids, mask), ids, mask), {}))
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - v).abs().max()) for k, v in b.items())
+
+
+def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] | None:
     from rayhf.engines.native import GenerationConfig
     from rayhf.engines.native import generate as hf_generate
     from rayhf.engines.torch_engine import OptimizerConfig, TorchEngine
@@ -122,26 +132,23 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
         == hf_generate(ref, prompts, greedy, EOS, PAD).tokens
     )
     # One optimizer step: the engine on its rows; the reference on all rows (dp averages).
-    dummy = PackedBatch(list(range(rows.stop - rows.start)))
-    engine.train([dummy], lambda _: (_loss(engine.forward(my_ids, my_mask), my_ids, my_mask), {}))
+    _train_step(engine, my_ids, my_mask)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
     _loss(ref(input_ids=ids, attention_mask=mask).logits, ids, mask).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
     ref_opt.step()
     grad_err = _grad_error(engine, dict(ref.named_parameters()))
     full = engine.full_state()
-    step_err = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    step_err = _max_diff(full, ref.state_dict())
     zero1_err = None
     if dp > 1 and family == "llama":  # ZeRO-1: optimizer state sharded over the replicas
-        zero = OptimizerConfig(zero1=True)
-        engine = TorchEngine(_model(family, False), _Tok(), False, zero, groups)
-        engine.train(
-            [dummy], lambda _: (_loss(engine.forward(my_ids, my_mask), my_ids, my_mask), {})
+        zero = TorchEngine(
+            _model(family, False), _Tok(), False, OptimizerConfig(zero1=True), groups
         )
-        zero_full = engine.full_state()
-        zero1_err = max(float((zero_full[k] - v).abs().max()) for k, v in ref.state_dict().items())
+        _train_step(zero, my_ids, my_mask)
+        zero1_err = _max_diff(zero.full_state(), ref.state_dict())
     before = _model(family, False).state_dict()
-    moved = max(float((full[k] - v).abs().max()) for k, v in before.items())
+    moved = _max_diff(full, before)
     return {
         "family": family,
         "dp": dp,
