@@ -94,7 +94,7 @@ def test_reallocation_appears_when_a_role_changes_layout():
     cost = AnalyticCost(parse_cluster("1x8xH100"))
     plan = _plan(lambda c: Layout(tuple(range(8)), 8) if c.name == "actor_gen"
                  else Layout(tuple(range(8)), 2, 4))  # fmt: skip
-    sim = simulate(GRAPH, plan, SPECS, WORKS, cost)
+    sim = simulate(GRAPH, plan, SPECS, WORKS, cost, n_iterations=2)
     moves = [s for s in sim.spans if s.name == "realloc:actor_gen"]
     assert len(moves) == 2 and all(m.end > m.start for m in moves)
 
@@ -156,3 +156,60 @@ def test_a_cluster_too_small_for_a_call_is_refused_naming_it():
     works = workloads(GRAPH, 64, 128, 128, 4)
     with pytest.raises(RayhfError, match=r"call 'actor_train' \(role 'actor'\) needs at least"):
         auto_plan(GRAPH, specs, works, parse_cluster("1x2xA100"), time_limit=1)
+
+
+def test_eager_launch_floor_makes_a_small_model_on_many_devices_slower_per_token():
+    """Decode never beats the host's op launches, so spreading a 7B model's generation over
+    more devices stops helping; a tiny micro-batch is weight-read bound, not FLOP bound."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec = SPECS["actor"]
+    floor = spec.n_layers * cost.eff.ops_per_layer * cost.eff.op_seconds
+    few = cost.decode_seconds(spec, Layout(tuple(range(2)), 2), 16, 256)
+    many = cost.decode_seconds(spec, Layout(tuple(range(8)), 1, 8), 16, 256)
+    assert few >= floor and many >= floor
+    assert many > few, "tp=8 only adds all-reduces to a launch-bound step"
+    one_seq = cost.forward_seconds(spec, Layout((0,), 1), 1, 1)
+    weights = 2 * 6.5e9 / (cost.cluster.device.memory_bandwidth * cost.eff.memory)
+    assert one_seq >= weights, "a one-token forward still reads every weight"
+
+
+def test_a_call_at_home_of_a_trained_role_still_counts_its_cache():
+    """Generation at the actor's home layout adds its KV cache on top of the resident state."""
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    lay = Layout(tuple(range(16)), 2, 8)
+    plan = _plan(lambda c: lay)
+    sim = simulate(GRAPH, plan, SPECS, WORKS, cost)
+    resident = sum(cost.resident(SPECS[r], lay, r in ("actor", "critic")) for r in SPECS)
+    gen = cost.memory(SPECS["actor"], lay, WORKS["actor_gen"]) - cost.resident(
+        SPECS["actor"], lay, False
+    )
+    assert gen > 0 and sim.peak_memory[0] >= resident + gen - 1
+
+
+def test_local_improvement_never_worsens_a_plan_and_is_deterministic():
+    from rayhf.planner.search import _Scorer, improve
+
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    options = {c.name: candidates(SPECS.get(c.role), 16, 8) for c in GRAPH.calls}
+    start = dict(baselines.colocated(GRAPH, SPECS, 16, 8, _score(cost)).layouts)
+    runs = []
+    for _ in range(2):
+        score = _Scorer(GRAPH, SPECS, WORKS, cost, deadline=float("inf"))
+        runs.append(improve(start, options, GRAPH, score))
+        assert runs[-1][1] <= score(start)
+    assert runs[0] == runs[1]
+
+
+def test_search_improves_on_the_colocated_plan():
+    """One layout for every call is a compromise: the search gives each call its own."""
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    score = _score(cost)
+    start = baselines.colocated(GRAPH, SPECS, 16, 8, score)
+    found = search(GRAPH, SPECS, WORKS, cost, [start], seed=0, max_iterations=200)
+    assert found.simulation.feasible
+    assert score(found.plan) < 0.95 * score(start)
+
+
+def _score(cost: AnalyticCost):
+    cap = cost.cluster.device.memory_bytes
+    return lambda plan: energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)

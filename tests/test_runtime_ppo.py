@@ -35,12 +35,16 @@ def test_two_ppo_steps_on_two_devices(ray_cluster, tiny_config):
     assert len(changed) == len(before), "every actor tensor should move after 2 PPO steps"
     assert result.plot is not None and result.plot.stat().st_size > 1000
     assert result.info["init_realloc_bytes"] > 0  # ref weights came from the actor
+    chosen = json.loads((result.run_dir / "plan.json").read_text())  # plan: auto searched it
+    assert set(chosen) == {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
+                           "critic_train"}  # fmt: skip
+    assert all(set(lay["mesh"]) <= {0, 1} for lay in chosen.values())
 
 
 def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_config):
     import ray
 
-    cfg = tiny_config(steps=1, **{"cluster.n_devices": 2})
+    cfg = tiny_config(steps=1, plan="colocated", **{"cluster.n_devices": 2})
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
         alive = {

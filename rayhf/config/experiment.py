@@ -111,7 +111,7 @@ class ExperimentConfig(BaseModel):
     algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)  # by ``name``; default ppo
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    plan: PlanConfig = "auto"  # "auto", call -> layout entries, or a YAML/JSON file of them
+    plan: PlanConfig = "auto"  # "auto" (searched), "colocated", call -> layouts, or a file of them
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     def resolved_run_dir(self) -> Path:
@@ -182,13 +182,13 @@ def _format_error(err: ValidationError, source: str) -> str:
 def _inline_plan_file(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """``plan: some/file.yaml`` -> the file's call -> layout mapping."""
     plan = raw.get("plan")
-    if not isinstance(plan, str) or plan == "auto":
+    if not isinstance(plan, str) or plan in ("auto", "colocated"):
         return raw
     path = resolve_path(plan)
     if not path.is_file():
         raise RayhfError(
-            f"{source}: config field plan: '{plan}' is neither 'auto', call -> layout entries, "
-            f"nor a plan file that exists"
+            f"{source}: config field plan: '{plan}' is neither 'auto', 'colocated', call -> "
+            f"layout entries, nor a plan file that exists"
         )
     try:
         entries = yaml.safe_load(path.read_text())

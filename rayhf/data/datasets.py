@@ -217,6 +217,10 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.texts)
 
+    def mean_prompt_len(self) -> float:
+        """Mean prompt length in tokens (the planner's workload)."""
+        return sum(len(i) for i in self.ids) / max(1, len(self.ids))
+
     def _text(self, row: dict[str, Any], i: int, field: str) -> str:
         """Row ``i``'s text in the column that config field ``field`` names."""
         key, path = getattr(self.config, field), self.config.path

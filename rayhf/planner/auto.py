@@ -6,16 +6,19 @@ workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph
-from rayhf.models.spec import ModelSpec
+from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.planner import baselines
+from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import ClusterSpec
-from rayhf.planner.plan import Plan
+from rayhf.planner.plan import Plan, heuristic_plan
 from rayhf.planner.search import SearchResult, candidates, energy, search
 from rayhf.planner.simulate import Simulation, simulate
 
@@ -130,3 +133,54 @@ def write_gantt(sim: Simulation, out: Path, iteration: int = 1) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+AUTO_ITERATIONS = 3000  # search steps for ``plan: auto`` (a fixed count keeps runs reproducible)
+
+
+def profile_cache() -> Path:
+    """Where measured model profiles are kept (``RAYHF_CACHE_DIR`` overrides)."""
+    import os
+
+    root = os.environ.get("RAYHF_CACHE_DIR") or Path.home() / ".cache" / "rayhf"
+    return Path(root) / "profiles"
+
+
+def plan_for_run(
+    graph: Graph,
+    configs: dict[str, tuple[Any, bool]],
+    works: dict[str, Workload],
+    cluster: ClusterConfig,
+    seed: int = 0,
+) -> Plan:
+    """``plan: auto`` for a run on emulated CPU devices: profile every role's model on this
+    machine (cached), then search with the profiled cost of rayhf's plain driver, which runs
+    calls one after another. ``configs`` maps a role to (Hugging Face config, value head)."""
+    import os
+
+    from rayhf.planner.hardware import CPU_CALL_OVERHEAD, CPU_FACTORS, cpu_cluster
+    from rayhf.planner.profile import ProfiledCost, profile_model
+
+    n = cluster.n_devices
+    if n == 1 or cluster.device == "cuda":  # one possible plan; GPUs: see docs/decisions.md
+        return Plan(heuristic_plan(graph, n).layouts, "auto")
+    threads = max(1, int((cluster.num_cpus or os.cpu_count() or 1) / n))
+    profiles, specs = {}, {}
+    for role, (config, value_head) in configs.items():
+        specs[role] = model_spec(config, value_head)
+        key = dataclasses.replace(specs[role], n_layers=0)
+        profiles[key] = profile_model(config, value_head, threads, profile_cache())
+    spec = cpu_cluster(n, cluster.device_memory_gb)
+    cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_FACTORS)
+    check_fits(graph, specs, works, cost)
+
+    def score(plan: Plan) -> float:
+        sim = simulate(graph, plan, specs, works, cost, concurrent=False)
+        return energy(sim, spec.device.memory_bytes)
+
+    starts = [
+        baselines.colocated(graph, specs, n, n, score),
+        baselines.disjoint(graph, specs, n, n, score),
+    ]
+    found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, concurrent=False)
+    return Plan(found.plan.layouts, "auto")

@@ -57,16 +57,18 @@ def _size(spec: ModelSpec) -> int:
 
 
 def disjoint(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int, score):
-    """Roles on disjoint device blocks proportional to their sizes; each role tuned alone."""
+    """Roles on disjoint device blocks proportional to their sizes (with more roles than
+    devices, one device each, wrapping around); each role tuned alone."""
     roles = [r for r in graph.roles if specs.get(r) is not None]
     sizes = {r: _size(specs[r]) for r in roles}  # type: ignore[arg-type]
     total = sum(sizes.values())
     share = {r: max(1, 2 ** int(math.log2(max(1, n * sizes[r] / total)))) for r in roles}
-    while sum(share.values()) > n:
+    while sum(share.values()) > n and max(share.values()) > 1:
         biggest = max(share, key=lambda r: share[r])
         share[biggest] //= 2
     start, meshes = 0, {}
     for r in sorted(roles, key=lambda r: -share[r]):
+        start = start if start + share[r] <= n else 0  # more roles than devices: they share
         meshes[r] = tuple(range(start, start + share[r]))
         start += share[r]
     fixed: dict[str, Layout] = {}

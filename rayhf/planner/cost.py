@@ -1,16 +1,28 @@
 """Analytic cost model: a call's time and peak memory per device under a layout, from FLOPs and
 bytes (model shape x workload) and the device's rates. Pure arithmetic, no Ray.
 
-It models rayhf's own execution, not an idealized one:
+It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idealized one:
 - compute: 2 FLOPs per parameter per token forward (+ causal attention), x3 for forward and
-  backward; pipeline stages run GPipe, so a call takes ``(n_mbs + pp - 1) / n_mbs`` times one
-  stage's share; tp adds two all-reduces per layer forward (four with backward);
-- training: one gradient all-reduce over dp and one AdamW step per minibatch;
-- generation: prefill is a forward pass; each decode step walks the stages one after another
-  (decode is not micro-batched), reading every weight shard and the KV cache once;
+  backward; pipeline stages run GPipe, so a pass takes ``n_mbs + pp - 1`` micro-batch stage
+  times; tp adds two all-reduces per layer forward (four with backward);
+- per layer and micro-batch a pass costs the longest of its matmul FLOPs, its bytes read
+  (weights included, so tiny micro-batches are weight-read bound) and the host's launches of
+  the layer's eager ops (``Efficiency.ops_per_layer``: rayhf has no CUDA graphs or fusion;
+  launches overlap the GPU's work, so they only cost where the GPU would wait for them);
+- pp: every micro-batch crosses each stage boundary point to point (a latency plus its hidden
+  states); after a forward the last stage broadcasts the whole output (the logits) to its
+  pipeline (``Pipeline.broadcast``); tp gathers the logits of the vocab-parallel head;
+- training: per minibatch one forward+backward, one gradient all-reduce over dp and one AdamW
+  step;
+- generation: prefill is one unmicro-batched pass (``Pipeline.step``: stages in turn); each
+  decode step walks the stages one after another, reading every weight shard and the KV cache
+  at its full capacity (prompt + generation: attention masks the empty slots but reads them),
+  with grouped-query keys and values expanded to every head (``repeat_interleave``: read once,
+  written and read again per head group); a step also pays its sampling ops and a host sync
+  (``finished.all()``), so a decode step never costs less than launching every op it runs;
 - memory: weights, gradients and AdamW state (fp32 master + two moments, sharded over dp with
-  ZeRO-1), activations of every micro-batch in flight (GPipe), the KV cache, and the full logits
-  of a replica's batch (rayhf gathers logits over tp).
+  ZeRO-1), activations of every micro-batch in flight (GPipe), the KV cache (and its expanded
+  copy for one layer), and the full logits of a replica's batch (rayhf gathers logits over tp).
 """
 
 from __future__ import annotations
@@ -42,10 +54,21 @@ class Workload:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of peak the kernels reach (fit by profiling on a machine at hand)."""
+    """Fractions of peak the kernels reach and the host's per-op cost (fit by profiling on a
+    machine at hand; the defaults are for GPUs driven by eager PyTorch)."""
 
     compute: float = 0.45
     memory: float = 0.7
+    # Host time to issue one eager PyTorch op (Python, autograd and ATen dispatch,
+    # cudaLaunchKernel): ~5-25 us per op on current CPUs; the low end is used.
+    op_seconds: float = 5e-6
+    # Ops one decoder layer of rayhf's model issues per pass (norms, rope recomputed per layer,
+    # attention's scatter and mask, matmuls, residuals): 70 forward, 70 backward, 68 per decode
+    # step, counted with a TorchDispatchMode over rayhf/parallel/model.py (Llama, tp=1).
+    ops_per_layer: int = 70
+    # Ops per decode step outside the layers: embedding and head (14) and sampling
+    # (``next_tokens``, EOS mask: 10), plus the token broadcast and per-step index tensors.
+    ops_per_step: int = 30
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,16 @@ def _sizes(spec: ModelSpec) -> tuple[int, int, int]:
     return total, total - embed, embed
 
 
+@functools.lru_cache(maxsize=4096)
+def _resident(spec: ModelSpec, tp: int, pp: int, shards: int, trainable: bool, b: int) -> float:
+    """Weights (+ gradients and AdamW state, sharded ``shards`` ways) on the fullest device."""
+    shard = max_shard_params(spec, tp, pp)
+    if not trainable:
+        return float(shard * b)
+    optimizer = 8 * shard if b == 4 else 12 * shard  # fp32: 2 moments; bf16: + fp32 master
+    return shard * 2 * b + optimizer / shards
+
+
 def _allreduce(n_bytes: float, n: int, bandwidth: float, latency: float) -> float:
     if n <= 1:
         return 0.0
@@ -84,6 +117,7 @@ class AnalyticCost:
     def __init__(self, cluster: ClusterSpec, efficiency: Efficiency | None = None) -> None:
         self.cluster = cluster
         self.eff = efficiency or Efficiency()
+        self._calls: dict[tuple[ModelSpec, Layout, Workload, bool], CallCost] = {}
 
     def _flops_rate(self) -> float:
         return self.cluster.device.flops * self.eff.compute
@@ -94,45 +128,111 @@ class AnalyticCost:
     def _tp_bandwidth(self, layout: Layout) -> float:
         return self.cluster.bandwidth(layout.mesh[: layout.tp])
 
-    def forward_seconds(self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int) -> float:
-        """One forward over a replica's ``n_seqs`` sequences of ``seq`` tokens, per device."""
+    def _pp_bandwidth(self, layout: Layout) -> float:
+        """The slowest link of one pipeline (its stages are ``tp`` devices apart)."""
+        return self.cluster.bandwidth(layout.mesh[: layout.tp * layout.pp : layout.tp])
+
+    def _layer_seconds(
+        self, spec: ModelSpec, layout: Layout, tokens: float, seq: int, backward: bool
+    ) -> float:
+        """One decoder layer over a micro-batch of ``tokens`` on one device."""
         _, matmul, _ = _sizes(spec)
-        tokens = n_seqs * seq
-        flops = tokens * (2 * matmul + 2 * spec.n_layers * spec.hidden_size * seq)
-        compute = flops / (layout.tp * layout.pp) / self._flops_rate()
-        act = tokens * spec.hidden_size * self.cluster.device.dtype_bytes
-        per_layer = _allreduce(
-            act, layout.tp, self._tp_bandwidth(layout), self.cluster.link_latency
+        b = self.cluster.device.dtype_bytes
+        passes = 3 if backward else 1  # backward: gradients of inputs and of weights
+        flops = passes * tokens * (2 * matmul / spec.n_layers + 2 * spec.hidden_size * seq)
+        # weights read forward, read again and their gradients written backward; activations
+        # written forward, read back backward
+        acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
+        n_bytes = (passes * matmul * b / spec.n_layers + (2 if backward else 1) * acts) / layout.tp
+        gpu = max(flops / layout.tp / self._flops_rate(), n_bytes / self._bytes_rate())
+        host = (2 if backward else 1) * self.eff.ops_per_layer * self.eff.op_seconds
+        reduce = _allreduce(
+            tokens * spec.hidden_size * b, layout.tp, self._tp_bandwidth(layout),
+            self.cluster.link_latency,
+        )  # fmt: skip
+        return max(gpu, host) + (4 if backward else 2) * reduce
+
+    def _pass_seconds(
+        self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, n_mbs: int,
+        backward: bool = False, full_output: bool = True,
+    ) -> float:  # fmt: skip
+        """A pipelined pass over ``n_seqs`` rows in ``n_mbs`` micro-batches, plus the output's
+        tp gather and pp broadcast (``full_output``: every token's logits or values)."""
+        n_mbs = max(1, min(n_mbs, n_seqs))  # ``split_rows`` never makes an empty micro-batch
+        tokens = n_seqs * seq / n_mbs
+        b = self.cluster.device.dtype_bytes
+        stage = math.ceil(spec.n_layers / layout.pp) * self._layer_seconds(
+            spec, layout, tokens, seq, backward
         )
-        comm = 2 * spec.n_layers / layout.pp * per_layer
-        bubble = (layout.n_mbs + layout.pp - 1) / layout.n_mbs
-        return (compute + comm) * bubble
+        if layout.pp > 1:  # receive the micro-batch's hidden states (and send their gradients)
+            hop = self.cluster.link_latency + tokens * spec.hidden_size * b / self._pp_bandwidth(
+                layout
+            )
+            stage += (2 if backward else 1) * hop
+        seconds = (n_mbs + layout.pp - 1) * stage
+        if not full_output:
+            return seconds
+        out_per_token = 1 if spec.value_head else spec.vocab_size
+        out_bytes = n_seqs * seq * out_per_token * b
+        if layout.tp > 1 and not spec.value_head:  # all-gather of the vocab-parallel logits
+            seconds += (layout.tp - 1) / layout.tp * out_bytes / self._tp_bandwidth(layout)
+            seconds += self.cluster.link_latency
+        if layout.pp > 1:  # the last stage broadcasts the whole output to its pipeline
+            seconds += out_bytes / self._pp_bandwidth(layout) + self.cluster.link_latency
+        return seconds
+
+    def forward_seconds(
+        self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, backward: bool = False
+    ) -> float:
+        """One forward (and backward) over a replica's ``n_seqs`` sequences of ``seq`` tokens."""
+        return self._pass_seconds(spec, layout, n_seqs, seq, layout.n_mbs, backward)
 
     def decode_seconds(self, spec: ModelSpec, layout: Layout, n_seqs: int, ctx: int) -> float:
-        """One decode step (one token per row, ``ctx`` tokens in the cache), stages in turn."""
+        """One decode step (one token per row, a KV cache of ``ctx`` token slots), stages in
+        turn; never faster than the host issuing its ops."""
         _, matmul, _ = _sizes(spec)
         b = self.cluster.device.dtype_bytes
         weights = matmul * b / layout.tp
         kv = 2 * spec.n_layers * n_seqs * ctx * spec.n_kv_heads * spec.head_dim * b / layout.tp
-        compute = 2 * matmul * n_seqs / layout.tp / self._flops_rate()
-        memory = (weights + kv) / self._bytes_rate()
+        group = spec.n_heads // spec.n_kv_heads
+        kv_traffic = kv * (1 + 2 * group) if group > 1 else kv  # repeat_interleave, then SDPA
+        flops = n_seqs * (2 * matmul + 4 * spec.n_layers * spec.hidden_size * ctx)
+        gpu = max(
+            flops / layout.tp / self._flops_rate(), (weights + kv_traffic) / self._bytes_rate()
+        )
+        ops = spec.n_layers * self.eff.ops_per_layer + self.eff.ops_per_step
+        host = ops * self.eff.op_seconds
         lat = self.cluster.link_latency
-        comm = (2 * spec.n_layers * lat if layout.tp > 1 else 0.0) + (layout.pp - 1) * lat
-        return max(compute, memory) + comm
+        comm = (2 * spec.n_layers + 1) * lat if layout.tp > 1 else 0.0  # + the logits gather
+        comm += (layout.pp - 1) * lat + (2 * lat if layout.pp > 1 else 0.0)  # hops, broadcast
+        return max(gpu, host) + comm
 
-    def call(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False):
-        """Time and peak memory of one call of ``work`` on ``layout``."""
+    def call(
+        self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False
+    ) -> CallCost:
+        """Time and peak memory of one call of ``work`` on ``layout`` (memoized: the search
+        prices the same few thousand (model, layout, workload) triples over and over)."""
+        key = (spec, layout, work, zero1)
+        if key not in self._calls:
+            self._calls[key] = self._call(spec, layout, work, zero1)
+        return self._calls[key]
+
+    def _call(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool) -> CallCost:
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
         parts: dict[str, float] = {}
         if work.kind == "generate":
-            parts["prefill"] = self.forward_seconds(spec, layout, n_seqs, work.prompt_len)
-            mid_ctx = work.prompt_len + work.gen_len // 2
-            parts["decode"] = work.gen_len * self.decode_seconds(spec, layout, n_seqs, mid_ctx)
+            parts["prefill"] = self._pass_seconds(
+                spec, layout, n_seqs, work.prompt_len, 1, full_output=False
+            )
+            parts["decode"] = work.gen_len * self.decode_seconds(spec, layout, n_seqs, seq)
         elif work.kind == "inference":
             parts["forward"] = self.forward_seconds(spec, layout, n_seqs, seq)
         else:
-            parts["forward_backward"] = 3 * self.forward_seconds(spec, layout, n_seqs, seq)
+            per_minibatch = math.ceil(n_seqs / work.n_minibatches)
+            parts["forward_backward"] = work.n_minibatches * self.forward_seconds(
+                spec, layout, per_minibatch, seq, backward=True
+            )
             parts["optimizer"] = work.n_minibatches * self._optimizer_seconds(spec, layout)
         return CallCost(sum(parts.values()), self.memory(spec, layout, work, zero1), parts)
 
@@ -148,15 +248,12 @@ class AnalyticCost:
 
     def resident(self, spec: ModelSpec, layout: Layout, trainable: bool, zero1: bool = False):
         """Bytes a role keeps on each device of its home layout between calls."""
-        shard = max_shard_params(spec, layout.tp, layout.pp)
-        b = self.cluster.device.dtype_bytes
-        if not trainable:
-            return shard * b
-        optimizer = 8 * shard if b == 4 else 12 * shard  # fp32: 2 moments; bf16: + fp32 master
-        return shard * 2 * b + optimizer / (layout.dp if zero1 else 1)
+        return _resident(spec, layout.tp, layout.pp, layout.dp if zero1 else 1, trainable,
+                         self.cluster.device.dtype_bytes)  # fmt: skip
 
     def memory(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False):
-        """Peak bytes on a device while the call runs, its weights included."""
+        """Peak bytes on a device while the call runs, its weights included (a trained role's
+        gradients and optimizer state only in its train call)."""
         b = self.cluster.device.dtype_bytes
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
@@ -164,7 +261,10 @@ class AnalyticCost:
         logits = 0.0 if spec.value_head else n_seqs * seq * spec.vocab_size * 4
         if work.kind == "generate":
             kv = 2 * layers * n_seqs * seq * spec.n_kv_heads * spec.head_dim * b / layout.tp
-            transient = kv + n_seqs * spec.vocab_size * 4
+            expanded = 2 * n_seqs * seq * spec.n_heads * spec.head_dim * b / layout.tp
+            if spec.n_heads == spec.n_kv_heads:
+                expanded = 0.0  # one layer's keys and values repeated to every head
+            transient = kv + expanded + n_seqs * spec.vocab_size * 4
             return self.resident(spec, layout, False) + transient
         if work.kind == "inference":
             tokens = n_seqs * seq / layout.n_mbs

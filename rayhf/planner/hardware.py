@@ -69,6 +69,29 @@ class ClusterSpec:
         return self.intra_node_bandwidth if len(nodes) <= 1 else self.inter_node_bandwidth
 
 
+# This machine's emulated CPU devices (one core each), measured here: fp32 matmul 1024^3 on one
+# thread 62 GFLOP/s; copy 15 GB/s; gloo all-reduce between two processes over TCP loopback
+# 2.0-2.4 ms for messages up to 256 KB and 25 ms for 16 MB (0.7 GB/s): ``python
+# benchmarks/planner_calibration.py`` re-measures the links and prints them beside these.
+CPU_LINK_BANDWIDTH = 0.7e9
+CPU_LINK_LATENCY = 2e-3
+# The runtime around the profiled engine ops on this machine, fitted by the same benchmark
+# (``rayhf.planner.profile.calibrate``): the driver's cost per call, and by the number of
+# devices a call keeps busy, measured in-actor compute over the in-process profile.
+CPU_CALL_OVERHEAD = 8e-3
+CPU_FACTORS = {1: 1.5, 2: 3.4}
+
+
+def cpu_cluster(n_devices: int, memory_gb: float) -> ClusterSpec:
+    """``n_devices`` emulated CPU devices on one node (fp32, gloo)."""
+    device = DeviceSpec(
+        "CPU (emulated)", memory_gb * 1e9, 62e9, 15e9, 4, "measured on this machine"
+    )
+    return ClusterSpec(
+        1, n_devices, device, CPU_LINK_BANDWIDTH, CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY
+    )
+
+
 def parse_cluster(text: str) -> ClusterSpec:
     """``16x8xH100`` -> 16 nodes of 8 H100s."""
     m = re.fullmatch(r"(\d+)x(\d+)x(\w+)", text.strip())

@@ -19,7 +19,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.layout import Layout, LayoutSpec, layout_from_spec
 
-PlanConfig = Literal["auto"] | dict[str, LayoutSpec]
+PlanConfig = Literal["auto", "colocated"] | dict[str, LayoutSpec]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,13 @@ class Plan:
         )
 
 
+def plan_from_json(text: str, source: str) -> Plan:
+    """Inverse of ``Plan.to_json``."""
+    raw = json.loads(text)
+    return Plan({name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], v["n_mbs"])
+                 for name, v in raw.items()}, source)  # fmt: skip
+
+
 def heuristic_plan(graph: Graph, n_devices: int) -> Plan:
     """Every call on every device, data parallel (the colocated, verl-style placement)."""
     layout = Layout(tuple(range(n_devices)), dp=n_devices)
@@ -79,8 +86,11 @@ def heuristic_plan(graph: Graph, n_devices: int) -> Plan:
 
 
 def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Plan:
-    """The plan for ``graph`` on ``cluster``: heuristic for ``auto``, else the manual entries."""
-    if plan_cfg == "auto":
+    """The plan for ``graph`` on ``cluster``: every call on every device, data parallel, for
+    ``colocated`` (and as the stand-in for ``auto`` where no models are at hand: ``rayhf plan``
+    without --cluster, and the runtime asks ``planner.auto.plan_for_run`` instead), else the
+    manual entries."""
+    if plan_cfg in ("auto", "colocated"):
         return heuristic_plan(graph, cluster.n_devices)
     assert isinstance(plan_cfg, dict)
     unknown = sorted(set(plan_cfg) - set(graph.by_name))

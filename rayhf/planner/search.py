@@ -1,15 +1,23 @@
-"""Plan search: simulated annealing over every call's layout, warm-started from the baselines.
+"""Plan search: local improvement and simulated annealing over every call's layout, started
+from the baselines.
 
 Candidates for a call: a block of devices (sizes 1, 2, 4, ... aligned to their size, so a block
 never straddles nodes needlessly) x every ``dp x tp x pp`` of that size the model can take (tp
-within a node) x micro-batches. The energy of a plan is its simulated iteration time; a plan
-that does not fit memory costs its time plus a penalty that grows with the overflow, so the
-search walks out of infeasible regions. Deterministic for a seed; bounded by iterations and a
-time limit.
+within a node) x micro-batches; layouts whose call alone overflows a device are dropped. The
+energy of a plan is its simulated iteration time; a plan that does not fit memory costs its time
+plus a penalty that grows with the overflow, so annealing walks out of infeasible regions.
+
+    each start (a tuned baseline) -> improve: every call on each of its shortlisted layouts,
+        every role's home moved with its calls, pairs of calls on the two halves of a block
+    best -> anneal (random moves) -> improve its best again
+
+Deterministic for a seed while the time limit does not cut a phase short; energies are
+memoized, so revisited plans cost nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -55,14 +63,6 @@ def _powers(n: int) -> list[int]:
     return [1 << k for k in range(n.bit_length()) if (1 << k) <= n]
 
 
-@dataclass
-class SearchResult:
-    plan: Plan
-    simulation: Simulation
-    iterations: int
-    seconds: float
-
-
 def _neighbour(
     cur: dict[str, Layout],
     graph: Graph,
@@ -79,8 +79,10 @@ def _neighbour(
     role = graph.by_name[name].role
     move = rng.random()
     same_role = [n for n in graph.role_calls(role) if n != name]
-    if move < 0.3 or role not in specs:
+    if role not in specs or move < 0.15:
         trial[name] = rng.choice(options[name])
+    elif move < 0.3:
+        return _place(trial, name, rng.choice(options[name]), graph)
     elif move < 0.5 and same_role:
         trial[name] = trial[rng.choice(same_role)]  # share a layout: no reallocation
     elif move < 0.7:
@@ -101,6 +103,157 @@ def _neighbour(
     return trial
 
 
+@dataclass
+class SearchResult:
+    plan: Plan
+    simulation: Simulation
+    iterations: int
+    seconds: float
+
+
+class _Scorer:
+    """Energies of plans, memoized (local improvement revisits plans), within a deadline."""
+
+    def __init__(
+        self, graph: Graph, specs, works, cost: AnalyticCost, deadline: float,
+        concurrent: bool = True,
+    ) -> None:  # fmt: skip
+        self.graph, self.specs, self.works, self.cost = graph, specs, works, cost
+        self.concurrent = concurrent
+        self.capacity = cost.cluster.device.memory_bytes
+        self.deadline = deadline
+        self.seen: dict[tuple[Layout, ...], float] = {}
+        self.evaluations = 0
+
+    def __call__(self, layouts: dict[str, Layout]) -> float:
+        key = tuple(layouts[n] for n in self.graph.order)
+        if key not in self.seen:
+            self.evaluations += 1
+            plan = Plan(dict(layouts), "search")
+            sim = simulate(
+                self.graph, plan, self.specs, self.works, self.cost, concurrent=self.concurrent
+            )
+            self.seen[key] = energy(sim, self.capacity)
+        return self.seen[key]
+
+    def fastest(self, name: str, mesh: tuple[int, ...], options: list[Layout]) -> Layout | None:
+        """The layout on ``mesh`` that runs call ``name`` alone fastest."""
+        spec = self.specs.get(self.graph.by_name[name].role)
+        on_mesh = [lay for lay in options if lay.mesh == mesh]
+        if spec is None or not on_mesh:
+            return None
+        return min(on_mesh, key=lambda lay: self.cost.call(spec, lay, self.works[name]).seconds)
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+
+def _fitting(options, graph: Graph, specs, works, cost: AnalyticCost) -> dict[str, list[Layout]]:
+    """Drop layouts whose call alone overflows a device: no plan with them can fit."""
+    cap = cost.cluster.device.memory_bytes
+    out = {}
+    for name, opts in options.items():
+        spec = specs.get(graph.by_name[name].role)
+        fits = [lay for lay in opts if spec is None or cost.memory(spec, lay, works[name]) <= cap]
+        out[name] = fits or opts
+    return out
+
+
+def _shortlist(options, graph: Graph, specs, works, cost: AnalyticCost, keep: int = 3):
+    """Per call and mesh, the ``keep`` layouts that run the call alone fastest: what local
+    improvement tries (annealing still draws from every layout)."""
+    out = {}
+    for name, opts in options.items():
+        spec = specs.get(graph.by_name[name].role)
+        if spec is None:
+            out[name] = opts
+            continue
+        by_mesh: dict[tuple[int, ...], list[Layout]] = {}
+        for lay in opts:
+            by_mesh.setdefault(lay.mesh, []).append(lay)
+        out[name] = [
+            lay
+            for group in by_mesh.values()
+            for lay in sorted(group, key=lambda x: cost.call(spec, x, works[name]).seconds)[:keep]
+        ]
+    return out
+
+
+def _best_of(cur, e_cur, trials, score: _Scorer):
+    """The lowest-energy plan among ``cur`` and ``trials`` (first found wins ties)."""
+    for trial in trials:
+        if score.out_of_time():
+            break
+        e = score(trial)
+        if e < e_cur:
+            cur, e_cur = trial, e
+    return cur, e_cur
+
+
+def _call_moves(cur, name: str, options: dict[str, list[Layout]]):
+    for lay in options[name]:
+        yield {**cur, name: lay}
+
+
+def _role_moves(cur, role: str, graph: Graph, options: dict[str, list[Layout]]):
+    """Move a role's home and every call that runs at home together (no new reallocation)."""
+    calls = graph.role_calls(role)
+    home = Plan(cur, "").home_layouts(graph)[role]
+    at_home = [c for c in calls if cur[c] == home]
+    train = [c for c in calls if graph.by_name[c].kind == "train"]
+    for lay in options[(train or calls)[0]]:
+        yield {**cur, **{c: lay for c in at_home}}
+
+
+def _pair_moves(cur, graph: Graph, options: dict[str, list[Layout]], score: _Scorer):
+    """Two calls onto the two halves of a block (so they can run at the same time), each on
+    its fastest layout there that fits on its own."""
+    names = [n for n in graph.order if len(options[n]) > 1]
+    n_devices = score.cost.cluster.n_devices
+    for a, b in itertools.permutations(names, 2):
+        for block in blocks(n_devices):
+            if len(block) < max(2, n_devices // 8):
+                continue
+            half = len(block) // 2
+            trial = dict(cur)
+            for call, mesh in ((a, block[:half]), (b, block[half:])):
+                fastest = score.fastest(call, mesh, options[call])
+                if fastest is not None:
+                    trial = _place(trial, call, fastest, graph)
+            yield trial
+
+
+def _place(cur: dict[str, Layout], name: str, lay: Layout, graph: Graph) -> dict[str, Layout]:
+    """``name`` on ``lay``; if it holds its role's home, the calls that run at home follow."""
+    role = graph.by_name[name].role
+    home = Plan(cur, "").home_layouts(graph)[role]
+    if cur[name] != home:
+        return {**cur, name: lay}
+    return {**cur, **{c: lay for c in graph.role_calls(role) if cur[c] == home}}
+
+
+def improve(
+    layouts: dict[str, Layout], options: dict[str, list[Layout]], graph: Graph, score: _Scorer
+) -> tuple[dict[str, Layout], float]:
+    """Deterministic local improvement: every call in turn on each of its layouts with the rest
+    fixed, every role's home moved with its calls, pairs of calls split over a block; keep the
+    best, repeat until nothing improves (or time runs out). Never returns a worse plan."""
+    cur, e_cur = dict(layouts), score(layouts)
+    while not score.out_of_time():
+        before = e_cur
+        for name in graph.order:
+            cur, e_cur = _best_of(cur, e_cur, _call_moves(cur, name, options), score)
+        for role in graph.roles:
+            if len(options[graph.role_calls(role)[0]]) > 1:
+                cur, e_cur = _best_of(cur, e_cur, _role_moves(cur, role, graph, options), score)
+        if e_cur < before:
+            continue
+        cur, e_cur = _best_of(cur, e_cur, _pair_moves(cur, graph, options, score), score)
+        if e_cur >= before:
+            break
+    return cur, e_cur
+
+
 def energy(sim: Simulation, capacity: float) -> float:
     over = sum(max(0.0, b - capacity) for _, _, b in sim.over_memory)
     return sim.iteration_seconds * (1.0 + (10.0 + 10.0 * over / capacity if over else 0.0))
@@ -115,33 +268,49 @@ def search(
     seed: int = 0,
     max_iterations: int = 20000,
     time_limit: float = 30.0,
+    concurrent: bool = True,
 ) -> SearchResult:
-    """The lowest-energy plan found, starting from the best of ``starts``."""
+    """The lowest-energy plan found: the best of ``starts``, locally improved, then simulated
+    annealing from there, and the annealing's best locally improved again. ``concurrent`` as in
+    ``simulate``."""
     began = time.perf_counter()
     rng = random.Random(seed)
     cluster = cost.cluster
-    capacity = cluster.device.memory_bytes
     options = {
         c.name: candidates(specs.get(c.role), cluster.n_devices, cluster.devices_per_node)
         for c in graph.calls
     }
+    options = _fitting(options, graph, specs, works, cost)
+    short = _shortlist(options, graph, specs, works, cost)
+    score = _Scorer(graph, specs, works, cost, began, concurrent)
+    improved = []
+    for k, start in enumerate(sorted((dict(p.layouts) for p in starts), key=score)):
+        score.deadline = began + (k + 1) / len(starts) * 0.5 * time_limit  # a share each
+        improved.append(improve(start, short, graph, score))
+    best, best_e = min(improved, key=lambda r: r[1])
+    score.deadline = began + 0.85 * time_limit
+    found, found_e, it = _anneal(best, best_e, graph, options, specs, rng, score, max_iterations)
+    if found_e < best_e:
+        score.deadline = began + time_limit
+        best, best_e = improve(found, short, graph, score)
+    plan = Plan(best, "search")
+    sim = simulate(graph, plan, specs, works, cost, concurrent=concurrent)
+    return SearchResult(plan, sim, it + score.evaluations, time.perf_counter() - began)
 
-    def evaluate(layouts: dict[str, Layout]) -> tuple[float, Simulation]:
-        sim = simulate(graph, Plan(layouts, "search"), specs, works, cost)
-        return energy(sim, capacity), sim
 
-    scored = [(*evaluate(dict(p.layouts)), dict(p.layouts)) for p in starts]
-    best_e, best_sim, best = min(scored, key=lambda s: s[0])
-    cur_e, cur = best_e, dict(best)
-    temp0 = 0.05 * best_e
+def _anneal(start, start_e, graph, options, specs, rng: random.Random, score: _Scorer, max_it):
+    """Simulated annealing from ``start``; returns its best plan, energy and step count."""
+    best, best_e = dict(start), start_e
+    cur, cur_e = dict(start), start_e
+    temp0 = 0.05 * start_e
     it = 0
-    while it < max_iterations and time.perf_counter() - began < time_limit:
+    while it < max_it and not score.out_of_time():
         it += 1
-        trial = _neighbour(cur, graph, options, specs, cluster.devices_per_node, rng)
-        e, sim = evaluate(trial)
-        temp = temp0 * (1.0 - it / max_iterations) + 1e-9
+        trial = _neighbour(cur, graph, options, specs, 0, rng)
+        e = score(trial)
+        temp = temp0 * (1.0 - it / max_it) + 1e-9
         if e < cur_e or rng.random() < math.exp((cur_e - e) / temp):
             cur_e, cur = e, trial
             if e < best_e:
-                best_e, best_sim, best = e, sim, dict(trial)
-    return SearchResult(Plan(best, "search"), best_sim, it, time.perf_counter() - began)
+                best_e, best = e, dict(trial)
+    return best, best_e, it

@@ -8,15 +8,19 @@
       start   = ready, once every device of its mesh is free (overlapping meshes serialize,
                 disjoint ones overlap)
 
-It returns the steady iteration time (makespan / iterations), every span, and the peak memory
+It returns the steady iteration time (how far apart the last iterations finish: a long run
+overlaps an iteration's first calls with the previous one's last), every span, and the peak memory
 per device: what every role keeps on its home devices, plus the largest transient of any call
 (or reallocated copy) on that device. A plan whose peak exceeds a device's memory is infeasible.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from rayhf.graph import Graph
 from rayhf.models.spec import ModelSpec
@@ -46,6 +50,7 @@ class Simulation:
         return not self.over_memory
 
 
+@functools.lru_cache(maxsize=16384)
 def realloc_seconds(cost: AnalyticCost, spec: ModelSpec, src: Layout, dst: Layout) -> float:
     """Moving ``spec`` from ``src`` to ``dst``: every destination device receives its shard,
     the senders share the work (``rayhf.realloc.plan``'s spreading)."""
@@ -63,19 +68,23 @@ def simulate(
     specs: dict[str, ModelSpec],
     works: dict[str, Workload],
     cost: AnalyticCost,
-    n_iterations: int = 2,
+    n_iterations: int = 3,
     moved: Callable[[str, Layout, Layout], float] | None = None,
+    concurrent: bool = True,
 ) -> Simulation:
-    """Schedule ``n_iterations`` of ``graph``; ``works`` gives each call's workload."""
+    """Schedule ``n_iterations`` of ``graph``; ``works`` gives each call's workload. With
+    ``concurrent=False`` every call waits for every device (rayhf's plain driver today)."""
     homes = plan.home_layouts(graph)
     trained = {c.role for c in graph.calls if c.kind == "train"}
+    overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
 
     def move(role: str, src: Layout, dst: Layout) -> float:
         if moved is not None:
             return moved(role, src, dst)
         return realloc_seconds(cost, specs[role], src, dst)
 
-    free: dict[int, float] = {}
+    n_devices = _n_devices(plan, cost)
+    free = np.zeros(n_devices)  # device -> when it is next free
     last_train: dict[str, float] = {}
     spans: list[Span] = []
     for it in range(n_iterations):
@@ -87,28 +96,57 @@ def simulate(
             ready = max([0.0, last_train.get(call.role, 0.0), *deps])
             home = homes[call.role]
             if call.role in specs and layout != home:
-                devices = tuple(sorted(set(home.mesh) | set(layout.mesh)))
-                start = max([ready, *(free.get(d, 0.0) for d in devices)])
-                end = start + move(call.role, home, layout)
+                devices = _union(home.mesh, layout.mesh)
+                index = _index(devices) if concurrent else slice(None)
+                start = max(ready, float(free[index].max()))
+                end = start + move(call.role, home, layout) + overhead
                 spans.append(Span(f"realloc:{name}", it, start, end, devices))
-                for d in devices:
-                    free[d] = end
+                free[index] = end
                 ready = end
-            start = max([ready, *(free.get(d, 0.0) for d in layout.mesh)])
+            index = _index(layout.mesh) if concurrent else slice(None)
+            start = max(ready, float(free[index].max()))
             end = start
             if call.role in specs:  # a function-valued role (a reward function) costs ~nothing
                 end += cost.call(specs[call.role], layout, works[name]).seconds
+            else:
+                end += overhead
             spans.append(Span(name, it, start, end, layout.mesh))
-            for d in layout.mesh:
-                free[d] = end
+            free[index] = end
             done[name] = end
             if call.kind == "train":
                 train_end[call.role] = end
         last_train.update(train_end)
-    makespan = max((s.end for s in spans), default=0.0)
-    sim = Simulation(makespan / n_iterations, spans)
+    sim = Simulation(_period(spans, n_iterations), spans)
     _memory(sim, graph, plan, specs, works, cost, homes, trained)
     return sim
+
+
+def _period(spans: list[Span], n_iterations: int) -> float:
+    """Seconds per iteration in steady state: how far apart the iterations finish (the first
+    one has nothing to overlap with, so a run of many iterations pays its fill only once)."""
+    ends = [0.0] * n_iterations
+    for s in spans:
+        ends[s.iteration] = max(ends[s.iteration], s.end)
+    if n_iterations == 1:
+        return ends[0]
+    return (ends[-1] - ends[0]) / (n_iterations - 1)
+
+
+def _n_devices(plan: Plan, cost: AnalyticCost) -> int:
+    return max(cost.cluster.n_devices, 1 + max(max(lay.mesh) for lay in plan.layouts.values()))
+
+
+@functools.lru_cache(maxsize=8192)
+def _index(mesh: tuple[int, ...]) -> np.ndarray | slice:
+    """Index of ``mesh``'s devices in a per-device array (a slice when they are contiguous)."""
+    if mesh == tuple(range(mesh[0], mesh[0] + len(mesh))):
+        return slice(mesh[0], mesh[0] + len(mesh))
+    return np.array(mesh)
+
+
+@functools.lru_cache(maxsize=8192)
+def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(set(a) | set(b)))
 
 
 def _producers(graph: Graph, name: str) -> list[str]:
@@ -127,26 +165,33 @@ def _memory(
     trained: set[str],
 ) -> None:
     """Resident weights per device, plus the largest call transient on it."""
-    resident: dict[int, float] = {}
+    n_devices = _n_devices(plan, cost)
+    resident = np.zeros(n_devices)
+    used = np.zeros(n_devices, dtype=bool)
     for role, home in homes.items():
         if role in specs:
-            held = cost.resident(specs[role], home, role in trained)
-            for d in home.mesh:
-                resident[d] = resident.get(d, 0.0) + held
-    transient: dict[int, tuple[float, str]] = {}
-    for name in graph.order:
+            resident[_index(home.mesh)] += cost.resident(specs[role], home, role in trained)
+            used[_index(home.mesh)] = True
+    transient = np.zeros(n_devices)
+    owner = np.full(n_devices, -1)  # index in graph.order of the call with that transient
+    for i, name in enumerate(graph.order):
         role, layout = graph.by_name[name].role, plan.layouts[name]
         if role not in specs:
             continue
-        need = cost.memory(specs[role], layout, works[name])
-        if layout == homes[role]:
-            need -= cost.resident(specs[role], layout, role in trained)  # already resident
-        for d in layout.mesh:
-            if need > transient.get(d, (0.0, ""))[0]:
-                transient[d] = (need, name)
+        work = works[name]
+        need = cost.call(specs[role], layout, work).memory  # memoized
+        if layout == homes[role]:  # the weights it counts are already resident, nothing more:
+            # an inference or generation of a trained role still needs its cache and logits
+            need -= cost.resident(specs[role], layout, work.kind == "train")
+        index = _index(layout.mesh)
+        used[index] = True
+        bigger = transient[index] < need
+        transient[index] = np.where(bigger, need, transient[index])
+        owner[index] = np.where(bigger, i, owner[index])
+    peak = resident + transient
+    devices = np.flatnonzero(used)
+    sim.peak_memory = dict(zip(devices.tolist(), peak[devices].tolist(), strict=True))
     capacity = cost.cluster.device.memory_bytes
-    for d in sorted(set(resident) | set(transient)):
-        extra, what = transient.get(d, (0.0, "weights"))
-        sim.peak_memory[d] = resident.get(d, 0.0) + extra
-        if sim.peak_memory[d] > capacity:
-            sim.over_memory.append((what, d, sim.peak_memory[d]))
+    for d in np.flatnonzero(used & (peak > capacity)).tolist():
+        what = graph.order[owner[d]] if owner[d] >= 0 else "weights"
+        sim.over_memory.append((what, d, float(peak[d])))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -119,26 +120,32 @@ def prepare_models(cfg: ExperimentConfig, run_dir: Path, tokenizer) -> dict[str,
     return dirs
 
 
-def model_specs(cfg: ExperimentConfig) -> dict[str, ModelSpec]:
-    """Every model role's shape, from the config alone (nothing written; for ``rayhf plan``)."""
+def model_configs(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Every model role's Hugging Face config, from the config alone (nothing written)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer, _ = prepare_tokenizer(cfg, Path(tmp))
-        specs: dict[str, ModelSpec] = {}
+        configs: dict[str, Any] = {}
         for role, rc in cfg.models.items():
             if rc.path is not None:
                 _check_model_dir(Path(rc.path), f"models.{role}.path")
-                config = AutoConfig.from_pretrained(rc.path, local_files_only=True)
-                specs[role] = model_spec(config, rc.value_head)
+                configs[role] = AutoConfig.from_pretrained(rc.path, local_files_only=True)
             elif rc.init is not None:
                 ids = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
-                config = hf_config(rc.init, len(tokenizer), *ids)
-                specs[role] = model_spec(config, rc.value_head)
+                configs[role] = hf_config(rc.init, len(tokenizer), *ids)
         for role, rc in cfg.models.items():
-            if rc.init_from is not None and rc.init_from in specs:
-                specs[role] = specs[rc.init_from]
-    return specs
+            if rc.init_from is not None and rc.init_from in configs:
+                configs[role] = configs[rc.init_from]
+    return configs
+
+
+def model_specs(cfg: ExperimentConfig) -> dict[str, ModelSpec]:
+    """Every model role's shape, from the config alone (nothing written; for ``rayhf plan``)."""
+    return {
+        role: model_spec(config, cfg.models[role].value_head)
+        for role, config in model_configs(cfg).items()
+    }
 
 
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
@@ -174,14 +181,47 @@ def _model_specs(cfg: ExperimentConfig, model_dirs: dict[str, Path]) -> dict[str
     return specs
 
 
+def _check_batch(cfg: ExperimentConfig, plan: Plan) -> None:
+    widest = max(lay.dp for lay in plan.layouts.values())
+    if cfg.batch_size < widest:
+        raise RayhfError(f"batch_size={cfg.batch_size} is smaller than the plan's dp={widest}")
+
+
+def _auto_plan(
+    cfg: ExperimentConfig, graph: Graph, model_dirs: dict[str, Path], dataset, run_dir: Path
+) -> Plan:
+    """The planner's choice for this run, kept in the run directory so a resumed run keeps it."""
+    from rayhf.planner.auto import plan_for_run, workloads
+    from rayhf.planner.plan import plan_from_json
+
+    saved = run_dir / PLAN_FILE
+    if saved.exists():  # a resumed run keeps its plan (if it still fits the graph and cluster)
+        plan = plan_from_json(saved.read_text(), "auto")
+        meshes = {d for lay in plan.layouts.values() for d in lay.mesh}
+        if set(plan.layouts) == set(graph.by_name) and max(meshes) < cfg.cluster.n_devices:
+            return plan
+    configs = {
+        role: (AutoConfig.from_pretrained(path, local_files_only=True), cfg.models[role].value_head)
+        for role, path in model_dirs.items()
+    }
+    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
+    prompt_len = round(dataset.mean_prompt_len())
+    works = workloads(graph, cfg.batch_size, prompt_len, cfg.generation.max_new_tokens, minibatches)
+    plan = plan_for_run(graph, configs, works, cfg.cluster, cfg.seed)
+    saved.write_text(plan.to_json())
+    return plan
+
+
+PLAN_FILE = "plan.json"
+
+
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
     check_graph_against_config(graph, cfg)
-    plan = make_plan(graph, cfg.plan, cfg.cluster)
-    widest = max(lay.dp for lay in plan.layouts.values())
-    if cfg.batch_size < widest:
-        raise RayhfError(f"batch_size={cfg.batch_size} is smaller than the plan's dp={widest}")
+    plan = make_plan(graph, cfg.plan, cfg.cluster) if cfg.plan != "auto" else None
+    if plan is not None:
+        _check_batch(cfg, plan)
     for role, rc in cfg.models.items():
         if rc.function is not None:
             resolve_function(rc.function, f"models.{role}.function")
@@ -190,6 +230,9 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
     specs = _model_specs(cfg, model_dirs)
+    if plan is None:
+        plan = _auto_plan(cfg, graph, model_dirs, dataset, run_dir)
+        _check_batch(cfg, plan)
     check_plan_fits(plan, graph, specs)
     for role, rc in cfg.models.items():
         if rc.init_from is not None and role in specs:

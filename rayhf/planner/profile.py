@@ -1,0 +1,333 @@
+"""Profiled cost model: this machine times rayhf's own engine, and a fit turns the timings into a
+call's cost under any layout.
+
+    profile_model(config) -- for the model at depth 1 and depth 2 layers, time the engine's
+        forward, train step (forward, backward, AdamW) and generation (prefill + decode) over a
+        grid of batch x sequence length, in one process with one emulated device's threads
+    -> least-squares fit per op (``OpFit``: seconds = coefficients . features); the depth-2 fit
+       minus the depth-1 fit is one layer, the rest is the embedding, head and per-call Python
+    -> cached as JSON per (model shape, threads, torch version)
+
+``ProfiledCost`` composes those per-layer times under a layout the way rayhf executes it (the
+same rules as ``AnalyticCost``: dp splits the batch and all-reduces gradients, tp divides a
+layer's token work and adds two all-reduces per layer forward, pp runs GPipe over micro-batches
+and generation walks the stages in turn) and adds the driver's per-call cost. Memory stays
+analytic (``AnalyticCost.memory``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from rayhf.models.spec import ModelSpec, model_spec
+from rayhf.planner.cost import AnalyticCost, CallCost, Workload, max_shard_params
+from rayhf.planner.hardware import ClusterSpec
+from rayhf.planner.layout import Layout
+
+# (batch, sequence) points for forward and train; (batch, prompt, new tokens) for generation
+GRID = [(4, 16), (16, 16), (32, 16), (4, 48), (16, 48), (32, 48)]
+GEN_GRID = [(4, 16, 4), (16, 16, 4), (32, 16, 4), (4, 16, 16), (16, 16, 16), (32, 16, 16),
+            (16, 8, 4), (16, 32, 4)]  # fmt: skip
+REPEATS = 3  # the fastest of these is kept (the others carry noise from the rest of the machine)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFit:
+    """Seconds of one op as ``base + n_layers * layer`` coefficient vectors over its features:
+    forward/train ``(1, tokens, tokens x seq)``; generate ``(1, prompt tokens, new tokens,
+    new tokens x batch)``."""
+
+    base: tuple[float, ...]
+    layer: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    key: str
+    threads: int
+    forward: OpFit
+    train: OpFit
+    generate: OpFit
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        raw = json.loads(text)
+        ops = {k: OpFit(tuple(raw[k]["base"]), tuple(raw[k]["layer"])) for k in OPS}
+        return cls(raw["key"], raw["threads"], **ops)
+
+
+OPS = ("forward", "train", "generate")
+
+
+def profile_key(spec: ModelSpec, threads: int) -> str:
+    """What a profile depends on: the model's shape except its depth, threads, torch."""
+    import torch
+
+    shape = dataclasses.asdict(dataclasses.replace(spec, n_layers=0))
+    text = json.dumps([shape, threads, torch.__version__], sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _features(op: str, point: tuple[int, ...]) -> list[float]:
+    if op == "generate":
+        b, p, g = point
+        return [1.0, b * p, g, g * b]
+    b, s = point
+    return [1.0, b * s, b * s * s]
+
+
+def _with_depth(config: Any, depth: int) -> Any:
+    out = copy.deepcopy(config)
+    setattr(out, "n_layer" if out.model_type == "gpt2" else "num_hidden_layers", depth)
+    return out
+
+
+def _engine(config: Any, value_head: bool):
+    from rayhf.engines.torch_engine import OptimizerConfig, TorchEngine
+    from rayhf.models.hf import build_model
+
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    model = build_model(config, value_head)
+    return TorchEngine(model, tokenizer, value_head, OptimizerConfig(lr=1e-5))
+
+
+def _best_of(fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _time_op(engine: Any, op: str, point: tuple[int, ...], vocab: int) -> float:
+    import torch
+
+    from rayhf.data.batch import PackedBatch
+    from rayhf.engines.native import GenerationConfig
+
+    gen = torch.Generator().manual_seed(0)
+    if op == "generate":
+        b, p, g = point
+        prompts = torch.randint(2, vocab, (b, p), generator=gen).tolist()
+        cfg = GenerationConfig(max_new_tokens=g, min_new_tokens=g)
+        return _best_of(lambda: engine.generate(prompts, cfg, seed=0))
+    b, s = point
+    ids = torch.randint(2, vocab, (b, s), generator=gen)
+    mask = torch.ones_like(ids)
+    if op == "forward":
+        return _best_of(lambda: torch.no_grad()(engine.forward)(ids, mask))
+
+    def loss_fn(_mb):
+        out = engine.forward(ids, mask)
+        loss = out.pow(2).mean() if engine.value_head else torch.log_softmax(out, -1).mean()
+        return loss, {}
+
+    batch = PackedBatch(list(range(b)))
+    return _best_of(lambda: engine.train([batch], loss_fn))
+
+
+def _fit_nonnegative(rows: list[list[float]], seconds: list[float]) -> np.ndarray:
+    """Least squares with every coefficient >= 0: refit without the features that come out
+    negative until none does (times never shrink as work grows)."""
+    a, y = np.array(rows), np.array(seconds)
+    keep = np.ones(a.shape[1], dtype=bool)
+    coef = np.zeros(a.shape[1])
+    while keep.any():
+        sub, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (sub >= 0).all():
+            coef[keep] = sub
+            break
+        keep[np.flatnonzero(keep)[sub < 0]] = False
+    return coef
+
+
+def profile_model(config: Any, value_head: bool, threads: int, cache: Path | None = None):
+    """The fitted profile of ``config``'s model shape (from ``cache`` when it is there)."""
+    import torch
+
+    spec = model_spec(config, value_head)
+    key = profile_key(spec, threads)
+    path = cache / f"{key}.json" if cache is not None else None
+    if path is not None and path.exists():
+        return ModelProfile.from_json(path.read_text())
+    torch.set_num_threads(threads)
+    rows: dict[str, list[list[float]]] = {op: [] for op in OPS}
+    secs: dict[str, list[float]] = {op: [] for op in OPS}
+    for depth in (1, 2):
+        engine = _engine(_with_depth(config, depth), value_head)
+        for op in OPS:
+            if op == "generate" and value_head:
+                continue
+            points = GEN_GRID if op == "generate" else GRID
+            _time_op(engine, op, points[0], spec.vocab_size)  # warm-up
+            for pt in points:
+                feats = _features(op, pt)
+                rows[op].append(feats + [depth * f for f in feats])
+                secs[op].append(_time_op(engine, op, pt, spec.vocab_size))
+    ops = {}
+    for op in OPS:
+        n = 4 if op == "generate" else 3
+        coef = _fit_nonnegative(rows[op], secs[op]) if rows[op] else np.zeros(2 * n)
+        ops[op] = OpFit(tuple(coef[:n].tolist()), tuple(coef[n:].tolist()))
+    prof = ModelProfile(key, threads, **ops)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prof.to_json())
+    return prof
+
+
+def _dot(coef: tuple[float, ...], feats: list[float]) -> float:
+    return float(sum(c * f for c, f in zip(coef, feats, strict=True)))
+
+
+class ProfiledCost(AnalyticCost):
+    """Call times from measured profiles; memory and reallocation from the analytic model.
+
+    Two measured constants of the runtime complete it (``calibrate`` fits them from runs):
+    ``call_overhead``, the driver's cost of one call (dispatch, splitting and joining the batch,
+    Ray), and ``factors``, by the number of devices a call keeps busy, what running inside a
+    role-group actor next to its peers costs over the in-process profile (the interface's own
+    work, Ray's threads, cores shared with the rest of the machine).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        profiles: dict[ModelSpec, ModelProfile],
+        call_overhead: float = 0.0,
+        factors: dict[int, float] | None = None,
+    ) -> None:
+        super().__init__(cluster)
+        self.profiles = profiles
+        self.call_overhead = call_overhead
+        self.factors = factors or {}
+
+    def factor(self, layout: Layout) -> float:
+        if not self.factors:
+            return 1.0
+        return self.factors.get(min(layout.world_size, max(self.factors)), 1.0)
+
+    def _profile(self, spec: ModelSpec) -> ModelProfile:
+        return self.profiles[dataclasses.replace(spec, n_layers=0)]
+
+    def _allreduce(self, n_bytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        bw = self.cluster.intra_node_bandwidth
+        return 2 * (n - 1) / n * n_bytes / bw + self.cluster.link_latency
+
+    def _stage_pass(self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: float, seq: int):
+        """One micro-batch through one stage: its layers' token work split over tp, their
+        per-layer fixed cost not, two all-reduces per layer (x2 with backward), the rest of the
+        model (embedding, head) on the whole replica."""
+        tokens = n_seqs * seq
+        feats = [1.0, tokens, tokens * seq]
+        layers = math.ceil(spec.n_layers / lay.pp)
+        work = fit.layer[0] + _dot(fit.layer[1:], feats[1:]) / lay.tp
+        comm = 2 * self._allreduce(tokens * spec.hidden_size * 4, lay.tp)
+        return layers * (work + comm) + _dot(fit.base, feats) / lay.pp
+
+    def _pipeline(self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: int, seq: int):
+        mbs = min(lay.n_mbs, max(1, n_seqs))
+        stage = self._stage_pass(fit, spec, lay, n_seqs / mbs, seq)
+        hop = self.cluster.link_latency + n_seqs / mbs * seq * spec.hidden_size * 4 / (
+            self.cluster.intra_node_bandwidth
+        )
+        return (mbs + lay.pp - 1) * stage + (lay.pp - 1) * mbs * hop
+
+    def _generate(self, prof: ModelProfile, spec: ModelSpec, lay: Layout, b: int, w: Workload):
+        """Prefill through the pipeline, then every new token walks all stages in turn."""
+        fit = prof.generate
+        per_token = fit.layer[2] + fit.layer[3] * b / lay.tp
+        lat = self.cluster.link_latency
+        comm = 2 * lat if lay.tp > 1 else 0.0
+        decode = spec.n_layers * (per_token + comm) + fit.base[2] + fit.base[3] * b
+        decode += (lay.pp - 1) * lat
+        prefill = fit.base[0] + fit.base[1] * b * w.prompt_len
+        prefill += spec.n_layers * (fit.layer[0] + fit.layer[1] * b * w.prompt_len / lay.tp)
+        return prefill + w.gen_len * decode
+
+    def call(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False):
+        prof = self._profile(spec)
+        n_seqs = math.ceil(work.n_seqs / layout.dp)
+        seq = work.prompt_len + work.gen_len
+        parts: dict[str, float] = {}
+        if work.kind == "generate":
+            parts["generate"] = self._generate(prof, spec, layout, n_seqs, work)
+        elif work.kind == "inference":
+            parts["forward"] = self._pipeline(prof.forward, spec, layout, n_seqs, seq)
+        else:
+            per_mb = math.ceil(n_seqs / work.n_minibatches)
+            step = self._pipeline(prof.train, spec, layout, per_mb, seq)
+            shard = max_shard_params(spec, layout.tp, layout.pp) * 4
+            parts["train"] = work.n_minibatches * (step + self._allreduce(shard, layout.dp))
+        parts = {k: v * self.factor(layout) for k, v in parts.items()}
+        parts["driver"] = self.call_overhead
+        return CallCost(sum(parts.values()), self.memory(spec, layout, work, zero1), parts)
+
+
+def sequential_seconds(graph, plan, specs: dict[str, ModelSpec], works, cost: AnalyticCost):
+    """One iteration as rayhf's plain driver runs it today: every call, and the reallocation
+    before a call away from its role's home, one after another."""
+    from rayhf.planner.simulate import realloc_seconds
+
+    homes = plan.home_layouts(graph)
+    total = 0.0
+    for name in graph.order:
+        role, lay = graph.by_name[name].role, plan.layouts[name]
+        if role not in specs:
+            total += getattr(cost, "call_overhead", 0.0)
+            continue
+        if lay != homes[role]:
+            total += realloc_seconds(cost, specs[role], homes[role], lay)
+            total += getattr(cost, "call_overhead", 0.0)
+        total += cost.call(specs[role], lay, works[name]).seconds
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRun:
+    """What a run of a plan measured: mean step seconds and compute seconds per call (inside
+    the actors, the slowest rank)."""
+
+    plan: Any  # rayhf.planner.plan.Plan
+    step_seconds: float
+    compute_seconds: dict[str, float]
+
+
+def calibrate(cost: ProfiledCost, graph, specs: dict[str, ModelSpec], works, runs):
+    """``cost`` with its runtime constants fitted to measured ``runs``: per mesh size, the
+    ratio of measured to profiled compute of the model calls; the driver's cost per call, the
+    step time no actor accounts for, per call."""
+    bare = ProfiledCost(cost.cluster, cost.profiles)
+    measured: dict[int, float] = {}
+    profiled: dict[int, float] = {}
+    overheads = []
+    for run in runs:
+        for name in graph.order:
+            role, lay = graph.by_name[name].role, run.plan.layouts[name]
+            if role in specs:
+                k = lay.world_size
+                measured[k] = measured.get(k, 0.0) + run.compute_seconds[name]
+                profiled[k] = (
+                    profiled.get(k, 0.0) + bare.call(specs[role], lay, works[name]).seconds
+                )
+        outside = run.step_seconds - sum(run.compute_seconds.values())
+        overheads.append(outside / len(graph.order))
+    factors = {k: measured[k] / profiled[k] for k in measured if profiled[k] > 0}
+    return ProfiledCost(cost.cluster, cost.profiles, sum(overheads) / len(overheads), factors)

@@ -1,0 +1,143 @@
+"""The profiled cost model: measured engine times, their composition under layouts, the
+runtime constants fitted from runs, and ``plan: auto`` on emulated CPU devices (no Ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from rayhf.graph import load_graph
+from rayhf.models.spec import model_spec
+from rayhf.planner.auto import plan_for_run, workloads
+from rayhf.planner.cluster import ClusterConfig
+from rayhf.planner.hardware import cpu_cluster
+from rayhf.planner.layout import Layout
+from rayhf.planner.plan import heuristic_plan
+from rayhf.planner.profile import (
+    MeasuredRun,
+    ModelProfile,
+    OpFit,
+    ProfiledCost,
+    calibrate,
+    profile_model,
+)
+from rayhf.planner.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[1]
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+
+
+def tiny(value_head: bool = False):
+    config = LlamaConfig(
+        vocab_size=26, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=176, max_position_embeddings=128,
+    )  # fmt: skip
+    return config, model_spec(config, value_head)
+
+
+def synthetic_profile() -> ModelProfile:
+    """Round numbers, so compositions can be checked by hand."""
+    fwd = OpFit((1e-3, 1e-6, 0.0), (1e-4, 1e-5, 0.0))
+    train = OpFit((2e-3, 3e-6, 0.0), (3e-4, 3e-5, 0.0))
+    gen = OpFit((1e-3, 1e-6, 1e-4, 1e-6), (1e-4, 1e-5, 1e-3, 1e-5))
+    return ModelProfile("synthetic", 1, fwd, train, gen)
+
+
+def synthetic_cost(**kw) -> tuple[ProfiledCost, dict]:
+    _, spec = tiny()
+    _, critic = tiny(value_head=True)
+    profiles = {dataclasses.replace(s, n_layers=0): synthetic_profile() for s in (spec, critic)}
+    specs = {"actor": spec, "ref": spec, "critic": critic}
+    return ProfiledCost(cpu_cluster(2, 4.0), profiles, **kw), specs
+
+
+def test_profile_is_measured_fitted_and_cached(tmp_path):
+    config, spec = tiny()
+    prof = profile_model(config, False, threads=1, cache=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and files[0].stem == prof.key
+    for op in ("forward", "train", "generate"):
+        fit = getattr(prof, op)
+        assert min(fit.base + fit.layer) >= 0.0, "fitted times never shrink as work grows"
+        assert sum(fit.base) + sum(fit.layer) > 0.0, f"{op} measured nothing"
+    cost = ProfiledCost(cpu_cluster(2, 4.0), {dataclasses.replace(spec, n_layers=0): prof})
+    small = Layout((0,), 1)
+    work = workloads(GRAPH, 8, 12, 8, 1)
+    big = workloads(GRAPH, 64, 12, 8, 1)
+    for call in ("actor_gen", "ref_inf", "actor_train"):
+        assert (
+            cost.call(spec, small, big[call]).seconds > cost.call(spec, small, work[call]).seconds
+        )
+    files[0].write_text(files[0].read_text().replace(prof.key, "from-the-cache"))
+    assert profile_model(config, False, threads=1, cache=tmp_path).key == "from-the-cache"
+
+
+def test_layouts_compose_the_profile_as_rayhf_executes():
+    cost, specs = synthetic_cost()
+    spec = specs["actor"]
+    work = workloads(GRAPH, 32, 16, 8, 4)
+    one = cost.call(spec, Layout((0,), 1), work["ref_inf"]).seconds
+    dp2 = cost.call(spec, Layout((0, 1), 2), work["ref_inf"]).seconds
+    tp2 = cost.call(spec, Layout((0, 1), 1, 2), work["ref_inf"]).seconds
+    pp2 = cost.call(spec, Layout((0, 1), 1, 1, 2), work["ref_inf"]).seconds
+    assert dp2 < one, "data parallel halves each replica's tokens"
+    assert tp2 > dp2, "tp pays two all-reduces per layer that dp does not"
+    assert pp2 > dp2, "a GPipe pass over one micro-batch serializes the stages"
+    gen_tp = cost.call(spec, Layout((0, 1), 1, 2), work["actor_gen"]).parts["generate"]
+    gen_one = cost.call(spec, Layout((0,), 1), work["actor_gen"]).parts["generate"]
+    assert gen_tp > gen_one, "tp decode pays per-token all-reduce latency (2 ms on gloo)"
+
+
+def test_calibration_recovers_the_runtime_constants():
+    cost, specs = synthetic_cost()
+    works = workloads(GRAPH, 32, 16, 8, 4)
+    truth = ProfiledCost(cost.cluster, cost.profiles, 0.01, {1: 1.5, 2: 3.0})
+    runs = []
+    for plan in (heuristic_plan(GRAPH, 1), heuristic_plan(GRAPH, 2)):
+        compute = {}
+        for name in GRAPH.order:
+            role = GRAPH.by_name[name].role
+            if role in specs:
+                parts = truth.call(specs[role], plan.layouts[name], works[name]).parts
+                compute[name] = sum(v for k, v in parts.items() if k != "driver")
+            else:
+                compute[name] = 0.0
+        step = sum(compute.values()) + 0.01 * len(GRAPH.order)
+        runs.append(MeasuredRun(plan, step, compute))
+    fitted = calibrate(cost, GRAPH, specs, works, runs)
+    assert fitted.call_overhead == pytest.approx(0.01)
+    assert fitted.factors == pytest.approx({1: 1.5, 2: 3.0})
+    plan = heuristic_plan(GRAPH, 2)
+    est = simulate(GRAPH, plan, specs, works, fitted, concurrent=False).iteration_seconds
+    assert est == pytest.approx(runs[1].step_seconds)
+
+
+def test_sequential_driver_adds_up_what_the_concurrent_one_overlaps():
+    cost, specs = synthetic_cost(call_overhead=0.0)
+    works = workloads(GRAPH, 32, 16, 8, 4)
+    apart = {n: Layout((0,) if GRAPH.by_name[n].role != "critic" else (1,), 1) for n in GRAPH.order}
+    from rayhf.planner.plan import Plan
+
+    plan = Plan(apart, "test")
+    together = simulate(GRAPH, plan, specs, works, cost, concurrent=True).iteration_seconds
+    in_turn = simulate(GRAPH, plan, specs, works, cost, concurrent=False).iteration_seconds
+    assert in_turn > together, "critic calls overlap actor calls only in the concurrent driver"
+
+
+def test_auto_plan_on_two_cpu_devices_is_valid_and_reproducible(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYHF_CACHE_DIR", str(tmp_path))
+    actor, _ = tiny()
+    critic, _ = tiny(value_head=True)
+    configs = {"actor": (actor, False), "ref": (actor, False), "critic": (critic, True)}
+    works = workloads(GRAPH, 32, 13, 12, 4)
+    cluster = ClusterConfig(n_devices=2)
+    first = plan_for_run(GRAPH, configs, works, cluster, seed=1)
+    again = plan_for_run(GRAPH, configs, works, cluster, seed=1)
+    assert first.layouts == again.layouts and first.source == "auto"
+    assert all(set(lay.mesh) <= {0, 1} for lay in first.layouts.values())
+    assert list((tmp_path / "profiles").glob("*.json")), "profiles are cached"
+    one = plan_for_run(GRAPH, configs, works, ClusterConfig(n_devices=1))
+    assert one.layouts == heuristic_plan(GRAPH, 1).layouts
