@@ -2,14 +2,18 @@
 machine, for several plans of examples/ppo_tiny.yaml and of a larger tiny model, and the plan
 the search picks measured beside the baselines.
 
-    python benchmarks/planner_calibration.py [--steps 6] [--warmup 2] [--quick]
+    python benchmarks/planner_calibration.py [--steps 8] [--warmup 2] [--rounds 3]
 
-For each model: profile its roles (rayhf.planner.profile, cached under runs/.profiles), run
-the baselines and the search on the emulated 2-device cluster with the profiled cost model, then
-run every plan (a fixed list plus whatever the baselines and the search chose) with rayhf and
-compare the mean measured step time with the estimate. The driver's cost per call is measured
-once, on the first plan of the first model (step time minus compute inside the actors, per
-call); every other figure is a prediction. Writes docs/benchmarks/planner_calibration.{md,json}.
+Each model's roles are profiled (rayhf.planner.profile, cached under runs/.profiles). The
+baselines and the search plan each model on the emulated 2-device cluster with the runtime
+constants ``plan: auto`` uses (``rayhf.planner.hardware.CPU_*``). Every distinct plan (a fixed
+list plus what the baselines and the search chose) then runs with rayhf, in interleaved rounds
+(this machine's speed drifts by some 20% over minutes). The runtime's constants are fitted to
+two plans of each model ("all dp2", "all on device 0"; ``calibrate``: the driver's cost per
+call; per mesh size, a call's fixed cost inside the actors and its scale over the profile), and
+every other plan is a prediction: its estimate beside its mean measured step time. Writes
+docs/benchmarks/planner_calibration.{md,json}; the fitted constants go into ``hardware.py`` by
+hand.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from rayhf.models.spec import model_spec
 from rayhf.planner import baselines
 from rayhf.planner.auto import workloads
 from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.hardware import cpu_cluster
+from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster
 from rayhf.planner.layout import LayoutSpec
 from rayhf.planner.plan import Plan, make_plan
 from rayhf.planner.profile import MeasuredRun, ProfiledCost, calibrate, profile_model
@@ -76,6 +80,7 @@ def as_config(plan: Plan) -> dict[str, dict]:
 
 
 def base_config(model: dict, tmp: str):
+    Path(tmp).mkdir(parents=True, exist_ok=True)
     overrides: dict[str, Any] = {
         "dataset.path": f"{tmp}/data.parquet",
         "batch_size": BATCH,
@@ -94,12 +99,12 @@ def base_config(model: dict, tmp: str):
     return rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").with_overrides(overrides)
 
 
-def measure(cfg, plan: Plan, steps: int, warmup: int, tmp: str, tag: str) -> MeasuredRun:
+def measure(cfg, plan: Plan, args, run_dir: str) -> MeasuredRun:
     """Mean step seconds after warm-up, and each call's compute inside the actors."""
     run_cfg = cfg.with_overrides(
-        {"plan": as_config(plan), "steps": steps + warmup, "run_dir": f"{tmp}/{tag}"}
+        {"plan": as_config(plan), "steps": args.steps + args.warmup, "run_dir": run_dir}
     )
-    rows = rayhf.run(run_cfg).metrics[warmup:]
+    rows = rayhf.run(run_cfg).metrics[args.warmup :]
     step = statistics.mean(r["step_seconds"] for r in rows)
     compute = {c: statistics.mean(r[f"seconds/{c}"] for r in rows) for c in CALLS}
     return MeasuredRun(plan, step, compute)
@@ -147,48 +152,85 @@ def chosen_plans(graph, specs, works, cost) -> dict[str, Plan]:
     return {**base, "search": found.plan}
 
 
-def bench_model(name: str, model: dict, args, fitted: ProfiledCost | None):
-    """Rows of (plan, estimate, measurement); the cost model is calibrated on the first two
-    plans of the first model and predicts everything else."""
+def all_plans(setups) -> dict[str, dict[str, Plan]]:
+    """Per model, the fixed plans and what the baselines and the search choose with the
+    runtime constants ``plan: auto`` uses (``rayhf.planner.hardware``)."""
+    out = {}
+    for name, (_, graph, specs, works, bare) in setups.items():
+        cost = ProfiledCost(bare.cluster, bare.profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
+        out[name] = {k: to_plan(v) for k, v in fixed_plans().items()}
+        out[name].update(chosen_plans(graph, specs, works, cost))
+    return out
+
+
+def measure_rounds(setups, plans, args, tmp: str) -> dict[tuple[str, str], MeasuredRun]:
+    """Every distinct plan of every model run ``args.rounds`` times, the rounds interleaved so
+    that a slow spell of the machine spreads over all plans; per plan the round with the median
+    step time."""
+    got: dict[tuple[str, str], list[MeasuredRun]] = {}
+    n_runs = 0
+    for r in range(args.rounds):
+        for name, (cfg, *_) in setups.items():
+            for label in distinct(plans[name]):
+                n_runs += 1
+                run = measure(cfg, plans[name][label], args, f"{tmp}/run{n_runs}")
+                got.setdefault((name, label), []).append(run)
+                print(f"round {r + 1}: {name:<20}{label:<26}{run.step_seconds:8.3f}", flush=True)
+    return {
+        key: sorted(runs, key=lambda x: x.step_seconds)[len(runs) // 2] for key, runs in got.items()
+    }
+
+
+def distinct(plans: dict[str, Plan]) -> list[str]:
+    return [k for k, p in plans.items() if same_as(plans, k) == k]
+
+
+def same_as(plans: dict[str, Plan], label: str) -> str:
+    return next(k for k, p in plans.items() if p.layouts == plans[label].layouts)
+
+
+def fit(setups, runs) -> ProfiledCost:
+    """The runtime constants fitted to the calibration plans of every model."""
+    samples = [
+        (s[2], s[3], runs[name, label]) for name, s in setups.items() for label in CALIBRATION
+    ]
+    profiles = {k: v for s in setups.values() for k, v in s[4].profiles.items()}
+    cost = ProfiledCost(next(iter(setups.values()))[4].cluster, profiles)
+    return calibrate(cost, load_graph(REPO / "graphs" / "ppo.yaml"), samples)
+
+
+def rows_of(name: str, setup, plans: dict[str, Plan], runs, cost: ProfiledCost) -> list[dict]:
+    """Rows of (plan, estimate, measurement) for every plan of one model."""
+    _, graph, specs, works, _ = setup
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = base_config(model, tmp)
-        graph, specs, works, cost = planner(cfg)
-        plans = {k: to_plan(v) for k, v in fixed_plans().items()}
-        runs: dict[str, MeasuredRun] = {}
-        if fitted is None:
-            for i, label in enumerate(CALIBRATION):
-                runs[label] = measure(cfg, plans[label], args.steps, args.warmup, tmp, f"c{i}")
-            fitted = calibrate(cost, graph, specs, works, list(runs.values()))
-        cost = ProfiledCost(cost.cluster, cost.profiles, fitted.call_overhead, fitted.factors)
-        every = {**plans, **chosen_plans(graph, specs, works, cost)}
-        for label, plan in every.items():
-            same = next(k for k, p in every.items() if p.layouts == plan.layouts)
-            if same not in runs:
-                runs[same] = measure(cfg, plan, args.steps, args.warmup, tmp, f"p{len(runs)}")
-            est = simulate(graph, plan, specs, works, cost, concurrent=False).iteration_seconds
-            step = runs[same].step_seconds
-            role = "calibration" if same in CALIBRATION and name == first_model() else "prediction"
-            rows.append({"model": name, "plan": label, "layouts": as_config(plan),
-                         "estimate": est, "measured": step, "error": est / step - 1,
-                         "same_as": same if same != label else None, "use": role})  # fmt: skip
-            print(f"{name:<20}{label:<26}{est:8.3f}{step:8.3f}{est / step - 1:+8.1%}", flush=True)
-    return rows, fitted
+    for label, plan in plans.items():
+        same = same_as(plans, label)
+        run = runs[name, same]
+        sim = simulate(graph, plan, specs, works, cost, concurrent=False)
+        est, step = sim.iteration_seconds, run.step_seconds
+        calls = {c: {"estimate": cost.call(specs[graph.by_name[c].role], plan.layouts[c],
+                                           works[c]).seconds,
+                     "measured": run.compute_seconds[c]}
+                 for c in CALLS if graph.by_name[c].role in specs}  # fmt: skip
+        rows.append({"model": name, "plan": label, "layouts": as_config(plan),
+                     "estimate": est, "measured": step, "error": est / step - 1,
+                     "same_as": same if same != label else None,
+                     "use": "calibration" if same in CALIBRATION else "prediction",
+                     "calls": calls})  # fmt: skip
+    return rows
 
 
-def first_model() -> str:
-    return next(iter(MODELS))
-
-
-def report(rows: list[dict], fitted: ProfiledCost) -> str:
-    factors = ", ".join(f"{k} device(s) x{v:.2f}" for k, v in sorted(fitted.factors.items()))
+def report(rows: list[dict], fitted: ProfiledCost, args) -> str:
+    actor = ", ".join(f"{k} device(s) {a * 1e3:.1f} ms + {b:.2f} x profile"
+                      for k, (a, b) in sorted(fitted.actor.items()))  # fmt: skip
     lines = [
         "# Planner calibration: profiled estimate vs measured PPO iteration",
         "",
         f"2 emulated CPU devices, PPO batch {BATCH}, {NEW_TOKENS} new tokens, {MINIBATCHES} "
-        f"minibatches, mean of the steps after warm-up. Fitted on the calibration runs of "
-        f"{first_model()}: driver cost per call {fitted.call_overhead * 1e3:.1f} ms; in-actor "
-        f"over profiled compute {factors}. Command: `python benchmarks/planner_calibration.py`.",
+        f"minibatches; measured: mean of {args.steps} steps after {args.warmup} warm-up, median of "
+        f"{args.rounds} interleaved rounds. Fitted on the calibration plans of both "
+        f"models: driver cost per call {fitted.call_overhead * 1e3:.1f} ms; a call inside the "
+        f"actors takes {actor}. Command: `python benchmarks/planner_calibration.py`.",
         "",
         "| model | plan | use | estimate s | measured s | error |",
         "| --- | --- | --- | ---: | ---: | ---: |",
@@ -214,22 +256,26 @@ def report(rows: list[dict], fitted: ProfiledCost) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="the example's model only")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    rows: list[dict] = []
-    fitted: ProfiledCost | None = None
-    for name, model in list(MODELS.items())[: 1 if args.quick else None]:
-        got, fitted = bench_model(name, model, args, fitted)
-        rows += got
-    assert fitted is not None
-    text = report(rows, fitted)
+    with tempfile.TemporaryDirectory() as tmp:
+        setups = {}
+        for name, model in MODELS.items():
+            cfg = base_config(model, f"{tmp}/{len(setups)}")
+            setups[name] = (cfg, *planner(cfg))
+        plans = all_plans(setups)
+        runs = measure_rounds(setups, plans, args, tmp)
+    cost = fit(setups, runs)
+    rows = [
+        r for name, setup in setups.items() for r in rows_of(name, setup, plans[name], runs, cost)
+    ]
+    text = report(rows, cost, args)
     print(text)
-    if not args.quick:
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "planner_calibration.md").write_text(text)
-        (OUT / "planner_calibration.json").write_text(json.dumps(rows, indent=2))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "planner_calibration.md").write_text(text)
+    (OUT / "planner_calibration.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def test_layouts_compose_the_profile_as_rayhf_executes():
 def test_calibration_recovers_the_runtime_constants():
     cost, specs = synthetic_cost()
     works = workloads(GRAPH, 32, 16, 8, 4)
-    truth = ProfiledCost(cost.cluster, cost.profiles, 0.01, {1: 1.5, 2: 3.0})
+    truth = ProfiledCost(cost.cluster, cost.profiles, 0.01, {1: (0.02, 1.5), 2: (0.005, 3.0)})
     runs = []
     for plan in (heuristic_plan(GRAPH, 1), heuristic_plan(GRAPH, 2)):
         compute = {}
@@ -103,13 +103,15 @@ def test_calibration_recovers_the_runtime_constants():
             if role in specs:
                 parts = truth.call(specs[role], plan.layouts[name], works[name]).parts
                 compute[name] = sum(v for k, v in parts.items() if k != "driver")
+                assert parts["actor"] > 0
             else:
                 compute[name] = 0.0
         step = sum(compute.values()) + 0.01 * len(GRAPH.order)
         runs.append(MeasuredRun(plan, step, compute))
-    fitted = calibrate(cost, GRAPH, specs, works, runs)
+    fitted = calibrate(cost, GRAPH, [(specs, works, run) for run in runs])
     assert fitted.call_overhead == pytest.approx(0.01)
-    assert fitted.factors == pytest.approx({1: 1.5, 2: 3.0})
+    for k, (fixed, scale) in {1: (0.02, 1.5), 2: (0.005, 3.0)}.items():
+        assert fitted.actor[k] == pytest.approx((fixed, scale), rel=1e-6, abs=1e-9)
     plan = heuristic_plan(GRAPH, 2)
     est = simulate(GRAPH, plan, specs, works, fitted, concurrent=False).iteration_seconds
     assert est == pytest.approx(runs[1].step_seconds)

@@ -158,7 +158,7 @@ def plan_for_run(
     calls one after another. ``configs`` maps a role to (Hugging Face config, value head)."""
     import os
 
-    from rayhf.planner.hardware import CPU_CALL_OVERHEAD, CPU_FACTORS, cpu_cluster
+    from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster
     from rayhf.planner.profile import ProfiledCost, profile_model
 
     n = cluster.n_devices
@@ -171,7 +171,7 @@ def plan_for_run(
         key = dataclasses.replace(specs[role], n_layers=0)
         profiles[key] = profile_model(config, value_head, threads, profile_cache())
     spec = cpu_cluster(n, cluster.device_memory_gb)
-    cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_FACTORS)
+    cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
     check_fits(graph, specs, works, cost)
 
     def score(plan: Plan) -> float:

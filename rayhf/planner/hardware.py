@@ -77,9 +77,9 @@ CPU_LINK_BANDWIDTH = 0.7e9
 CPU_LINK_LATENCY = 2e-3
 # The runtime around the profiled engine ops on this machine, fitted by the same benchmark
 # (``rayhf.planner.profile.calibrate``): the driver's cost per call, and by the number of
-# devices a call keeps busy, measured in-actor compute over the in-process profile.
-CPU_CALL_OVERHEAD = 8e-3
-CPU_FACTORS = {1: 1.5, 2: 3.4}
+# devices a call keeps busy, (seconds per call, scale) of in-actor compute over the profile.
+CPU_CALL_OVERHEAD = 7.2e-3
+CPU_ACTOR = {1: (13.6e-3, 1.10), 2: (20.8e-3, 1.16)}
 
 
 def cpu_cluster(n_devices: int, memory_gb: float) -> ClusterSpec:

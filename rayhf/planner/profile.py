@@ -198,11 +198,12 @@ def _dot(coef: tuple[float, ...], feats: list[float]) -> float:
 class ProfiledCost(AnalyticCost):
     """Call times from measured profiles; memory and reallocation from the analytic model.
 
-    Two measured constants of the runtime complete it (``calibrate`` fits them from runs):
+    Measured constants of the runtime complete it (``calibrate`` fits them from runs):
     ``call_overhead``, the driver's cost of one call (dispatch, splitting and joining the batch,
-    Ray), and ``factors``, by the number of devices a call keeps busy, what running inside a
-    role-group actor next to its peers costs over the in-process profile (the interface's own
-    work, Ray's threads, cores shared with the rest of the machine).
+    Ray), and ``actor``, by the number of devices a call keeps busy, ``(fixed, scale)``: a call
+    inside a role-group actor takes ``fixed + scale x`` its in-process profile (the fixed part
+    is the interface's own work per call, the scale what Ray's threads and cores shared with
+    the call's peers cost).
     """
 
     def __init__(
@@ -210,17 +211,18 @@ class ProfiledCost(AnalyticCost):
         cluster: ClusterSpec,
         profiles: dict[ModelSpec, ModelProfile],
         call_overhead: float = 0.0,
-        factors: dict[int, float] | None = None,
+        actor: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         super().__init__(cluster)
         self.profiles = profiles
         self.call_overhead = call_overhead
-        self.factors = factors or {}
+        self.actor = actor or {}
 
-    def factor(self, layout: Layout) -> float:
-        if not self.factors:
-            return 1.0
-        return self.factors.get(min(layout.world_size, max(self.factors)), 1.0)
+    def runtime(self, layout: Layout) -> tuple[float, float]:
+        """(fixed seconds, scale) of a call on ``layout`` inside the actors."""
+        if not self.actor:
+            return 0.0, 1.0
+        return self.actor.get(min(layout.world_size, max(self.actor)), (0.0, 1.0))
 
     def _profile(self, spec: ModelSpec) -> ModelProfile:
         return self.profiles[dataclasses.replace(spec, n_layers=0)]
@@ -231,24 +233,35 @@ class ProfiledCost(AnalyticCost):
         bw = self.cluster.intra_node_bandwidth
         return 2 * (n - 1) / n * n_bytes / bw + self.cluster.link_latency
 
-    def _stage_pass(self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: float, seq: int):
+    def _stage_pass(
+        self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: float, seq: int, train: bool
+    ) -> float:
         """One micro-batch through one stage: its layers' token work split over tp, their
-        per-layer fixed cost not, two all-reduces per layer (x2 with backward), the rest of the
-        model (embedding, head) on the whole replica."""
+        per-layer fixed cost not, two all-reduces per layer forward (four with backward), the
+        rest of the model (embedding, head) on the whole replica."""
         tokens = n_seqs * seq
         feats = [1.0, tokens, tokens * seq]
         layers = math.ceil(spec.n_layers / lay.pp)
         work = fit.layer[0] + _dot(fit.layer[1:], feats[1:]) / lay.tp
-        comm = 2 * self._allreduce(tokens * spec.hidden_size * 4, lay.tp)
+        comm = (4 if train else 2) * self._allreduce(tokens * spec.hidden_size * 4, lay.tp)
         return layers * (work + comm) + _dot(fit.base, feats) / lay.pp
 
-    def _pipeline(self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: int, seq: int):
+    def _pipeline(
+        self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: int, seq: int, train: bool
+    ) -> float:
+        """GPipe over the micro-batches, activations hopping between stages, and the gather of
+        the vocab-parallel logits (and its gradient) over tp."""
         mbs = min(lay.n_mbs, max(1, n_seqs))
-        stage = self._stage_pass(fit, spec, lay, n_seqs / mbs, seq)
+        stage = self._stage_pass(fit, spec, lay, n_seqs / mbs, seq, train)
         hop = self.cluster.link_latency + n_seqs / mbs * seq * spec.hidden_size * 4 / (
             self.cluster.intra_node_bandwidth
         )
-        return (mbs + lay.pp - 1) * stage + (lay.pp - 1) * mbs * hop
+        passes = 2 if train else 1
+        gather = 0.0
+        if lay.tp > 1 and not spec.value_head:
+            logits = n_seqs * seq * spec.vocab_size * 4
+            gather = passes * self._allreduce(logits / 2, lay.tp)
+        return (mbs + lay.pp - 1) * stage + passes * (lay.pp - 1) * mbs * hop + gather
 
     def _generate(self, prof: ModelProfile, spec: ModelSpec, lay: Layout, b: int, w: Workload):
         """Prefill through the pipeline, then every new token walks all stages in turn."""
@@ -270,34 +283,17 @@ class ProfiledCost(AnalyticCost):
         if work.kind == "generate":
             parts["generate"] = self._generate(prof, spec, layout, n_seqs, work)
         elif work.kind == "inference":
-            parts["forward"] = self._pipeline(prof.forward, spec, layout, n_seqs, seq)
+            parts["forward"] = self._pipeline(prof.forward, spec, layout, n_seqs, seq, False)
         else:
             per_mb = math.ceil(n_seqs / work.n_minibatches)
-            step = self._pipeline(prof.train, spec, layout, per_mb, seq)
+            step = self._pipeline(prof.train, spec, layout, per_mb, seq, True)
             shard = max_shard_params(spec, layout.tp, layout.pp) * 4
             parts["train"] = work.n_minibatches * (step + self._allreduce(shard, layout.dp))
-        parts = {k: v * self.factor(layout) for k, v in parts.items()}
+        fixed, scale = self.runtime(layout)
+        parts = {k: v * scale for k, v in parts.items()}
+        parts["actor"] = fixed
         parts["driver"] = self.call_overhead
         return CallCost(sum(parts.values()), self.memory(spec, layout, work, zero1), parts)
-
-
-def sequential_seconds(graph, plan, specs: dict[str, ModelSpec], works, cost: AnalyticCost):
-    """One iteration as rayhf's plain driver runs it today: every call, and the reallocation
-    before a call away from its role's home, one after another."""
-    from rayhf.planner.simulate import realloc_seconds
-
-    homes = plan.home_layouts(graph)
-    total = 0.0
-    for name in graph.order:
-        role, lay = graph.by_name[name].role, plan.layouts[name]
-        if role not in specs:
-            total += getattr(cost, "call_overhead", 0.0)
-            continue
-        if lay != homes[role]:
-            total += realloc_seconds(cost, specs[role], homes[role], lay)
-            total += getattr(cost, "call_overhead", 0.0)
-        total += cost.call(specs[role], lay, works[name]).seconds
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,24 +306,26 @@ class MeasuredRun:
     compute_seconds: dict[str, float]
 
 
-def calibrate(cost: ProfiledCost, graph, specs: dict[str, ModelSpec], works, runs):
-    """``cost`` with its runtime constants fitted to measured ``runs``: per mesh size, the
-    ratio of measured to profiled compute of the model calls; the driver's cost per call, the
-    step time no actor accounts for, per call."""
+def calibrate(cost: ProfiledCost, graph, samples) -> ProfiledCost:
+    """``cost`` with its runtime constants fitted to measured runs. ``samples`` are
+    ``(specs, works, run)``, one per run, of one or more models (``cost`` holds their profiles).
+    Per mesh size, a non-negative least-squares line through (profiled, measured) compute of
+    every model call: its intercept is the in-actor cost per call, its slope the scale; the
+    driver's cost per call is the step time no actor accounts for, per call."""
     bare = ProfiledCost(cost.cluster, cost.profiles)
-    measured: dict[int, float] = {}
-    profiled: dict[int, float] = {}
+    points: dict[int, list[tuple[float, float]]] = {}
     overheads = []
-    for run in runs:
+    for specs, works, run in samples:
         for name in graph.order:
             role, lay = graph.by_name[name].role, run.plan.layouts[name]
             if role in specs:
-                k = lay.world_size
-                measured[k] = measured.get(k, 0.0) + run.compute_seconds[name]
-                profiled[k] = (
-                    profiled.get(k, 0.0) + bare.call(specs[role], lay, works[name]).seconds
-                )
+                profiled = bare.call(specs[role], lay, works[name]).parts
+                compute = sum(v for k, v in profiled.items() if k not in ("actor", "driver"))
+                points.setdefault(lay.world_size, []).append((compute, run.compute_seconds[name]))
         outside = run.step_seconds - sum(run.compute_seconds.values())
         overheads.append(outside / len(graph.order))
-    factors = {k: measured[k] / profiled[k] for k in measured if profiled[k] > 0}
-    return ProfiledCost(cost.cluster, cost.profiles, sum(overheads) / len(overheads), factors)
+    actor = {}
+    for k, pts in points.items():
+        fixed, scale = _fit_nonnegative([[1.0, x] for x, _ in pts], [y for _, y in pts])
+        actor[k] = (float(fixed), float(scale))
+    return ProfiledCost(cost.cluster, cost.profiles, sum(overheads) / len(overheads), actor)
