@@ -15,7 +15,7 @@ from rayhf.planner.auto import plan_for_run, workloads
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.hardware import cpu_cluster
 from rayhf.planner.layout import Layout
-from rayhf.planner.plan import heuristic_plan
+from rayhf.planner.plan import Plan, heuristic_plan
 from rayhf.planner.profile import (
     MeasuredRun,
     ModelProfile,
@@ -143,3 +143,18 @@ def test_auto_plan_on_two_cpu_devices_is_valid_and_reproducible(tmp_path, monkey
     assert list((tmp_path / "profiles").glob("*.json")), "profiles are cached"
     one = plan_for_run(GRAPH, configs, works, ClusterConfig(n_devices=1))
     assert one.layouts == heuristic_plan(GRAPH, 1).layouts
+
+
+def test_a_saved_plan_is_accepted_back_as_a_manual_plan(tmp_path):
+    import rayhf
+
+    layouts = {
+        n: Layout((0,) if GRAPH.by_name[n].role != "critic" else (1,), 1) for n in GRAPH.order
+    }
+    layouts["actor_train"] = Layout((0, 1), 1, 2)
+    layouts["critic_inf"] = Layout((0, 1), 1, 1, 2, 2)
+    path = tmp_path / "plan.json"
+    path.write_text(Plan(layouts, "auto").to_json())
+    cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml", [f"plan={path}"])
+    cfg = cfg.with_overrides({"cluster.n_devices": 2})
+    assert rayhf.make_plan(cfg).layouts == layouts
