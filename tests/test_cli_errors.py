@@ -114,6 +114,17 @@ def test_plan_shows_the_reallocations_of_split_role_layouts(workdir):
     assert not (workdir / "runs").exists(), "rayhf plan writes nothing"
 
 
+def test_plan_auto_says_the_run_searches_it(workdir):
+    path = workdir / "cfg.yaml"
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg["plan"] = "auto"
+    cfg.setdefault("cluster", {})["n_devices"] = 2
+    path.write_text(yaml.safe_dump(cfg))
+    proc = rayhf_cli("plan", str(path), cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("plan: auto -- rayhf run searches the plan"), proc.stdout
+
+
 PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
 
 

@@ -130,6 +130,11 @@ def plan(
     if json_out:
         typer.echo(the_plan.to_json())
     else:
+        if cfg.plan == "auto" and cfg.cluster.n_devices > 1:
+            typer.echo(
+                "plan: auto -- rayhf run searches the plan once the models exist and writes it "
+                "to the run directory's plan.json; shown here: the colocated plan it starts from"
+            )
         typer.echo(rayhf.format_plan(the_plan, graph))
         typer.echo(format_reallocations(the_plan, graph, specs))
 
