@@ -113,6 +113,15 @@ def test_candidates_respect_nodes_and_the_model():
         assert lay.tp <= 8 and lay.dp * lay.tp * lay.pp == len(lay.mesh)
 
 
+def test_search_plans_a_graph_of_one_call():
+    graph = load_graph(REPO / "graphs" / "sft.yaml")
+    works = {c.name: Workload(c.kind, 64, 128, 128, 2) for c in graph.calls}
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    start = Plan({c.name: Layout(tuple(range(8)), dp=8) for c in graph.calls}, "start")
+    found = search(graph, SPECS, works, cost, [start], seed=1, max_iterations=200)
+    assert set(found.plan.layouts) == {c.name for c in graph.calls} and found.simulation.feasible
+
+
 def test_search_is_deterministic_and_never_worse_than_its_starts():
     cost = AnalyticCost(parse_cluster("2x8xH100"))
     cap = cost.cluster.device.memory_bytes

@@ -91,7 +91,7 @@ def _neighbour(
         starts = range(0, len(options[name][-1].mesh) - size + 1, size) if size else [0]
         start = rng.choice(list(starts))
         trial[name] = Layout(tuple(range(start, start + size)), lay.dp, lay.tp, lay.pp, lay.n_mbs)
-    else:
+    elif len(graph.order) > 1:
         other = rng.choice([n for n in graph.order if n != name])
         block = trial[name].mesh
         if len(block) >= 2 and graph.by_name[other].role in specs:
