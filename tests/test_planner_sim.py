@@ -16,7 +16,7 @@ from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.layout import Layout
 from rayhf.planner.plan import Plan
-from rayhf.planner.search import blocks, candidates, energy, search
+from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
 from rayhf.planner.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +111,28 @@ def test_candidates_respect_nodes_and_the_model():
     assert blocks(4) == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
     for lay in candidates(SPECS["actor"], 16, 8):
         assert lay.tp <= 8 and lay.dp * lay.tp * lay.pp == len(lay.mesh)
+
+
+def test_meshes_are_blocks_inside_a_node_or_runs_of_whole_nodes():
+    meshes = blocks(24, 8)
+    for mesh in meshes:
+        if len(mesh) < 8:  # inside one node, aligned to its size
+            assert mesh[0] // 8 == mesh[-1] // 8 and mesh[0] % len(mesh) == 0
+        else:
+            assert len(mesh) % 8 == 0 and mesh[0] % 8 == 0
+    runs = {(m[0], len(m)) for m in meshes if len(m) >= 8}
+    assert runs == {(0, 8), (8, 8), (16, 8), (0, 16), (8, 16), (0, 24)}
+    # Three nodes take pp=3, which no power-of-two block allows.
+    three = [lay for lay in candidates(SPECS["actor"], 24, 8) if len(lay.mesh) == 24]
+    assert {(lay.tp, lay.pp) for lay in three} >= {(8, 3), (4, 3), (4, 6), (1, 3)}
+
+
+def test_side_by_side_cuts_a_cluster_at_every_node_boundary():
+    pairs = side_by_side(32, 8)
+    for a, b in pairs:
+        assert not set(a) & set(b) and a[-1] + 1 == b[0]
+    cuts = {len(a) for a, b in pairs if len(a) + len(b) == 32}
+    assert cuts == {8, 16, 24}  # a small critic beside a large actor needs the uneven cuts
 
 
 def test_search_plans_a_graph_of_one_call():

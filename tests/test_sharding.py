@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from rayhf.errors import RayhfError
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.sharding import (
     ParamShard,
+    balanced_cuts,
     check_layout,
     join_shards,
     param_shards,
@@ -65,6 +69,29 @@ def test_stages_are_contiguous_balanced_and_cover_all_layers():
     big_vocab = model_spec(hf_config(ModelInit(hidden_size=32, n_layers=6), 5000, 0, 2, 1), False)
     sizes = [len(s) for s in stage_layers(big_vocab, 3)]
     assert sizes[1] > sizes[0] and sizes[1] > sizes[2]
+
+
+def _largest_stage(first: int, layers: list[int], last: int, bounds: list[int]) -> int:
+    sizes = [sum(layers[a:b]) for a, b in itertools.pairwise(bounds)]
+    sizes[0] += first
+    sizes[-1] += last
+    return max(sizes)
+
+
+def test_balanced_cuts_reach_the_smallest_largest_stage():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        pp = rng.randint(1, n)
+        layers = [rng.choice([5, 5, 7]) if rng.random() < 0.5 else rng.randint(1, 40)
+                  for _ in range(n)]  # fmt: skip
+        first, last = rng.randint(0, 60), rng.randint(0, 60)
+        bounds = balanced_cuts(first, layers, last, pp)
+        assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == pp + 1
+        assert all(a < b for a, b in itertools.pairwise(bounds)), "every stage holds a layer"
+        every = [[0, *cuts, n] for cuts in itertools.combinations(range(1, n), pp - 1)]
+        optimum = min(_largest_stage(first, layers, last, b) for b in every)
+        assert _largest_stage(first, layers, last, bounds) == optimum
 
 
 def test_shard_sizes_add_up_to_the_model():

@@ -18,6 +18,8 @@ reallocation reads it to know which slice of a parameter lives on which device.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass
 
@@ -167,40 +169,54 @@ def join_shards(shards: list[torch.Tensor], p: ParamShard) -> torch.Tensor:
     return torch.cat([piece for block in blocks for piece in block], dim=p.tp_dim)
 
 
-def stage_layers(spec: ModelSpec, pp: int) -> list[range]:
-    """Contiguous decoder layers per stage, minimizing the largest stage's parameter count."""
+@functools.lru_cache(maxsize=1024)
+def stage_layers(spec: ModelSpec, pp: int) -> tuple[range, ...]:
+    """Contiguous decoder layers per stage, minimizing the largest stage's parameter count
+    (memoized: the planner asks for every pp of every model shape, stage by stage)."""
     if pp > spec.n_layers:
         raise RayhfError(f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers")
     unit_size = [0] * (spec.n_layers + 2)
     for p in param_shards(spec):
         unit_size[p.unit] += p.numel
-    layer, first, last = unit_size[1:-1], unit_size[0], unit_size[-1]
-    n = spec.n_layers
+    bounds = balanced_cuts(unit_size[0], unit_size[1:-1], unit_size[-1], pp)
+    return tuple(range(bounds[s], bounds[s + 1]) for s in range(pp))
+
+
+def balanced_cuts(first: int, layers: list[int], last: int, pp: int) -> list[int]:
+    """Stage boundaries ``[0, ..., len(layers)]`` cutting ``layers`` (sizes) into ``pp``
+    non-empty contiguous stages that minimize the largest stage, stage 0 also holding ``first``
+    and the last stage ``last``."""
+    n = len(layers)
     prefix = [0]
-    for s in layer:
+    for s in layers:
         prefix.append(prefix[-1] + s)
-    # best[k][i]: smallest max-stage size cutting layers[:i] into k stages (stage 0 + embeddings).
+    # best[k][i]: smallest max-stage size cutting layers[:i] into k stages (stage 0 + embeddings);
+    # cut[k][i]: the first j (start of the k-th stage) reaching it. best[k - 1][j] grows with j
+    # and the last stage's size shrinks, so the best j sits where they cross: a bisection on
+    # best[k - 1][j] + prefix[j] (strictly increasing) instead of a scan over every j.
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(pp + 1)]
     cut = [[0] * (n + 1) for _ in range(pp + 1)]
     for i in range(1, n + 1):
         best[1][i] = first + prefix[i]
     for k in range(2, pp + 1):
+        rising = [b + p for b, p in zip(best[k - 1], prefix, strict=True)]
         for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                stage = prefix[i] - prefix[j] + (last if (k == pp and i == n) else 0)
-                cost = max(best[k - 1][j], stage)
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
+            total = prefix[i] + (last if (k == pp and i == n) else 0)
+            j = bisect.bisect_left(rising, total, k - 1, i)  # first j: best[k-1][j] >= stage
+            options: list[tuple[float, int]] = [(total - prefix[j - 1], j - 1)] if j > k - 1 else []
+            if j < i:
+                options.append((best[k - 1][j], j))
+            best[k][i], cut[k][i] = min(options)  # ties keep the smaller j, as a scan would
     if pp == 1:
-        return [range(0, n)]
+        return [0, n]
     bounds, i = [n], n
     for k in range(pp, 1, -1):
         i = cut[k][i]
         bounds.append(i)
     bounds.append(0)
     bounds.reverse()
-    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+    return bounds
 
 
 def stage_units(spec: ModelSpec, pp: int, pp_rank: int) -> set[int]:
@@ -233,14 +249,19 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> str | None:
 
 def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int) -> int:
     """Parameter elements one device holds under ``tp x pp``."""
-    units = stage_units(spec, pp, pp_rank)
-    total = 0
+    held = unit_numels(spec, tp, tp_rank)
+    return sum(held[u] for u in stage_units(spec, pp, pp_rank))
+
+
+@functools.lru_cache(maxsize=1024)
+def unit_numels(spec: ModelSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """Parameter elements of each unit (embeddings, layers, head) that tp rank ``tp_rank``
+    holds."""
+    out = [0] * (spec.n_layers + 2)
     for p in param_shards(spec):
-        if p.unit not in units:
-            continue
         if p.tp_dim is None:
-            total += p.numel
+            out[p.unit] += p.numel
         else:
             held = sum(hi - lo for lo, hi in shard_ranges(p, tp, tp_rank))
-            total += p.numel // p.shape[p.tp_dim] * held
-    return total
+            out[p.unit] += p.numel // p.shape[p.tp_dim] * held
+    return tuple(out)

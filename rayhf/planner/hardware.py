@@ -65,8 +65,10 @@ class ClusterSpec:
 
     def bandwidth(self, devices: tuple[int, ...] | list[int]) -> float:
         """Per-device bandwidth of a collective over ``devices`` (the slowest link it uses)."""
-        nodes = {self.node_of(d) for d in devices}
-        return self.intra_node_bandwidth if len(nodes) <= 1 else self.inter_node_bandwidth
+        if not devices:
+            return self.intra_node_bandwidth
+        one_node = self.node_of(min(devices)) == self.node_of(max(devices))
+        return self.intra_node_bandwidth if one_node else self.inter_node_bandwidth
 
 
 # This machine's emulated CPU devices (one core each), measured here: fp32 matmul 1024^3 on one

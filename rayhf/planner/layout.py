@@ -40,6 +40,13 @@ class Layout:
         assert self.dp * self.tp * self.pp == len(self.mesh), f"bad layout {self}"
         assert len(set(self.mesh)) == len(self.mesh), f"repeated device in {self.mesh}"
 
+    def __hash__(self) -> int:  # memoized: the planner's search hashes layouts millions of times
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.mesh, self.dp, self.tp, self.pp, self.n_mbs))  # ints: the same
+            object.__setattr__(self, "_hash", cached)  # in every process
+        return cached
+
     @property
     def name(self) -> str:
         """Short stable name, used in actor names: ``d0-1.dp2tp1pp1``."""

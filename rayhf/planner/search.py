@@ -1,14 +1,15 @@
 """Plan search: local improvement and simulated annealing over every call's layout, started
 from the baselines.
 
-Candidates for a call: a block of devices (sizes 1, 2, 4, ... aligned to their size, so a block
-never straddles nodes needlessly) x every ``dp x tp x pp`` of that size the model can take (tp
-within a node) x micro-batches; layouts whose call alone overflows a device are dropped. The
-energy of a plan is its simulated iteration time; a plan that does not fit memory costs its time
-plus a penalty that grows with the overflow, so annealing walks out of infeasible regions.
+Candidates for a call: a device mesh as ReaLHF defines them (an aligned block of 1, 2, 4, ...
+devices inside a node, or any run of consecutive whole nodes) x every ``dp x tp x pp`` of its
+size the model can take (tp a power of two within a node, pp any divisor) x micro-batches;
+layouts whose call alone overflows a device are dropped. The energy of a plan is its simulated
+iteration time; a plan that does not fit memory costs its time plus a penalty that grows with
+the overflow, so annealing walks out of infeasible regions.
 
     each start (a tuned baseline) -> improve: every call on each of its shortlisted layouts,
-        every role's home moved with its calls, pairs of calls on the two halves of a block
+        every role's home moved with its calls, pairs of calls side by side
     best -> anneal (random moves) -> improve its best again
 
 Deterministic for a seed while the time limit does not cut a phase short; energies are
@@ -31,32 +32,45 @@ from rayhf.planner.layout import Layout
 from rayhf.planner.plan import Plan
 from rayhf.planner.simulate import Simulation, simulate
 
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def blocks(n_devices: int) -> list[tuple[int, ...]]:
-    """Aligned power-of-two blocks of devices: (0), (1), ..., (0, 1), (2, 3), ..., all."""
+def blocks(n_devices: int, per_node: int | None = None) -> list[tuple[int, ...]]:
+    """The device meshes a call may take (ReaLHF's sub-meshes): an aligned power-of-two block
+    inside one node (1, 2, 4, ... devices), or any run of consecutive whole nodes."""
+    per_node = min(per_node or n_devices, n_devices)
     out, size = [], 1
-    while size <= n_devices:
-        out += [tuple(range(s, s + size)) for s in range(0, n_devices - size + 1, size)]
+    while size < per_node:
+        out += [
+            tuple(range(s, s + size)) for s in range(0, n_devices - size + 1, size)
+            if s // per_node == (s + size - 1) // per_node
+        ]  # fmt: skip
         size *= 2
+    n_nodes = n_devices // per_node
+    for k in range(1, n_nodes + 1):
+        out += [tuple(range(s * per_node, (s + k) * per_node)) for s in range(n_nodes - k + 1)]
     return out
 
 
 def candidates(spec: ModelSpec | None, n_devices: int, per_node: int) -> list[Layout]:
-    """Every layout a call of a model with ``spec`` may take (one device for no model)."""
+    """Every layout a call of a model with ``spec`` may take (one device for no model): tp a
+    power of two within a node, pp any divisor of what tp leaves, dp the rest."""
     if spec is None:
         return [Layout(tuple(range(n_devices)), dp=n_devices)]
     out = []
-    for mesh in blocks(n_devices):
+    for mesh in blocks(n_devices, per_node):
         size = len(mesh)
         for tp in _powers(min(size, per_node)):
-            for pp in _powers(size // tp):
+            for pp in _divisors(size // tp) if size % tp == 0 else []:
                 if check_layout(spec, tp, pp) is not None:
                     continue
                 for n_mbs in MICRO_BATCHES if pp > 1 else (1,):
                     out.append(Layout(mesh, size // (tp * pp), tp, pp, n_mbs))
     return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _powers(n: int) -> list[int]:
@@ -67,13 +81,14 @@ def _neighbour(
     cur: dict[str, Layout],
     graph: Graph,
     options: dict[str, list[Layout]],
+    on_mesh: dict[str, dict[tuple[int, ...], list[Layout]]],
     specs: dict[str, ModelSpec],
     per_node: int,
     rng: random.Random,
 ) -> dict[str, Layout]:
     """One random move: a new layout for a call, a layout shared within a role, a call moved to
-    another block of the same size, or two calls split onto the two halves of a block (so they
-    can run at the same time)."""
+    another block of the same size, or two calls split onto two parts of a block (so they can
+    run at the same time). ``on_mesh``: each call's ``options`` by mesh."""
     trial = dict(cur)
     name = rng.choice(graph.order)
     role = graph.by_name[name].role
@@ -87,17 +102,18 @@ def _neighbour(
         trial[name] = trial[rng.choice(same_role)]  # share a layout: no reallocation
     elif move < 0.7:
         lay = trial[name]
-        size = len(lay.mesh)
-        starts = range(0, len(options[name][-1].mesh) - size + 1, size) if size else [0]
-        start = rng.choice(list(starts))
+        size, n_devices = len(lay.mesh), len(options[name][-1].mesh)
+        start = rng.choice(range(0, n_devices - size + 1, min(size, per_node)))
         trial[name] = Layout(tuple(range(start, start + size)), lay.dp, lay.tp, lay.pp, lay.n_mbs)
     elif len(graph.order) > 1:
         other = rng.choice([n for n in graph.order if n != name])
         block = trial[name].mesh
         if len(block) >= 2 and graph.by_name[other].role in specs:
-            half = len(block) // 2
-            for call, mesh in ((name, block[:half]), (other, block[half:])):
-                fits = [lay for lay in options[call] if lay.mesh == mesh]
+            cut = len(block) // 2
+            if len(block) > per_node:  # whole nodes: cut at any node boundary
+                cut = rng.randrange(1, len(block) // per_node) * per_node
+            for call, mesh in ((name, block[:cut]), (other, block[cut:])):
+                fits = on_mesh[call].get(mesh)
                 if fits:
                     trial[call] = rng.choice(fits)
     return trial
@@ -124,6 +140,7 @@ class _Scorer:
         self.deadline = deadline
         self.seen: dict[tuple[Layout, ...], float] = {}
         self.evaluations = 0
+        self._fastest: dict[tuple[str, tuple[int, ...]], Layout | None] = {}
 
     def __call__(self, layouts: dict[str, Layout]) -> float:
         key = tuple(layouts[n] for n in self.graph.order)
@@ -138,11 +155,18 @@ class _Scorer:
 
     def fastest(self, name: str, mesh: tuple[int, ...], options: list[Layout]) -> Layout | None:
         """The layout on ``mesh`` that runs call ``name`` alone fastest."""
-        spec = self.specs.get(self.graph.by_name[name].role)
-        on_mesh = [lay for lay in options if lay.mesh == mesh]
-        if spec is None or not on_mesh:
-            return None
-        return min(on_mesh, key=lambda lay: self.cost.call(spec, lay, self.works[name]).seconds)
+        key = (name, mesh)
+        if key not in self._fastest:
+            spec = self.specs.get(self.graph.by_name[name].role)
+            on_mesh = [lay for lay in options if lay.mesh == mesh]
+            self._fastest[key] = (
+                None
+                if spec is None or not on_mesh
+                else min(
+                    on_mesh, key=lambda lay: self.cost.call(spec, lay, self.works[name]).seconds
+                )
+            )
+        return self._fastest[key]
 
     def out_of_time(self) -> bool:
         return time.perf_counter() >= self.deadline
@@ -206,21 +230,34 @@ def _role_moves(cur, role: str, graph: Graph, options: dict[str, list[Layout]]):
 
 
 def _pair_moves(cur, graph: Graph, options: dict[str, list[Layout]], score: _Scorer):
-    """Two calls onto the two halves of a block (so they can run at the same time), each on
-    its fastest layout there that fits on its own."""
+    """Two calls onto two disjoint meshes (so they can run at the same time), each on its
+    fastest layout there that fits on its own."""
     names = [n for n in graph.order if len(options[n]) > 1]
-    n_devices = score.cost.cluster.n_devices
+    cluster = score.cost.cluster
     for a, b in itertools.permutations(names, 2):
-        for block in blocks(n_devices):
-            if len(block) < max(2, n_devices // 8):
-                continue
-            half = len(block) // 2
+        for pair in side_by_side(cluster.n_devices, cluster.devices_per_node):
             trial = dict(cur)
-            for call, mesh in ((a, block[:half]), (b, block[half:])):
+            for call, mesh in zip((a, b), pair, strict=True):
                 fastest = score.fastest(call, mesh, options[call])
                 if fastest is not None:
                     trial = _place(trial, call, fastest, graph)
             yield trial
+
+
+def side_by_side(n_devices: int, per_node: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Pairs of disjoint meshes local improvement tries two calls on: the two halves of every
+    aligned power-of-two block of at least an eighth of the cluster, and the whole cluster cut
+    at every node boundary (a large actor beside a small critic wants an uneven cut)."""
+    out = []
+    size = max(2, n_devices // 8)
+    while size <= n_devices:
+        for s in range(0, n_devices - size + 1, size):
+            out.append((tuple(range(s, s + size // 2)), tuple(range(s + size // 2, s + size))))
+        size *= 2
+    for cut in range(per_node, n_devices, per_node):
+        if 2 * cut != n_devices:
+            out.append((tuple(range(cut)), tuple(range(cut, n_devices))))
+    return out
 
 
 def _place(cur: dict[str, Layout], name: str, lay: Layout, graph: Graph) -> dict[str, Layout]:
@@ -282,13 +319,15 @@ def search(
     }
     options = _fitting(options, graph, specs, works, cost)
     short = _shortlist(options, graph, specs, works, cost)
-    score = _Scorer(graph, specs, works, cost, began, concurrent)
+    score = _Scorer(graph, specs, works, cost, began + time_limit, concurrent)
+    ready = time.perf_counter()  # the phases share what is left of the limit
+    left = began + time_limit - ready
     improved = []
     for k, start in enumerate(sorted((dict(p.layouts) for p in starts), key=score)):
-        score.deadline = began + (k + 1) / len(starts) * 0.5 * time_limit  # a share each
+        score.deadline = ready + (k + 1) / len(starts) * 0.5 * left  # a share each
         improved.append(improve(start, short, graph, score))
     best, best_e = min(improved, key=lambda r: r[1])
-    score.deadline = began + 0.85 * time_limit
+    score.deadline = ready + 0.85 * left
     found, found_e, it = _anneal(best, best_e, graph, options, specs, rng, score, max_iterations)
     if found_e < best_e:
         score.deadline = began + time_limit
@@ -303,10 +342,15 @@ def _anneal(start, start_e, graph, options, specs, rng: random.Random, score: _S
     best, best_e = dict(start), start_e
     cur, cur_e = dict(start), start_e
     temp0 = 0.05 * start_e
+    per_node = score.cost.cluster.devices_per_node
+    on_mesh: dict[str, dict[tuple[int, ...], list[Layout]]] = {}
+    for name, opts in options.items():
+        for lay in opts:
+            on_mesh.setdefault(name, {}).setdefault(lay.mesh, []).append(lay)
     it = 0
     while it < max_it and not score.out_of_time():
         it += 1
-        trial = _neighbour(cur, graph, options, specs, 0, rng)
+        trial = _neighbour(cur, graph, options, on_mesh, specs, per_node, rng)
         e = score(trial)
         temp = temp0 * (1.0 - it / max_it) + 1e-9
         if e < cur_e or rng.random() < math.exp((cur_e - e) / temp):

@@ -83,6 +83,24 @@ def simulate(
             return moved(role, src, dst)
         return realloc_seconds(cost, specs[role], src, dst)
 
+    # Every iteration runs the same steps: price each once. A step is (span name, devices, its
+    # index into ``free``, seconds).
+    steps: dict[str, list[tuple[str, tuple[int, ...], np.ndarray | slice, float]]] = {}
+    for name in graph.order:
+        call, layout = graph.by_name[name], plan.layouts[name]
+        home = homes[call.role]
+        own: list[tuple[str, tuple[int, ...], np.ndarray | slice, float]] = []
+        if call.role in specs and layout != home:
+            devices = _union(home.mesh, layout.mesh)
+            seconds = move(call.role, home, layout) + overhead
+            own.append((f"realloc:{name}", devices, _index(devices), seconds))
+        if call.role in specs:
+            seconds = cost.call(specs[call.role], layout, works[name]).seconds
+        else:  # a function-valued role (a reward function) costs ~nothing
+            seconds = overhead
+        own.append((name, layout.mesh, _index(layout.mesh), seconds))
+        steps[name] = own
+    producers = {name: _producers(graph, name) for name in graph.order}
     n_devices = _n_devices(plan, cost)
     free = np.zeros(n_devices)  # device -> when it is next free
     last_train: dict[str, float] = {}
@@ -91,30 +109,17 @@ def simulate(
         done: dict[str, float] = {}
         train_end: dict[str, float] = {}
         for name in graph.order:
-            call, layout = graph.by_name[name], plan.layouts[name]
-            deps = [done[p] for p in _producers(graph, name)]
-            ready = max([0.0, last_train.get(call.role, 0.0), *deps])
-            home = homes[call.role]
-            if call.role in specs and layout != home:
-                devices = _union(home.mesh, layout.mesh)
-                index = _index(devices) if concurrent else slice(None)
-                start = max(ready, float(free[index].max()))
-                end = start + move(call.role, home, layout) + overhead
-                spans.append(Span(f"realloc:{name}", it, start, end, devices))
-                free[index] = end
-                ready = end
-            index = _index(layout.mesh) if concurrent else slice(None)
-            start = max(ready, float(free[index].max()))
-            end = start
-            if call.role in specs:  # a function-valued role (a reward function) costs ~nothing
-                end += cost.call(specs[call.role], layout, works[name]).seconds
-            else:
-                end += overhead
-            spans.append(Span(name, it, start, end, layout.mesh))
-            free[index] = end
-            done[name] = end
+            call = graph.by_name[name]
+            ready = max([0.0, last_train.get(call.role, 0.0), *(done[p] for p in producers[name])])
+            for what, devices, index, seconds in steps[name]:
+                where = index if concurrent else slice(None)
+                start = max(ready, float(free[where].max()))
+                ready = start + seconds
+                spans.append(Span(what, it, start, ready, devices))
+                free[where] = ready
+            done[name] = ready
             if call.kind == "train":
-                train_end[call.role] = end
+                train_end[call.role] = ready
         last_train.update(train_end)
     sim = Simulation(_period(spans, n_iterations), spans)
     _memory(sim, graph, plan, specs, works, cost, homes, trained)
