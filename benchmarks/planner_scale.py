@@ -1,6 +1,6 @@
 """The planner at scale (simulated): PPO with the ReaLHF paper's model sizes on H100 clusters.
 
-    python benchmarks/planner_scale.py [--time-limit 30] [--quick]
+    python benchmarks/planner_scale.py [--time-limit 25] [--quick]
 
 For each setup (actor size, critic size, devices, generation length) the search's plan is
 compared with the baselines' (colocated verl-style, disjoint OpenRLHF-style, ReaLHF's
@@ -111,7 +111,7 @@ def report(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--time-limit", type=float, default=25.0)
     parser.add_argument("--quick", action="store_true", help="first two setups only")
     args = parser.parse_args()
     rows = []

@@ -111,7 +111,7 @@ def plan(
         list[str] | None,
         typer.Option(help="ROLE=SHAPE: plan with a public model shape, e.g. actor=llama2-70b"),
     ] = None,
-    search_seconds: Annotated[float, typer.Option(help="Search time limit")] = 30.0,
+    search_seconds: Annotated[float, typer.Option(help="Search time limit (seconds)")] = 25.0,
     gantt: Annotated[str | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
 ) -> None:
     """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies); with

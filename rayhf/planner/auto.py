@@ -66,7 +66,7 @@ def auto_plan(
     works: dict[str, Workload],
     cluster: ClusterSpec,
     seed: int = 0,
-    time_limit: float = 30.0,
+    time_limit: float = 25.0,
 ) -> AutoPlan:
     cost = AnalyticCost(cluster)
     check_fits(graph, specs, works, cost)
