@@ -17,6 +17,7 @@ from rayhf.data.datasets import (
     write_rows,
 )
 from rayhf.errors import RayhfError
+from rayhf.models.hf import ModelInit, build_model, hf_config
 
 PROMPTS = [f"{i % 10} {(i * 3) % 10} =" for i in range(10)]
 SFT_ROWS = [{"prompt": p, "response": f"{i % 10} {i % 7}"} for i, p in enumerate(PROMPTS)]
@@ -286,6 +287,24 @@ def test_demo_preference_rows_rank_by_the_task_score():
     assert any(r["chosen"] == demo_task.echo(r["prompt"]) for r in rows)
     assert len({len(r["rejected"]) for r in rows}) > 4  # short and long answers, not one shape
     assert min(rejected) == 0.0 and max(rejected) > 0.5  # from all-wrong to mostly right
+
+
+def test_policy_preference_rows_pair_the_policy_s_best_and_worst_answers(tmp_path, tok):
+    policy = tmp_path / "policy"
+    config = hf_config(ModelInit(), len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    build_model(config, value_head=False).save_pretrained(policy)
+    tok.save_pretrained(policy)
+    rows = demo_task.make_policy_preference_rows(64, seed=0, policy=policy, samples=3)
+    assert rows == demo_task.make_policy_preference_rows(64, seed=0, policy=policy, samples=3)
+    fallback = demo_task.make_preference_rows(64, seed=0)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in fallback]
+    sampled = [r for r, f in zip(rows, fallback, strict=True) if r != f]
+    assert len(sampled) > 16, "a random policy's answers often differ by the gap"
+    score = demo_task.score
+    for r in rows:
+        assert score(r["prompt"], r["chosen"]) - score(r["prompt"], r["rejected"]) >= 0.25
+    # what a random policy writes (letters, '=', runs of any length), not the templates' shapes
+    assert any("=" in r["chosen"] + r["rejected"] for r in sampled)
 
 
 @pytest.mark.parametrize(

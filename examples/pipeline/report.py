@@ -1,4 +1,5 @@
-"""The pipeline's learning figures, read from the run directories the stages wrote.
+"""The pipeline's learning figures, read from the run directories the stages wrote, and the
+task score of the SFT and the PPO policy on held-out prompts (no PPO prompt among them).
 
 python examples/pipeline/report.py [runs/pipeline]
 """
@@ -10,6 +11,8 @@ import statistics
 import sys
 from pathlib import Path
 
+WINDOW = 20  # steps averaged at each end: a step's batch of 32 answers is noisy
+
 
 def rows(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -18,6 +21,29 @@ def rows(run_dir: Path) -> list[dict]:
 
 def last_with(metrics: list[dict], key: str) -> float:
     return [m[key] for m in metrics if key in m][-1]
+
+
+def held_out_score(policy: Path, greedy: bool, n: int = 512) -> float:
+    """Mean task score of ``policy``'s answers to ``n`` held-out prompts (the score of the text,
+    as the PPO run logs it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rayhf.data.demo_task import make_prompts, reward
+    from rayhf.engines.native import GenerationConfig, generate
+
+    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
+    prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]
+    ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
+    cfg = GenerationConfig(max_new_tokens=16, greedy=greedy)
+    out = generate(model, ids, cfg, tok.eos_token_id, tok.pad_token_id, torch.manual_seed(0))
+    answers = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+    return statistics.mean(reward(prompts, answers))
+
+
+def last_checkpoint(run_dir: Path, role: str) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1] / role
 
 
 def main(root: Path) -> None:
@@ -29,13 +55,30 @@ def main(root: Path) -> None:
         f"{last_with(rm, 'eval/accuracy'):.3f}"
     )
     true = [m["batch/task_scores"] for m in ppo if "batch/task_scores" in m]
-    first, last = true[:5], true[-5:]
-    se = (statistics.variance(first) / 5 + statistics.variance(last) / 5) ** 0.5
+    learned = [m["task_reward"] for m in ppo if "task_reward" in m]
+    k = WINDOW
+    first, last = true[:k], true[-k:]
+    se = (statistics.variance(first) / k + statistics.variance(last) / k) ** 0.5
     gain = statistics.mean(last) - statistics.mean(first)
     print(
-        f"PPO true task score (mean of first / last 5 steps): {statistics.mean(first):.3f} -> "
-        f"{statistics.mean(last):.3f} (gain {gain:+.3f}, {gain / se:.1f} standard errors)"
+        f"PPO true task score (mean of first / last {k} of {len(true)} steps): "
+        f"{statistics.mean(first):.3f} -> {statistics.mean(last):.3f} "
+        f"(gain {gain:+.3f}, {gain / se:.1f} standard errors)"
     )
+    print(
+        f"PPO learned reward (same steps): {statistics.mean(learned[:k]):.3f} -> "
+        f"{statistics.mean(learned[-k:]):.3f}"
+    )
+    sft_policy, ppo_policy = (
+        last_checkpoint(root / "sft", "actor"),
+        last_checkpoint(root / "ppo", "actor"),
+    )
+    for greedy in (False, True):
+        how = "greedy" if greedy else "sampled"
+        print(
+            f"held-out task score, {how}: SFT {held_out_score(sft_policy, greedy):.3f} -> "
+            f"PPO {held_out_score(ppo_policy, greedy):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ rayhf run examples/pipeline/ppo.yaml
 python examples/pipeline/report.py runs/pipeline
 
 port=${PORT:-8011}
-rayhf serve runs/pipeline/ppo/checkpoints/step_000080/actor --port "$port" &
+rayhf serve runs/pipeline/ppo/checkpoints/step_000300/actor --port "$port" &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do

@@ -15,7 +15,7 @@ Reward contract: a reward function referenced as ``module:function`` in a config
 strings (prompt text without bos; decoded response with the eos removed), and returns one float
 per sample, in the same order.
 
-The same prompts (``make_prompts(n, seed)``) back two more datasets:
+The same prompts (``make_prompts(n, seed)``) back three more datasets:
 
 * ``make_sft_dataset``: rows ``{"prompt", "response"}``, the response being the ideal echo
   (``"3 1 4 ="`` -> ``"3 1 4"``), for supervised fine-tuning;
@@ -29,6 +29,8 @@ The same prompts (``make_prompts(n, seed)``) back two more datasets:
   against a model trained on echo-vs-corrupted-echo pairs alone was measured to raise the
   learned reward while the true score fell. A prompt has at most 8 of the 10 digits, so absent
   digits always exist.
+* ``make_policy_preference_dataset``: the same rows, but the two answers are the best and the
+  worst of a policy checkpoint's own samples (what the pipeline's reward model trains on).
 
 Every character of all three datasets (digits, letters, space, ``=``) is in ``ALPHABET``.
 """
@@ -136,6 +138,51 @@ def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
             chosen, rejected = (a, b) if score(prompt, a) > score(prompt, b) else (b, a)
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
+
+
+def make_policy_preference_rows(
+    n: int, seed: int, policy: str | Path, samples: int = 4, max_new_tokens: int = 16
+) -> list[dict[str, str]]:
+    """Pairs as RLHF collects them: ``samples`` answers per prompt sampled from the ``policy``
+    checkpoint (the SFT model), the best and the worst by task score (the labeller) as chosen
+    and rejected when they differ by at least ``MIN_SCORE_GAP``; other prompts get a
+    ``make_preference_rows`` pair. A reward model trained on these has seen what the policy it
+    will judge actually writes."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rayhf.engines.native import GenerationConfig, generate
+
+    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
+    prompts = [r["prompt"] for r in make_prompts(n, seed)]
+    ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    answers: list[list[str]] = [[] for _ in prompts]
+    for _ in range(samples):
+        for lo in range(0, n, 256):
+            out = generate(model, ids[lo : lo + 256], cfg, tok.eos_token_id, tok.pad_token_id, gen)
+            for i, text in enumerate(tok.batch_decode(out.tokens, skip_special_tokens=True)):
+                answers[lo + i].append(text)
+    fallback = iter(make_preference_rows(n, seed))
+    rows = []
+    for prompt, options in zip(prompts, answers, strict=True):
+        other = next(fallback)
+        best = max(options, key=lambda a: score(prompt, a))
+        worst = min(options, key=lambda a: score(prompt, a))
+        if score(prompt, best) - score(prompt, worst) >= MIN_SCORE_GAP:
+            rows.append({"prompt": prompt, "chosen": best, "rejected": worst})
+        else:
+            rows.append(other)
+    return rows
+
+
+def make_policy_preference_dataset(
+    path: str | Path, policy: str | Path, n: int = 512, seed: int = 0, samples: int = 4
+) -> Path:
+    """Write ``make_policy_preference_rows`` to ``path`` (.parquet or .jsonl); return the path."""
+    return write_rows(make_policy_preference_rows(n, seed, policy, samples), path)
 
 
 def make_sft_dataset(path: str | Path, n: int = 512, seed: int = 0) -> Path:

@@ -58,6 +58,7 @@ def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path):
 
 
 EVAL_BUILD = {"n": 256, "seed": 10_007}  # held-out rows: another seed than the training file
+# (the builder's other arguments, ``dataset_builder_args``, stay the same)
 
 
 def prepare_dataset(
@@ -71,7 +72,7 @@ def prepare_dataset(
     if build is not None and not path.exists():
         build(path, **cfg.dataset_builder_args)
     if build is not None and eval_path is not None and not Path(eval_path).exists():
-        build(Path(eval_path), **EVAL_BUILD)
+        build(Path(eval_path), **{**cfg.dataset_builder_args, **EVAL_BUILD})
     train = PromptDataset.from_config(cfg.dataset, tokenizer, kind)
     held_out = None
     if eval_path is not None:
