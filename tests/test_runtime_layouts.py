@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from ray.util.state import list_actors
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rayhf.metrics.trace import TRACE_FILE, read_trace
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
 from rayhf.runtime.trainer import Trainer
@@ -51,6 +53,19 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
         actor_after = ray.get([a.get_weights.remote() for a in actor.actors])[0]
         critic_after = ray.get([a.get_weights.remote() for a in critic.actors])[0]
     assert not _same(gathered, actor_after), "the tp=2 actor did not train"
+    # The trace shows every call of every step, in graph order, with its role and layout.
+    events = read_trace(Path(cfg.resolved_run_dir()) / TRACE_FILE)
+    done = [e for e in events if e["ph"] == "X" and e["args"]["phase"] == "train"]
+    order = assets.graph.order
+    assert [(e["args"]["step"], e["name"]) for e in done] == [(s, c) for s in (1, 2) for c in order]
+    layouts = {e["name"]: e["args"]["layout"] for e in done}
+    assert layouts["actor_gen"] == layouts["actor_train"] == "d0-1.dp1tp2pp1"
+    assert layouts["critic_train"] == "d0-1.dp1tp1pp2" and layouts["ref_inf"] == "d0-1.dp2tp1pp1"
+    assert {e["args"]["role"] for e in done} == {"actor", "critic", "ref", "reward"}
+    ends = [(a["ts"] + a["dur"], b["ts"]) for a, b in itertools.pairwise(done)]
+    assert all(end <= start + 1 for end, start in ends), "one call at a time (1 us: rounding)"
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert "critic.d0-1.dp1tp1pp2" in tracks
     ckpt = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002"
     # Checkpoints hold the whole model in Hugging Face format, gathered from the shards.
     saved = AutoModelForCausalLM.from_pretrained(ckpt / "actor", local_files_only=True)
@@ -105,3 +120,11 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
     assert row["realloc_bytes/actor_gen"] == moved
     assert row["realloc_seconds/actor_gen"] > 0
     assert row["realloc_bytes/ref_ema"] > 0
+    events = read_trace(Path(cfg.resolved_run_dir()) / TRACE_FILE)
+    moves = {e["name"]: e for e in events if e.get("cat") == "realloc"}
+    calls = {e["name"]: e for e in events if e.get("cat") == "call"}
+    assert moves["realloc:actor_gen"]["args"]["bytes"] == moved
+    assert moves["realloc:actor_gen"]["args"]["layout"] == "d0-1.dp1tp2pp1 -> d0-1.dp2tp1pp1"
+    gen = moves["realloc:actor_gen"]
+    assert gen["ts"] + gen["dur"] <= calls["actor_gen"]["ts"] + 1, "weights move before the call"
+    assert moves["ema:ref"]["ts"] + 1 >= calls["actor_train"]["ts"] + calls["actor_train"]["dur"]

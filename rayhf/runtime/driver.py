@@ -7,7 +7,8 @@ The step batch lives in the driver; each call gets the keys it reads (renamed to
 interface's names), split across its role group's data-parallel replicas, and its outputs are
 merged back under the graph's key names. A call whose layout is not its role's home layout runs
 on a copy: the weights are reallocated home -> copy before the call and the copy is dropped
-after it. After a role trains, roles that follow it by EMA are blended toward it.
+after it. After a role trains, roles that follow it by EMA are blended toward it. Every call
+and move is kept as a ``Span`` (wall-clock start and end, role, layout) for the run's trace.
 ``Executor`` is the seam behind which a compiled-graph executor can replace ``PlainExecutor``.
 """
 
@@ -20,6 +21,7 @@ from typing import Protocol
 
 from rayhf.data.batch import PackedBatch
 from rayhf.graph import Call, Graph
+from rayhf.metrics.trace import Span
 from rayhf.models.spec import ModelSpec
 from rayhf.realloc.collective import ReallocStats, WeightMover
 from rayhf.runtime.role_group import RoleGroup
@@ -32,6 +34,7 @@ class StepOutcome:
     compute_seconds: dict[str, float] = field(default_factory=dict)  # slowest rank, per call
     wall_seconds: dict[str, float] = field(default_factory=dict)  # as seen by the driver
     reallocs: dict[str, ReallocStats] = field(default_factory=dict)  # by what they served
+    spans: list[Span] = field(default_factory=list)  # every call and move, for the trace
 
 
 class Executor(Protocol):
@@ -86,8 +89,14 @@ class PlainExecutor:
             group = self.placement.group_of_call(name)
             home = self.placement.homes[call.role]
             if group is not home:
-                outcome.reallocs[name] = self._move(home, group, call.role)
+                outcome.reallocs[name] = self._move(
+                    home, group, call.role, f"realloc:{name}", outcome
+                )
+            began = time.time()
             result = group.run(name, call.kind, step, call_inputs(batch, call), evaluate)
+            outcome.spans.append(
+                Span(name, "call", call.role, group.layout.name, group.key, began, time.time())
+            )
             if group is not home:
                 group.release()
             if result.batch is not None:
@@ -100,12 +109,24 @@ class PlainExecutor:
             outcome.wall_seconds[name] = time.perf_counter() - start
             if call.kind == "train" and not evaluate:
                 for follower, eta in self.placement.followers.get(call.role, []):
+                    dst = self.placement.homes[follower]
                     outcome.reallocs[f"{follower}_ema"] = self._move(
-                        home, self.placement.homes[follower], follower, eta
+                        home, dst, follower, f"ema:{follower}", outcome, eta
                     )
         return outcome
 
     def _move(
-        self, src: RoleGroup, dst: RoleGroup, role: str, eta: float | None = None
-    ) -> ReallocStats:
-        return self.placement.mover.move(src, dst, self.placement.specs[role], eta)
+        self, src: RoleGroup, dst: RoleGroup, role: str, what: str, outcome: StepOutcome,
+        eta: float | None = None,
+    ) -> ReallocStats:  # fmt: skip
+        """Move ``role``'s weights ``src`` -> ``dst`` (blend them in by ``eta``), traced as
+        ``what`` on the destination's track."""
+        began = time.time()
+        moved = self.placement.mover.move(src, dst, self.placement.specs[role], eta)
+        layouts = f"{src.layout.name} -> {dst.layout.name}"
+        outcome.spans.append(
+            Span(
+                what, "realloc", role, layouts, dst.key, began, time.time(), {"bytes": moved.bytes}
+            )
+        )
+        return moved

@@ -21,6 +21,7 @@ from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
+from rayhf.metrics.trace import TRACE_FILE, TraceWriter
 from rayhf.models.hf import quiet_transformers
 from rayhf.runtime.assets import RunAssets, prepare_run
 from rayhf.runtime.checkpoint import (
@@ -127,31 +128,35 @@ class Trainer:
             self.assets.run_dir, step, fill, {"dataset": self.assets.dataset.state_dict()}
         )
 
-    def evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, step: int, trace: TraceWriter) -> dict[str, float]:
         """The graph on the whole held-out set, train calls reporting instead of updating."""
         assert self.assets.eval_dataset is not None
         batch = to_packed(self.assets.eval_dataset.all_samples())
         outcome = self.executor.run_step(step, batch, evaluate=True)
+        trace.write(step, outcome.spans, "eval")
         return {f"eval/{k}": v for k, v in outcome.stats.items()}
 
     def loop(self, start: int) -> None:
         cfg = self.cfg
         tracker = make_tracker(cfg.metrics, self.assets.run_dir, cfg.name, cfg.steps, start)
+        trace = TraceWriter(self.assets.run_dir / TRACE_FILE)
         try:
             if cfg.eval_every and start == 0:
-                tracker.log(0, self.evaluate(0))  # the held-out baseline before any update
+                tracker.log(0, self.evaluate(0, trace))  # the held-out baseline before updates
             for step in range(start + 1, cfg.steps + 1):
                 batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
                 begin = time.perf_counter()
                 outcome = self.executor.run_step(step, batch)
                 metrics = step_metrics(outcome, time.perf_counter() - begin)
+                trace.write(step, outcome.spans)
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    metrics.update(self.evaluate(step))
+                    metrics.update(self.evaluate(step, trace))
                 tracker.log(step, metrics)
                 if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     self.checkpoint(step)
         finally:
             tracker.close()
+            trace.close()
 
 
 def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -> RunResult:
