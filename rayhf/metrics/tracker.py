@@ -116,21 +116,38 @@ class ProgressSink:
         self.bar.close()
 
 
-class RayMetricsSink:
-    """A ``ray.util.metrics.Gauge`` per metric, tagged with the run name (for the dashboard)."""
+# Per-call metrics exported as one Ray metric tagged by call (and role): the Grafana dashboard
+# in deployments/grafana/ groups them by those tags.
+TAGGED = {"seconds": "call_seconds", "realloc_seconds": "realloc_seconds",
+          "realloc_bytes": "realloc_bytes"}  # fmt: skip
 
-    def __init__(self, run: str) -> None:
-        self.run = run
+
+class RayMetricsSink:
+    """A ``ray.util.metrics.Gauge`` per metric, tagged with the run name (for the dashboard);
+    ``seconds/<call>``, ``realloc_seconds/<call>`` and ``realloc_bytes/<call>`` become
+    ``rayhf_call_seconds``, ``rayhf_realloc_seconds`` and ``rayhf_realloc_bytes`` tagged with
+    the call and its role (``roles``: call -> role)."""
+
+    def __init__(self, run: str, roles: dict[str, str] | None = None) -> None:
+        self.run, self.roles = run, roles or {}
         self.gauges: dict[str, Any] = {}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in {"step": float(step), **metrics}.items():
+            head, _, call = key.partition("/")
+            if call and head in TAGGED:
+                role = self.roles.get(call, call.removesuffix("_ema"))  # ``<role>_ema`` moves
+                name, tags = TAGGED[head], {"run": self.run, "call": call, "role": role}
+            else:
+                name, tags = re.sub(r"[^a-zA-Z0-9_]", "_", key), {"run": self.run}
+            self._gauge("rayhf_" + name, tuple(tags)).set(float(value), tags=tags)
+
+    def _gauge(self, name: str, tag_keys: tuple[str, ...]) -> Any:
         from ray.util.metrics import Gauge
 
-        for key, value in {"step": float(step), **metrics}.items():
-            name = "rayhf_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-            if name not in self.gauges:
-                self.gauges[name] = Gauge(name, description=f"rayhf {key}", tag_keys=("run",))
-            self.gauges[name].set(float(value), tags={"run": self.run})
+        if name not in self.gauges:
+            self.gauges[name] = Gauge(name, description=f"rayhf {name}", tag_keys=tag_keys)
+        return self.gauges[name]
 
     def close(self) -> None:
         pass
@@ -150,9 +167,11 @@ class Tracker:
 
 
 def make_tracker(
-    cfg: MetricsConfig, run_dir: Path, run_name: str, total: int, start: int
-) -> Tracker:
-    """The sinks ``cfg`` asks for; ``start`` > 0 means a resumed run."""
+    cfg: MetricsConfig, run_dir: Path, run_name: str, total: int, start: int,
+    roles: dict[str, str] | None = None,
+) -> Tracker:  # fmt: skip
+    """The sinks ``cfg`` asks for; ``start`` > 0 means a resumed run; ``roles``: call -> role
+    (tags of the per-call Ray metrics)."""
     sinks: list[Sink] = []
     show_bar = cfg.progress if cfg.progress is not None else sys.stdout.isatty()
     if cfg.console:
@@ -162,7 +181,7 @@ def make_tracker(
     if show_bar:
         sinks.append(ProgressSink(total, start))
     if cfg.ray_metrics:
-        sinks.append(RayMetricsSink(run_name))
+        sinks.append(RayMetricsSink(run_name, roles))
     return Tracker(sinks)
 
 

@@ -138,7 +138,10 @@ class Trainer:
 
     def loop(self, start: int) -> None:
         cfg = self.cfg
-        tracker = make_tracker(cfg.metrics, self.assets.run_dir, cfg.name, cfg.steps, start)
+        roles = {c.name: c.role for c in self.assets.graph.calls}
+        tracker = make_tracker(
+            cfg.metrics, self.assets.run_dir, cfg.name, cfg.steps, start, roles
+        )  # fmt: skip
         trace = TraceWriter(self.assets.run_dir / TRACE_FILE)
         try:
             if cfg.eval_every and start == 0:
