@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from rayhf.errors import RayhfError
+from rayhf.errors import RayhfError, RunFailed
 from rayhf.k8s.cli import app as k8s_app
 from rayhf.serve.cli import serve as serve_command
 
@@ -186,6 +186,9 @@ def main() -> None:
     except RayhfError as e:
         typer.echo(f"rayhf: error: {e}", err=True)
         sys.exit(2)
+    except RunFailed as e:
+        typer.echo(f"rayhf: run stopped: {e}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayhf.data.batch import PackedBatch
+from rayhf.errors import RunFailed
 from rayhf.planner import Layout
 from rayhf.runtime.cluster import DEVICE_RESOURCE, DeviceCluster
 from rayhf.runtime.messages import CallRequest, CallResult, WorkerSpec
@@ -109,12 +110,31 @@ class RoleGroup:
     def run(
         self, call: str, kind: str, step: int, batch: PackedBatch, evaluate: bool = False
     ) -> CallOutcome:
-        results = ray.get(self.submit(call, kind, step, batch, evaluate))
+        results = self.wait(self.submit(call, kind, step, batch, evaluate), f"call '{call}'")
         return self.join(kind, results, batch.sample_ids)
+
+    def wait(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
+        """The results of one task per actor (rank order). The first actor found dead stops the
+        wait at once: its peers may be blocked in a collective with it and never return."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise RunFailed(
+                    f"role '{self.role}': actor {self.actor_name(rank)} died during {what} "
+                    f"({cause})"
+                ) from e
+        return [results[rank] for rank in range(len(refs))]
 
     def release(self) -> None:
         """Drop a copy's weights after its call (reallocation refills them)."""
-        ray.get([a.release_weights.remote() for a in self.actors])
+        self.wait([a.release_weights.remote() for a in self.actors], "release of a copy")
 
     def kill(self) -> None:
         for a in self.actors:

@@ -19,7 +19,7 @@ import ray
 from rayhf.config import ExperimentConfig, dump_config, load_config
 from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
-from rayhf.errors import RayhfError
+from rayhf.errors import RayhfError, RunFailed
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.metrics.trace import TRACE_FILE, TraceWriter
 from rayhf.models.hf import quiet_transformers
@@ -157,6 +157,11 @@ class Trainer:
                 tracker.log(step, metrics)
                 if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     self.checkpoint(step)
+        except RunFailed as e:
+            where = self.assets.run_dir
+            raise RunFailed(
+                f"{e}; continue from the last checkpoint: rayhf run --resume {where}"
+            ) from e
         finally:
             tracker.close()
             trace.close()

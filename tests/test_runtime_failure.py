@@ -1,0 +1,40 @@
+"""An actor that dies mid-run stops the run at once, naming its role, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from ray.util.state import list_actors
+
+from rayhf.errors import RunFailed
+from rayhf.runtime.assets import prepare_run
+from rayhf.runtime.session import Session
+from rayhf.runtime.trainer import Trainer
+
+pytestmark = pytest.mark.ray
+
+PLAN = {  # the critic is pipelined: its surviving stage blocks on the dead one's activations
+    "actor_gen": {"dp": 2}, "actor_train": {"dp": 2}, "ref_inf": {"dp": 2}, "rew_inf": {"dp": 2},
+    "critic_inf": {"pp": 2, "n_mbs": 2}, "critic_train": {"pp": 2, "n_mbs": 2},
+}  # fmt: skip
+
+
+def test_a_dead_actor_stops_the_run_naming_its_role(ray_cluster, tiny_config):
+    import ray
+
+    cfg = tiny_config(steps=2, plan=PLAN, **{"cluster.n_devices": 2})
+    assets = prepare_run(cfg, cfg.resolved_run_dir())
+    with Session(cfg, assets, resume=None) as session:
+        ray.kill(session.groups["critic"].actors[1], no_restart=True)
+        began = time.monotonic()
+        with pytest.raises(RunFailed) as failed:
+            Trainer(cfg, assets, session).loop(0)
+        waited = time.monotonic() - began
+    message = str(failed.value)
+    print(f"stopped {waited:.1f} s after the kill: {message}")
+    assert "role 'critic'" in message and "critic.d0-1.dp1tp1pp2[1]" in message
+    assert "during call 'critic_inf'" in message and "--resume" in message
+    assert waited < 60, f"the run took {waited:.0f} s to notice"
+    left = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
+    assert not [a for a in left if a.name and a.name.split(".")[0] in cfg.models]
