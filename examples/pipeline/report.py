@@ -26,19 +26,10 @@ def last_with(metrics: list[dict], key: str) -> float:
 def held_out_score(policy: Path, greedy: bool, n: int = 512) -> float:
     """Mean task score of ``policy``'s answers to ``n`` held-out prompts (the score of the text,
     as the PPO run logs it)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rayhf.data.demo_task import make_prompts, policy_answers, reward
 
-    from rayhf.data.demo_task import make_prompts, reward
-    from rayhf.engines.native import GenerationConfig, generate
-
-    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
     prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]
-    ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
-    cfg = GenerationConfig(max_new_tokens=16, greedy=greedy)
-    out = generate(model, ids, cfg, tok.eos_token_id, tok.pad_token_id, torch.manual_seed(0))
-    answers = [tok.decode(t, skip_special_tokens=True) for t in out.tokens]
+    answers = [a[0] for a in policy_answers(policy, prompts, greedy=greedy)]
     return statistics.mean(reward(prompts, answers))
 
 

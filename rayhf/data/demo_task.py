@@ -140,6 +140,31 @@ def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
+def policy_answers(
+    policy: str | Path, prompts: list[str], max_new_tokens: int = 16, greedy: bool = False,
+    samples: int = 1, seed: int = 0,
+) -> list[list[str]]:  # fmt: skip
+    """``samples`` answers per prompt from the ``policy`` checkpoint (its own tokenizer; bos +
+    prompt, as the PPO dataset feeds it), decoded without special tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rayhf.engines.native import GenerationConfig, generate
+
+    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
+    ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, greedy=greedy)
+    gen = torch.Generator().manual_seed(seed)
+    answers: list[list[str]] = [[] for _ in prompts]
+    for _ in range(samples):
+        for lo in range(0, len(prompts), 256):
+            out = generate(model, ids[lo : lo + 256], cfg, tok.eos_token_id, tok.pad_token_id, gen)
+            for i, text in enumerate(tok.batch_decode(out.tokens, skip_special_tokens=True)):
+                answers[lo + i].append(text)
+    return answers
+
+
 def make_policy_preference_rows(
     n: int, seed: int, policy: str | Path, samples: int = 4, max_new_tokens: int = 16
 ) -> list[dict[str, str]]:
@@ -148,27 +173,12 @@ def make_policy_preference_rows(
     and rejected when they differ by at least ``MIN_SCORE_GAP``; other prompts get a
     ``make_preference_rows`` pair. A reward model trained on these has seen what the policy it
     will judge actually writes."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rayhf.engines.native import GenerationConfig, generate
-
-    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
     prompts = [r["prompt"] for r in make_prompts(n, seed)]
-    ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens)
-    gen = torch.Generator().manual_seed(seed)
-    answers: list[list[str]] = [[] for _ in prompts]
-    for _ in range(samples):
-        for lo in range(0, n, 256):
-            out = generate(model, ids[lo : lo + 256], cfg, tok.eos_token_id, tok.pad_token_id, gen)
-            for i, text in enumerate(tok.batch_decode(out.tokens, skip_special_tokens=True)):
-                answers[lo + i].append(text)
-    fallback = iter(make_preference_rows(n, seed))
+    answers = policy_answers(policy, prompts, max_new_tokens, samples=samples, seed=seed)
     rows = []
-    for prompt, options in zip(prompts, answers, strict=True):
-        other = next(fallback)
+    for prompt, options, other in zip(
+        prompts, answers, make_preference_rows(n, seed), strict=True
+    ):  # fmt: skip
         best = max(options, key=lambda a: score(prompt, a))
         worst = min(options, key=lambda a: score(prompt, a))
         if score(prompt, best) - score(prompt, worst) >= MIN_SCORE_GAP:

@@ -37,7 +37,6 @@ class TraceWriter:
     """Appends spans to ``path``; ``step`` and ``phase`` ("train" or "eval") go in their args."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         self.tracks: dict[str, int] = {}
         if path.exists() and path.stat().st_size:
             for event in read_trace(path):  # a resumed run keeps its tracks

@@ -175,10 +175,8 @@ def stage_layers(spec: ModelSpec, pp: int) -> tuple[range, ...]:
     (memoized: the planner asks for every pp of every model shape, stage by stage)."""
     if pp > spec.n_layers:
         raise RayhfError(f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers")
-    unit_size = [0] * (spec.n_layers + 2)
-    for p in param_shards(spec):
-        unit_size[p.unit] += p.numel
-    bounds = balanced_cuts(unit_size[0], unit_size[1:-1], unit_size[-1], pp)
+    unit_size = unit_numels(spec, 1, 0)  # the whole model's units
+    bounds = balanced_cuts(unit_size[0], list(unit_size[1:-1]), unit_size[-1], pp)
     return tuple(range(bounds[s], bounds[s + 1]) for s in range(pp))
 
 

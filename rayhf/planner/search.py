@@ -192,14 +192,18 @@ def _shortlist(options, graph: Graph, specs, works, cost: AnalyticCost, keep: in
         if spec is None:
             out[name] = opts
             continue
-        by_mesh: dict[tuple[int, ...], list[Layout]] = {}
-        for lay in opts:
-            by_mesh.setdefault(lay.mesh, []).append(lay)
         out[name] = [
             lay
-            for group in by_mesh.values()
+            for group in _by_mesh(opts).values()
             for lay in sorted(group, key=lambda x: cost.call(spec, x, works[name]).seconds)[:keep]
         ]
+    return out
+
+
+def _by_mesh(layouts: list[Layout]) -> dict[tuple[int, ...], list[Layout]]:
+    out: dict[tuple[int, ...], list[Layout]] = {}
+    for lay in layouts:
+        out.setdefault(lay.mesh, []).append(lay)
     return out
 
 
@@ -343,10 +347,7 @@ def _anneal(start, start_e, graph, options, specs, rng: random.Random, score: _S
     cur, cur_e = dict(start), start_e
     temp0 = 0.05 * start_e
     per_node = score.cost.cluster.devices_per_node
-    on_mesh: dict[str, dict[tuple[int, ...], list[Layout]]] = {}
-    for name, opts in options.items():
-        for lay in opts:
-            on_mesh.setdefault(name, {}).setdefault(lay.mesh, []).append(lay)
+    on_mesh = {name: _by_mesh(opts) for name, opts in options.items()}
     it = 0
     while it < max_it and not score.out_of_time():
         it += 1
