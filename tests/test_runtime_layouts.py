@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
@@ -62,8 +61,17 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
     assert layouts["actor_gen"] == layouts["actor_train"] == "d0-1.dp1tp2pp1"
     assert layouts["critic_train"] == "d0-1.dp1tp1pp2" and layouts["ref_inf"] == "d0-1.dp2tp1pp1"
     assert {e["args"]["role"] for e in done} == {"actor", "critic", "ref", "reward"}
-    ends = [(a["ts"] + a["dur"], b["ts"]) for a, b in itertools.pairwise(done)]
-    assert all(end <= start + 1 for end, start in ends), "one call at a time (1 us: rounding)"
+    # A call starts after the calls it reads from end (1 us: rounding), and the step's calls
+    # start in graph order; step 2 starts after the actor trained in step 1 (on-policy).
+    span = {(e["args"]["step"], e["name"]): (e["ts"], e["ts"] + e["dur"]) for e in done}
+    for src, dst in assets.graph.edges:
+        for step in (1, 2):
+            assert span[step, src][1] <= span[step, dst][0] + 1, f"{dst} began before {src} ended"
+    starts = sorted(done, key=lambda e: e["ts"])
+    assert [(e["args"]["step"], e["name"]) for e in starts] == [
+        (s, c) for s in (1, 2) for c in order
+    ]
+    assert span[1, "actor_train"][1] <= span[2, "actor_gen"][0] + 1
     tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert "critic.d0-1.dp1tp1pp2" in tracks
     ckpt = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002"

@@ -35,6 +35,7 @@ from rayhf.errors import RayhfError
 from rayhf.metrics.tracker import MetricsConfig
 from rayhf.models.hf import ModelInit
 from rayhf.planner import ClusterConfig, PlanConfig
+from rayhf.runtime.schedule import DriverConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,6 +114,7 @@ class ExperimentConfig(BaseModel):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plan: PlanConfig = "auto"  # "auto" (searched), "colocated", call -> layouts, or a file of them
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    driver: DriverConfig = Field(default_factory=DriverConfig)  # how each step's DAG runs
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

@@ -28,6 +28,15 @@ class ReallocStats:
     bytes: int  # bytes that arrived, summed over destination ranks
 
 
+@dataclass(frozen=True)
+class Routes:
+    """A move between two role groups: the transfer group, and by rank what each side moves."""
+
+    group: str
+    sends: dict[int, dict[int, list[Transfer]]]  # source rank -> transfer-group peer -> slices
+    recvs: dict[int, dict[int, list[Transfer]]]  # destination rank -> peer -> slices
+
+
 class GroupRef(Protocol):
     """What reallocation needs of a role group (``rayhf.runtime.RoleGroup`` is one)."""
 
@@ -86,21 +95,32 @@ class CollectiveRealloc:
             self._groups[members] = offsets
         return name, self._groups[members]
 
+    def routes(self, src: GroupRef, dst: GroupRef, spec: ModelSpec) -> Routes:
+        """Who sends and receives what to move ``spec``'s weights ``src`` -> ``dst`` (joins the
+        transfer group the first time the pair meets)."""
+        plan = self.plan(spec, src.layout, dst.layout)
+        name, offset = self._group(src, dst)
+        s0, d0 = offset[src.key], offset[dst.key]
+        sends = {
+            r: _by_peer(plan.for_src(r), lambda t: d0 + t.dst)
+            for r in range(len(src.actors))
+            if plan.for_src(r)
+        }
+        recvs = {r: _by_peer(plan.for_dst(r), lambda t: s0 + t.src) for r in range(len(dst.actors))}
+        return Routes(name, sends, recvs)
+
     def move(
         self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
     ) -> ReallocStats:
         start = time.perf_counter()
-        plan = self.plan(spec, src.layout, dst.layout)
-        name, offset = self._group(src, dst)
-        s0, d0 = offset[src.key], offset[dst.key]
+        routes = self.routes(src, dst, spec)
         sends = [
-            actor.realloc_send.remote(name, _by_peer(plan.for_src(r), lambda t: d0 + t.dst))
-            for r, actor in enumerate(src.actors)
-            if plan.for_src(r)
+            src.actors[r].realloc_send.remote(routes.group, by_peer)
+            for r, by_peer in routes.sends.items()
         ]
         recvs = [
-            actor.realloc_recv.remote(name, _by_peer(plan.for_dst(r), lambda t: s0 + t.src), eta)
-            for r, actor in enumerate(dst.actors)
+            dst.actors[r].realloc_recv.remote(routes.group, by_peer, eta)
+            for r, by_peer in routes.recvs.items()
         ]
         received = ray.get(recvs)
         ray.get(sends)

@@ -44,6 +44,7 @@ def connect(cluster: ClusterConfig) -> bool:
         return False
     resources = {} if cluster.device == "cuda" else {DEVICE_RESOURCE: float(cluster.n_devices)}
     ray.init(
+        address="local",  # a new embedded cluster, never one a `ray start` left running
         num_cpus=cluster.num_cpus or os.cpu_count() or 1,
         resources=resources,
         include_dashboard=cluster.dashboard,

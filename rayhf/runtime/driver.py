@@ -1,30 +1,40 @@
-"""The driver: runs one iteration of the graph over the role groups.
+"""The driver: each step of the graph as one Ray DAG over the role groups' actors.
 
-    dataset rows -> step batch --(keys a call reads)--> [call on its role group, dp-split]
-                 <--(keys it writes)-- joined in sample order ... every call in graph order
+    step input (dataset rows) --InputNode--> every node
+    units (schedule.plan_step) -> per unit, one node per taking-part actor:
+        call:   actor.dag_call(input, CallNode, *source heads' results, *ordering nodes)
+        move:   sender.dag_send(...) / receiver.dag_recv(...)   (in the same wave)
+    MultiOutputNode(all nodes) -> StepOutcome (batch, stats, timings, spans)
 
-The step batch lives in the driver; each call gets the keys it reads (renamed to its
-interface's names), split across its role group's data-parallel replicas, and its outputs are
-merged back under the graph's key names. A call whose layout is not its role's home layout runs
-on a copy: the weights are reallocated home -> copy before the call and the copy is dropped
-after it. After a role trains, roles that follow it by EMA are blended toward it. Every call
-and move is kept as a ``Span`` (wall-clock start and end, role, layout) for the run's trace.
-``Executor`` is the seam behind which a compiled-graph executor can replace ``PlainExecutor``.
+Data moves actor to actor: a call's node receives its source calls' head results and assembles
+its own replica's share (``flow``); the driver only gets every node's result to report. Each
+node also takes the previous node on its actor and, per unit it must follow, that unit's node on
+the same device, so both executors keep the schedule's order. ``DagExecutor`` runs the same DAG
+with plain actor calls (``dag.execute``) or compiled (``experimental_compile``); see
+docs/decisions.md for which one is the default where.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
 
 from rayhf.data.batch import PackedBatch
-from rayhf.graph import Call, Graph
+from rayhf.errors import RunFailed
+from rayhf.graph import Graph
 from rayhf.metrics.trace import Span
 from rayhf.models.spec import ModelSpec
-from rayhf.realloc.collective import ReallocStats, WeightMover
+from rayhf.planner import Layout
+from rayhf.realloc.collective import CollectiveRealloc, ReallocStats
+from rayhf.runtime.flow import assemble
+from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
 from rayhf.runtime.role_group import RoleGroup
+from rayhf.runtime.schedule import Unit, plan_step
 
 
 @dataclass
@@ -32,7 +42,7 @@ class StepOutcome:
     batch: PackedBatch
     stats: dict[str, float] = field(default_factory=dict)
     compute_seconds: dict[str, float] = field(default_factory=dict)  # slowest rank, per call
-    wall_seconds: dict[str, float] = field(default_factory=dict)  # as seen by the driver
+    wall_seconds: dict[str, float] = field(default_factory=dict)  # first start to last end
     reallocs: dict[str, ReallocStats] = field(default_factory=dict)  # by what they served
     spans: list[Span] = field(default_factory=list)  # every call and move, for the trace
 
@@ -42,91 +52,246 @@ class Executor(Protocol):
         """One iteration; with ``evaluate`` train calls report metrics instead of updating."""
         ...
 
+    def close(self) -> None:
+        """Free what the executor holds on the actors (before other calls to them)."""
+        ...
+
 
 @dataclass
 class Placement:
     """Where calls run and how weights reach them (the session provides it)."""
 
-    group_of_call: Callable[[str], RoleGroup]
-    homes: dict[str, RoleGroup]  # role -> the group holding its weights
+    groups: dict[str, RoleGroup]  # group key -> group
+    layouts: dict[str, Layout]  # call -> its layout
+    homes: dict[str, Layout]  # role -> the layout holding its weights
     specs: dict[str, ModelSpec]  # role -> model shape (reallocation plans)
-    mover: WeightMover
+    mover: CollectiveRealloc
     followers: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # EMA targets
 
 
-def call_inputs(batch: PackedBatch, call: Call) -> PackedBatch:
-    """The keys ``call`` reads, under its interface's names."""
-    view = PackedBatch(list(batch.sample_ids))
-    for iface_key, graph_key in call.interface_inputs().items():
-        if graph_key not in batch.tensors:
-            raise RuntimeError(
-                f"call '{call.name}' reads '{graph_key}', which is not in the batch: keys made "
-                f"before a call that created new samples do not carry over"
+@dataclass(frozen=True)
+class NodeInfo:
+    """Which unit and which actor a DAG node is."""
+
+    unit: Unit
+    group: RoleGroup
+    rank: int
+
+    @property
+    def actor_name(self) -> str:
+        return self.group.actor_name(self.rank)
+
+    @property
+    def actor(self) -> Any:  # ActorHandle[RoleWorker]
+        return self.group.actors[self.rank]
+
+    @property
+    def device(self) -> int:
+        return self.group.layout.mesh[self.rank]
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank % self.group.ranks_per_replica == 0
+
+
+@dataclass(frozen=True)
+class Node:
+    """One actor method call of a step: ``method(step input, const, *results of args)``."""
+
+    info: NodeInfo
+    method: str  # dag_call | dag_send | dag_recv
+    const: CallNode | MoveNode
+    args: tuple[int, ...]  # indices of earlier nodes whose results it takes
+
+
+class StepDag:
+    """The units of one step (train or evaluate) as actor calls with their arguments; bound as
+    a Ray DAG (``ray_dag``) for the compiled executor."""
+
+    def __init__(self, graph: Graph, placement: Placement, evaluate: bool) -> None:
+        self.graph, self.placement, self.evaluate = graph, placement, evaluate
+        self.units = plan_step(
+            graph, placement.layouts, placement.homes, placement.followers, evaluate
+        )
+        self.nodes: list[Node] = []
+        of_unit: dict[str, list[int]] = {}
+        last_on_actor: dict[str, int] = {}
+        for unit in self.units:
+            of_unit[unit.name] = []
+            for info, method, const in self._parts(unit):
+                heads = [i for s in unit.sources for i in of_unit[s] if self.nodes[i].info.is_head]
+                order = [self._on_device(of_unit[a], info.device) for a in sorted(unit.after)]
+                before = last_on_actor.get(info.actor_name)
+                args = dict.fromkeys([*heads, *order, *([before] if before is not None else [])])
+                of_unit[unit.name].append(len(self.nodes))
+                last_on_actor[info.actor_name] = len(self.nodes)
+                self.nodes.append(Node(info, method, const, tuple(args)))
+
+    def _on_device(self, nodes: list[int], device: int) -> int:
+        """The node among ``nodes`` (one unit's) on ``device``, else the unit's first."""
+        return next((i for i in nodes if self.nodes[i].info.device == device), nodes[0])
+
+    def ray_dag(self) -> Any:
+        """The same calls bound as a Ray DAG: ``InputNode`` -> nodes -> ``MultiOutputNode``."""
+        bound: list[Any] = []
+        with InputNode() as step_input:
+            for node in self.nodes:
+                method = getattr(node.info.actor, node.method)
+                bound.append(method.bind(step_input, node.const, *(bound[i] for i in node.args)))
+            return MultiOutputNode(bound)
+
+    def submit(self, step_input: StepInput) -> list[ray.ObjectRef]:
+        """The same calls as plain ``.remote()`` calls, results passed as object refs."""
+        input_ref = ray.put(step_input)
+        refs: list[ray.ObjectRef] = []
+        for node in self.nodes:
+            method = getattr(node.info.actor, node.method)
+            refs.append(method.remote(input_ref, node.const, *(refs[i] for i in node.args)))
+        return refs
+
+    def _parts(self, unit: Unit) -> Iterator[tuple[NodeInfo, str, CallNode | MoveNode]]:
+        """(node info, method name, its constant argument) for every actor of ``unit``."""
+        groups = [self.placement.groups[k] for k in unit.groups]
+        if unit.kind == "call":
+            (group,) = groups
+            const = CallNode(unit.name, unit.sources, self.evaluate, unit.release)
+            for rank in range(len(group.actors)):
+                yield NodeInfo(unit, group, rank), "dag_call", const
+            return
+        src, dst = groups
+        routes = self.placement.mover.routes(src, dst, self.placement.specs[unit.role])
+        for rank, by_peer in routes.sends.items():
+            move = MoveNode(unit.name, routes.group, by_peer)
+            yield NodeInfo(unit, src, rank), "dag_send", move
+        for rank, by_peer in routes.recvs.items():
+            move = MoveNode(unit.name, routes.group, by_peer, unit.eta)
+            yield NodeInfo(unit, dst, rank), "dag_recv", move
+
+    def outcome(self, base: PackedBatch, results: list[Any]) -> StepOutcome:
+        """The step's batch, stats, timings and spans from every node's result."""
+        by_unit: dict[str, list[tuple[NodeInfo, Any]]] = {u.name: [] for u in self.units}
+        for node, result in zip(self.nodes, results, strict=True):
+            by_unit[node.info.unit.name].append((node.info, result))
+        calls = [u for u in self.units if u.kind == "call"]
+        heads = [
+            (u.name, [r.batch for i, r in by_unit[u.name] if i.is_head and r.batch is not None])
+            for u in calls
+        ]
+        out = StepOutcome(assemble(base, heads))
+        for unit in self.units:
+            parts = by_unit[unit.name]
+            began = min(r.began for _, r in parts)
+            # a move is done when its last receiver holds its slices (senders return after)
+            ended = max(
+                r.ended for i, r in parts if unit.kind == "call" or i.group.key == unit.groups[1]
             )
-        view.add(iface_key, batch.tensors[graph_key], batch.seqlens[graph_key])
-    return view
+            if unit.kind == "call":
+                self._report_call(out, unit, [r for _, r in parts], began, ended)
+            else:
+                self._report_move(out, unit, [r for _, r in parts], began, ended)
+        return out
+
+    def _report_call(
+        self, out: StepOutcome, unit: Unit, results: list[CallResult], began: float, ended: float
+    ) -> None:
+        group = self.placement.groups[unit.groups[0]]
+        out.stats.update(results[0].stats)
+        out.compute_seconds[unit.name] = max(r.seconds for r in results)
+        out.wall_seconds[unit.name] = ended - began
+        out.spans.append(
+            Span(unit.name, "call", unit.role, group.layout.name, group.key, began, ended)
+        )
+
+    def _report_move(
+        self, out: StepOutcome, unit: Unit, results: list[MoveResult], began: float, ended: float
+    ) -> None:
+        src, dst = (self.placement.groups[k] for k in unit.groups)
+        moved = sum(r.bytes for r in results)
+        what = unit.name.removeprefix("realloc:")
+        key = f"{unit.role}_ema" if unit.name.startswith("ema:") else what
+        out.reallocs[key] = ReallocStats(ended - began, moved)
+        layouts = f"{src.layout.name} -> {dst.layout.name}"
+        out.spans.append(
+            Span(unit.name, "realloc", unit.role, layouts, dst.key, began, ended, {"bytes": moved})
+        )
+
+    def failure(self, error: ray.exceptions.RayActorError, done: set[int]) -> RunFailed:
+        """A run-stopping error naming the dead actor, its role and the unit it was running."""
+        dead = [i for i, n in enumerate(self.nodes) if _actor_id(n.info) == error.actor_id]
+        pending = [i for i in dead if i not in done] or dead
+        if not pending:
+            return RunFailed(f"an actor died during the step ({_first_line(error)})")
+        info = self.nodes[pending[0]].info
+        what = f"call '{info.unit.name}'" if info.unit.kind == "call" else info.unit.name
+        return RunFailed(
+            f"role '{info.group.role}': actor {info.actor_name} died during {what} "
+            f"({_first_line(error)})"
+        )
 
 
-def merge_outputs(batch: PackedBatch, out: PackedBatch, call: Call) -> None:
-    """Add ``call``'s outputs to the step batch under the graph's key names."""
-    for iface_key, graph_key in call.interface_outputs().items():
-        if iface_key not in out.tensors:
-            raise RuntimeError(f"call '{call.name}' did not produce '{iface_key}'")
-        batch.add(graph_key, out.tensors[iface_key], out.seqlens[iface_key])
+def _actor_id(info: NodeInfo) -> str:
+    return info.actor._actor_id.hex()
 
 
-class PlainExecutor:
-    """Calls in topological order with plain ``.remote()`` actor calls."""
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
-    def __init__(self, graph: Graph, placement: Placement) -> None:
+
+class DagExecutor:
+    """Runs each step's DAG with plain actor calls or as a Ray compiled graph."""
+
+    def __init__(
+        self, graph: Graph, placement: Placement, compiled: bool = False, timeout_s: float = 3600
+    ) -> None:
         self.graph, self.placement = graph, placement
+        self.compiled, self.timeout_s = compiled, timeout_s
+        self._dags: dict[bool, StepDag] = {}
+        self._live: tuple[bool, Any] | None = None  # (evaluate, CompiledDAG)
+
+    def dag(self, evaluate: bool) -> StepDag:
+        if evaluate not in self._dags:
+            self._dags[evaluate] = StepDag(self.graph, self.placement, evaluate)
+        return self._dags[evaluate]
 
     def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
-        outcome = StepOutcome(batch)
-        for name in self.graph.order:
-            call = self.graph.by_name[name]
-            start = time.perf_counter()
-            group = self.placement.group_of_call(name)
-            home = self.placement.homes[call.role]
-            if group is not home:
-                outcome.reallocs[name] = self._move(
-                    home, group, call.role, f"realloc:{name}", outcome
-                )
-            began = time.time()
-            result = group.run(name, call.kind, step, call_inputs(batch, call), evaluate)
-            outcome.spans.append(
-                Span(name, "call", call.role, group.layout.name, group.key, began, time.time())
-            )
-            if group is not home:
-                group.release()
-            if result.batch is not None:
-                if result.batch.sample_ids != batch.sample_ids:
-                    # a generate call made several samples per input: they form the batch now
-                    batch = outcome.batch = PackedBatch(result.batch.sample_ids)
-                merge_outputs(batch, result.batch, call)
-            outcome.stats.update(result.stats)
-            outcome.compute_seconds[name] = result.compute_seconds
-            outcome.wall_seconds[name] = time.perf_counter() - start
-            if call.kind == "train" and not evaluate:
-                for follower, eta in self.placement.followers.get(call.role, []):
-                    dst = self.placement.homes[follower]
-                    outcome.reallocs[f"{follower}_ema"] = self._move(
-                        home, dst, follower, f"ema:{follower}", outcome, eta
-                    )
-        return outcome
+        dag = self.dag(evaluate)
+        step_input = StepInput(step, batch)
+        if self.compiled:
+            results = self._run_compiled(dag, step_input)
+        else:
+            results = self._wait(dag, dag.submit(step_input))
+        return dag.outcome(batch, results)
 
-    def _move(
-        self, src: RoleGroup, dst: RoleGroup, role: str, what: str, outcome: StepOutcome,
-        eta: float | None = None,
-    ) -> ReallocStats:  # fmt: skip
-        """Move ``role``'s weights ``src`` -> ``dst`` (blend them in by ``eta``), traced as
-        ``what`` on the destination's track."""
-        began = time.time()
-        moved = self.placement.mover.move(src, dst, self.placement.specs[role], eta)
-        layouts = f"{src.layout.name} -> {dst.layout.name}"
-        outcome.spans.append(
-            Span(
-                what, "realloc", role, layouts, dst.key, began, time.time(), {"bytes": moved.bytes}
-            )
-        )
-        return moved
+    def _wait(self, dag: StepDag, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Every node's result; the first dead actor stops the wait at once (its peers may be
+        blocked in a collective with it and never return)."""
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            i = index[ready[0]]
+            try:
+                results[i] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                raise dag.failure(e, set(results)) from e
+        return [results[i] for i in range(len(refs))]
+
+    def _run_compiled(self, dag: StepDag, step_input: StepInput) -> list[Any]:
+        if self._live is not None and self._live[0] != dag.evaluate:
+            self.close()  # one compiled graph at a time holds the actors
+        if self._live is None:
+            compiled = dag.ray_dag().experimental_compile(_submit_timeout=self.timeout_s)
+            self._live = (dag.evaluate, compiled)
+        try:
+            return ray.get(self._live[1].execute(step_input), timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise dag.failure(e, set()) from e
+
+    def close(self) -> None:
+        """Tear down the compiled graph (the actors take plain calls again)."""
+        if self._live is not None:
+            compiled, self._live = self._live[1], None
+            with contextlib.suppress(Exception):  # a dead actor must not stop the teardown
+                compiled.teardown()

@@ -8,6 +8,7 @@ from typing import Any
 from rayhf.algorithms.interface import InterfaceSettings
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.torch_engine import OptimizerConfig
+from rayhf.realloc.plan import Transfer
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class CallSpec:
     kind: str  # generate | inference | train
     interface: str
     args: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key read
+    outputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key written
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,42 @@ class CallResult:
     batch: PackedBatch | None
     stats: dict[str, float]
     seconds: float
+    began: float = 0.0  # wall clock (time.time()) around the call, for the trace
+    ended: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """What a step's DAG is executed with."""
+
+    step: int
+    batch: PackedBatch  # the step's dataset rows
+
+
+@dataclass(frozen=True)
+class CallNode:
+    """The constant part of one rank's call in a step's DAG."""
+
+    call: str
+    sources: tuple[str, ...]  # calls whose outputs it reads, in graph order
+    evaluate: bool = False
+    release: bool = False  # a copy: drop the weights after the call
+
+
+@dataclass(frozen=True)
+class MoveNode:
+    """One rank's part of a weight move in a step's DAG: what it sends, or receives."""
+
+    unit: str  # "realloc:<call>" or "ema:<role>"
+    group: str  # the transfer group
+    by_peer: dict[int, list[Transfer]]
+    eta: float | None = None  # receive: blend instead of copy
+
+
+@dataclass
+class MoveResult:
+    unit: str
+    rank: int
+    bytes: int  # received (0 for a sender)
+    began: float
+    ended: float

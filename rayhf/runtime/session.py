@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -22,6 +25,18 @@ from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
 from rayhf.runtime.driver import Placement
 from rayhf.runtime.messages import CallSpec, WorkerSpec
 from rayhf.runtime.role_group import RoleGroup
+
+
+@contextlib.contextmanager
+def _no_interrupts() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Session:
@@ -50,21 +65,28 @@ class Session:
     def all_groups(self) -> list[RoleGroup]:
         return [*self.groups.values(), *self.copies.values()]
 
-    def group_of_call(self, call: str) -> RoleGroup:
-        """The group a call runs on: its role's home group or the copy in the call's layout."""
-        graph = self.assets.graph
-        role, layout = graph.by_name[call].role, self.assets.plan.layouts[call]
-        home = self.groups[role]
-        return home if home.layout == layout else self.copies[f"{role}.{layout.name}"]
-
     def placement(self) -> Placement:
         followers: dict[str, list[tuple[str, float]]] = {}
         for role, rc in self.cfg.models.items():
             if rc.init_from is not None and rc.ema is not None:
                 followers.setdefault(rc.init_from, []).append((role, rc.ema))
-        return Placement(self.group_of_call, self.groups, self.assets.specs, self.mover, followers)
+        plan, graph = self.assets.plan, self.assets.graph
+        return Placement(
+            {g.key: g for g in self.all_groups()},
+            {c.name: plan.layouts[c.name] for c in graph.calls},
+            {role: g.layout for role, g in self.groups.items()},
+            self.assets.specs,
+            self.mover,
+            followers,
+        )
 
     def close(self) -> None:
+        """Kill the actors, free the devices, stop an embedded cluster; a second Ctrl-C waits
+        until this is done (it would leave processes behind)."""
+        with _no_interrupts():
+            self._close()
+
+    def _close(self) -> None:
         for group in self.all_groups():
             with contextlib.suppress(Exception):  # a dead actor must not stop the cleanup
                 ray.get([a.shutdown.remote() for a in group.actors], timeout=10)
@@ -122,7 +144,14 @@ class Session:
         model_dir, config_dir = self._weights_source(role)
         home = assets.plan.home_layouts(assets.graph)[role] == layout
         calls = tuple(
-            CallSpec(c.name, c.kind, c.interface, dict(c.args))
+            CallSpec(
+                c.name,
+                c.kind,
+                c.interface,
+                dict(c.args),
+                c.interface_inputs(),
+                c.interface_outputs(),
+            )
             for c in assets.graph.calls
             if c.role == role and assets.plan.layouts[c.name] == layout
         )

@@ -19,7 +19,7 @@ import ray
 from rayhf.config import ExperimentConfig, dump_config, load_config
 from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
-from rayhf.errors import RayhfError, RunFailed
+from rayhf.errors import RayhfError, RunFailed, RunInterrupted
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.metrics.trace import TRACE_FILE, TraceWriter
 from rayhf.models.hf import quiet_transformers
@@ -30,7 +30,7 @@ from rayhf.runtime.checkpoint import (
     read_state,
     write_checkpoint,
 )
-from rayhf.runtime.driver import PlainExecutor, StepOutcome
+from rayhf.runtime.driver import DagExecutor, StepOutcome
 from rayhf.runtime.session import Session
 
 CONFIG_FILE = "config.yaml"
@@ -113,10 +113,17 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, assets: RunAssets, session: Session) -> None:
         self.cfg, self.assets, self.session = cfg, assets, session
-        self.executor = PlainExecutor(assets.graph, session.placement())
+        driver = cfg.driver
+        compiled = driver.executor == "compiled" or (
+            driver.executor == "auto" and cfg.cluster.device == "cuda"
+        )
+        self.executor = DagExecutor(
+            assets.graph, session.placement(), compiled, driver.call_timeout_s
+        )
 
     def checkpoint(self, step: int) -> Path:
         groups = self.session.groups
+        self.executor.close()  # the actors take plain calls again
 
         def fill(tmp: Path) -> None:
             tmp = tmp.resolve()  # actors may run in another working directory
@@ -162,7 +169,13 @@ class Trainer:
             raise RunFailed(
                 f"{e}; continue from the last checkpoint: rayhf run --resume {where}"
             ) from e
+        except KeyboardInterrupt:
+            where = self.assets.run_dir
+            raise RunInterrupted(
+                f"interrupted; continue from the last checkpoint: rayhf run --resume {where}"
+            ) from None
         finally:
+            self.executor.close()
             tracker.close()
             trace.close()
 

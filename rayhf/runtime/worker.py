@@ -4,7 +4,10 @@ Its remote surface is small and typed: ``setup`` joins the role group's process 
 shards the model for the layout, ``run`` executes one call through the call's interface,
 ``realloc_send``/``realloc_recv`` move weight slices to and from other role groups
 (``get_weights``/``set_weights`` are the whole-model path), ``save``/``load_optimizer`` serve
-checkpoints. How a call's batch is spread over the ranks is declared in ``DISPATCH``.
+checkpoints. ``dag_call``/``dag_send``/``dag_recv`` are the same as nodes of a step's DAG.
+Every kind of call gets its data-parallel replica's token-balanced share of the batch (each tp
+and pp rank of a replica the same share); the replica's head rank returns the outputs, and train
+stats are already all-reduced over the replicas.
 """
 
 from __future__ import annotations
@@ -18,24 +21,22 @@ import torch
 import torch.distributed as dist
 
 from rayhf.algorithms import CallContext, make_interface
+from rayhf.data.batch import PackedBatch
 from rayhf.engines.torch_engine import TorchEngine
 from rayhf.models.hf import quiet_transformers
 from rayhf.parallel.groups import ParallelGroups, build_groups, single
 from rayhf.realloc.plan import Transfer
 from rayhf.realloc.transport import TransferGroup, copy_into, ema_into, recv_all, send_all
-from rayhf.runtime.messages import CallRequest, CallResult, WorkerSpec
-
-# kind -> how the driver spreads the batch and joins the results. "split": each data-parallel
-# replica gets a token-balanced share, and every rank of a replica (its tp x pp ranks) gets that
-# same share; every rank of a replica returns the same result, and the driver reads each
-# replica's head rank (tp 0, stage 0).
-#   concat: the replicas' outputs are concatenated
-#   first: the stats are already all-reduced over the replicas; take replica 0's
-DISPATCH: dict[str, tuple[str, str]] = {
-    "generate": ("split", "concat"),
-    "inference": ("split", "concat"),
-    "train": ("split", "first"),
-}
+from rayhf.runtime.flow import assemble, call_inputs, rename_outputs, replica_share
+from rayhf.runtime.messages import (
+    CallNode,
+    CallRequest,
+    CallResult,
+    MoveNode,
+    MoveResult,
+    StepInput,
+    WorkerSpec,
+)
 
 
 def _build_model(spec: WorkerSpec):
@@ -125,6 +126,46 @@ class RoleWorker:
         else:
             stats = interface.train_step(self.engine, req.batch, ctx)
         return CallResult(req.call, self.spec.rank, batch, stats, time.perf_counter() - start)
+
+    def dag_call(self, step: StepInput, node: CallNode, *upstream: Any) -> CallResult:
+        """A call as a node of the step's DAG: assemble the batch from the step input and the
+        source calls' results among ``upstream`` (the rest only order this node), take this
+        replica's share, run, and return the outputs under graph key names (head ranks only)."""
+        began = time.time()
+        call = self.calls[node.call]
+        outputs: dict[str, dict[int, PackedBatch]] = {s: {} for s in node.sources}
+        for r in upstream:
+            if isinstance(r, CallResult) and r.call in outputs and r.batch is not None:
+                outputs[r.call][r.rank] = r.batch
+        batch = assemble(
+            step.batch, [(s, [b for _, b in sorted(outputs[s].items())]) for s in node.sources]
+        )
+        view = call_inputs(batch, call.inputs, call.name)
+        part = replica_share(view, self.spec.dp_size, self.groups.coords.dp_rank)
+        result = self.run(CallRequest(node.call, step.step, part, node.evaluate))
+        if result.batch is not None:
+            keep = self.groups.is_head
+            result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None
+        if node.release:
+            self.release_weights()
+        result.began, result.ended = began, time.time()
+        return result
+
+    def dag_send(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
+        """A weight move's sending side as a node of the step's DAG."""
+        began = time.time()
+        self.realloc_send(move.group, move.by_peer)
+        return MoveResult(move.unit, self.spec.rank, 0, began, time.time())
+
+    def dag_recv(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
+        """A weight move's receiving side as a node of the step's DAG."""
+        began = time.time()
+        received = self.realloc_recv(move.group, move.by_peer, move.eta)
+        return MoveResult(move.unit, self.spec.rank, received, began, time.time())
+
+    def ping(self, step: StepInput, *upstream: Any) -> float:
+        """An empty node (benchmarks measure the driver with it)."""
+        return time.time()
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The whole model (gathered over this replica's tp and pp ranks: every rank of the

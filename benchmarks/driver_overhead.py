@@ -1,0 +1,204 @@
+"""The driver's own cost: empty calls through rayhf's step DAG, plain vs compiled executor.
+
+    python benchmarks/driver_overhead.py [--steps 200]
+
+The real driver (``StepDag``, ``DagExecutor``: the schedule, the nodes' arguments, object refs or
+compiled channels, the step outcome) runs graphs of empty calls on Ray actors that stand in for
+role-group workers (their ``dag_call`` returns at once, or after sleeping):
+  overhead:    4 role groups (1 or 2 actors each, a quarter CPU per actor), a chain of 4 calls;
+               seconds per call = step time / 4, and the CPU the idle actors burn between steps
+  concurrency: two 2-second calls on disjoint meshes (devices 0 and 1) vs the same device
+Writes docs/benchmarks/driver_overhead.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "benchmarks"
+IDLE_S = 3.0
+
+
+class EmptyWorker:
+    """A role-group rank whose calls do nothing (or sleep ``seconds``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def dag_call(self, step, node, *upstream):
+        from rayhf.runtime.messages import CallResult
+
+        began = time.time()
+        if self.seconds:
+            time.sleep(self.seconds)
+        return CallResult(node.call, 0, None, {}, time.time() - began, began, time.time())
+
+
+class Group:
+    """What the driver reads of a role group, over ``EmptyWorker`` actors."""
+
+    def __init__(self, role: str, layout, seconds: float) -> None:
+        import ray
+
+        from rayhf.runtime.schedule import group_key
+
+        self.role, self.layout, self.key = role, layout, group_key(role, layout)
+        remote = ray.remote(num_cpus=0.25)(EmptyWorker)
+        self.actors = [remote.remote(seconds) for _ in layout.mesh]
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.layout.tp * self.layout.pp
+
+    def actor_name(self, rank: int) -> str:
+        return f"{self.key}[{rank}]"
+
+
+def _executor(meshes: list[tuple[int, ...]], chain: bool, seconds: float, compiled: bool):
+    """A graph of one inference call per role (``r0_inf`` ...), each on its own mesh; with
+    ``chain`` each call reads the previous call's output, else all read the dataset's prompts."""
+    from rayhf.graph import Call, Graph
+    from rayhf.planner import Layout
+    from rayhf.runtime.driver import DagExecutor, Placement
+
+    calls = []
+    for i in range(len(meshes)):
+        reads = f"k{i - 1}" if chain and i else "prompts"
+        calls.append(Call(name=f"r{i}_inf", role=f"r{i}", kind="inference", interface="none",
+                          inputs=[reads], outputs=[f"k{i}"]))  # fmt: skip
+    graph = Graph(name="empty", inputs=["prompts"], calls=calls)
+    layouts = {f"r{i}_inf": Layout(mesh, len(mesh)) for i, mesh in enumerate(meshes)}
+    groups = {f"r{i}": Group(f"r{i}", layouts[f"r{i}_inf"], seconds) for i in range(len(meshes))}
+    homes = {role: g.layout for role, g in groups.items()}
+    placement = Placement({g.key: g for g in groups.values()}, layouts, homes, {}, None, {})  # type: ignore[arg-type]
+    return DagExecutor(graph, placement, compiled, timeout_s=60), groups
+
+
+def _batch():
+    from rayhf.data.batch import PackedBatch
+
+    return PackedBatch(list(range(8)), {"prompts": torch.zeros(64, dtype=torch.long)},
+                       {"prompts": [8] * 8})  # fmt: skip
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def overhead(ranks: int, compiled: bool, steps: int) -> dict[str, float]:
+    import ray
+
+    meshes = [tuple(range(2 * g, 2 * g + ranks)) for g in range(4)]
+    executor, groups = _executor(meshes, chain=True, seconds=0.0, compiled=compiled)
+    pids = ray.get([a.pid.remote() for g in groups.values() for a in g.actors])
+    batch = _batch()
+    for step in range(5):  # warm up (and compile)
+        executor.run_step(step, batch)
+    began = time.perf_counter()
+    per_step = []
+    for step in range(steps):
+        t = time.perf_counter()
+        executor.run_step(step, batch)
+        per_step.append(time.perf_counter() - t)
+    total = time.perf_counter() - began
+    before = [_cpu_seconds(p) for p in pids]
+    time.sleep(IDLE_S)
+    idle = [(_cpu_seconds(p) - b) / IDLE_S * 100 for p, b in zip(pids, before, strict=True)]
+    executor.close()
+    for g in groups.values():
+        for a in g.actors:
+            ray.kill(a)
+    return {
+        "ms_per_call": total / steps / 4 * 1e3,
+        "ms_per_call_p50": statistics.median(per_step) / 4 * 1e3,
+        "idle_cpu_pct_per_actor": statistics.mean(idle),
+        "actors": len(pids),
+    }
+
+
+def concurrency(disjoint: bool, compiled: bool) -> float:
+    import ray
+
+    meshes = [(0,), (1,)] if disjoint else [(0,), (0,)]
+    executor, groups = _executor(meshes, chain=False, seconds=2.0, compiled=compiled)
+    batch = _batch()
+    executor.run_step(0, batch)  # warm up
+    began = time.perf_counter()
+    executor.run_step(1, batch)
+    seconds = time.perf_counter() - began
+    executor.close()
+    for g in groups.values():
+        for a in g.actors:
+            ray.kill(a)
+    return seconds
+
+
+def main() -> None:
+    import ray
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    rows = []
+    for ranks in (1, 2):
+        for compiled in (False, True):
+            row = {"ranks_per_group": ranks, "executor": "compiled" if compiled else "plain"}
+            row.update(overhead(ranks, compiled, args.steps))
+            rows.append(row)
+            print(row, flush=True)
+    conc = []
+    for compiled in (False, True):
+        for disjoint in (True, False):
+            s = concurrency(disjoint, compiled)
+            meshes = "disjoint" if disjoint else "overlapping"
+            executor = "compiled" if compiled else "plain"
+            conc.append({"executor": executor, "meshes": meshes, "seconds": s})
+            print(conc[-1], flush=True)
+    ray.shutdown()
+    _write(rows, conc, args.steps)
+
+
+def _write(rows: list[dict], conc: list[dict], steps: int) -> None:
+    lines = [
+        "# Driver overhead: empty calls through the step DAG",
+        "",
+        f"`python benchmarks/driver_overhead.py --steps {steps}` on this 2-core machine: 4 role",
+        "groups, a chain of 4 empty calls per step; per-call time is the step time / 4; idle CPU",
+        f"is each actor's CPU use over {IDLE_S:g} s with no step running.",
+        "",
+        "| actors per group | executor | ms per call (mean) | ms per call (p50) "
+        "| idle CPU per actor |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['ranks_per_group']} | {r['executor']} | {r['ms_per_call']:.2f} | "
+            f"{r['ms_per_call_p50']:.2f} | {r['idle_cpu_pct_per_actor']:.0f}% |"
+        )
+    lines += ["", "Two 2-second calls (one per role group) in one step:", "",
+              "| executor | meshes | step seconds |", "| --- | --- | --- |"]  # fmt: skip
+    for c in conc:
+        lines.append(f"| {c['executor']} | {c['meshes']} | {c['seconds']:.2f} |")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "driver_overhead.md").write_text("\n".join(lines) + "\n")
+    (OUT / "driver_overhead.json").write_text(json.dumps({"overhead": rows, "concurrency": conc},
+                                                         indent=2))  # fmt: skip
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""`rayhf run` leaves no process behind: when it ends, on Ctrl-C, and when an actor dies (the
+run stops naming the role; --resume continues it).
+
+Each run is a `rayhf run` subprocess with its own embedded Ray cluster. While it runs, the test
+records every process descended from it (Ray's services, the role-group workers) with its start
+time; after it exits, none of them may still be alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, tiny_overrides
+
+pytestmark = pytest.mark.ray
+EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # a zombie has exited; only its parent's wait() remains
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """pid -> start time of ``root`` and every process below it."""
+    stats = {int(p): _stat(int(p)) for p in os.listdir("/proc") if p.isdigit()}
+    children: dict[int, list[int]] = {}
+    for pid, st in stats.items():
+        if st is not None:
+            children.setdefault(st[0], []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        st = stats.get(pid)
+        if st is not None:
+            out[pid] = st[1]
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Run:
+    """A `rayhf run` subprocess whose process tree is recorded while it runs."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.run_dir = tmp / "run"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rayhf", "run", *args],
+            cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # its own process group, as a shell gives a foreground job
+        )  # fmt: skip
+        self.seen: dict[int, int] = {}
+
+    def watch_until(self, done, timeout: float = 240) -> None:
+        """Record the process tree until ``done()`` (or the run exits)."""
+        end = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < end:
+            self.seen.update(_descendants(self.proc.pid))
+            if done():
+                return
+            time.sleep(0.2)
+        assert self.proc.poll() is not None or done(), "timed out"
+
+    def steps_logged(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def workers(self) -> list[int]:
+        return [p for p in _descendants(self.proc.pid) if "RoleWorker" in _cmdline(p)]
+
+    def finish(self, timeout: float = 240) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err
+
+    def left_behind(self, grace: float = 30) -> list[str]:
+        """Recorded processes still alive (same pid and start time) after ``grace`` seconds."""
+        end = time.monotonic() + grace
+        while True:
+            alive = [p for p, start in self.seen.items() if (_stat(p) or (0, -1))[1] == start]
+            if not alive or time.monotonic() > end:
+                return [f"{p}: {_cmdline(p)[:80]}" for p in alive]
+            time.sleep(0.5)
+
+
+def _args(tmp: Path, **extra: object) -> list[str]:
+    (tmp / "data").mkdir(exist_ok=True)
+    ov = tiny_overrides(tmp / "run", **extra)
+    return [str(EXAMPLE), *(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                            for k, v in ov.items())]  # fmt: skip
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("rayhf:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_finished_run_leaves_no_process(tmp_path):
+    run = Run(tmp_path, *_args(tmp_path, steps=2))
+    run.watch_until(lambda: False)
+    code, err = run.finish()
+    assert code == 0, err
+    assert len(run.seen) > 5, f"recorded only {run.seen}"  # the CLI, Ray's services, workers
+    assert not run.left_behind()
+
+
+def test_ctrl_c_stops_the_run_and_leaves_no_process(tmp_path):
+    run = Run(tmp_path, *_args(tmp_path, steps=500, save_every=0))
+    run.watch_until(lambda: run.steps_logged() >= 1)
+    assert run.workers(), "no role-group worker was running"
+    os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in a shell sends the job
+    code, err = run.finish(timeout=120)
+    assert code == 130, err
+    assert "interrupted" in _one_line(err) and "--resume" in _one_line(err)
+    assert not run.left_behind()
+
+
+def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_path):
+    run = Run(tmp_path, *_args(tmp_path, steps=4))
+    run.watch_until(lambda: run.steps_logged() >= 2)
+    workers = run.workers()
+    assert workers, "no role-group worker was running"
+    os.kill(workers[0], signal.SIGKILL)
+    killed = time.monotonic()
+    code, err = run.finish(timeout=120)
+    stopped = time.monotonic() - killed
+    line = _one_line(err)
+    print(f"stopped {stopped:.1f} s after the kill: {line}")
+    assert code == 1 and stopped < 60, err
+    assert "role '" in line and "--resume" in line
+    assert not run.left_behind()
+    resumed = subprocess.run(
+        [sys.executable, "-m", "rayhf", "run", "--resume", str(run.run_dir)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in (run.run_dir / "metrics.jsonl").open()]
+    assert steps[-1] == 4 and steps == sorted(set(steps)), steps

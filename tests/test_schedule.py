@@ -1,0 +1,125 @@
+"""The step schedule and its DAG, as pure functions: no Ray, fake role groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rayhf.graph import load_graph
+from rayhf.planner import Layout
+from rayhf.realloc.collective import Routes
+from rayhf.realloc.plan import Transfer
+from rayhf.runtime.driver import Placement, StepDag
+from rayhf.runtime.schedule import group_key, plan_step, waves
+
+PPO = load_graph(Path(__file__).parents[1] / "graphs" / "ppo.yaml")
+ALL = Layout((0, 1, 2, 3), 4)
+
+
+def _ppo(**layouts: Layout) -> dict[str, Layout]:
+    return {c.name: layouts.get(c.name, ALL) for c in PPO.calls}
+
+
+def _homes(layouts: dict[str, Layout]) -> dict[str, Layout]:
+    """Each role's home: the layout of its train call, else of its first call."""
+    homes: dict[str, Layout] = {}
+    for name in PPO.order:
+        call = PPO.by_name[name]
+        if call.kind == "train" or call.role not in homes:
+            homes[call.role] = layouts[name]
+    return homes
+
+
+def test_calls_on_disjoint_meshes_share_a_wave_and_shared_devices_run_in_graph_order():
+    layouts = _ppo(
+        actor_gen=Layout((0, 1), 2), actor_train=Layout((0, 1), 2), ref_inf=Layout((2,), 1),
+        critic_inf=Layout((3,), 1), critic_train=Layout((3,), 1), rew_inf=Layout((2,), 1),
+    )  # fmt: skip
+    units = {u.name: u for u in plan_step(PPO, layouts, _homes(layouts), {})}
+    assert "critic_inf" not in units["ref_inf"].after and "ref_inf" not in units["critic_inf"].after
+    assert "rew_inf" in units["ref_inf"].after or "ref_inf" in units["rew_inf"].after  # device 2
+    grouped = waves(list(units.values()))
+    together = next(w for w in grouped if "critic_inf" in w)
+    assert "ref_inf" in together or "rew_inf" in together
+    # actor_train (devices 0-1) and critic_train (device 3) both wait for the data, not each other
+    assert "critic_train" not in units["actor_train"].after
+    assert "actor_train" not in units["critic_train"].after
+    colocated = plan_step(PPO, _ppo(), _homes(_ppo()), {})
+    assert [len(w) for w in waves(colocated)] == [1] * len(PPO.calls), "one call at a time"
+
+
+def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role():
+    gen = Layout((0, 1, 2, 3), 1, 4)
+    layouts = _ppo(actor_gen=gen)
+    homes = _homes(layouts)
+    assert homes["actor"] == ALL
+    units = plan_step(PPO, layouts, homes, {"actor": [("ref", 0.1)]})
+    names = [u.name for u in units]
+    by = {u.name: u for u in units}
+    assert names.index("realloc:actor_gen") == names.index("actor_gen") - 1
+    move = by["realloc:actor_gen"]
+    assert move.groups == (group_key("actor", ALL), group_key("actor", gen))
+    assert "realloc:actor_gen" in by["actor_gen"].after and by["actor_gen"].release
+    # on-policy: the actor trains after every earlier unit of its role; the ref blends after
+    # it was read (ref_inf) and after the actor trained
+    assert {"realloc:actor_gen", "actor_gen"} <= by["actor_train"].after
+    assert {"actor_train", "ref_inf"} <= by["ema:ref"].after and by["ema:ref"].eta == 0.1
+    assert "ema:ref" not in [u.name for u in plan_step(PPO, layouts, homes, {}, evaluate=True)]
+
+
+@dataclass
+class FakeGroup:
+    """What the DAG builder reads of a role group."""
+
+    role: str
+    layout: Layout
+    actors: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.actors = [f"{self.key}[{r}]" for r in range(len(self.layout.mesh))]
+
+    @property
+    def key(self) -> str:
+        return group_key(self.role, self.layout)
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.layout.tp * self.layout.pp
+
+    def actor_name(self, rank: int) -> str:
+        return self.actors[rank]
+
+
+class FakeMover:
+    """Every source rank sends one slice to the destination rank with its index."""
+
+    def routes(self, src, dst, spec) -> Routes:
+        t = Transfer("w", 0, 0, 1, 0, 0, 0, 0, 4)  # contents do not matter to the DAG's shape
+        n = len(dst.actors)
+        sends = {r: {n + r: [t]} for r in range(min(len(src.actors), n))}
+        return Routes(f"{src.key}+{dst.key}", sends, {r: {r: [t]} for r in range(n)})
+
+
+def test_dag_nodes_take_their_sources_head_ranks_and_keep_each_actor_in_order():
+    tp2 = Layout((0, 1), 1, 2)
+    dp2 = Layout((0, 1), 2)
+    layouts = {c.name: dp2 for c in PPO.calls} | {"actor_gen": tp2, "actor_train": tp2}
+    homes = _homes(layouts)
+    groups = {
+        g.key: g
+        for g in (FakeGroup(c.role, layouts[c.name]) for c in PPO.calls)  # one per role/layout
+    }
+    placement = Placement(groups, layouts, homes, {}, FakeMover(), {})  # type: ignore[arg-type]
+    dag = StepDag(PPO, placement, evaluate=False)
+    assert len(dag.nodes) == 2 * len(PPO.calls), "one node per rank of every call"
+    index = {(n.info.unit.name, n.info.rank): i for i, n in enumerate(dag.nodes)}
+    ref0 = dag.nodes[index["ref_inf", 0]]
+    gen_heads = [index["actor_gen", 0]]  # tp=2: one replica, its head is rank 0
+    assert set(gen_heads) <= set(ref0.args) and index["actor_gen", 1] not in ref0.args
+    last: dict[str, int] = {}
+    for i, node in enumerate(dag.nodes):
+        name = node.info.actor_name
+        if name in last:
+            assert last[name] in node.args, f"{node.info.unit.name} does not follow its actor"
+        last[name] = i
+        assert all(a < i for a in node.args), "arguments come from earlier nodes"
