@@ -20,76 +20,11 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
+from rayhf.runtime.probe import probe_batch, probe_executor
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
 IDLE_S = 3.0
-
-
-class EmptyWorker:
-    """A role-group rank whose calls do nothing (or sleep ``seconds``)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def dag_call(self, step, node, *upstream):
-        from rayhf.runtime.messages import CallResult
-
-        began = time.time()
-        if self.seconds:
-            time.sleep(self.seconds)
-        return CallResult(node.call, 0, None, {}, time.time() - began, began, time.time())
-
-
-class Group:
-    """What the driver reads of a role group, over ``EmptyWorker`` actors."""
-
-    def __init__(self, role: str, layout, seconds: float) -> None:
-        import ray
-
-        from rayhf.runtime.schedule import group_key
-
-        self.role, self.layout, self.key = role, layout, group_key(role, layout)
-        remote = ray.remote(num_cpus=0.25)(EmptyWorker)
-        self.actors = [remote.remote(seconds) for _ in layout.mesh]
-
-    @property
-    def ranks_per_replica(self) -> int:
-        return self.layout.tp * self.layout.pp
-
-    def actor_name(self, rank: int) -> str:
-        return f"{self.key}[{rank}]"
-
-
-def _executor(meshes: list[tuple[int, ...]], chain: bool, seconds: float, compiled: bool):
-    """A graph of one inference call per role (``r0_inf`` ...), each on its own mesh; with
-    ``chain`` each call reads the previous call's output, else all read the dataset's prompts."""
-    from rayhf.graph import Call, Graph
-    from rayhf.planner import Layout
-    from rayhf.runtime.driver import DagExecutor, Placement
-
-    calls = []
-    for i in range(len(meshes)):
-        reads = f"k{i - 1}" if chain and i else "prompts"
-        calls.append(Call(name=f"r{i}_inf", role=f"r{i}", kind="inference", interface="none",
-                          inputs=[reads], outputs=[f"k{i}"]))  # fmt: skip
-    graph = Graph(name="empty", inputs=["prompts"], calls=calls)
-    layouts = {f"r{i}_inf": Layout(mesh, len(mesh)) for i, mesh in enumerate(meshes)}
-    groups = {f"r{i}": Group(f"r{i}", layouts[f"r{i}_inf"], seconds) for i in range(len(meshes))}
-    homes = {role: g.layout for role, g in groups.items()}
-    placement = Placement({g.key: g for g in groups.values()}, layouts, homes, {}, None, {})  # type: ignore[arg-type]
-    return DagExecutor(graph, placement, compiled, timeout_s=60), groups
-
-
-def _batch():
-    from rayhf.data.batch import PackedBatch
-
-    return PackedBatch(list(range(8)), {"prompts": torch.zeros(64, dtype=torch.long)},
-                       {"prompts": [8] * 8})  # fmt: skip
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -102,9 +37,9 @@ def overhead(ranks: int, compiled: bool, steps: int) -> dict[str, float]:
     import ray
 
     meshes = [tuple(range(2 * g, 2 * g + ranks)) for g in range(4)]
-    executor, groups = _executor(meshes, chain=True, seconds=0.0, compiled=compiled)
-    pids = ray.get([a.pid.remote() for g in groups.values() for a in g.actors])
-    batch = _batch()
+    executor, groups = probe_executor(meshes, chain=True, seconds=0.0, compiled=compiled)
+    pids = ray.get([a.pid.remote() for g in groups for a in g.actors])
+    batch = probe_batch()
     for step in range(5):  # warm up (and compile)
         executor.run_step(step, batch)
     began = time.perf_counter()
@@ -118,9 +53,8 @@ def overhead(ranks: int, compiled: bool, steps: int) -> dict[str, float]:
     time.sleep(IDLE_S)
     idle = [(_cpu_seconds(p) - b) / IDLE_S * 100 for p, b in zip(pids, before, strict=True)]
     executor.close()
-    for g in groups.values():
-        for a in g.actors:
-            ray.kill(a)
+    for g in groups:
+        g.kill()
     return {
         "ms_per_call": total / steps / 4 * 1e3,
         "ms_per_call_p50": statistics.median(per_step) / 4 * 1e3,
@@ -130,19 +64,17 @@ def overhead(ranks: int, compiled: bool, steps: int) -> dict[str, float]:
 
 
 def concurrency(disjoint: bool, compiled: bool) -> float:
-    import ray
 
     meshes = [(0,), (1,)] if disjoint else [(0,), (0,)]
-    executor, groups = _executor(meshes, chain=False, seconds=2.0, compiled=compiled)
-    batch = _batch()
+    executor, groups = probe_executor(meshes, chain=False, seconds=2.0, compiled=compiled)
+    batch = probe_batch()
     executor.run_step(0, batch)  # warm up
     began = time.perf_counter()
     executor.run_step(1, batch)
     seconds = time.perf_counter() - began
     executor.close()
-    for g in groups.values():
-        for a in g.actors:
-            ray.kill(a)
+    for g in groups:
+        g.kill()
     return seconds
 
 
