@@ -54,7 +54,7 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
     assert not _same(gathered, actor_after), "the tp=2 actor did not train"
     # The trace shows every call of every step, in graph order, with its role and layout.
     events = read_trace(Path(cfg.resolved_run_dir()) / TRACE_FILE)
-    done = [e for e in events if e["ph"] == "X" and e["args"]["phase"] == "train"]
+    done = [e for e in events if e["pid"] == 0 and e["ph"] == "X" and e["args"]["phase"] == "train"]
     order = assets.graph.order
     assert [(e["args"]["step"], e["name"]) for e in done] == [(s, c) for s in (1, 2) for c in order]
     layouts = {e["name"]: e["args"]["layout"] for e in done}
@@ -72,6 +72,9 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
         (s, c) for s in (1, 2) for c in order
     ]
     assert span[1, "actor_train"][1] <= span[2, "actor_gen"][0] + 1
+    # Ray's own task events are merged in: the actors' dag_call tasks under the calls' spans
+    ray_tasks = [e for e in events if str(e["pid"]).startswith("ray") and "dag_call" in e["cat"]]
+    assert len(ray_tasks) >= len(done), "every rank's dag_call task is in the trace"
     tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert "critic.d0-1.dp1tp1pp2" in tracks
     ckpt = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002"

@@ -33,3 +33,20 @@ def test_a_resumed_run_appends_to_the_same_tracks(tmp_path):
     text = path.read_text().rstrip()
     assert text.startswith("[") and text.endswith(",")
     assert json.loads(text[:-1] + "]") == events
+
+
+def test_ray_task_events_join_the_trace_as_their_own_process(tmp_path):
+    path = tmp_path / "trace.json"
+    trace = TraceWriter(path)
+    trace.write(1, [_span("actor_gen", "actor.d0", 10.0)])
+    ray_events = [  # the shape ray.timeline() returns
+        {"cat": "task::RoleWorker.dag_call", "name": "dag_call", "pid": "10.0.0.1",
+         "tid": "worker:ab", "ts": 10.1e6, "dur": 4e5, "ph": "X", "args": {"task_id": "t1"}},
+        {"cat": "task::RoleWorker.setup", "name": "setup", "pid": "10.0.0.1",
+         "tid": "worker:ab", "ts": 5.0e6, "dur": 1e5, "ph": "X", "args": {}},  # before the run
+    ]  # fmt: skip
+    assert trace.write_ray_events(ray_events, since=9.0) == 1
+    trace.close()
+    events = read_trace(path)
+    ray_side = [e for e in events if e["pid"] != 0]
+    assert [(e["name"], e["pid"]) for e in ray_side] == [("dag_call", "ray 10.0.0.1")]

@@ -5,7 +5,9 @@ chrome://tracing).
 The file is the Trace Event Format's JSON array form, which readers accept without its closing
 ``]``, so events are appended as they happen and a resumed run adds to the same file. Each event
 is a complete event (``"ph": "X"``) whose ``args`` carry the step, the role and the layout (a
-move: ``src -> dst``) plus what the driver measured (bytes moved).
+move: ``src -> dst``) plus what the driver measured (bytes moved). At the end of a run Ray's own
+task events (``ray.timeline()``) are added as a second process, so each call's span lines up with
+the actor tasks, argument transfers and output stores under it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ class TraceWriter:
             }
             self._emit(event)
         self._file.flush()
+
+    def write_ray_events(self, events: list[dict[str, Any]], since: float) -> int:
+        """Add Ray's own task events (``ray.timeline()``: every actor task's execution, argument
+        deserialization and output storing, per worker) from ``since`` (``time.time()``) on,
+        as one more process in the trace; returns how many were added."""
+        kept = [e for e in events if e.get("ph") == "X" and e.get("ts", 0) >= since * 1e6]
+        for e in kept:
+            self._emit({**e, "pid": f"ray {e.get('pid', '')}".strip()})
+        self._file.flush()
+        return len(kept)
 
     def close(self) -> None:
         self._file.close()

@@ -10,6 +10,7 @@ checkpoint (models, optimizer and interface state, dataset cursor) and continues
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,7 @@ class Trainer:
             cfg.metrics, self.assets.run_dir, cfg.name, cfg.steps, start, roles
         )  # fmt: skip
         trace = TraceWriter(self.assets.run_dir / TRACE_FILE)
+        began = time.time()
         try:
             if cfg.eval_every and start == 0:
                 tracker.log(0, self.evaluate(0, trace))  # the held-out baseline before updates
@@ -177,7 +179,21 @@ class Trainer:
         finally:
             self.executor.close()
             tracker.close()
+            _add_ray_timeline(trace, began)
             trace.close()
+
+
+def _add_ray_timeline(trace: TraceWriter, since: float) -> None:
+    """Ray's task events of this run into the trace (best effort: Ray may be failing)."""
+    state_logger = logging.getLogger("ray._private.state")
+    level = state_logger.level
+    state_logger.setLevel(logging.ERROR)  # ray.timeline() warns about a future change
+    try:
+        trace.write_ray_events(ray.timeline(), since)
+    except Exception:  # the run's own trace is already written
+        pass
+    finally:
+        state_logger.setLevel(level)
 
 
 def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -> RunResult:
