@@ -68,3 +68,12 @@ def test_calls_on_disjoint_meshes_run_at_the_same_time_and_shared_ones_in_turn(
         a, b = sorted(spans, key=lambda s: s.start)
         overlap = b.start < a.end
         assert overlap == together, f"{meshes}: {a} / {b}"
+
+
+def test_a_run_on_the_compiled_executor_checkpoints_and_continues(ray_cluster, tiny_config):
+    from rayhf.runtime.trainer import run
+
+    cfg = tiny_config(**{"driver.executor": "compiled"})  # 2 steps, a checkpoint after each
+    result = run(cfg)  # each checkpoint tears the compiled graph down; the next step recompiles
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    assert len(result.checkpoints) == 2 and result.actor_checkpoint is not None
