@@ -138,17 +138,16 @@ def planner(cfg):
 
 
 def chosen_plans(graph, specs, works, cost) -> dict[str, Plan]:
-    """The baselines' and the search's plans under the profiled model (sequential driver)."""
+    """The baselines' and the search's plans under the profiled model."""
 
     def score(plan: Plan) -> float:
-        return simulate(graph, plan, specs, works, cost, concurrent=False).iteration_seconds
+        return simulate(graph, plan, specs, works, cost).iteration_seconds
 
     base = {
         "baseline: colocated": baselines.colocated(graph, specs, DEVICES, DEVICES, score),
         "baseline: disjoint": baselines.disjoint(graph, specs, DEVICES, DEVICES, score),
     }
-    found = search(graph, specs, works, cost, list(base.values()), time_limit=10.0,
-                   concurrent=False)  # fmt: skip
+    found = search(graph, specs, works, cost, list(base.values()), time_limit=10.0)
     return {**base, "search": found.plan}
 
 
@@ -206,7 +205,7 @@ def rows_of(name: str, setup, plans: dict[str, Plan], runs, cost: ProfiledCost) 
     for label, plan in plans.items():
         same = same_as(plans, label)
         run = runs[name, same]
-        sim = simulate(graph, plan, specs, works, cost, concurrent=False)
+        sim = simulate(graph, plan, specs, works, cost)
         est, step = sim.iteration_seconds, run.step_seconds
         calls = {c: {"estimate": cost.call(specs[graph.by_name[c].role], plan.layouts[c],
                                            works[c]).seconds,

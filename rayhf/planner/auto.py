@@ -154,8 +154,8 @@ def plan_for_run(
     seed: int = 0,
 ) -> Plan:
     """``plan: auto`` for a run on emulated CPU devices: profile every role's model on this
-    machine (cached), then search with the profiled cost of rayhf's plain driver, which runs
-    calls one after another. ``configs`` maps a role to (Hugging Face config, value head)."""
+    machine (cached), then search with the profiled cost of rayhf's driver, which runs calls on
+    disjoint meshes at the same time. ``configs``: role -> (Hugging Face config, value head)."""
     import os
 
     from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster
@@ -175,12 +175,12 @@ def plan_for_run(
     check_fits(graph, specs, works, cost)
 
     def score(plan: Plan) -> float:
-        sim = simulate(graph, plan, specs, works, cost, concurrent=False)
+        sim = simulate(graph, plan, specs, works, cost)
         return energy(sim, spec.device.memory_bytes)
 
     starts = [
         baselines.colocated(graph, specs, n, n, score),
         baselines.disjoint(graph, specs, n, n, score),
     ]
-    found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, concurrent=False)
+    found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS)
     return Plan(found.plan.layouts, "auto")

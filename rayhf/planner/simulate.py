@@ -73,7 +73,8 @@ def simulate(
     concurrent: bool = True,
 ) -> Simulation:
     """Schedule ``n_iterations`` of ``graph``; ``works`` gives each call's workload. With
-    ``concurrent=False`` every call waits for every device (rayhf's plain driver today)."""
+    ``concurrent=False`` every call waits for every device (a driver that runs one call at a
+    time; rayhf's runs calls on disjoint meshes at once)."""
     homes = plan.home_layouts(graph)
     trained = {c.role for c in graph.calls if c.kind == "train"}
     overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
