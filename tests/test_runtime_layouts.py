@@ -61,12 +61,14 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
     assert layouts["actor_gen"] == layouts["actor_train"] == "d0-1.dp1tp2pp1"
     assert layouts["critic_train"] == "d0-1.dp1tp1pp2" and layouts["ref_inf"] == "d0-1.dp2tp1pp1"
     assert {e["args"]["role"] for e in done} == {"actor", "critic", "ref", "reward"}
-    # A call starts after the calls it reads from end (1 us: rounding), and the step's calls
-    # start in graph order; step 2 starts after the actor trained in step 1 (on-policy).
+    # A call runs after the calls it reads from (a span joins all ranks, and each rank waits
+    # only for its sources' head ranks and its own device, so spans of different ranks may
+    # touch), the step's calls start in graph order, and step 2 starts after step 1's training.
     span = {(e["args"]["step"], e["name"]): (e["ts"], e["ts"] + e["dur"]) for e in done}
     for src, dst in assets.graph.edges:
         for step in (1, 2):
-            assert span[step, src][1] <= span[step, dst][0] + 1, f"{dst} began before {src} ended"
+            (a0, a1), (b0, b1) = span[step, src], span[step, dst]
+            assert a0 <= b0 and a1 <= b1, f"{dst} ran before {src}"
     starts = sorted(done, key=lambda e: e["ts"])
     assert [(e["args"]["step"], e["name"]) for e in starts] == [
         (s, c) for s in (1, 2) for c in order
@@ -139,6 +141,10 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
     calls = {e["name"]: e for e in events if e.get("cat") == "call"}
     assert moves["realloc:actor_gen"]["args"]["bytes"] == moved
     assert moves["realloc:actor_gen"]["args"]["layout"] == "d0-1.dp1tp2pp1 -> d0-1.dp2tp1pp1"
-    gen = moves["realloc:actor_gen"]
-    assert gen["ts"] + gen["dur"] <= calls["actor_gen"]["ts"] + 1, "weights move before the call"
-    assert moves["ema:ref"]["ts"] + 1 >= calls["actor_train"]["ts"] + calls["actor_train"]["dur"]
+    # A span joins all ranks, and each rank waits only for its own device's part of the unit
+    # before it (the exact weights above show what arrived): the move starts and ends before the
+    # call, the blend starts and ends after training.
+    gen, ema = moves["realloc:actor_gen"], moves["ema:ref"]
+    use, train = calls["actor_gen"], calls["actor_train"]
+    assert gen["ts"] <= use["ts"] and gen["ts"] + gen["dur"] <= use["ts"] + use["dur"]
+    assert train["ts"] <= ema["ts"] and train["ts"] + train["dur"] <= ema["ts"] + ema["dur"]
