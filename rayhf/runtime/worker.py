@@ -165,10 +165,6 @@ class RoleWorker:
         received = self.realloc_recv(move.group, move.by_peer, move.eta)
         return MoveResult(move.unit, self.spec.rank, received, began, time.time())
 
-    def ping(self, step: StepInput, *upstream: Any) -> float:
-        """An empty node (benchmarks measure the driver with it)."""
-        return time.time()
-
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The whole model (gathered over this replica's tp and pp ranks: every rank of the
         replica must call); the head rank returns it, the others an empty dict."""
