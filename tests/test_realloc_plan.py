@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _spec(family: str, **kw):
     shape = {"n_heads": 4, "n_kv_heads": 2} if family == "llama" else {"n_heads": 4}
-    init = ModelInit(family=family, hidden_size=32, n_layers=4, **{**shape, **kw})
+    init = ModelInit(family=family, n_layers=4, **{"hidden_size": 32, **shape, **kw})
     return model_spec(hf_config(init, 37, 0, 2, 1), value_head=False)
 
 
@@ -150,3 +150,44 @@ def test_bucketed_send_and_receive_rebuild_the_shards(monkeypatch, direct_bytes)
         mixed = {k: torch.ones_like(v) for k, v in want.items()}
         transport.recv_all(box, mixed, {0: mine}, transport.ema_into(0.5), 4096)  # type: ignore[arg-type]
         assert all(torch.allclose(mixed[k], 0.5 * want[k] + 0.5) for k in want)
+
+
+def _flat_slices(full: dict[str, torch.Tensor], dp: int) -> dict[int, dict[str, torch.Tensor]]:
+    """ZeRO-3's layout: rank r keeps elements [r*ceil(n/dp), (r+1)*ceil(n/dp)) of every flattened
+    parameter, the last slice padded."""
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(dp)}
+    for name, t in full.items():
+        part = -(-t.numel() // dp)
+        padded = torch.cat([t.reshape(-1), torch.full((part * dp - t.numel(),), float("nan"))])
+        for r in range(dp):
+            out[r][name] = padded[r * part : (r + 1) * part].clone()
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("hidden", [32, 40])  # 40: slices end mid-row
+def test_a_flat_zero3_source_rebuilds_every_destination_exactly(family, hidden):
+    from rayhf.realloc.transport import dst_piece, src_piece
+
+    spec = _spec(family, hidden_size=hidden)
+    full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
+    layouts = [lay for lay in all_layouts() if check_layout(spec, lay.tp, lay.pp) is None]
+    for dp in (1, 2, 3, 4):
+        src = Layout(tuple(range(dp)), dp)
+        flat = _flat_slices(full, dp)
+        for dst in layouts:
+            plan = plan_realloc(spec, src, dst, src_flat=True)
+            want = _shards(spec, full, dst)
+            got = {r: {k: torch.full_like(v, float("nan")) for k, v in d.items()}
+                   for r, d in want.items()}  # fmt: skip
+            for t in plan.transfers:
+                piece = src_piece(flat[t.src], t)
+                assert piece.numel() * 4 == t.nbytes
+                dst_piece(got[t.dst], t).copy_(piece)
+            for r in want:
+                for k in want[r]:
+                    assert torch.equal(got[r][k], want[r][k]), (dp, dst, r, k)
+            for r in range(dst.world_size):
+                c = coords_of(r, dst.pp, dst.tp)
+                held = 4 * shard_numel(spec, dst.tp, dst.pp, c.tp_rank, c.pp_rank)
+                assert sum(t.nbytes for t in plan.for_dst(r)) == held

@@ -29,7 +29,7 @@ from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rm import RMConfig
 from rayhf.algorithms.sft import SFTConfig
 from rayhf.data.datasets import DatasetConfig
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import ENGINES_BY_KIND, EngineConfig
 from rayhf.engines.native import GenerationConfig
 from rayhf.engines.torch_engine import OptimizerConfig
 from rayhf.errors import RayhfError
@@ -117,6 +117,12 @@ class ExperimentConfig(BaseModel):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     driver: DriverConfig = Field(default_factory=DriverConfig)  # how each step's DAG runs
     engines: dict[str, EngineConfig] = Field(default_factory=dict)  # call -> its backend
+
+    def engine_of(self, call: str, kind: str) -> tuple[str, int, bool]:
+        """(engine, zero_stage, offload) of a call: its ``engines`` entry or its kind's default."""
+        if call in self.engines:
+            return self.engines[call].worker_fields()
+        return ENGINES_BY_KIND[kind][0], 0, False
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

@@ -80,7 +80,11 @@ class TorchEngine:
         self.model.train(False)
         self.pipe = Pipeline(self.model, self.groups, n_mbs)
         if self.optim_cfg is not None:
-            self.optimizer = _make_optimizer(self.model, self.optim_cfg, self.groups)
+            self.optimizer = self._make_optimizer(self.optim_cfg)
+
+    def _make_optimizer(self, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+        assert self.model is not None
+        return _make_optimizer(self.model, cfg, self.groups)
 
     def init_empty(self, hf_config, n_mbs: int = 1, device: str = "cpu") -> None:
         """Hold zeros in this rank's shards of ``hf_config``'s model (reallocation fills them)."""
@@ -131,6 +135,15 @@ class TorchEngine:
 
     def weights_changed(self) -> None:
         self.weights_version += 1
+
+    def weights_loaded(self) -> None:
+        """New weights were written into this rank's shards from outside (a reallocation)."""
+        self.weights_changed()
+
+    def source_shards(self) -> dict[str, torch.Tensor]:
+        """What this rank sends when its role's weights move to another layout."""
+        assert self.model is not None
+        return self.model.local_state()
 
     def sync_vllm(self) -> float:
         """Reload vLLM's weights from this rank's model if they changed; returns seconds."""
@@ -303,15 +316,31 @@ class TorchEngine:
                 shard = take_shard(full[name], self.model.shards[name], self.groups.tp, c.tp_rank)
                 p.copy_(shard)
                 kept += shard.numel() * shard.element_size()
-        self.weights_changed()
+        self.weights_loaded()
         return kept
 
+    @property
+    def gathers_over_dp(self) -> bool:
+        """Whether ``full_state`` is a collective over the dp replicas too (no replica holds
+        the whole model: ZeRO-3)."""
+        return False
+
+    def save_optimizer(self, path: str) -> dict[str, Any]:
+        """This rank's optimizer state, to store in the rank's checkpoint file."""
+        assert self.optimizer is not None
+        return getattr(self.optimizer, "optim", self.optimizer).state_dict()  # ZeRO-1: its part
+
+    def load_optimizer(self, path: str, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        getattr(self.optimizer, "optim", self.optimizer).load_state_dict(state)
+
     def save_pretrained(self, out_dir: str | Path) -> None:
-        """Write the whole model in Hugging Face format (collective; the head rank writes)."""
+        """Write the whole model in Hugging Face format (collective; the head rank of replica
+        0 writes)."""
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         full = self.full_state()
-        if not self.groups.is_head:
+        if not self.groups.is_head or self.groups.coords.dp_rank != 0:
             return
         cls = AutoModelForSequenceClassification if self.value_head else AutoModelForCausalLM
         hf = cls.from_config(self.hf_config)

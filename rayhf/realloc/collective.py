@@ -43,6 +43,7 @@ class GroupRef(Protocol):
     key: str  # unique and stable, e.g. "actor.d0-1.dp1tp2pp1"
     layout: Layout
     actors: list[Any]
+    flat: bool  # its dp ranks hold flat slices of every parameter (DeepSpeed ZeRO-3)
 
 
 class WeightMover(Protocol):
@@ -65,13 +66,13 @@ class CollectiveRealloc:
     """Slices move directly between the actors that hold and need them."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[ModelSpec, Layout, Layout], ReallocPlan] = {}
+        self._plans: dict[tuple[ModelSpec, Layout, Layout, bool], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
-    def plan(self, spec: ModelSpec, src: Layout, dst: Layout) -> ReallocPlan:
-        key = (spec, src, dst)
+    def plan(self, spec: ModelSpec, src: Layout, dst: Layout, flat: bool = False) -> ReallocPlan:
+        key = (spec, src, dst, flat)
         if key not in self._plans:
-            self._plans[key] = plan_realloc(spec, src, dst)
+            self._plans[key] = plan_realloc(spec, src, dst, src_flat=flat)
         return self._plans[key]
 
     def _group(self, a: GroupRef, b: GroupRef) -> tuple[str, dict[str, int]]:
@@ -98,7 +99,8 @@ class CollectiveRealloc:
     def routes(self, src: GroupRef, dst: GroupRef, spec: ModelSpec) -> Routes:
         """Who sends and receives what to move ``spec``'s weights ``src`` -> ``dst`` (joins the
         transfer group the first time the pair meets)."""
-        plan = self.plan(spec, src.layout, dst.layout)
+        assert not dst.flat, "a ZeRO-3 role group sends weights, it does not receive them"
+        plan = self.plan(spec, src.layout, dst.layout, src.flat)
         name, offset = self._group(src, dst)
         s0, d0 = offset[src.key], offset[dst.key]
         sends = {
@@ -136,6 +138,7 @@ class ObjectStoreCopy:
         self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
     ) -> ReallocStats:
         assert eta is None, "the object-store path only copies"
+        assert not src.flat, "the object-store path gathers one replica, which ZeRO-3 lacks"
         start = time.perf_counter()
         replica = src.actors[: src.layout.tp * src.layout.pp]
         refs = [a.get_weights.remote() for a in replica]  # a collective over the replica

@@ -8,6 +8,12 @@ range is intersected with the ranges of the source tp ranks of the stage that ho
 parameter. Every source data-parallel replica (and, for a tp-replicated parameter, every tp rank)
 holds the intersection, so the piece is cut into one part per holder and each part is sent by the
 holder that has sent the least so far: the sending load spreads over all replicas.
+
+A flat source (``src_flat``: DeepSpeed ZeRO-3, tp = pp = 1) holds no rows: each dp rank keeps the
+contiguous range ``[r * ceil(n/dp), (r+1) * ceil(n/dp))`` of every parameter's flattened elements.
+A destination's rows then come from one or two ranks, cut where the ranges end, which can be
+mid-row: such a transfer is a rectangle (``cross``: its extent along the other dim of a 2-D
+parameter) read from the flat slice as a strided view (``src_view``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class Transfer:
     src_offset: int
     dst_offset: int
     nbytes: int
+    cross: tuple[int, int] | None = None  # 2-D: the range along the other dim (None: all)
+    src_view: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # flat source: size, stride
 
 
 @dataclass
@@ -113,18 +121,26 @@ def _parts(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_realloc(spec: ModelSpec, src: Layout, dst: Layout, itemsize: int = 4) -> ReallocPlan:
-    """Every transfer that turns ``spec``'s weights in layout ``src`` into layout ``dst``."""
+def plan_realloc(
+    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int = 4, src_flat: bool = False
+) -> ReallocPlan:
+    """Every transfer that turns ``spec``'s weights in layout ``src`` into layout ``dst``
+    (``src_flat``: the source's dp ranks hold flat slices, ZeRO-3)."""
+    assert not src_flat or (src.tp == 1 and src.pp == 1), "a flat source is dp-only"
     plan = ReallocPlan(src, dst)
     src_stage, dst_stage = _stage_of_unit(spec, src.pp), _stage_of_unit(spec, dst.pp)
     sent_by_rank: dict[int, int] = defaultdict(int)
     for d_rank in range(dst.world_size):
         c = coords_of(d_rank, dst.pp, dst.tp)
         for p in param_shards(spec):
-            if dst_stage[p.unit] == c.pp_rank:
-                stage = src_stage[p.unit]
-                for piece in _pieces(p, src, stage, held_ranges(p, dst.tp, c.tp_rank)):
-                    plan.transfers.append(_assign(p, piece, src, d_rank, sent_by_rank, itemsize))
+            if dst_stage[p.unit] != c.pp_rank:
+                continue
+            wanted = held_ranges(p, dst.tp, c.tp_rank)
+            if src_flat:
+                plan.transfers.extend(_flat_transfers(p, src.dp, wanted, d_rank, itemsize))
+                continue
+            for piece in _pieces(p, src, src_stage[p.unit], wanted):
+                plan.transfers.append(_assign(p, piece, src, d_rank, sent_by_rank, itemsize))
     for t in plan.transfers:
         s_dev, d_dev = src.mesh[t.src], dst.mesh[t.dst]
         plan.sent[s_dev] = plan.sent.get(s_dev, 0) + t.nbytes
@@ -184,6 +200,74 @@ def _assign(
         piece.dst_offset,
         nbytes,
     )
+
+
+def _flat_transfers(
+    p: ParamShard, dp: int, wanted: list[tuple[int, int]], d_rank: int, itemsize: int
+) -> list[Transfer]:
+    """The destination's ``wanted`` ranges of ``p``, each from the flat source rank(s) holding
+    it, as rectangles of the parameter seen as ``[rows, cols]`` (a 1-D one as one row)."""
+    assert len(p.shape) in (1, 2), f"{p.name}: reallocation handles 1-D and 2-D parameters"
+    dim = split_dim(p)
+    rows, cols = (1, p.shape[0]) if len(p.shape) == 1 else p.shape
+    part = -(-p.numel // dp)  # ceil: every rank's slice has this length (the last padded)
+    out = []
+    for a, b in wanted:
+        box = (0, rows, a, b) if len(p.shape) == 1 or dim == 1 else (a, b, 0, cols)
+        for rank in range(dp):
+            for r0, r1, c0, c1 in _rectangles(box, rank * part, (rank + 1) * part, cols):
+                cross: tuple[int, int] | None = None
+                if len(p.shape) == 1:
+                    start, stop = c0, c1
+                elif dim == 1:
+                    start, stop, cross = c0, c1, (r0, r1)
+                else:
+                    start, stop = r0, r1
+                    cross = None if (c0, c1) == (0, cols) else (c0, c1)
+                out.append(
+                    Transfer(
+                        p.name,
+                        dim,
+                        start,
+                        stop,
+                        rank,
+                        d_rank,
+                        r0 * cols + c0 - rank * part,
+                        local_offset(wanted, start),
+                        (r1 - r0) * (c1 - c0) * itemsize,
+                        cross,
+                        (((c1 - c0),), (1,))
+                        if len(p.shape) == 1
+                        else ((r1 - r0, c1 - c0), (cols, 1)),
+                    )
+                )
+    return out
+
+
+def _rectangles(
+    box: tuple[int, int, int, int], lo: int, hi: int, cols: int
+) -> list[tuple[int, int, int, int]]:
+    """``box`` (rows r0..r1, cols c0..c1 of a row-major ``[*, cols]`` array) cut to the flat
+    elements ``[lo, hi)``: at most three rectangles (a partial first row, whole rows, a partial
+    last row)."""
+    r0, r1, c0, c1 = box
+    first, last = max(r0, lo // cols), min(r1, -(-hi // cols)) - 1
+
+    def covered(row: int) -> tuple[int, int]:
+        return max(c0, lo - row * cols), min(c1, hi - row * cols)
+
+    out = []
+    for row in sorted({first, last}):
+        if row in (first, last) and first <= row <= last:
+            x, y = covered(row)
+            if x < y and (x, y) != (c0, c1):
+                out.append((row, row + 1, x, y))
+    whole = [row for row in (first, last) if first <= row <= last and covered(row) == (c0, c1)]
+    m0 = first if first in whole else first + 1
+    m1 = last + 1 if last in whole else last
+    if m0 < m1:
+        out.append((m0, m1, c0, c1))
+    return out
 
 
 def format_reallocations(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> str:

@@ -66,8 +66,25 @@ def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list
     return out
 
 
-def _piece(shards: Mapping[str, torch.Tensor], t: Transfer, offset: int) -> torch.Tensor:
-    return shards[t.name].narrow(t.dim, offset, t.stop - t.start)
+def _region(shard: torch.Tensor, t: Transfer, offset: int) -> torch.Tensor:
+    piece = shard.narrow(t.dim, offset, t.stop - t.start)
+    if t.cross is not None:
+        piece = piece.narrow(1 - t.dim, t.cross[0], t.cross[1] - t.cross[0])
+    return piece
+
+
+def src_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
+    """What the source sends of ``t``: rows of its shard, or a strided view of its flat slice."""
+    if t.src_view is None:
+        return _region(shards[t.name], t, t.src_offset)
+    flat = shards[t.name]
+    size, stride = t.src_view
+    return flat.as_strided(size, stride, flat.storage_offset() + t.src_offset)
+
+
+def dst_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
+    """Where the destination keeps ``t`` in its shard."""
+    return _region(shards[t.name], t, t.dst_offset)
 
 
 def send_all(
@@ -81,7 +98,7 @@ def send_all(
     with torch.no_grad():
         for peer, transfers in sorted(by_peer.items()):
             for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
-                pieces = [_piece(shards, t, t.src_offset) for t in bucket]
+                pieces = [src_piece(shards, t) for t in bucket]
                 if len(pieces) == 1 and pieces[0].is_contiguous():
                     flat = pieces[0]  # no packing copy
                 else:
@@ -121,12 +138,12 @@ def recv_all(
     direct_ok = blend is copy_into
     for peer, transfers in sorted(by_peer.items()):
         for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
-            first = _piece(shards, bucket[0], bucket[0].dst_offset)
+            first = dst_piece(shards, bucket[0])
             if direct_ok and len(bucket) == 1 and first.is_contiguous():
                 # Straight into the shard's memory: nothing left to do after the wait.
                 pending.append((group.irecv(first.detach(), peer, tag), first, []))
                 continue
-            n = sum(_piece(shards, t, t.dst_offset).numel() for t in bucket)
+            n = sum(dst_piece(shards, t).numel() for t in bucket)
             flat = torch.empty(n, dtype=first.dtype, device=first.device)
             pending.append((group.irecv(flat, peer, tag), flat, bucket))
     received = 0
@@ -136,7 +153,7 @@ def recv_all(
             received += flat.numel() * flat.element_size()
             offset = 0
             for t in bucket:
-                dst = _piece(shards, t, t.dst_offset)
+                dst = dst_piece(shards, t)
                 blend(dst, flat[offset : offset + dst.numel()].view_as(dst))
                 offset += dst.numel()
     return received

@@ -19,13 +19,14 @@ from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
 from rayhf.engines.config import ENGINES_BY_KIND
+from rayhf.engines.deepspeed_engine import DEEPSPEED_EXTRA
 from rayhf.engines.vllm_engine import VLLM_CPU_HEAD_DIMS, VLLM_EXTRA
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
 from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
-from rayhf.planner import Plan, make_plan
+from rayhf.planner import Layout, Plan, make_plan
 from rayhf.planner.plan import check_plan_fits
 from rayhf.realloc.plan import check_compatible
 
@@ -238,6 +239,8 @@ def check_engines(
                 f"{field}: vLLM runs one whole model per rank here (tp=1, pp=1) but the plan "
                 f"gives {name} {layout.name}; set plan.{name} to a dp-only layout"
             )
+        if ec.engine == "deepspeed":
+            _check_deepspeed(cfg, name, graph.by_name[name].role, layout)
         if ec.engine != "vllm":
             continue
         if importlib.util.find_spec("vllm") is None:
@@ -249,6 +252,27 @@ def check_engines(
                 f"{field}: vLLM's CPU attention runs head_dim {VLLM_CPU_HEAD_DIMS} but role "
                 f"'{role}' has {head_dim} (hidden_size / n_heads): change models.{role}"
             )
+
+
+def _check_deepspeed(cfg: ExperimentConfig, call: str, role: str, layout: Layout) -> None:
+    field = f"engines.{call}"
+    if layout.tp > 1 or layout.pp > 1:
+        raise RayhfError(
+            f"{field}.engine: DeepSpeed ZeRO shards over data-parallel ranks only (tp=1, pp=1) "
+            f"but the plan gives {call} {layout.name}; set plan.{call} to a dp-only layout"
+        )
+    if cfg.models[role].optimizer.zero1:
+        raise RayhfError(
+            f"models.{role}.optimizer.zero1: {call} runs on DeepSpeed, whose zero_stage "
+            f"already shards the optimizer; remove zero1"
+        )
+    if cfg.engines[call].zero_stage == 3 and cfg.models[role].init_from is not None:
+        raise RayhfError(
+            f"{field}.zero_stage: a ZeRO-3 role sends its weights but cannot receive them, and "
+            f"models.{role}.init_from would; use zero_stage 1 or 2, or drop init_from"
+        )
+    if importlib.util.find_spec("deepspeed") is None:
+        raise RayhfError(f"{field}.engine: DeepSpeed is not installed: {DEEPSPEED_EXTRA}")
 
 
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:

@@ -21,7 +21,9 @@ class CallSpec:
     args: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key read
     outputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key written
-    engine: str = "native"  # generate: native | vllm
+    engine: str = "native"  # generate: native | vllm; train: torch | deepspeed
+    zero_stage: int = 0  # deepspeed: ZeRO stage 1 | 2 | 3
+    offload: bool = False  # deepspeed: optimizer state (and ZeRO-3 parameters) in CPU memory
 
 
 @dataclass(frozen=True)

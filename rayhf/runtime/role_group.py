@@ -30,9 +30,11 @@ class RoleGroup:
         devices: DeviceCluster,
         share: float,
         namespace: str,
+        flat: bool = False,
     ) -> None:
-        """Start one actor per mesh device; ``share`` is the fraction of a device each takes."""
-        self.role, self.layout = role, layout
+        """Start one actor per mesh device; ``share`` is the fraction of a device each takes.
+        ``flat``: the ranks will hold flat slices of the weights (DeepSpeed ZeRO-3)."""
+        self.role, self.layout, self.flat = role, layout, flat
         self.key = f"{role}.{layout.name}"  # unique per run: names its actors and transfer groups
         self.actors: list[Any] = []  # ActorHandle[RoleWorker]
         for rank, device in enumerate(layout.mesh):

@@ -116,6 +116,7 @@ class Session:
                     self.devices,
                     share,
                     self.namespace,
+                    flat=self._zero3(role, layout),
                 )
                 self.groups.setdefault(role, group)
                 if group is not self.groups[role]:
@@ -138,6 +139,17 @@ class Session:
                 spec = self.assets.specs[role]
                 self.init_realloc = self.mover.move(src, dst, spec)
 
+    def _zero3(self, role: str, layout: Layout) -> bool:
+        """Whether this role group trains with DeepSpeed ZeRO-3 (its ranks hold flat slices)."""
+        plan, graph = self.assets.plan, self.assets.graph
+        return any(
+            c.role == role
+            and c.kind == "train"
+            and plan.layouts[c.name] == layout
+            and self.cfg.engine_of(c.name, c.kind)[1] == 3
+            for c in graph.calls
+        )
+
     def _spec(self, role: str, layout: Layout, rank: int, *, threads: int) -> WorkerSpec:
         cfg, assets = self.cfg, self.assets
         rc = cfg.models[role]
@@ -151,7 +163,7 @@ class Session:
                 dict(c.args),
                 c.interface_inputs(),
                 c.interface_outputs(),
-                cfg.engines[c.name].engine if c.name in cfg.engines else "native",
+                *cfg.engine_of(c.name, c.kind),
             )
             for c in assets.graph.calls
             if c.role == role and assets.plan.layouts[c.name] == layout

@@ -56,11 +56,6 @@ def optim_file(optim_dir: str, role: str, rank: int) -> str:
     return os.path.join(optim_dir, f"{role}.rank{rank}.pt")
 
 
-def _local_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer over this rank's state: ZeRO-1 wraps one over the rank's partition."""
-    return getattr(opt, "optim", opt)
-
-
 class RoleWorker:
     """One rank: model, optimizer, and one interface instance per interface name."""
 
@@ -104,9 +99,16 @@ class RoleWorker:
             self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
         model, self._hf_model = self._hf_model, None
         optim = spec.optimizer if model is not None else None
-        self.engine = TorchEngine(
-            model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs, spec.device
-        )
+        args = (model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs, spec.device)
+        trainer = next((c for c in spec.calls if c.kind == "train"), None)
+        if optim is not None and trainer is not None and trainer.engine == "deepspeed":
+            from rayhf.engines.deepspeed_engine import DeepSpeedEngine
+
+            self.engine = DeepSpeedEngine(
+                *args, zero_stage=trainer.zero_stage, offload=trainer.offload
+            )
+        else:
+            self.engine = TorchEngine(*args)
         if any(c.engine == "vllm" for c in spec.calls) and self.engine.model is not None:
             self.engine.use_vllm(spec.seed)
 
@@ -182,7 +184,7 @@ class RoleWorker:
     def realloc_send(self, group: str, by_peer: dict[int, list[Transfer]]) -> int:
         """Send this rank's planned source slices; returns bytes sent."""
         assert self.engine.model is not None
-        return send_all(self.transfer_groups[group], self.engine.model.local_state(), by_peer)
+        return send_all(self.transfer_groups[group], self.engine.source_shards(), by_peer)
 
     def realloc_recv(
         self, group: str, by_peer: dict[int, list[Transfer]], eta: float | None = None
@@ -193,8 +195,8 @@ class RoleWorker:
         blend = copy_into if eta is None else ema_into(eta)
         shards = self.engine.model.local_state()
         received = recv_all(self.transfer_groups[group], shards, by_peer, blend)
-        self.engine.weights_changed()  # a vLLM engine reloads them before its next call
-        return received
+        self.engine.weights_loaded()  # vLLM reloads them before its next call; DeepSpeed's
+        return received  # optimizer takes them as its master weights
 
     def release_weights(self) -> None:
         """Drop this copy's weights until the next reallocation refills them."""
@@ -213,22 +215,26 @@ class RoleWorker:
         """Every rank calls: replica 0 gathers and its head writes the model (Hugging Face
         format) to ``model_dir``; each rank writes its optimizer + interface state to
         ``optim_dir/{role}.rank{r}.pt`` (ranks hold different shards of the optimizer)."""
-        if self.groups.coords.dp_rank == 0:
+        if self.groups.coords.dp_rank == 0 or self.engine.gathers_over_dp:
             self.engine.save_pretrained(model_dir)
         state: dict[str, Any] = {
             "interfaces": {k: v.state_dict() for k, v in self.interfaces.items()}
         }
         if self.engine.optimizer is not None:
-            state["optimizer"] = _local_optimizer(self.engine.optimizer).state_dict()
+            state["optimizer"] = self.engine.save_optimizer(self._engine_dir(optim_dir))
         torch.save(state, optim_file(optim_dir, self.spec.role, self.spec.rank))
 
     def load_optimizer(self, optim_dir: str) -> None:
         path = optim_file(optim_dir, self.spec.role, self.spec.rank)
         state = torch.load(path, weights_only=False)
         if self.engine.optimizer is not None:
-            _local_optimizer(self.engine.optimizer).load_state_dict(state["optimizer"])
+            self.engine.load_optimizer(self._engine_dir(optim_dir), state["optimizer"])
         for name, s in state["interfaces"].items():
             self.interfaces[name].load_state_dict(s)
+
+    def _engine_dir(self, optim_dir: str) -> str:
+        """Where an engine with its own checkpoint format (DeepSpeed) writes this role's."""
+        return os.path.join(optim_dir, self.spec.role)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,152 @@
+"""DeepSpeed ZeRO as a real training engine in role groups of 2 actors: ZeRO-1, 2 and 3 train
+like the torch engine, resume from their own checkpoints, and a ZeRO-3 group's flat slices move
+bit for bit into a tensor-parallel layout."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import REPO
+from transformers import AutoModelForCausalLM
+
+import rayhf
+from rayhf.errors import RayhfError
+
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None
+    and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
+    reason="DeepSpeed (rayhf[deepspeed]) is not installed",
+)
+
+
+PPO_CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
+
+
+def _sft(tmp_path, name: str, **extra):
+    """examples/sft_tiny.yaml for 3 steps, the train call data-parallel over 2 actors."""
+    ov = {
+        "run_dir": str(tmp_path / name),
+        "steps": 3,
+        "batch_size": 8,
+        "eval_every": 0,
+        "save_every": 1,
+        "dataset.path": str(tmp_path / "data" / "sft.parquet"),
+        "dataset.eval_path": str(tmp_path / "data" / "sft_eval.parquet"),
+        "metrics.console": False,
+        "metrics.ray_metrics": False,
+        "metrics.plot": False,
+        "plan": {"actor_train": {"dp": 2}},
+        **extra,
+    }
+    return rayhf.load_config(REPO / "examples" / "sft_tiny.yaml").with_overrides(ov)
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).state_dict()
+
+
+@needs_deepspeed
+@pytest.mark.ray
+def test_zero_stages_train_as_the_torch_engine_does_and_resume(ray_cluster, tmp_path):
+    from rayhf.runtime.trainer import run
+
+    torch_run = run(_sft(tmp_path, "torch"))
+    ref = _weights(torch_run.actor_checkpoint)
+    assert len(torch_run.metrics) == 3
+    for stage in (1, 2, 3):
+        engines = {"actor_train": {"engine": "deepspeed", "zero_stage": stage}}
+        result = run(_sft(tmp_path, f"zero{stage}", engines=engines))
+        for mine, theirs in zip(result.metrics, torch_run.metrics, strict=True):
+            assert mine["nll"] == pytest.approx(theirs["nll"], abs=1e-5), (stage, mine["step"])
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        got = _weights(result.actor_checkpoint)  # ZeRO-3: gathered from both ranks' slices
+        assert max(float((got[k] - ref[k]).abs().max()) for k in ref) < 1e-5, stage
+    # ZeRO-3's optimizer state comes back from DeepSpeed's own checkpoint: step 3 again from
+    # step 2 gives step 3's loss (a fresh Adam would not)
+    again = tmp_path / "zero3_again"
+    shutil.copytree(tmp_path / "zero3", again)
+    shutil.rmtree(again / "checkpoints" / "step_000003")
+    assert (again / "checkpoints" / "step_000002" / "optim" / "actor" / "deepspeed").is_dir()
+    resumed = run(resume=again)
+    assert resumed.info["start_step"] == 2.0
+    assert resumed.metrics[-1]["nll"] == pytest.approx(result.metrics[-1]["nll"], abs=1e-6)
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3]
+
+
+@needs_deepspeed
+@pytest.mark.ray
+def test_zero3_slices_move_bit_exactly_into_a_tp2_layout(ray_cluster, tiny_config):
+    import ray
+
+    from rayhf.runtime.assets import prepare_run
+    from rayhf.runtime.session import Session
+    from rayhf.runtime.trainer import Trainer
+
+    cfg = tiny_config(
+        steps=1,
+        engines={"actor_train": {"engine": "deepspeed", "zero_stage": 3}},
+        plan={"actor_train": {"mesh": [0, 1], "dp": 2}, "actor_gen": {"mesh": [2, 3], "tp": 2},
+              "ref_inf": {"mesh": [0, 1], "dp": 2}, "rew_inf": {"mesh": [0, 1], "dp": 2},
+              "critic_inf": {"mesh": [0, 1], "dp": 2}, "critic_train": {"mesh": [0, 1], "dp": 2}},
+        **{"cluster.n_devices": 4},
+    )  # fmt: skip
+    assets = prepare_run(cfg, cfg.resolved_run_dir())
+    with Session(cfg, assets, resume=None) as session:
+        home, ref = session.groups["actor"], session.groups["ref"]
+        (gen,) = [g for g in session.copies.values() if g.role == "actor"]
+        assert home.flat and not gen.flat and gen.layout.tp == 2
+
+        def whole(group):  # every rank calls (a collective); rank 0 holds the whole model
+            return ray.get([a.get_weights.remote() for a in group.actors])[0]
+
+        init = _weights(assets.model_dirs["actor"])
+        first = whole(ref)  # ref's weights came by init_from: from the actor's flat slices
+        assert all(torch.equal(first[k], init[k]) for k in init)
+        Trainer(cfg, assets, session).loop(0)  # one PPO step: ZeRO-3 trains the actor
+        session.mover.move(home, gen, assets.specs["actor"])
+        src, dst = whole(home), whole(gen)
+        assert not torch.equal(src["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
+        assert src.keys() == dst.keys()
+        assert all(torch.equal(src[k], dst[k]) for k in src), "the move is bit-exact"
+        sizes = ray.get([a.local_bytes.remote() for a in home.actors])
+        whole_copy = ray.get(ref.actors[0].local_bytes.remote())
+        assert max(sizes) < 0.6 * whole_copy, "each ZeRO-3 rank holds about half of the weights"
+
+
+def test_asking_for_deepspeed_without_it_names_the_extra(tmp_path, tiny_config, monkeypatch):
+    from rayhf.runtime.assets import prepare_run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a)
+    )
+    cfg = tiny_config(plan="colocated", engines={"actor_train": {"engine": "deepspeed"}})
+    with pytest.raises(RayhfError, match=r"^engines.actor_train.engine: DeepSpeed is not "
+                                         r"installed: pip install 'rayhf\[deepspeed\]'$"):  # fmt: skip
+        prepare_run(cfg, cfg.resolved_run_dir())
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    plan = {c: {"dp": 2} for c in PPO_CALLS} | {"actor_train": {"tp": 2}}
+    tp = tiny_config(
+        engines={"actor_train": {"engine": "deepspeed"}}, plan=plan, **{"cluster.n_devices": 2}
+    )
+    with pytest.raises(RayhfError, match=r"engines.actor_train.engine: DeepSpeed ZeRO shards"):
+        prepare_run(tp, tp.resolved_run_dir())
+    both = tiny_config(
+        plan="colocated", engines={"actor_train": {"engine": "deepspeed"}},
+        **{"models.actor.optimizer.zero1": True},
+    )  # fmt: skip
+    with pytest.raises(RayhfError, match=r"models.actor.optimizer.zero1: .* remove zero1"):
+        prepare_run(both, both.resolved_run_dir())
+    z3 = tiny_config(
+        plan="colocated",
+        engines={"critic_train": {"engine": "deepspeed", "zero_stage": 3}},
+        **{"models.critic.init_from": "actor", "models.critic.init": None},
+    )
+    with pytest.raises(RayhfError, match=r"engines.critic_train.zero_stage: a ZeRO-3 role"):
+        prepare_run(z3, z3.resolved_run_dir())
+    with pytest.raises(RayhfError, match=r"zero_stage and offload are settings of engine"):
+        tiny_config(engines={"actor_train": {"engine": "torch", "zero_stage": 3}})
