@@ -125,8 +125,8 @@ def test_asking_for_deepspeed_without_it_names_the_extra(tmp_path, tiny_config, 
         importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a)
     )
     cfg = tiny_config(plan="colocated", engines={"actor_train": {"engine": "deepspeed"}})
-    with pytest.raises(RayhfError, match=r"^engines.actor_train.engine: DeepSpeed is not "
-                                         r"installed: pip install 'rayhf\[deepspeed\]'$"):  # fmt: skip
+    needle = r"^engines.actor_train.engine: DeepSpeed is not installed: "
+    with pytest.raises(RayhfError, match=needle + r"pip install 'rayhf\[deepspeed\]'$"):
         prepare_run(cfg, cfg.resolved_run_dir())
     monkeypatch.setattr(importlib.util, "find_spec", real)
     plan = {c: {"dp": 2} for c in PPO_CALLS} | {"actor_train": {"tp": 2}}

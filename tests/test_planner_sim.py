@@ -3,6 +3,7 @@ and the baselines (no Ray, no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
 from rayhf.planner import baselines
-from rayhf.planner.cost import AnalyticCost, Workload
+from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.layout import Layout
 from rayhf.planner.plan import Plan
@@ -244,3 +245,71 @@ def test_search_improves_on_the_colocated_plan():
 def _score(cost: AnalyticCost):
     cap = cost.cluster.device.memory_bytes
     return lambda plan: energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+
+
+def test_engines_change_the_memory_the_planner_counts():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, lay = SPECS["actor"], Layout(tuple(range(8)), dp=8)
+    train = WORKS["actor_train"]
+    torch_b = cost.resident(spec, lay, True, train)
+    by_stage = [
+        cost.resident(spec, lay, True, dataclasses.replace(train, engine="deepspeed", zero_stage=z))
+        for z in (1, 2, 3)
+    ]
+    assert torch_b > by_stage[0] > by_stage[1] > by_stage[2]
+    weights = cost.resident(spec, lay, False)
+    assert by_stage[2] == pytest.approx(weights * 2 / 8 + (torch_b - 2 * weights) / 8)
+    offload = dataclasses.replace(train, engine="deepspeed", zero_stage=2, offload=True)
+    assert cost.resident(spec, lay, True, offload) == pytest.approx(weights + weights / 8)
+    gen = WORKS["actor_gen"]
+    vllm = dataclasses.replace(gen, engine="vllm")
+    extra = cost.memory(spec, lay, vllm) - cost.memory(spec, lay, gen)
+    assert extra == pytest.approx(weights + VLLM_KV_BYTES)  # its own weights and KV cache
+    plan = Plan({c.name: lay for c in GRAPH.calls}, "colocated")
+    works = {**WORKS, "actor_gen": vllm}
+    plain, with_vllm = (simulate(GRAPH, plan, SPECS, w, cost) for w in (WORKS, works))
+    assert max(with_vllm.peak_memory.values()) == pytest.approx(
+        max(plain.peak_memory.values()) + extra
+    )
+
+
+def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    cap = cost.cluster.device.memory_bytes
+    works = {
+        **WORKS,
+        "actor_gen": dataclasses.replace(WORKS["actor_gen"], engine="vllm"),
+        "critic_train": dataclasses.replace(
+            WORKS["critic_train"], engine="deepspeed", zero_stage=3
+        ),
+    }
+
+    def score(plan: Plan) -> float:
+        return energy(simulate(GRAPH, plan, SPECS, works, cost), cap)
+
+    tp2 = Plan({c.name: Layout(tuple(range(8)), 4, 2) for c in GRAPH.calls}, "tp2")
+    assert simulate(GRAPH, tp2, SPECS, works, cost).refused == ["actor_gen", "critic_train"]
+    assert score(tp2) == float("inf")
+    starts = [baselines.colocated(GRAPH, SPECS, 8, 8, score)]
+    found = search(GRAPH, SPECS, works, cost, starts, seed=1, max_iterations=300)
+    for name in ("actor_gen", "critic_train"):
+        lay = found.plan.layouts[name]
+        assert (lay.tp, lay.pp) == (1, 1), name
+    assert found.simulation.feasible
+
+
+def test_rayhf_plan_shows_memory_per_device_with_the_engines(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    def peak(*extra: str) -> float:
+        cmd = [sys.executable, "-m", "rayhf", "plan", str(REPO / "examples" / "ppo_vllm.yaml"),
+               *extra]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        found = re.findall(r"d\d+ ([\d.]+) MiB", proc.stdout.split("memory per device")[1])
+        return max(float(x) for x in found)
+
+    with_engines, without = peak(), peak("engines={}")
+    assert with_engines - without == pytest.approx(VLLM_KV_BYTES / 2**20, rel=0.01)

@@ -137,6 +137,27 @@ def plan(
             )
         typer.echo(rayhf.format_plan(the_plan, graph))
         typer.echo(format_reallocations(the_plan, graph, specs))
+        if cfg.cluster.device == "cpu":
+            typer.echo(_memory_per_device(cfg, graph, the_plan, specs))
+
+
+def _memory_per_device(cfg, graph, the_plan, specs) -> str:
+    """The simulated peak memory per emulated device under a plan, engines included."""
+    from rayhf.planner.auto import workloads
+    from rayhf.planner.cost import AnalyticCost
+    from rayhf.planner.hardware import cpu_cluster
+    from rayhf.planner.simulate import simulate
+    from rayhf.runtime.assets import call_engines
+
+    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
+    works = workloads(
+        graph, cfg.batch_size, cfg.dataset.max_prompt_len, cfg.generation.max_new_tokens,
+        minibatches, call_engines(cfg, graph),
+    )  # fmt: skip
+    cost = AnalyticCost(cpu_cluster(cfg.cluster.n_devices, cfg.cluster.device_memory_gb))
+    sim = simulate(graph, the_plan, specs, works, cost)
+    peaks = ", ".join(f"d{d} {b / 2**20:.1f} MiB" for d, b in sorted(sim.peak_memory.items()))
+    return f"  memory per device (weights, optimizer state, engines, largest call): {peaks}"
 
 
 def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
@@ -158,12 +179,13 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     from rayhf.planner import format_plan
     from rayhf.planner.auto import auto_plan, format_auto, workloads, write_gantt
     from rayhf.planner.hardware import parse_cluster
+    from rayhf.runtime.assets import call_engines
 
     cluster = parse_cluster(cluster_text)
     minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
     works = workloads(
         graph, cfg.batch_size, cfg.dataset.max_prompt_len, cfg.generation.max_new_tokens,
-        minibatches,
+        minibatches, call_engines(cfg, graph),
     )  # fmt: skip
     result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds)
     chosen = result.chosen.plan

@@ -7,6 +7,7 @@ workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,16 +31,25 @@ class AutoPlan:
 
 
 def workloads(
-    graph: Graph, batch: int, prompt_len: int, gen_len: int, n_minibatches: int
+    graph: Graph,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    n_minibatches: int,
+    engines: Mapping[str, tuple[str, int, bool]] | None = None,
 ) -> dict[str, Workload]:
     """Each call's work per step (a generate call that samples a group multiplies nothing here:
-    the batch is the step's sequences)."""
-    return {
-        c.name: Workload(
-            c.kind, batch, prompt_len, gen_len, n_minibatches if c.kind == "train" else 1
+    the batch is the step's sequences); ``engines``: call -> (engine, ZeRO stage, offload) of the
+    calls not on rayhf's own engines (``ExperimentConfig.engine_of``)."""
+    engines = engines or {}
+    out = {}
+    for c in graph.calls:
+        engine, zero, offload = engines.get(c.name, ("", 0, False))
+        minibatches = n_minibatches if c.kind == "train" else 1
+        out[c.name] = Workload(
+            c.kind, batch, prompt_len, gen_len, minibatches, engine, zero, offload
         )
-        for c in graph.calls
-    }
+    return out
 
 
 def check_fits(graph: Graph, specs: dict[str, ModelSpec], works, cost: AnalyticCost) -> None:
@@ -51,6 +61,8 @@ def check_fits(graph: Graph, specs: dict[str, ModelSpec], works, cost: AnalyticC
         if spec is None:
             continue
         options = candidates(spec, cluster.n_devices, cluster.devices_per_node)
+        if works[call.name].whole_model_ranks:
+            options = [lay for lay in options if lay.tp == 1 and lay.pp == 1]
         need = min(cost.memory(spec, lay, works[call.name]) for lay in options)
         if need > capacity:
             raise RayhfError(

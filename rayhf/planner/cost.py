@@ -50,6 +50,14 @@ class Workload:
     prompt_len: int
     gen_len: int  # new tokens (generate); inference and train see prompt + gen tokens
     n_minibatches: int = 1  # optimizer steps per train call
+    engine: str = ""  # the call's backend when not rayhf's own: "vllm" | "deepspeed"
+    zero_stage: int = 0  # train: what the optimizer shards over dp (ZeRO-1 torch, DeepSpeed)
+    offload: bool = False  # train: optimizer state in host memory (DeepSpeed)
+
+    @property
+    def whole_model_ranks(self) -> bool:
+        """Whether the engine runs one whole model per rank (tp = pp = 1 layouts only)."""
+        return self.engine in ("vllm", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -95,14 +103,23 @@ def _sizes(spec: ModelSpec) -> tuple[int, int, int]:
     return total, total - embed, embed
 
 
+VLLM_KV_BYTES = 2**30  # the KV cache a vLLM engine reserves (VLLM_CPU_KVCACHE_SPACE=1 here)
+
+
 @functools.lru_cache(maxsize=4096)
-def _resident(spec: ModelSpec, tp: int, pp: int, shards: int, trainable: bool, b: int) -> float:
-    """Weights (+ gradients and AdamW state, sharded ``shards`` ways) on the fullest device."""
+def _resident(
+    spec: ModelSpec, tp: int, pp: int, dp: int, trainable: bool, b: int, zero: int, offload: bool
+) -> float:
+    """Weights (+ gradients and AdamW state) on the fullest device; ZeRO stage ``zero`` splits
+    the optimizer state (1), the gradients (2) and the weights (3) over the ``dp`` ranks, and
+    ``offload`` keeps the optimizer state in host memory."""
     shard = max_shard_params(spec, tp, pp)
     if not trainable:
         return float(shard * b)
     optimizer = 8 * shard if b == 4 else 12 * shard  # fp32: 2 moments; bf16: + fp32 master
-    return shard * 2 * b + optimizer / shards
+    weights = shard * b / (dp if zero >= 3 else 1)
+    grads = shard * b / (dp if zero >= 2 else 1)
+    return weights + grads + (0.0 if offload else optimizer / (dp if zero >= 1 else 1))
 
 
 def _allreduce(n_bytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -117,7 +134,7 @@ class AnalyticCost:
     def __init__(self, cluster: ClusterSpec, efficiency: Efficiency | None = None) -> None:
         self.cluster = cluster
         self.eff = efficiency or Efficiency()
-        self._calls: dict[tuple[ModelSpec, Layout, Workload, bool], CallCost] = {}
+        self._calls: dict[tuple[ModelSpec, Layout, Workload], CallCost] = {}
 
     def _flops_rate(self) -> float:
         return self.cluster.device.flops * self.eff.compute
@@ -207,17 +224,15 @@ class AnalyticCost:
         comm += (layout.pp - 1) * lat + (2 * lat if layout.pp > 1 else 0.0)  # hops, broadcast
         return max(gpu, host) + comm
 
-    def call(
-        self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False
-    ) -> CallCost:
+    def call(self, spec: ModelSpec, layout: Layout, work: Workload) -> CallCost:
         """Time and peak memory of one call of ``work`` on ``layout`` (memoized: the search
         prices the same few thousand (model, layout, workload) triples over and over)."""
-        key = (spec, layout, work, zero1)
+        key = (spec, layout, work)
         if key not in self._calls:
-            self._calls[key] = self._call(spec, layout, work, zero1)
+            self._calls[key] = self._call(spec, layout, work)
         return self._calls[key]
 
-    def _call(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool) -> CallCost:
+    def _call(self, spec: ModelSpec, layout: Layout, work: Workload) -> CallCost:
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
         parts: dict[str, float] = {}
@@ -234,7 +249,7 @@ class AnalyticCost:
                 spec, layout, per_minibatch, seq, backward=True
             )
             parts["optimizer"] = work.n_minibatches * self._optimizer_seconds(spec, layout)
-        return CallCost(sum(parts.values()), self.memory(spec, layout, work, zero1), parts)
+        return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
 
     def _optimizer_seconds(self, spec: ModelSpec, layout: Layout) -> float:
         """Gradient all-reduce over dp plus one AdamW pass over this device's shard."""
@@ -246,14 +261,28 @@ class AnalyticCost:
         )
         return reduce + 2 * 16 * shard / self._bytes_rate()
 
-    def resident(self, spec: ModelSpec, layout: Layout, trainable: bool, zero1: bool = False):
-        """Bytes a role keeps on each device of its home layout between calls."""
-        return _resident(spec, layout.tp, layout.pp, layout.dp if zero1 else 1, trainable,
-                         self.cluster.device.dtype_bytes)  # fmt: skip
+    def resident(
+        self, spec: ModelSpec, layout: Layout, trainable: bool, work: Workload | None = None
+    ) -> float:
+        """Bytes a role keeps on each device of its home layout between calls (``work``: its
+        train call's, for how the optimizer shards its state)."""
+        zero, offload = (work.zero_stage, work.offload) if work is not None else (0, False)
+        return _resident(spec, layout.tp, layout.pp, layout.dp, trainable,
+                         self.cluster.device.dtype_bytes, zero, offload)  # fmt: skip
 
-    def memory(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False):
-        """Peak bytes on a device while the call runs, its weights included (a trained role's
-        gradients and optimizer state only in its train call)."""
+    def engine_resident(self, spec: ModelSpec, work: Workload) -> float:
+        """Bytes a call's engine keeps on each device of the call's layout for the whole run:
+        vLLM's own whole copy of the weights and its reserved KV cache."""
+        if work.engine != "vllm":
+            return 0.0
+        return max_shard_params(spec, 1, 1) * self.cluster.device.dtype_bytes + VLLM_KV_BYTES
+
+    def memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
+        """Peak bytes on a device while the call runs, its weights and its engine's included (a
+        trained role's gradients and optimizer state only in its train call)."""
+        return self._memory(spec, layout, work) + self.engine_resident(spec, work)
+
+    def _memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
         b = self.cluster.device.dtype_bytes
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
@@ -272,4 +301,4 @@ class AnalyticCost:
             return self.resident(spec, layout, False) + acts + logits
         tokens = n_seqs * seq / work.n_minibatches
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 * layers / layout.tp
-        return self.resident(spec, layout, True, zero1) + acts + logits / work.n_minibatches
+        return self.resident(spec, layout, True, work) + acts + logits / work.n_minibatches

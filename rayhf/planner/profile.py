@@ -275,7 +275,7 @@ class ProfiledCost(AnalyticCost):
         prefill += spec.n_layers * (fit.layer[0] + fit.layer[1] * b * w.prompt_len / lay.tp)
         return prefill + w.gen_len * decode
 
-    def call(self, spec: ModelSpec, layout: Layout, work: Workload, zero1: bool = False):
+    def call(self, spec: ModelSpec, layout: Layout, work: Workload):
         prof = self._profile(spec)
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
@@ -293,7 +293,7 @@ class ProfiledCost(AnalyticCost):
         parts = {k: v * scale for k, v in parts.items()}
         parts["actor"] = fixed
         parts["driver"] = self.call_overhead
-        return CallCost(sum(parts.values()), self.memory(spec, layout, work, zero1), parts)
+        return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,6 +296,8 @@ def improve(
 
 
 def energy(sim: Simulation, capacity: float) -> float:
+    if sim.refused:  # an engine that holds whole models given tp or pp: not a plan at all
+        return math.inf
     over = sum(max(0.0, b - capacity) for _, _, b in sim.over_memory)
     return sim.iteration_seconds * (1.0 + (10.0 + 10.0 * over / capacity if over else 0.0))
 
@@ -321,6 +323,9 @@ def search(
         c.name: candidates(specs.get(c.role), cluster.n_devices, cluster.devices_per_node)
         for c in graph.calls
     }
+    for name, opts in options.items():  # vLLM and DeepSpeed calls: dp-only layouts
+        if works[name].whole_model_ranks:
+            options[name] = [lay for lay in opts if lay.tp == 1 and lay.pp == 1]
     options = _fitting(options, graph, specs, works, cost)
     short = _shortlist(options, graph, specs, works, cost)
     score = _Scorer(graph, specs, works, cost, began + time_limit, concurrent)

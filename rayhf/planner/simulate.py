@@ -44,10 +44,11 @@ class Simulation:
     spans: list[Span] = field(default_factory=list)
     peak_memory: dict[int, float] = field(default_factory=dict)  # device -> bytes
     over_memory: list[tuple[str, int, float]] = field(default_factory=list)  # (what, device, B)
+    refused: list[str] = field(default_factory=list)  # calls whose engine cannot take the layout
 
     @property
     def feasible(self) -> bool:
-        return not self.over_memory
+        return not self.over_memory and not self.refused
 
 
 @functools.lru_cache(maxsize=16384)
@@ -123,6 +124,11 @@ def simulate(
                 train_end[call.role] = ready
         last_train.update(train_end)
     sim = Simulation(_period(spans, n_iterations), spans)
+    sim.refused = [
+        name
+        for name in graph.order
+        if works[name].whole_model_ranks and plan.layouts[name].tp * plan.layouts[name].pp > 1
+    ]
     _memory(sim, graph, plan, specs, works, cost, homes, trained)
     return sim
 
@@ -174,10 +180,16 @@ def _memory(
     n_devices = _n_devices(plan, cost)
     resident = np.zeros(n_devices)
     used = np.zeros(n_devices, dtype=bool)
+    trains = {c.role: works[c.name] for c in graph.calls if c.kind == "train"}
     for role, home in homes.items():
         if role in specs:
-            resident[_index(home.mesh)] += cost.resident(specs[role], home, role in trained)
+            kept = cost.resident(specs[role], home, role in trained, trains.get(role))
+            resident[_index(home.mesh)] += kept
             used[_index(home.mesh)] = True
+    for name in graph.order:  # an engine's own memory (vLLM) stays for the whole run
+        role, index = graph.by_name[name].role, _index(plan.layouts[name].mesh)
+        if role in specs:
+            resident[index] += cost.engine_resident(specs[role], works[name])
     transient = np.zeros(n_devices)
     owner = np.full(n_devices, -1)  # index in graph.order of the call with that transient
     for i, name in enumerate(graph.order):
@@ -186,9 +198,11 @@ def _memory(
             continue
         work = works[name]
         need = cost.call(specs[role], layout, work).memory  # memoized
+        need -= cost.engine_resident(specs[role], work)  # counted as resident above
         if layout == homes[role]:  # the weights it counts are already resident, nothing more:
             # an inference or generation of a trained role still needs its cache and logits
-            need -= cost.resident(specs[role], layout, work.kind == "train")
+            kind_train = work.kind == "train"
+            need -= cost.resident(specs[role], layout, kind_train, work if kind_train else None)
         index = _index(layout.mesh)
         used[index] = True
         bigger = transient[index] < need

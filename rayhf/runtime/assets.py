@@ -192,6 +192,19 @@ def _check_batch(cfg: ExperimentConfig, plan: Plan) -> None:
         raise RayhfError(f"batch_size={cfg.batch_size} is smaller than the plan's dp={widest}")
 
 
+def call_engines(cfg: ExperimentConfig, graph: Graph) -> dict[str, tuple[str, int, bool]]:
+    """Per call not on rayhf's own engines: (engine, ZeRO stage, offload), as the planner
+    prices them (a torch train call with ``optimizer.zero1`` is ZeRO stage 1)."""
+    out = {}
+    for c in graph.calls:
+        engine, zero, offload = cfg.engine_of(c.name, c.kind)
+        if c.kind == "train" and engine == "torch" and c.role in cfg.models:
+            zero = 1 if cfg.models[c.role].optimizer.zero1 else 0
+        if engine in ("vllm", "deepspeed") or zero:
+            out[c.name] = (engine if engine in ("vllm", "deepspeed") else "", zero, offload)
+    return out
+
+
 def _auto_plan(
     cfg: ExperimentConfig, graph: Graph, model_dirs: dict[str, Path], dataset, run_dir: Path
 ) -> Plan:
@@ -211,7 +224,10 @@ def _auto_plan(
     }
     minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
     prompt_len = round(dataset.mean_prompt_len())
-    works = workloads(graph, cfg.batch_size, prompt_len, cfg.generation.max_new_tokens, minibatches)
+    works = workloads(
+        graph, cfg.batch_size, prompt_len, cfg.generation.max_new_tokens, minibatches,
+        call_engines(cfg, graph),
+    )  # fmt: skip
     plan = plan_for_run(graph, configs, works, cfg.cluster, cfg.seed)
     saved.write_text(plan.to_json())
     return plan
