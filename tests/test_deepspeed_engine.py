@@ -57,9 +57,9 @@ def test_zero_stages_train_as_the_torch_engine_does_and_resume(ray_cluster, tmp_
     torch_run = run(_sft(tmp_path, "torch"))
     ref = _weights(torch_run.actor_checkpoint)
     assert len(torch_run.metrics) == 3
-    for stage in (1, 2, 3):
-        engines = {"actor_train": {"engine": "deepspeed", "zero_stage": stage}}
-        result = run(_sft(tmp_path, f"zero{stage}", engines=engines))
+    for stage, offload in ((1, False), (2, False), (2, True), (3, False)):
+        engines = {"actor_train": {"engine": "deepspeed", "zero_stage": stage, "offload": offload}}
+        result = run(_sft(tmp_path, f"zero{stage}{'_offload' if offload else ''}", engines=engines))
         for mine, theirs in zip(result.metrics, torch_run.metrics, strict=True):
             assert mine["nll"] == pytest.approx(theirs["nll"], abs=1e-5), (stage, mine["step"])
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
@@ -148,5 +148,41 @@ def test_asking_for_deepspeed_without_it_names_the_extra(tmp_path, tiny_config, 
     )
     with pytest.raises(RayhfError, match=r"engines.critic_train.zero_stage: a ZeRO-3 role"):
         prepare_run(z3, z3.resolved_run_dir())
+    shared = tiny_config(
+        plan="colocated", engines={"actor_train": {"engine": "deepspeed", "zero_stage": 3}}
+    )
+    with pytest.raises(RayhfError, match=r"^plan.actor_gen: role 'actor' trains on ZeRO-3 "):
+        prepare_run(shared, shared.resolved_run_dir())
     with pytest.raises(RayhfError, match=r"zero_stage and offload are settings of engine"):
         tiny_config(engines={"actor_train": {"engine": "torch", "zero_stage": 3}})
+
+
+@needs_deepspeed
+@pytest.mark.ray
+def test_a_zero2_role_trains_from_the_weights_it_receives(ray_cluster, tiny_config):
+    """init_from into a ZeRO-2 role: the received weights become DeepSpeed's master copy, so
+    the first step moves them a little instead of restoring the random ones it was built with."""
+    import ray
+
+    from rayhf.runtime.assets import prepare_run
+    from rayhf.runtime.session import Session
+    from rayhf.runtime.trainer import Trainer
+
+    cfg = tiny_config(
+        steps=1, plan="colocated",
+        engines={"actor_train": {"engine": "deepspeed", "zero_stage": 2}},
+        **{"models.ref.init_from": None, "models.ref.init": {"family": "llama", "hidden_size": 64,
+           "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seed": 11},
+           "models.actor.init_from": "ref", "models.actor.init": None},
+    )  # fmt: skip
+    assets = prepare_run(cfg, cfg.resolved_run_dir())
+    with Session(cfg, assets, resume=None) as session:
+        actor, ref = session.groups["actor"], session.groups["ref"]
+        start = ray.get(ref.actors[0].get_weights.remote())
+        got = ray.get(actor.actors[0].get_weights.remote())
+        assert all(torch.equal(got[k], start[k]) for k in start)
+        Trainer(cfg, assets, session).loop(0)
+        after = ray.get([a.get_weights.remote() for a in actor.actors])
+    moved = max(float((after[0][k] - start[k]).abs().max()) for k in start)
+    assert 0 < moved < 0.05, "one small step away from the received weights"
+    assert all(torch.equal(after[0][k], after[1][k]) for k in start), "replicas agree"

@@ -288,14 +288,17 @@ def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
         return energy(simulate(GRAPH, plan, SPECS, works, cost), cap)
 
     tp2 = Plan({c.name: Layout(tuple(range(8)), 4, 2) for c in GRAPH.calls}, "tp2")
-    assert simulate(GRAPH, tp2, SPECS, works, cost).refused == ["actor_gen", "critic_train"]
+    refused = simulate(GRAPH, tp2, SPECS, works, cost).refused
+    assert refused == ["actor_gen", "critic_inf", "critic_train"]  # critic_inf: on ZeRO-3 ranks
     assert score(tp2) == float("inf")
     starts = [baselines.colocated(GRAPH, SPECS, 8, 8, score)]
     found = search(GRAPH, SPECS, works, cost, starts, seed=1, max_iterations=300)
     for name in ("actor_gen", "critic_train"):
         lay = found.plan.layouts[name]
         assert (lay.tp, lay.pp) == (1, 1), name
-    assert found.simulation.feasible
+    # ZeRO-3 ranks hold slices: the critic's inference runs in a layout of its own
+    assert found.plan.layouts["critic_inf"] != found.plan.layouts["critic_train"]
+    assert found.simulation.feasible and score(starts[0]) == float("inf")
 
 
 def test_rayhf_plan_shows_memory_per_device_with_the_engines(tmp_path):

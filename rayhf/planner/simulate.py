@@ -124,13 +124,23 @@ def simulate(
                 train_end[call.role] = ready
         last_train.update(train_end)
     sim = Simulation(_period(spans, n_iterations), spans)
-    sim.refused = [
-        name
-        for name in graph.order
-        if works[name].whole_model_ranks and plan.layouts[name].tp * plan.layouts[name].pp > 1
-    ]
+    sim.refused = _refused(graph, plan, works)
     _memory(sim, graph, plan, specs, works, cost, homes, trained)
     return sim
+
+
+def _refused(graph: Graph, plan: Plan, works: dict[str, Workload]) -> list[str]:
+    """Calls whose engine cannot run them where the plan puts them: vLLM and DeepSpeed hold
+    whole models per rank (dp-only layouts); a ZeRO-3 group holds slices, so the role's other
+    calls need layouts of their own."""
+    lay = plan.layouts
+    zero3 = {c.role: lay[c.name] for c in graph.calls if works[c.name].zero_stage == 3}
+    return [
+        name
+        for name in graph.order
+        if (works[name].whole_model_ranks and lay[name].tp * lay[name].pp > 1)
+        or (works[name].kind != "train" and zero3.get(graph.by_name[name].role) == lay[name])
+    ]
 
 
 def _period(spans: list[Span], n_iterations: int) -> float:

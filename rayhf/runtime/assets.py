@@ -257,6 +257,7 @@ def check_engines(
             )
         if ec.engine == "deepspeed":
             _check_deepspeed(cfg, name, graph.by_name[name].role, layout)
+            _check_zero3_layouts(cfg, graph, plan, name)
         if ec.engine != "vllm":
             continue
         if importlib.util.find_spec("vllm") is None:
@@ -289,6 +290,20 @@ def _check_deepspeed(cfg: ExperimentConfig, call: str, role: str, layout: Layout
         )
     if importlib.util.find_spec("deepspeed") is None:
         raise RayhfError(f"{field}.engine: DeepSpeed is not installed: {DEEPSPEED_EXTRA}")
+
+
+def _check_zero3_layouts(cfg: ExperimentConfig, graph: Graph, plan: Plan, call: str) -> None:
+    """A ZeRO-3 group's ranks hold slices, so the role's other calls run in layouts of their own
+    (their weights come by reallocation from the slices)."""
+    if cfg.engines[call].zero_stage != 3:
+        return
+    role = graph.by_name[call].role
+    for c in graph.role_calls(role):
+        if c != call and plan.layouts[c] == plan.layouts[call]:
+            raise RayhfError(
+                f"plan.{c}: role '{role}' trains on ZeRO-3 ({call}), whose ranks hold only "
+                f"slices of the weights; give {c} a layout other than {call}'s"
+            )
 
 
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
