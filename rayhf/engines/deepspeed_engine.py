@@ -84,7 +84,11 @@ class DeepSpeedEngine(TorchEngine):
         # DeepSpeed reads its launcher's variables: a Ray GPU actor sees one device (index 0);
         # emulated CPU devices of one group share a host (its shared-memory all-reduce)
         cpu = self.model.device.type == "cpu"
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if not torch.distributed.is_initialized():  # a group of one rank: DeepSpeed still
+            torch.distributed.init_process_group(  # wants a process group (else it looks for MPI)
+                "gloo" if cpu else "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1
+            )
+        rank = torch.distributed.get_rank()
         world = self.groups.dp
         os.environ.setdefault("LOCAL_RANK", str(rank) if cpu else "0")
         os.environ.setdefault("LOCAL_SIZE", str(world) if cpu else "1")
