@@ -136,8 +136,8 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process(tmp_path):
 
 
 def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_path):
-    run = Run(tmp_path, *_args(tmp_path, steps=4))
-    run.watch_until(lambda: run.steps_logged() >= 2)
+    run = Run(tmp_path, *_args(tmp_path, steps=10))  # a tiny step takes under a second: leave
+    run.watch_until(lambda: run.steps_logged() >= 2)  # enough of them that the kill lands mid-run
     workers = run.workers()
     assert workers, "no role-group worker was running"
     os.kill(workers[0], signal.SIGKILL)
@@ -155,4 +155,4 @@ def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_p
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     steps = [json.loads(line)["step"] for line in (run.run_dir / "metrics.jsonl").open()]
-    assert steps[-1] == 4 and steps == sorted(set(steps)), steps
+    assert steps[-1] == 10 and steps == sorted(set(steps)), steps
