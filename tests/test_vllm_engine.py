@@ -36,9 +36,10 @@ def _tiny_engine(tmp_path: Path) -> TorchEngine:
 def test_vllm_greedy_tokens_match_the_native_engine(tmp_path):
     engine = _tiny_engine(tmp_path)
     native = engine.generate(PROMPTS, GREEDY, seed=0)
-    engine.use_vllm(seed=0)
+    engine.use_vllm(seed=0, colocated=True)  # as in PPO: vLLM sleeps between its calls
     assert engine.sync_vllm() > 0, "the first generate loads the rank's weights into vLLM"
     vllm = engine.generate(PROMPTS, GREEDY, seed=0)
+    assert engine.vllm.asleep and engine.vllm.llm.llm_engine.is_sleeping()
     assert vllm.tokens == native.tokens
     for a, b in zip(vllm.logprobs, native.logprobs, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
@@ -50,7 +51,7 @@ def test_vllm_greedy_tokens_match_the_native_engine(tmp_path):
     native_after = engine.generate(PROMPTS, GREEDY, seed=0)
     engine.vllm = held
     assert native_after.tokens != native.tokens, "the new weights answer differently"
-    assert engine.generate(PROMPTS, GREEDY, seed=0).tokens == native_after.tokens
+    assert engine.generate(PROMPTS, GREEDY, seed=0).tokens == native_after.tokens  # woken
 
 
 def test_asking_for_vllm_without_it_names_the_extra(tmp_path, tiny_config, monkeypatch):
@@ -92,12 +93,14 @@ def test_after_a_ppo_step_vllm_generates_what_hugging_face_does_on_the_new_weigh
     with Session(cfg, assets, resume=None) as session:
         Trainer(cfg, assets, session).loop(0)  # generate on vLLM, train, checkpoint
         actor = session.groups["actor"].actors[0]
+        assert ray.get(actor.__ray_call__.remote(lambda w: w.engine.vllm.asleep)), (
+            "the actor trains on the rank that holds vLLM: vLLM sleeps after generating"
+        )
         prompts = PackedBatch([0, 1, 2])
         prompts.add(
             "prompts", torch.tensor([t for p in PROMPTS for t in p]), [len(p) for p in PROMPTS]
         )
         out = ray.get(actor.run.remote(CallRequest("actor_gen", 2, prompts))).batch
-        assert ray.get(actor.__ray_call__.remote(lambda w: w.engine.vllm is not None))
     hf = AutoModelForCausalLM.from_pretrained(
         cfg.resolved_run_dir() / "checkpoints" / "step_000001" / "actor"
     )

