@@ -56,7 +56,6 @@ class VllmGenerator:
         from vllm.platforms import current_platform
 
         self.sleeps = sleeps  # sleep after each generate: its rank trains next
-        self.asleep = False
         self._dir = tempfile.TemporaryDirectory(prefix="rayhf-vllm-")
         hf_config.save_pretrained(self._dir.name)  # the shape only: weights come by reload
         self.llm = vllm.LLM(
@@ -97,14 +96,17 @@ class VllmGenerator:
         self._wake()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.sleeps:
-            self.llm.sleep(level=1)  # level 2 would drop the weights: a role that generates
-            self.asleep = True  # again without training in between still needs them
+            # level 2 would drop the weights: a role that generates again without training
+            self.llm.sleep(level=1)  # in between still needs them
         return [list(o.outputs[0].token_ids) for o in outputs]
+
+    @property
+    def asleep(self) -> bool:
+        return self.llm.llm_engine.is_sleeping()
 
     def _wake(self) -> None:
         if self.asleep:
             self.llm.wake_up()
-            self.asleep = False
 
 
 def with_logprobs(
