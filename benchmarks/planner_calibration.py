@@ -112,8 +112,8 @@ def measure(cfg, plan: Plan, args, run_dir: str) -> MeasuredRun:
 
 def mean_prompt_tokens(cfg) -> int:
     from rayhf.data.datasets import load_rows
-    from rayhf.data.demo_task import make_dataset
     from rayhf.runtime.assets import prepare_tokenizer
+    from rayhf.tasks.demo import make_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         tok, _ = prepare_tokenizer(cfg, Path(tmp))

@@ -39,13 +39,14 @@ def _groups(tmp: Path, layers: int):
 
     from rayhf.algorithms import InterfaceSettings
     from rayhf.algorithms.ppo import PPOConfig
-    from rayhf.engines.native import GenerationConfig
     from rayhf.models.hf import ModelInit, hf_config
     from rayhf.models.tokenizer import build_char_tokenizer
-    from rayhf.planner import ClusterConfig, Layout
+    from rayhf.parallel.layout import Layout
+    from rayhf.planner import ClusterConfig
     from rayhf.runtime.cluster import connect, reserve_devices
     from rayhf.runtime.messages import WorkerSpec
     from rayhf.runtime.role_group import RoleGroup
+    from rayhf.sampling import GenerationConfig
 
     cluster = ClusterConfig(n_devices=4)
     devices = reserve_devices(cluster, connect(cluster))

@@ -28,7 +28,6 @@ import numpy as np
 import requests
 import torch
 
-from rayhf.data.demo_task import build_tokenizer, make_prompts
 from rayhf.models.hf import (
     ModelInit,
     build_model,
@@ -37,6 +36,7 @@ from rayhf.models.hf import (
     quiet_transformers,
     save_model,
 )
+from rayhf.tasks.demo import build_tokenizer, make_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"

@@ -27,7 +27,7 @@ def main(overrides: list[str]) -> int:
     print(f"steps: {len(result.metrics)}")
     print(f"task reward: {first['task_reward']:.3f} -> {last['task_reward']:.3f}")
     print(f"checkpoints: {[str(p) for p in result.checkpoints]}")
-    print(f"actor (Hugging Face format): {result.actor_checkpoint}")
+    print(f"{result.policy} (Hugging Face format): {result.policy_checkpoint}")
     return 0
 
 

@@ -7,7 +7,7 @@ The public API for driver scripts (``ray job submit -- python my_driver.py``)::
     cfg = cfg.with_overrides({"algorithm.kl_ctl": 0.02})
     print(rayhf.format_plan(rayhf.make_plan(cfg), rayhf.load_graph(cfg.graph_path())))
     result = rayhf.run(cfg)
-    result.metrics, result.actor_checkpoint
+    result.metrics, result.policy_checkpoint
 """
 
 from __future__ import annotations

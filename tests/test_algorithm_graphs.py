@@ -12,12 +12,11 @@ from conftest import REPO
 
 import rayhf
 from rayhf.algorithms import InterfaceSettings
-from rayhf.algorithms.grpo import GRPOConfig
-from rayhf.algorithms.rl_interfaces import GRPOActorInterface
+from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.native import GenerationConfig
 from rayhf.errors import RayhfError
 from rayhf.runtime.assets import check_graph_against_config
+from rayhf.sampling import GenerationConfig
 
 ALGORITHM_WORDS = re.compile(r"\b(ppo|grpo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE)
 
@@ -71,7 +70,7 @@ def _cfg(name: str, **ov):
 def test_call_on_a_role_with_no_model_is_refused():
     cfg = _cfg("ppo")
     graph = rayhf.load_graph(cfg.graph_path())
-    cfg = cfg.with_overrides({"models.critic": {"function": "rayhf.data.demo_task:reward"}})
+    cfg = cfg.with_overrides({"models.critic": {"function": "rayhf.tasks.demo:reward"}})
     with pytest.raises(RayhfError, match=r"call 'critic_inf' .* role 'critic', which has no model"):
         check_graph_against_config(graph, cfg)
 

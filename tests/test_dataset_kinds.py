@@ -8,7 +8,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rayhf.data import demo_task
 from rayhf.data.datasets import (
     DatasetConfig,
     PromptDataset,
@@ -18,6 +17,7 @@ from rayhf.data.datasets import (
 )
 from rayhf.errors import RayhfError
 from rayhf.models.hf import ModelInit, build_model, hf_config
+from rayhf.tasks import demo as demo_task
 
 PROMPTS = [f"{i % 10} {(i * 3) % 10} =" for i in range(10)]
 SFT_ROWS = [{"prompt": p, "response": f"{i % 10} {i % 7}"} for i, p in enumerate(PROMPTS)]

@@ -8,9 +8,9 @@ from statistics import mean
 import pytest
 from pydantic import ValidationError
 
-from rayhf.data import demo_task
 from rayhf.data.datasets import DatasetConfig, PromptDataset, load_rows, write_rows
 from rayhf.errors import RayhfError
+from rayhf.tasks import demo as demo_task
 
 ROWS = [{"prompt": f"{i % 10} {(i * 3) % 10} =", "extra": i} for i in range(10)]
 

@@ -63,7 +63,7 @@ def test_zero_stages_train_as_the_torch_engine_does_and_resume(ray_cluster, tmp_
         for mine, theirs in zip(result.metrics, torch_run.metrics, strict=True):
             assert mine["nll"] == pytest.approx(theirs["nll"], abs=1e-5), (stage, mine["step"])
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
-        got = _weights(result.actor_checkpoint)  # ZeRO-3: gathered from both ranks' slices
+        got = _weights(result.policy_checkpoint)  # ZeRO-3: gathered from both ranks' slices
         assert max(float((got[k] - ref[k]).abs().max()) for k in ref) < 1e-5, stage
     # ZeRO-3's optimizer state comes back from DeepSpeed's own checkpoint: step 3 again from
     # step 2 gives step 3's loss (a fresh Adam would not)

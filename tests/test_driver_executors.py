@@ -76,4 +76,4 @@ def test_a_run_on_the_compiled_executor_checkpoints_and_continues(ray_cluster, t
     cfg = tiny_config(**{"driver.executor": "compiled"})  # 2 steps, a checkpoint after each
     result = run(cfg)  # each checkpoint tears the compiled graph down; the next step recompiles
     assert [m["step"] for m in result.metrics] == [1, 2]
-    assert len(result.checkpoints) == 2 and result.actor_checkpoint is not None
+    assert len(result.checkpoints) == 2 and result.policy_checkpoint is not None

@@ -20,8 +20,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rayhf.engines.native import GenerateOutput, GenerationConfig, filter_logits, generate
 from rayhf.errors import RayhfError
+from rayhf.sampling import GenerateOutput, GenerationConfig, filter_logits, generate
 
 VOCAB = 32
 PAD = 0

@@ -1,6 +1,6 @@
 """dp x tp x pp parity against single-process Hugging Face models, on 4 emulated CPU devices.
 
-One subprocess (``python -m rayhf.parallel.parity``) runs 4 gloo ranks through every family and
+One subprocess (``python -m rayhf.checks.parity``) runs 4 gloo ranks through every family and
 every layout with dp, tp, pp in {1, 2, 4} and dp*tp*pp <= 4; these tests read its rows.
 """
 
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from rayhf.checks.parity import FAMILY_SHAPES, _model, layouts
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import model_spec
-from rayhf.parallel.parity import FAMILY_SHAPES, _model, layouts
 
 TOL = 1e-5
 
@@ -23,7 +23,7 @@ TOL = 1e-5
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity") / "rows.json"
     subprocess.run(
-        [sys.executable, "-m", "rayhf.parallel.parity", str(out), "--world", "4"],
+        [sys.executable, "-m", "rayhf.checks.parity", str(out), "--world", "4"],
         check=True,
         timeout=600,
     )

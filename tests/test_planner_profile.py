@@ -11,11 +11,11 @@ from transformers import LlamaConfig
 
 from rayhf.graph import load_graph
 from rayhf.models.spec import model_spec
+from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import plan_for_run, workloads
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.hardware import cpu_cluster
-from rayhf.planner.layout import Layout
-from rayhf.planner.plan import Plan, heuristic_plan
+from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.profile import (
     MeasuredRun,
     ModelProfile,
@@ -96,7 +96,7 @@ def test_calibration_recovers_the_runtime_constants():
     works = workloads(GRAPH, 32, 16, 8, 4)
     truth = ProfiledCost(cost.cluster, cost.profiles, 0.01, {1: (0.02, 1.5), 2: (0.005, 3.0)})
     runs = []
-    for plan in (heuristic_plan(GRAPH, 1), heuristic_plan(GRAPH, 2)):
+    for plan in (colocated_plan(GRAPH, 1), colocated_plan(GRAPH, 2)):
         compute = {}
         for name in GRAPH.order:
             role = GRAPH.by_name[name].role
@@ -112,7 +112,7 @@ def test_calibration_recovers_the_runtime_constants():
     assert fitted.call_overhead == pytest.approx(0.01)
     for k, (fixed, scale) in {1: (0.02, 1.5), 2: (0.005, 3.0)}.items():
         assert fitted.actor[k] == pytest.approx((fixed, scale), rel=1e-6, abs=1e-9)
-    plan = heuristic_plan(GRAPH, 2)
+    plan = colocated_plan(GRAPH, 2)
     est = simulate(GRAPH, plan, specs, works, fitted, concurrent=False).iteration_seconds
     assert est == pytest.approx(runs[1].step_seconds)
 
@@ -142,7 +142,7 @@ def test_auto_plan_on_two_cpu_devices_is_valid_and_reproducible(tmp_path, monkey
     assert all(set(lay.mesh) <= {0, 1} for lay in first.layouts.values())
     assert list((tmp_path / "profiles").glob("*.json")), "profiles are cached"
     one = plan_for_run(GRAPH, configs, works, ClusterConfig(n_devices=1))
-    assert one.layouts == heuristic_plan(GRAPH, 1).layouts
+    assert one.layouts == colocated_plan(GRAPH, 1).layouts
 
 
 def test_a_saved_plan_is_accepted_back_as_a_manual_plan(tmp_path):

@@ -12,10 +12,10 @@ import pytest
 from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
+from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
 from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
-from rayhf.planner.layout import Layout
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
 from rayhf.planner.simulate import simulate

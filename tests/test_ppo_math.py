@@ -11,6 +11,7 @@ import pydantic
 import pytest
 import torch
 
+from rayhf.algorithms.lm import token_logprobs
 from rayhf.algorithms.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -23,7 +24,6 @@ from rayhf.algorithms.ppo import (
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
-    token_logprobs,
 )
 
 LENGTHS = [0, 1, 7, 3, 5]

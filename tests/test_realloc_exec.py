@@ -1,6 +1,6 @@
 """Reallocation with real processes: random layout pairs over 1-4 devices, two families.
 
-One subprocess (``python -m rayhf.realloc.verify``) runs 8 gloo processes (4 source, 4
+One subprocess (``python -m rayhf.checks.reallocation``) runs 8 gloo processes (4 source, 4
 destination ranks, as separate role groups are) through the sampled pairs; these tests read it.
 """
 
@@ -18,7 +18,16 @@ PAIRS_PER_FAMILY = 12
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("realloc") / "rows.json"
-    cmd = [sys.executable, "-m", "rayhf.realloc.verify", str(out), "--pairs", "12", "--seed", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rayhf.checks.reallocation",
+        str(out),
+        "--pairs",
+        "12",
+        "--seed",
+        "1",
+    ]
     subprocess.run(cmd, check=True, timeout=900)
     return json.loads(out.read_text())
 

@@ -8,16 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from rayhf.checks.reallocation import all_layouts, mesh_relation
 from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.sharding import check_layout, param_shards, shard_numel, stage_units, take_shard
 from rayhf.models.spec import model_spec
+from rayhf.parallel.layout import Layout, coords_of
 from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.layout import Layout, LayoutSpec, coords_of
-from rayhf.planner.plan import make_plan
-from rayhf.realloc.plan import check_compatible, format_reallocations, plan_realloc
-from rayhf.realloc.verify import all_layouts, mesh_relation
+from rayhf.planner.layout import LayoutSpec
+from rayhf.planner.plan import format_reallocations, make_plan
+from rayhf.realloc.plan import check_compatible, plan_realloc
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,10 +7,12 @@ import torch
 from rayhf.algorithms import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.data.batch import PackedBatch
-from rayhf.data.demo_task import build_tokenizer
-from rayhf.engines.native import GenerationConfig
-from rayhf.engines.torch_engine import TorchEngine
+from rayhf.engines.build import standalone_engine
+from rayhf.engines.call import CallEngine
+from rayhf.engines.collectives import DataParallel
 from rayhf.models.hf import ModelInit, build_model, hf_config, per_token_values
+from rayhf.sampling import GenerationConfig
+from rayhf.tasks.demo import build_tokenizer
 
 
 def _batch(tok, answers: list[tuple[str, bool]]) -> PackedBatch:
@@ -28,9 +30,9 @@ def _batch(tok, answers: list[tuple[str, bool]]) -> PackedBatch:
 
 def test_function_reward_scores_decoded_text_without_eos():
     tok = build_tokenizer()
-    settings = InterfaceSettings(PPOConfig(), GenerationConfig(), "rayhf.data.demo_task:reward")
+    settings = InterfaceSettings(PPOConfig(), GenerationConfig(), "rayhf.tasks.demo:reward")
     iface = make_interface("reward", settings)
-    engine = TorchEngine(None, tok, False, None)
+    engine = CallEngine(tok, None, DataParallel(None))
     out = iface.inference(
         engine, _batch(tok, [("1 2", True), ("a 3", False)]), CallContext(1, 0, 1, 0)
     )
@@ -41,7 +43,7 @@ def test_reward_model_scores_last_token_and_cut_off_answers_get_no_eos_score():
     tok = build_tokenizer()
     config = hf_config(ModelInit(hidden_size=32), len(tok), 0, 1, 2)
     model = build_model(config, value_head=True, seed=0).eval()
-    engine = TorchEngine(model, tok, True, None)
+    engine = standalone_engine(model, tok, True)
     iface = make_interface("reward", InterfaceSettings(PPOConfig(), GenerationConfig()))
     batch = _batch(tok, [("1 2", True), ("2 2 1", False)])
     plain = iface.inference(engine, batch, CallContext(1, 0, 1, 0)).tensors["scores"]

@@ -30,7 +30,7 @@ def test_two_ppo_steps_on_two_devices(ray_cluster, tiny_config):
     for key in ("policy_loss", "value_loss", "kl", "seconds/actor_gen", "tokens_per_s"):
         assert key in result.metrics[-1], key
     before = _weights(result.run_dir / "init" / "actor")
-    after = _weights(result.actor_checkpoint)
+    after = _weights(result.policy_checkpoint)
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) == len(before), "every actor tensor should move after 2 PPO steps"
     assert result.plot is not None and result.plot.stat().st_size > 1000

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayhf.graph import load_graph
-from rayhf.planner import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.realloc.collective import Routes
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.driver import Placement, StepDag

@@ -19,8 +19,6 @@ import pytest
 import requests
 import yaml
 
-from rayhf.data.demo_task import build_tokenizer
-from rayhf.engines.native import GenerationConfig, generate
 from rayhf.errors import RayhfError
 from rayhf.models.hf import (
     ModelInit,
@@ -30,7 +28,9 @@ from rayhf.models.hf import (
     quiet_transformers,
     save_model,
 )
+from rayhf.sampling import GenerationConfig, generate
 from rayhf.serve.engine import EngineRequest, SamplingSpec, detokenize, group_requests
+from rayhf.tasks.demo import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_PROMPT_TOKENS = 32

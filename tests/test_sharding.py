@@ -21,7 +21,7 @@ from rayhf.models.sharding import (
     take_shard,
 )
 from rayhf.models.spec import model_spec
-from rayhf.planner.layout import coords_of, layout_rank
+from rayhf.parallel.layout import coords_of, layout_rank
 
 
 def _spec(family="llama", n_layers=4, **kw):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from rayhf.data.demo_task import ALPHABET
 from rayhf.errors import RayhfError
 from rayhf.models.tokenizer import build_char_tokenizer
+from rayhf.tasks.demo import ALPHABET
 
 SAMPLES = ["3 1 4 1 5 =", "  leading and trailing \n ", "0123456789", "a=b", "j"]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from rayhf.metrics.trace import Span, TraceWriter, read_trace
+from rayhf.metrics.trace import TraceSpan, TraceWriter, read_trace
 
 
-def _span(name: str, track: str, start: float) -> Span:
+def _span(name: str, track: str, start: float) -> TraceSpan:
     role, layout = track.split(".", 1)
-    return Span(name, "call", role, layout, track, start, start + 0.5)
+    return TraceSpan(name, "call", role, layout, track, start, start + 0.5)
 
 
 def test_a_resumed_run_appends_to_the_same_tracks(tmp_path):

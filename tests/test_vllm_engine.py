@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rayhf.engines.native import GenerationConfig
-from rayhf.engines.torch_engine import TorchEngine
+from rayhf.engines.native import NativeGenerator
+from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.tokenizer import build_char_tokenizer
+from rayhf.sampling import GenerationConfig
 
 # scripts/test.sh (CI) installs vLLM and requires these tests to run; elsewhere they may skip
 needs_vllm = pytest.mark.skipif(
@@ -25,33 +26,34 @@ GREEDY = GenerationConfig(greedy=True, max_new_tokens=12)
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 4, 3, 2, 8, 8, 6]]
 
 
-def _tiny_engine(tmp_path: Path) -> TorchEngine:
+def _tiny_model(tmp_path: Path) -> RankModel:
     tok = build_char_tokenizer("0123456789abc", tmp_path / "tok")
     init = ModelInit(hidden_size=64, n_layers=2, n_heads=2)  # vLLM's CPU attention: head_dim 32+
     config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    return TorchEngine(build_model(config, value_head=False, seed=3), tok, False, None)
+    return RankModel.from_hf(build_model(config, value_head=False, seed=3), tok, False)
 
 
 @needs_vllm
 def test_vllm_greedy_tokens_match_the_native_engine(tmp_path):
-    engine = _tiny_engine(tmp_path)
-    native = engine.generate(PROMPTS, GREEDY, seed=0)
-    engine.use_vllm(seed=0, colocated=True)  # as in PPO: vLLM sleeps between its calls
-    assert engine.sync_vllm() > 0, "the first generate loads the rank's weights into vLLM"
-    vllm = engine.generate(PROMPTS, GREEDY, seed=0)
-    assert engine.vllm.asleep and engine.vllm.llm.llm_engine.is_sleeping()
-    assert vllm.tokens == native.tokens
-    for a, b in zip(vllm.logprobs, native.logprobs, strict=True):
+    from rayhf.engines.vllm_generator import VllmGenerator
+
+    model = _tiny_model(tmp_path)
+    native = NativeGenerator(model)
+    vllm = VllmGenerator(model, seed=0, sleeps=True)  # as in PPO: vLLM sleeps between calls
+    want = native.generate(PROMPTS, GREEDY, seed=0)
+    assert vllm.sync() > 0, "the first generate loads the rank's weights into vLLM"
+    got = vllm.generate(PROMPTS, GREEDY, seed=0)
+    assert vllm.vllm.asleep and vllm.vllm.llm.llm_engine.is_sleeping()
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
     with torch.no_grad():  # new weights reach vLLM before its next call
-        for p in engine.model.parameters():
+        for p in model.module.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    engine.weights_changed()
-    held, engine.vllm = engine.vllm, None
-    native_after = engine.generate(PROMPTS, GREEDY, seed=0)
-    engine.vllm = held
-    assert native_after.tokens != native.tokens, "the new weights answer differently"
-    assert engine.generate(PROMPTS, GREEDY, seed=0).tokens == native_after.tokens  # woken
+    model.changed()
+    native_after = native.generate(PROMPTS, GREEDY, seed=0)
+    assert native_after.tokens != want.tokens, "the new weights answer differently"
+    assert vllm.generate(PROMPTS, GREEDY, seed=0).tokens == native_after.tokens  # woken
 
 
 def test_asking_for_vllm_without_it_names_the_extra(tmp_path, tiny_config, monkeypatch):
@@ -93,7 +95,8 @@ def test_after_a_ppo_step_vllm_generates_what_hugging_face_does_on_the_new_weigh
     with Session(cfg, assets, resume=None) as session:
         Trainer(cfg, assets, session).loop(0)  # generate on vLLM, train, checkpoint
         actor = session.groups["actor"].actors[0]
-        assert ray.get(actor.__ray_call__.remote(lambda w: w.engine.vllm.asleep)), (
+        asleep = actor.__ray_call__.remote(lambda w: w.generators["actor_gen"].vllm.asleep)
+        assert ray.get(asleep), (
             "the actor trains on the rank that holds vLLM: vLLM sleeps after generating"
         )
         prompts = PackedBatch([0, 1, 2])

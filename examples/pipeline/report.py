@@ -26,7 +26,7 @@ def last_with(metrics: list[dict], key: str) -> float:
 def held_out_score(policy: Path, greedy: bool, n: int = 512) -> float:
     """Mean task score of ``policy``'s answers to ``n`` held-out prompts (the score of the text,
     as the PPO run logs it)."""
-    from rayhf.data.demo_task import make_prompts, policy_answers, reward
+    from rayhf.tasks.demo import make_prompts, policy_answers, reward
 
     prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]
     answers = [a[0] for a in policy_answers(policy, prompts, greedy=greedy)]

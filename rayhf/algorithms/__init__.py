@@ -1,11 +1,20 @@
-"""RLHF algorithms as pure torch functions, and the interfaces that bind them to graph calls."""
+"""RLHF algorithms, one module per algorithm, and the interfaces that bind them to graph calls.
+
+Each algorithm module (``ppo``, ``grpo``, ``remax``, ``dpo``, ``rm``, ``sft``) holds its config,
+its math as pure torch functions and its interfaces; ``interface`` (the base class and registry),
+``lm``, ``offline``, ``reward`` and ``seqs`` are the pieces they share. Importing this package
+registers every interface in ``INTERFACES``.
+"""
 
 from rayhf.algorithms import (  # noqa: F401  (importing registers the interfaces)
+    dpo,
+    grpo,
     lm,
-    offline_interfaces,
-    ppo_interfaces,
+    ppo,
+    remax,
     reward,
-    rl_interfaces,
+    rm,
+    sft,
 )
 from rayhf.algorithms.interface import (
     INTERFACES,

@@ -1,12 +1,15 @@
-"""DPO as pure torch functions: preference pairs trained without a reward model or sampling.
+"""DPO: ``DPOConfig``, the loss as pure torch functions, and the ``dpo`` interface.
 
-The policy's log-ratio against a frozen reference is an implicit reward ``beta * log(pi / ref)``;
-DPO fits a Bradley-Terry model on the difference of those rewards (Rafailov et al., 2023):
+DPO trains on preference pairs without a reward model or sampling. The policy's log-ratio against
+a frozen reference is an implicit reward ``beta * log(pi / ref)``; DPO fits a Bradley-Terry model
+on the difference of those rewards (Rafailov et al., 2023):
 
     token logprobs of chosen / rejected (policy and ref) --sequence_logprob--> [B] each
     the four sequence log-probs                          --dpo_loss---------> loss
 
 Per-token tensors follow ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` with a bool ``mask``.
+The ``dpo`` interface is an offline one (see ``offline``): its train call takes the reference's
+per-token log-probs of both sides from the batch.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
+
+from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.lm import padded, response_forward
+from rayhf.algorithms.offline import OfflineInterface, as_seq
+from rayhf.data.batch import PackedBatch
 
 
 class DPOConfig(BaseModel):
@@ -69,3 +77,27 @@ def dpo_loss(
             "rejected_reward": rejected_reward.mean().item(),
         }
     return losses.mean(), stats
+
+
+@register("dpo")
+class DPOInterface(OfflineInterface):
+    """Direct preference optimization against the reference's sequence log-probs."""
+
+    config_type = DPOConfig
+    sequence_keys = ("chosen", "rejected")
+
+    @property
+    def cfg(self) -> DPOConfig:
+        return self.settings.algorithm
+
+    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        pi = {}
+        for key in ("chosen", "rejected"):
+            logp, _, mask = response_forward(engine, as_seq(mb, key))
+            ref = sequence_logprob(padded(mb, f"ref_{key}_logprobs"), mask)
+            pi[key] = (sequence_logprob(logp, mask), ref)
+        loss, stats = dpo_loss(
+            pi["chosen"][0], pi["rejected"][0], pi["chosen"][1], pi["rejected"][1],
+            self.cfg.beta, self.cfg.label_smoothing,
+        )  # fmt: skip
+        return loss, {"dpo_loss": loss.item(), **stats}

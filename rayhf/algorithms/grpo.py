@@ -1,7 +1,8 @@
-"""GRPO and Dr. GRPO as pure torch functions: PPO's clipped surrogate with a group baseline.
+"""GRPO and Dr. GRPO: ``GRPOConfig``, the loss as pure torch functions, and ``grpo_actor``.
 
-Each prompt is sampled ``group_size`` times. A sample's advantage is its score relative to the
-other samples of its prompt, shared by all of its tokens, so no critic is trained:
+GRPO is PPO's clipped surrogate with a group baseline. Each prompt is sampled ``group_size``
+times. A sample's advantage is its score relative to the other samples of its prompt, shared by
+all of its tokens, so no critic is trained:
 
     scores, group_ids                         --grpo_advantages---> advantages [B]
     logprobs, old, ref logprobs, advantages   --grpo_loss---------> surrogate + kl_coef * k3
@@ -9,17 +10,32 @@ other samples of its prompt, shared by all of its tokens, so no critic is traine
 Tensor conventions are those of ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` response tokens
 with a bool ``mask``; empty rows contribute nothing and never produce NaN. GRPO is DeepSeekMath
 (Shao et al., 2024); Dr. GRPO is "Understanding R1-Zero-Like Training" (Liu et al., 2025).
+
+The ``grpo_actor`` interface samples ``group_size`` responses per prompt in its generate call;
+its train call normalizes each score within its prompt's group over the *whole* data-parallel
+batch (the groups' members may sit on different ranks), then takes clipped-surrogate steps with
+a k3 KL term.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from rayhf.algorithms.interface import CallContext, ModelEngine, register
+from rayhf.algorithms.lm import (
+    LMInterface,
+    generation_config,
+    padded,
+    response_forward,
+    rollout_stats,
+    sample_batch,
+)
 from rayhf.algorithms.ppo import masked_mean
+from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 
 
@@ -140,3 +156,45 @@ def grpo_loss(
             "approx_kl": masked_mean(-log_ratio, mask).item(),
         }
     return loss, stats
+
+
+@register("grpo_actor")
+class GRPOActorInterface(LMInterface):
+    """Generate ``group_size`` samples per prompt; GRPO / Dr. GRPO policy update."""
+
+    config_type = GRPOConfig
+
+    @property
+    def cfg(self) -> GRPOConfig:
+        return self.settings.algorithm
+
+    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        cfg = generation_config(self.settings.generation, ctx.args)
+        return sample_batch(engine, batch, cfg, ctx, n_samples=self.cfg.group_size)
+
+    def advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> torch.Tensor:
+        """This rank's per-sample advantages, normalized over every rank's groups."""
+        mine = (batch.tensors["group_ids"].long(), batch.tensors["scores"].float())
+        parts = cast(list[tuple[torch.Tensor, torch.Tensor]], engine.all_gather_object(mine))
+        gids = torch.cat([p[0] for p in parts])
+        scores = torch.cat([p[1] for p in parts])
+        adv = grpo_advantages(scores, gids, self.cfg)
+        start = sum(len(p[0]) for p in parts[:rank])
+        return adv[start : start + batch.n_samples]
+
+    def train_step(
+        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+    ) -> dict[str, float]:
+        stats = rollout_stats(engine, batch)
+        batch.add("advantages", self.advantages(engine, batch, ctx.dp_rank), [1] * batch.n_samples)
+        temperature = self.temperature
+
+        def loss_fn(mb: PackedBatch):
+            logp, _, mask = response_forward(engine, mb, temperature)
+            old, ref = padded(mb, "logprobs"), padded(mb, "ref_logprobs")
+            loss, s = grpo_loss(logp, old, ref, mb.tensors["advantages"], mask, self.cfg)
+            return loss, {"policy_loss": loss.item(), **s}
+
+        for _ in range(self.cfg.ppo_epochs):
+            stats.update(engine.train(batch.split(self.cfg.n_minibatches, "seq"), loss_fn))
+        return stats

@@ -1,4 +1,8 @@
-"""What a call computes, separate from where it runs.
+"""The interface base class and registry: what a call computes, separate from where it runs.
+
+It holds ``ModelEngine`` (the model-side operations an interface may use), ``CallContext`` and
+``InterfaceSettings`` (what a call is given), the ``Interface`` base class, and the ``INTERFACES``
+registry with ``register`` and ``make_interface``.
 
 An *interface* (named in the graph file, e.g. ``ppo_actor``) turns a packed batch into outputs
 (generate, inference) or into an optimizer update (train). It sees the model only through the
@@ -16,13 +20,12 @@ import torch
 from pydantic import BaseModel
 
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.native import GenerateOutput, GenerationConfig
+from rayhf.sampling import GenerateOutput, GenerationConfig
 
 
 class ModelEngine(Protocol):
     """The model-side operations an interface may use (``rayhf.engines`` implements it)."""
 
-    model: Any
     tokenizer: Any
 
     @property
@@ -77,6 +80,12 @@ class Interface:
     config_type: ClassVar[type[BaseModel] | None] = (
         None  # the algorithm config it needs; None = any
     )
+    # What the runtime must know of a call without naming keys itself (interface key names):
+    balance_keys: ClassVar[tuple[str, ...]] = ("seq", "prompts")  # the first present balances
+    # a data-parallel split by its token counts (else the batch's first key)
+    sequence_keys: ClassVar[tuple[str, ...]] = ("seq",)  # token sequences a train call learns
+    # from (the step's tokens/s counts them)
+    takes_function: ClassVar[bool] = False  # may run on a function-valued role (no model)
 
     def __init__(self, settings: InterfaceSettings) -> None:
         self.settings = settings

@@ -1,4 +1,9 @@
-"""Policy-model operations shared by the algorithms: sampling, per-token log-probs, values.
+"""Shared language-model pieces: the ``lm`` interface and the helpers the algorithm interfaces use.
+
+It holds ``token_logprobs`` (per-token log-probs from logits), ``response_forward`` (log-probs or
+values of the response tokens), sampling a batch of responses (``sample_batch``), log-prob
+inference (``logprob_batch``), the rollout statistics of the critic-free actors
+(``rollout_stats``) and ``LMInterface``, the generate / log-prob interface every actor extends.
 
 A sample's ``seq`` is prompt + response ids and ``prompt_lens`` its prompt length; every
 per-response-token tensor is right-padded ``[B, R]`` with a bool mask (see ``seqs``).
@@ -9,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
-from rayhf.algorithms.ppo import token_logprobs
 from rayhf.algorithms.seqs import (
     gather_positions,
     pack_rows,
@@ -20,7 +25,21 @@ from rayhf.algorithms.seqs import (
     response_labels,
 )
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.native import GenerationConfig
+from rayhf.errors import RayhfError
+from rayhf.sampling import GenerationConfig
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probability ``[B, T]`` of each label under ``softmax(logits / temperature)``.
+
+    Computed in float32 as gather minus logsumexp, which avoids a second ``[B, T, V]`` tensor.
+    The temperature must match the one used for sampling, or the ratios are biased.
+    """
+    if temperature <= 0:
+        raise RayhfError(f"temperature must be > 0, got {temperature}; set a positive value")
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
 
 
 def response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float = 1.0):
@@ -90,6 +109,16 @@ def logprob_batch(
     result = PackedBatch(list(batch.sample_ids))
     result.add(key, packed, lens)
     return result
+
+
+def rollout_stats(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
+    """Mean task reward and response length over every dp rank's batch."""
+    lens = torch.tensor(batch.seqlens["seq"]) - batch.tensors["prompt_lens"]
+    stats = {
+        "task_reward": batch.tensors["scores"].float().mean().item(),
+        "response_len": lens.float().mean().item(),
+    }
+    return engine.all_reduce_mean(stats)
 
 
 @register("lm")

@@ -1,13 +1,16 @@
-"""ReMax as pure torch functions: REINFORCE with the greedy response's score as the baseline.
+"""ReMax: ``ReMaxConfig``, the loss as pure torch functions, and the ``remax_actor`` interface.
 
-Per prompt, one sampled and one greedy response are scored; the greedy score removes the
-prompt's difficulty from the sampled one, so no critic is needed (Li et al., 2023):
+ReMax is REINFORCE with the greedy response's score as the baseline. Per prompt, one sampled and
+one greedy response are scored; the greedy score removes the prompt's difficulty from the sampled
+one, so no critic is needed (Li et al., 2023):
 
     sampled, greedy scores, logprobs, ref logprobs --remax_advantages--> return-to-go [B, T]
     logprobs, advantages                           --reinforce_loss----> loss
 
 Tensor conventions are those of ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` response tokens
-with a bool ``mask``; empty rows contribute nothing and never produce NaN.
+with a bool ``mask``; empty rows contribute nothing and never produce NaN. ReMax's graph generates
+twice (sampled, and greedy through call args) and scores both; the ``remax_actor`` train call
+takes a REINFORCE step with ``r(sampled) - r(greedy)`` as the baseline-corrected return.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.ppo import kl_shaped_rewards, masked_mean
+from rayhf.algorithms.interface import CallContext, ModelEngine, register
+from rayhf.algorithms.lm import LMInterface, padded, response_forward, rollout_stats
+from rayhf.algorithms.ppo import kl_shaped_rewards, masked_mean, masked_whiten
+from rayhf.algorithms.seqs import pack_rows, response_index
+from rayhf.data.batch import PackedBatch
 
 
 class ReMaxConfig(BaseModel):
@@ -77,3 +84,42 @@ def reinforce_loss(
     with torch.no_grad():
         stats = {"advantage_mean": masked_mean(adv, mask).item()}
     return loss, stats
+
+
+@register("remax_actor")
+class ReMaxActorInterface(LMInterface):
+    """REINFORCE with the greedy response's reward as the baseline (ReMax, Li et al. 2023)."""
+
+    config_type = ReMaxConfig
+
+    @property
+    def cfg(self) -> ReMaxConfig:
+        return self.settings.algorithm
+
+    def train_step(
+        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+    ) -> dict[str, float]:
+        stats = rollout_stats(engine, batch)
+        stats["greedy_reward"] = engine.all_reduce_mean(
+            {"g": batch.tensors["greedy_scores"].float().mean().item()}
+        )["g"]
+        _, mask = response_index(batch)
+        adv = remax_advantages(
+            batch.tensors["scores"].float(), batch.tensors["greedy_scores"].float(),
+            padded(batch, "logprobs"), padded(batch, "ref_logprobs"), mask,
+            self.cfg.kl_ctl, self.cfg.reward_clip,
+        )  # fmt: skip
+        if self.cfg.adv_norm:
+            adv = masked_whiten(adv, mask)
+        packed, lens = pack_rows(adv, mask)
+        batch.add("advantages", packed, lens)
+        temperature = self.temperature
+
+        def loss_fn(mb: PackedBatch):
+            logp, _, m = response_forward(engine, mb, temperature)
+            loss, s = reinforce_loss(logp, padded(mb, "advantages"), m)
+            return loss, {"policy_loss": loss.item(), "kl": masked_mean(
+                padded(mb, "logprobs") - padded(mb, "ref_logprobs"), m).item(), **s}  # fmt: skip
+
+        stats.update(engine.train(batch.split(self.cfg.n_minibatches, "seq"), loss_fn))
+        return stats

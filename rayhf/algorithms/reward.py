@@ -1,4 +1,7 @@
-"""Reward calls: a Python function over decoded text (verifiable rewards) or a reward model.
+"""The ``reward`` interface: scores from a Python function over decoded text, or a reward model.
+
+It also holds ``resolve_function`` (imports a ``module:function`` reference) and
+``decode_samples`` (a batch's prompts and responses as text).
 
 A reward function is named ``module:function`` in the config and called as
 ``function(prompts: list[str], responses: list[str]) -> list[float]``; responses are decoded
@@ -60,6 +63,8 @@ class RewardInterface(Interface):
     an extrapolation a policy learns to exploit (measured: runs of one digit, never finished,
     scored above the correct answers).
     """
+
+    takes_function = True
 
     def __init__(self, settings) -> None:
         super().__init__(settings)

@@ -1,10 +1,12 @@
-"""Reward-model training as pure torch functions: a Bradley-Terry loss on preference pairs.
+"""Reward-model training: ``RMConfig``, the Bradley-Terry loss as pure torch functions, and ``rm``.
 
 A reward model is a value-head model; its score for a sequence is its value at the sequence's
 last token, the only position that has attended to the whole sequence:
 
     values [B, L] of chosen / rejected --final_token_scores--> scores [B] each
     chosen, rejected scores            --bradley_terry_loss--> loss
+
+The ``rm`` interface is an offline one (see ``offline``) that trains on preference pairs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
+
+from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.offline import OfflineInterface, as_seq
+from rayhf.algorithms.seqs import padded_inputs
+from rayhf.data.batch import PackedBatch
 
 
 class RMConfig(BaseModel):
@@ -55,3 +62,24 @@ def bradley_terry_loss(
             "margin": margin.mean().item(),
         }
     return loss, stats
+
+
+@register("rm")
+class RewardModelInterface(OfflineInterface):
+    """Bradley-Terry training of a value-head model on the final-token scores of pairs."""
+
+    sequence_keys = ("chosen", "rejected")
+    config_type = RMConfig
+
+    @property
+    def cfg(self) -> RMConfig:
+        return self.settings.algorithm
+
+    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        scores = {}
+        for key in ("chosen", "rejected"):
+            ids, attn = padded_inputs(as_seq(mb, key), engine.pad_id)
+            values = engine.forward(ids, attn).cpu()
+            scores[key] = final_token_scores(values, torch.tensor(mb.seqlens[key]))
+        loss, stats = bradley_terry_loss(scores["chosen"], scores["rejected"])
+        return loss, {"rm_loss": loss.item(), **stats}

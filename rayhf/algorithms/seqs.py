@@ -1,4 +1,7 @@
-"""Between packed sequences and the padded tensors a model forward needs.
+"""Helpers between packed sequences and the padded tensors a model forward needs.
+
+They build padded inputs, find the position that scores each response token, gather per-position
+outputs and pack padded rows back.
 
 A sample's ``seq`` is prompt + response ids; ``prompt_lens`` holds one length per sample.
 Per-response-token keys (logprobs, values, advantages) hold one row per response token. The

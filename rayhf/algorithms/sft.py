@@ -1,8 +1,9 @@
-"""Supervised fine-tuning loss as a pure torch function: cross entropy on response tokens.
+"""Supervised fine-tuning: ``SFTConfig``, the cross-entropy loss, and the ``sft`` interface.
 
-Per-token tensors follow ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` over response tokens
-with a bool ``mask``; prompt tokens are never in the mask, so the model is not trained to
-reproduce prompts.
+The loss is cross entropy on response tokens, a pure torch function. Per-token tensors follow
+``rayhf.algorithms.ppo``: right-padded ``[B, T]`` over response tokens with a bool ``mask``;
+prompt tokens are never in the mask, so the model is not trained to reproduce prompts. The
+``sft`` interface is an offline one (see ``offline``) that trains on demonstrations.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.ppo import masked_mean, token_logprobs
+from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.lm import response_forward, token_logprobs
+from rayhf.algorithms.offline import OfflineInterface
+from rayhf.algorithms.ppo import masked_mean
+from rayhf.algorithms.seqs import padded_inputs, response_index, response_labels
+from rayhf.data.batch import PackedBatch
 
 
 class SFTConfig(BaseModel):
@@ -38,3 +44,20 @@ def sft_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, dict
     nll = -token_logprobs(logits, safe_labels)
     loss = masked_mean(nll, mask)
     return loss, {"nll": loss.item()}
+
+
+@register("sft")
+class SFTInterface(OfflineInterface):
+    """Token-level cross entropy on the response tokens of demonstrations."""
+
+    config_type = SFTConfig
+
+    @property
+    def cfg(self) -> SFTConfig:
+        return self.settings.algorithm
+
+    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        _, logits, mask = response_forward(engine, mb)
+        ids, _ = padded_inputs(mb, engine.pad_id)
+        positions, _ = response_index(mb)
+        return sft_loss(logits, response_labels(ids, positions), mask)

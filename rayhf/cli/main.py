@@ -57,8 +57,8 @@ def run(
 def _report(result) -> None:
     last = result.metrics[-1] if result.metrics else {}
     typer.echo(f"run directory: {result.run_dir}")
-    if result.actor_checkpoint is not None:
-        typer.echo(f"actor checkpoint (Hugging Face format): {result.actor_checkpoint}")
+    if result.policy_checkpoint is not None:
+        typer.echo(f"{result.policy} checkpoint (Hugging Face format): {result.policy_checkpoint}")
     if result.plot is not None:
         typer.echo(f"plot: {result.plot}")
     if "task_reward" in last:
@@ -117,7 +117,7 @@ def plan(
     """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies); with
     --cluster, search the plan for that cluster and compare it with the baselines."""
     import rayhf
-    from rayhf.realloc.plan import format_reallocations
+    from rayhf.planner.plan import format_reallocations
     from rayhf.runtime.assets import model_specs
 
     cfg = rayhf.load_config(config, overrides or [])
@@ -143,17 +143,13 @@ def plan(
 
 def _memory_per_device(cfg, graph, the_plan, specs) -> str:
     """The simulated peak memory per emulated device under a plan, engines included."""
-    from rayhf.planner.auto import workloads
     from rayhf.planner.cost import AnalyticCost
     from rayhf.planner.hardware import cpu_cluster
     from rayhf.planner.simulate import simulate
-    from rayhf.runtime.assets import call_engines
+    from rayhf.runtime.assets import existing_dataset
+    from rayhf.runtime.planning import planner_workloads
 
-    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
-    works = workloads(
-        graph, cfg.batch_size, cfg.dataset.max_prompt_len, cfg.generation.max_new_tokens,
-        minibatches, call_engines(cfg, graph),
-    )  # fmt: skip
+    works = planner_workloads(cfg, graph, existing_dataset(cfg, graph))
     cost = AnalyticCost(cpu_cluster(cfg.cluster.n_devices, cfg.cluster.device_memory_gb))
     sim = simulate(graph, the_plan, specs, works, cost)
     peaks = ", ".join(f"d{d} {b / 2**20:.1f} MiB" for d, b in sorted(sim.peak_memory.items()))
@@ -177,16 +173,13 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     from pathlib import Path
 
     from rayhf.planner import format_plan
-    from rayhf.planner.auto import auto_plan, format_auto, workloads, write_gantt
+    from rayhf.planner.auto import auto_plan, format_auto, write_gantt
     from rayhf.planner.hardware import parse_cluster
-    from rayhf.runtime.assets import call_engines
+    from rayhf.runtime.assets import existing_dataset
+    from rayhf.runtime.planning import planner_workloads
 
     cluster = parse_cluster(cluster_text)
-    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
-    works = workloads(
-        graph, cfg.batch_size, cfg.dataset.max_prompt_len, cfg.generation.max_new_tokens,
-        minibatches, call_engines(cfg, graph),
-    )  # fmt: skip
+    works = planner_workloads(cfg, graph, existing_dataset(cfg, graph))
     result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds)
     chosen = result.chosen.plan
     if json_out:

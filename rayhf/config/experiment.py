@@ -28,15 +28,15 @@ from rayhf.algorithms.ppo import PPOConfig
 from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rm import RMConfig
 from rayhf.algorithms.sft import SFTConfig
+from rayhf.config.driver import DriverConfig
 from rayhf.data.datasets import DatasetConfig
-from rayhf.engines.config import ENGINES_BY_KIND, EngineConfig
-from rayhf.engines.native import GenerationConfig
-from rayhf.engines.torch_engine import OptimizerConfig
+from rayhf.engines.config import EngineConfig
+from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.errors import RayhfError
 from rayhf.metrics.tracker import MetricsConfig
 from rayhf.models.hf import ModelInit
 from rayhf.planner import ClusterConfig, PlanConfig
-from rayhf.runtime.schedule import DriverConfig
+from rayhf.sampling import GenerationConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,11 +118,9 @@ class ExperimentConfig(BaseModel):
     driver: DriverConfig = Field(default_factory=DriverConfig)  # how each step's DAG runs
     engines: dict[str, EngineConfig] = Field(default_factory=dict)  # call -> its backend
 
-    def engine_of(self, call: str, kind: str) -> tuple[str, int, bool]:
-        """(engine, zero_stage, offload) of a call: its ``engines`` entry or its kind's default."""
-        if call in self.engines:
-            return self.engines[call].worker_fields()
-        return ENGINES_BY_KIND[kind][0], 0, False
+    def engine_of(self, call: str, kind: str) -> EngineConfig:
+        """A call's backend: its ``engines`` entry or its kind's default."""
+        return self.engines.get(call) or EngineConfig.default(kind)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")

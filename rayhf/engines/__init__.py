@@ -1,0 +1,7 @@
+"""Engines: what runs a call on one rank, chosen per call (``engines:`` in the config).
+
+RankModel       the rank's shards, forward, whole-model gather/load/save, move surface
+generators      NativeGenerator (sharded, rayhf.parallel.generate), VllmGenerator
+trainers        TorchTrainer (AdamW, optional ZeRO-1), DeepSpeedTrainer (ZeRO 1/2/3)
+CallEngine      what one call's interface sees: model + its generator + trainer + dp ops
+"""

@@ -53,6 +53,8 @@ class Graph(BaseModel):
     name: str
     inputs: list[str]  # keys the dataset provides
     calls: list[Call]
+    policy: str | None = None  # the role a run checkpoints for serving; None: the role of the
+    # first generate call, else of the first train call
 
     @cached_property
     def by_name(self) -> dict[str, Call]:
@@ -80,6 +82,17 @@ class Graph(BaseModel):
     @cached_property
     def roles(self) -> list[str]:
         return sorted({c.role for c in self.calls})
+
+    @cached_property
+    def policy_role(self) -> str:
+        """The role whose checkpoint is the run's result (what ``rayhf serve`` serves)."""
+        if self.policy is not None:
+            return self.policy
+        for kind in ("generate", "train"):
+            for c in self.calls:
+                if c.kind == kind:
+                    return c.role
+        return self.calls[0].role
 
     def role_calls(self, role: str) -> list[str]:
         return [name for name in self.order if self.by_name[name].role == role]
@@ -139,6 +152,8 @@ def _check(graph: Graph) -> None:
                         f"graph '{graph.name}': call '{c.name}' {field} maps '{src}' to "
                         f"'{dst}', which is not one of its keys {keys}"
                     )
+    if graph.policy is not None and graph.policy not in {c.role for c in graph.calls}:
+        raise RayhfError(f"graph '{graph.name}': policy '{graph.policy}' is no call's role")
     for c in graph.calls:
         for k in c.inputs:
             if k not in seen and k not in graph.inputs:

@@ -22,7 +22,7 @@ PID = 0  # one process in the trace: the driver's view of the run
 
 
 @dataclass(frozen=True)
-class Span:
+class TraceSpan:
     """One call or weight move of a step, in wall-clock seconds (``time.time()``)."""
 
     name: str  # the call, or ``realloc:<call>`` / ``ema:<role>``
@@ -50,7 +50,7 @@ class TraceWriter:
             self._file.write("[\n")
             self._emit({"name": "process_name", "ph": "M", "pid": PID, "args": {"name": "rayhf"}})
 
-    def write(self, step: int, spans: list[Span], phase: str = "train") -> None:
+    def write(self, step: int, spans: list[TraceSpan], phase: str = "train") -> None:
         for s in spans:
             event = {
                 "name": s.name,

@@ -3,7 +3,7 @@
 A layout of ``dp x pp x tp`` ranks orders them with tp innermost (tensor-parallel peers are
 neighbouring devices, where the fastest links are), then pp, then dp::
 
-    rank = base + (dp_rank * pp + pp_rank) * tp + tp_rank     (rayhf.planner.layout.layout_rank)
+    rank = base + (dp_rank * pp + pp_rank) * tp + tp_rank     (rayhf.parallel.layout.layout_rank)
 
 Every process of the world calls ``build_groups`` with the same arguments except ``rank``
 (``torch.distributed.new_group`` is collective over the whole world, members or not).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from rayhf.planner.layout import Coords, coords_of, layout_rank
+from rayhf.parallel.layout import Coords, coords_of, layout_rank
 
 
 @dataclass

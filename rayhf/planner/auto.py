@@ -6,20 +6,20 @@ workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from rayhf.engines.config import EngineConfig
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph
-from rayhf.models.spec import ModelSpec, model_spec
+from rayhf.models.spec import ModelSpec
 from rayhf.planner import baselines
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.cost import AnalyticCost, Workload
-from rayhf.planner.hardware import ClusterSpec
-from rayhf.planner.plan import Plan, heuristic_plan
+from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, ClusterSpec, cpu_cluster
+from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.profile import ModelProfile, ProfiledCost
 from rayhf.planner.search import SearchResult, candidates, energy, search
 from rayhf.planner.simulate import Simulation, simulate
 
@@ -36,18 +36,21 @@ def workloads(
     prompt_len: int,
     gen_len: int,
     n_minibatches: int,
-    engines: Mapping[str, tuple[str, int, bool]] | None = None,
+    engines: Mapping[str, EngineConfig] | None = None,
+    zero1_roles: Collection[str] = (),
 ) -> dict[str, Workload]:
     """Each call's work per step (a generate call that samples a group multiplies nothing here:
-    the batch is the step's sequences); ``engines``: call -> (engine, ZeRO stage, offload) of the
-    calls not on rayhf's own engines (``ExperimentConfig.engine_of``)."""
+    the batch is the step's sequences); ``engines``: call -> its backend (default: its kind's);
+    ``zero1_roles``: roles whose torch optimizer shards its state over dp (ZeRO-1)."""
     engines = engines or {}
     out = {}
     for c in graph.calls:
-        engine, zero, offload = engines.get(c.name, ("", 0, False))
+        engine = engines.get(c.name) or EngineConfig.default(c.kind)
         minibatches = n_minibatches if c.kind == "train" else 1
+        zero = engine.zero_stage_for(c.role in zero1_roles) if c.kind == "train" else 0
+        named = engine.engine if engine.whole_model_ranks else ""
         out[c.name] = Workload(
-            c.kind, batch, prompt_len, gen_len, minibatches, engine, zero, offload
+            c.kind, batch, prompt_len, gen_len, minibatches, named, zero, engine.offload
         )
     return out
 
@@ -150,38 +153,26 @@ def write_gantt(sim: Simulation, out: Path, iteration: int = 1) -> Path:
 AUTO_ITERATIONS = 3000  # search steps for ``plan: auto`` (a fixed count keeps runs reproducible)
 
 
-def profile_cache() -> Path:
-    """Where measured model profiles are kept (``RAYHF_CACHE_DIR`` overrides)."""
-    import os
-
-    root = os.environ.get("RAYHF_CACHE_DIR") or Path.home() / ".cache" / "rayhf"
-    return Path(root) / "profiles"
+def searches(cluster: ClusterConfig) -> bool:
+    """Whether ``plan: auto`` searches for this run's cluster; else it is the colocated plan
+    (one device: the only plan; GPUs: see docs/decisions.md)."""
+    return cluster.n_devices > 1 and cluster.device != "cuda"
 
 
 def plan_for_run(
     graph: Graph,
-    configs: dict[str, tuple[Any, bool]],
+    specs: dict[str, ModelSpec],
+    profiles: dict[ModelSpec, ModelProfile],
     works: dict[str, Workload],
     cluster: ClusterConfig,
     seed: int = 0,
 ) -> Plan:
-    """``plan: auto`` for a run on emulated CPU devices: profile every role's model on this
-    machine (cached), then search with the profiled cost of rayhf's driver, which runs calls on
-    disjoint meshes at the same time. ``configs``: role -> (Hugging Face config, value head)."""
-    import os
-
-    from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster
-    from rayhf.planner.profile import ProfiledCost, profile_model
-
+    """``plan: auto`` for a run on emulated CPU devices: search with the profiled cost of
+    rayhf's driver (which runs calls on disjoint meshes at the same time), from the measured
+    ``profiles`` of the roles' model shapes (``rayhf.runtime.profiling``)."""
     n = cluster.n_devices
-    if n == 1 or cluster.device == "cuda":  # one possible plan; GPUs: see docs/decisions.md
-        return Plan(heuristic_plan(graph, n).layouts, "auto")
-    threads = max(1, int((cluster.num_cpus or os.cpu_count() or 1) / n))
-    profiles, specs = {}, {}
-    for role, (config, value_head) in configs.items():
-        specs[role] = model_spec(config, value_head)
-        key = dataclasses.replace(specs[role], n_layers=0)
-        profiles[key] = profile_model(config, value_head, threads, profile_cache())
+    if not searches(cluster):
+        return Plan(colocated_plan(graph, n).layouts, "auto")
     spec = cpu_cluster(n, cluster.device_memory_gb)
     cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
     check_fits(graph, specs, works, cost)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout, param_shards
 from rayhf.models.spec import ModelSpec
-from rayhf.planner.layout import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import MICRO_BATCHES, _powers
 

@@ -34,8 +34,8 @@ from typing import Literal
 
 from rayhf.models.sharding import param_shards, shard_numel
 from rayhf.models.spec import ModelSpec
+from rayhf.parallel.layout import Layout
 from rayhf.planner.hardware import ClusterSpec
-from rayhf.planner.layout import Layout
 
 ACTIVATION_BYTES_PER_HIDDEN = 34  # per token per layer per hidden unit, bf16 (Megatron, no
 # recomputation: Korthikanti et al. 2022, "Reducing Activation Recomputation", eq. 2)

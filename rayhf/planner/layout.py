@@ -1,17 +1,11 @@
-"""Layouts and plans: the planner's decisions as plain values.
-
-A layout is a mesh (ordered device indices) plus ``dp x tp x pp`` whose product is the mesh
-size, and a micro-batch count. A plan maps every call of the graph to a layout. ``Layout``
-checks its arithmetic once, here; everything downstream trusts it.
-"""
+"""Manual layouts: a config's ``plan.<call>`` entry and its check against the cluster."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayhf.errors import RayhfError
+from rayhf.parallel.layout import Layout
 
 
 class LayoutSpec(BaseModel):
@@ -24,63 +18,6 @@ class LayoutSpec(BaseModel):
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     n_mbs: int = Field(1, gt=0)  # micro-batches per forward (pipeline depth, memory)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where and how one call runs: ``mesh`` devices split as ``dp x tp x pp``."""
-
-    mesh: tuple[int, ...]
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    n_mbs: int = 1
-
-    def __post_init__(self) -> None:
-        assert self.dp * self.tp * self.pp == len(self.mesh), f"bad layout {self}"
-        assert len(set(self.mesh)) == len(self.mesh), f"repeated device in {self.mesh}"
-
-    def __hash__(self) -> int:  # memoized: the planner's search hashes layouts millions of times
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash((self.mesh, self.dp, self.tp, self.pp, self.n_mbs))  # ints: the same
-            object.__setattr__(self, "_hash", cached)  # in every process
-        return cached
-
-    @property
-    def name(self) -> str:
-        """Short stable name, used in actor names: ``d0-1.dp2tp1pp1``."""
-        devices = _ranges(self.mesh)
-        return f"d{devices}.dp{self.dp}tp{self.tp}pp{self.pp}"
-
-    @property
-    def world_size(self) -> int:
-        return len(self.mesh)
-
-
-@dataclass(frozen=True)
-class Coords:
-    """A rank's place on the three named mesh axes."""
-
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
-
-
-def layout_rank(dp_rank: int, pp_rank: int, tp_rank: int, pp: int, tp: int) -> int:
-    """A layout's rank order: tp innermost (tp peers are neighbouring devices), then pp, then dp."""
-    return (dp_rank * pp + pp_rank) * tp + tp_rank
-
-
-def coords_of(rank: int, pp: int, tp: int) -> Coords:
-    """Inverse of ``layout_rank``."""
-    return Coords(rank // (pp * tp), rank // tp % pp, rank % tp)
-
-
-def _ranges(mesh: tuple[int, ...]) -> str:
-    if list(mesh) == list(range(mesh[0], mesh[0] + len(mesh))) and len(mesh) > 1:
-        return f"{mesh[0]}-{mesh[-1]}"
-    return "_".join(str(d) for d in mesh)
 
 
 def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:

@@ -1,8 +1,8 @@
-"""Plans: the layout of every call, from the config (manual) or a heuristic (auto).
+"""Plans: the layout of every call, from the config (manual), the colocated placement, or the
+search (``rayhf.planner.auto``); whatever makes the plan, the runtime only reads ``Plan``.
 
-The search-based planner replaces ``heuristic_plan`` later; whatever makes the plan, the runtime
-only reads ``Plan``. A role's *home* layout holds its weights (and optimizer): the layout of its
-train call, or of its first call if it is not trained. A call in another layout runs on a copy
+A role's *home* layout holds its weights (and optimizer): the layout of its train call, or of
+its first call if it is not trained. A call in another layout runs on a copy
 that reallocation fills from the home layout before the call and that is dropped after it.
 """
 
@@ -16,8 +16,10 @@ from rayhf.errors import RayhfError
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
+from rayhf.parallel.layout import Layout
 from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.layout import Layout, LayoutSpec, layout_from_spec
+from rayhf.planner.layout import LayoutSpec, layout_from_spec
+from rayhf.realloc.plan import plan_realloc
 
 PlanConfig = Literal["auto", "colocated"] | dict[str, LayoutSpec]
 
@@ -27,7 +29,7 @@ class Plan:
     """Call name -> layout, and where the plan came from."""
 
     layouts: dict[str, Layout]
-    source: str  # "heuristic" or "manual"
+    source: str  # "colocated", "auto" or "manual"
 
     def home_layouts(self, graph: Graph) -> dict[str, Layout]:
         """Where each role's weights live: its train call's layout, else its first call's."""
@@ -79,10 +81,10 @@ def plan_from_json(text: str, source: str) -> Plan:
                  for name, v in raw.items()}, source)  # fmt: skip
 
 
-def heuristic_plan(graph: Graph, n_devices: int) -> Plan:
+def colocated_plan(graph: Graph, n_devices: int) -> Plan:
     """Every call on every device, data parallel (the colocated, verl-style placement)."""
     layout = Layout(tuple(range(n_devices)), dp=n_devices)
-    return Plan({c.name: layout for c in graph.calls}, "heuristic")
+    return Plan({c.name: layout for c in graph.calls}, "colocated")
 
 
 def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Plan:
@@ -91,7 +93,7 @@ def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Pla
     without --cluster, and the runtime asks ``planner.auto.plan_for_run`` instead), else the
     manual entries."""
     if plan_cfg in ("auto", "colocated"):
-        return heuristic_plan(graph, cluster.n_devices)
+        return colocated_plan(graph, cluster.n_devices)
     assert isinstance(plan_cfg, dict)
     unknown = sorted(set(plan_cfg) - set(graph.by_name))
     if unknown:
@@ -129,5 +131,21 @@ def format_plan(plan: Plan, graph: Graph) -> str:
         rows.append(
             f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
             f"{lay.pp:>4}{lay.n_mbs:>5}"
+        )
+    return "\n".join(rows)
+
+
+def format_reallocations(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> str:
+    """The reallocations a plan implies per step, with their bytes (for ``rayhf plan``)."""
+    moves = plan.reallocations(graph)
+    if not moves:
+        return "  reallocations per step: none (every call runs in its role's home layout)"
+    rows = ["  reallocations per step (role's home layout -> call's layout, before the call):"]
+    for name, home, lay in moves:
+        moved = plan_realloc(specs[graph.by_name[name].role], home, lay)
+        busiest = max(moved.sent.values(), default=0)
+        rows.append(
+            f"    {name:<14}{home.name} -> {lay.name}: {moved.total_bytes / 2**20:.2f} MiB in "
+            f"{len(moved.transfers)} slices, busiest sending device {busiest / 2**20:.2f} MiB"
         )
     return "\n".join(rows)

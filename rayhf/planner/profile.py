@@ -1,11 +1,12 @@
-"""Profiled cost model: this machine times rayhf's own engine, and a fit turns the timings into a
-call's cost under any layout.
+"""Profiled cost model: timings of rayhf's own engine on this machine, fitted into a call's cost
+under any layout. The planner only consumes the numbers; ``rayhf.runtime.profiling`` measures.
 
-    profile_model(config) -- for the model at depth 1 and depth 2 layers, time the engine's
-        forward, train step (forward, backward, AdamW) and generation (prefill + decode) over a
-        grid of batch x sequence length, in one process with one emulated device's threads
-    -> least-squares fit per op (``OpFit``: seconds = coefficients . features); the depth-2 fit
-       minus the depth-1 fit is one layer, the rest is the embedding, head and per-call Python
+    timings -- for the model at depth 1 and depth 2 layers, the engine's forward, train step
+        (forward, backward, AdamW) and generation (prefill + decode) over the grids below, in
+        one process with one emulated device's threads
+    -> fit_profile: least-squares fit per op (``OpFit``: seconds = coefficients . features); the
+       depth-2 fit minus the depth-1 fit is one layer, the rest is the embedding, head and
+       per-call Python
     -> cached as JSON per (model shape, threads, torch version)
 
 ``ProfiledCost`` composes those per-layer times under a layout the way rayhf executes it (the
@@ -17,29 +18,24 @@ analytic (``AnalyticCost.memory``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
 import math
-import time
-from collections.abc import Callable
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from rayhf.models.spec import ModelSpec, model_spec
+from rayhf.models.spec import ModelSpec
+from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, CallCost, Workload, max_shard_params
 from rayhf.planner.hardware import ClusterSpec
-from rayhf.planner.layout import Layout
 
 # (batch, sequence) points for forward and train; (batch, prompt, new tokens) for generation
 GRID = [(4, 16), (16, 16), (32, 16), (4, 48), (16, 48), (32, 48)]
 GEN_GRID = [(4, 16, 4), (16, 16, 4), (32, 16, 4), (4, 16, 16), (16, 16, 16), (32, 16, 16),
             (16, 8, 4), (16, 32, 4)]  # fmt: skip
-REPEATS = 3  # the fastest of these is kept (the others carry noise from the rest of the machine)
+Timing = tuple[int, tuple[int, ...], float]  # (model depth, grid point, seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +69,10 @@ class ModelProfile:
 OPS = ("forward", "train", "generate")
 
 
-def profile_key(spec: ModelSpec, threads: int) -> str:
+def profile_key(spec: ModelSpec, threads: int, torch_version: str) -> str:
     """What a profile depends on: the model's shape except its depth, threads, torch."""
-    import torch
-
     shape = dataclasses.asdict(dataclasses.replace(spec, n_layers=0))
-    text = json.dumps([shape, threads, torch.__version__], sort_keys=True)
+    text = json.dumps([shape, threads, torch_version], sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -88,57 +82,6 @@ def _features(op: str, point: tuple[int, ...]) -> list[float]:
         return [1.0, b * p, g, g * b]
     b, s = point
     return [1.0, b * s, b * s * s]
-
-
-def _with_depth(config: Any, depth: int) -> Any:
-    out = copy.deepcopy(config)
-    setattr(out, "n_layer" if out.model_type == "gpt2" else "num_hidden_layers", depth)
-    return out
-
-
-def _engine(config: Any, value_head: bool):
-    from rayhf.engines.torch_engine import OptimizerConfig, TorchEngine
-    from rayhf.models.hf import build_model
-
-    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
-    model = build_model(config, value_head)
-    return TorchEngine(model, tokenizer, value_head, OptimizerConfig(lr=1e-5))
-
-
-def _best_of(fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _time_op(engine: Any, op: str, point: tuple[int, ...], vocab: int) -> float:
-    import torch
-
-    from rayhf.data.batch import PackedBatch
-    from rayhf.engines.native import GenerationConfig
-
-    gen = torch.Generator().manual_seed(0)
-    if op == "generate":
-        b, p, g = point
-        prompts = torch.randint(2, vocab, (b, p), generator=gen).tolist()
-        cfg = GenerationConfig(max_new_tokens=g, min_new_tokens=g)
-        return _best_of(lambda: engine.generate(prompts, cfg, seed=0))
-    b, s = point
-    ids = torch.randint(2, vocab, (b, s), generator=gen)
-    mask = torch.ones_like(ids)
-    if op == "forward":
-        return _best_of(lambda: torch.no_grad()(engine.forward)(ids, mask))
-
-    def loss_fn(_mb):
-        out = engine.forward(ids, mask)
-        loss = out.pow(2).mean() if engine.value_head else torch.log_softmax(out, -1).mean()
-        return loss, {}
-
-    batch = PackedBatch(list(range(b)))
-    return _best_of(lambda: engine.train([batch], loss_fn))
 
 
 def _fit_nonnegative(rows: list[list[float]], seconds: list[float]) -> np.ndarray:
@@ -156,39 +99,21 @@ def _fit_nonnegative(rows: list[list[float]], seconds: list[float]) -> np.ndarra
     return coef
 
 
-def profile_model(config: Any, value_head: bool, threads: int, cache: Path | None = None):
-    """The fitted profile of ``config``'s model shape (from ``cache`` when it is there)."""
-    import torch
-
-    spec = model_spec(config, value_head)
-    key = profile_key(spec, threads)
-    path = cache / f"{key}.json" if cache is not None else None
-    if path is not None and path.exists():
-        return ModelProfile.from_json(path.read_text())
-    torch.set_num_threads(threads)
-    rows: dict[str, list[list[float]]] = {op: [] for op in OPS}
-    secs: dict[str, list[float]] = {op: [] for op in OPS}
-    for depth in (1, 2):
-        engine = _engine(_with_depth(config, depth), value_head)
-        for op in OPS:
-            if op == "generate" and value_head:
-                continue
-            points = GEN_GRID if op == "generate" else GRID
-            _time_op(engine, op, points[0], spec.vocab_size)  # warm-up
-            for pt in points:
-                feats = _features(op, pt)
-                rows[op].append(feats + [depth * f for f in feats])
-                secs[op].append(_time_op(engine, op, pt, spec.vocab_size))
+def fit_profile(key: str, threads: int, timings: dict[str, list[Timing]]) -> ModelProfile:
+    """Fit each op's measured ``(depth, grid point, seconds)`` timings: ``seconds = base .
+    features + depth x layer . features`` with non-negative coefficients (the depth-2 times
+    minus the depth-1 times are one layer, the rest is the embedding, head and Python)."""
     ops = {}
     for op in OPS:
         n = 4 if op == "generate" else 3
-        coef = _fit_nonnegative(rows[op], secs[op]) if rows[op] else np.zeros(2 * n)
+        rows = [
+            _features(op, point) + [depth * f for f in _features(op, point)]
+            for depth, point, _ in timings.get(op, [])
+        ]
+        secs = [seconds for *_, seconds in timings.get(op, [])]
+        coef = _fit_nonnegative(rows, secs) if rows else np.zeros(2 * n)
         ops[op] = OpFit(tuple(coef[:n].tolist()), tuple(coef[n:].tolist()))
-    prof = ModelProfile(key, threads, **ops)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(prof.to_json())
-    return prof
+    return ModelProfile(key, threads, **ops)
 
 
 def _dot(coef: tuple[float, ...], feats: list[float]) -> float:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
+from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
-from rayhf.planner.layout import Layout
 from rayhf.planner.plan import Plan
 from rayhf.planner.simulate import Simulation, simulate
 

@@ -24,13 +24,13 @@ import numpy as np
 
 from rayhf.graph import Graph
 from rayhf.models.spec import ModelSpec
+from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload, max_shard_params
-from rayhf.planner.layout import Layout
 from rayhf.planner.plan import Plan
 
 
 @dataclass(frozen=True)
-class Span:
+class SimSpan:
     name: str  # a call, or "realloc:<call>"
     iteration: int
     start: float
@@ -41,7 +41,7 @@ class Span:
 @dataclass
 class Simulation:
     iteration_seconds: float
-    spans: list[Span] = field(default_factory=list)
+    spans: list[SimSpan] = field(default_factory=list)
     peak_memory: dict[int, float] = field(default_factory=dict)  # device -> bytes
     over_memory: list[tuple[str, int, float]] = field(default_factory=list)  # (what, device, B)
     refused: list[str] = field(default_factory=list)  # calls whose engine cannot take the layout
@@ -106,7 +106,7 @@ def simulate(
     n_devices = _n_devices(plan, cost)
     free = np.zeros(n_devices)  # device -> when it is next free
     last_train: dict[str, float] = {}
-    spans: list[Span] = []
+    spans: list[SimSpan] = []
     for it in range(n_iterations):
         done: dict[str, float] = {}
         train_end: dict[str, float] = {}
@@ -117,7 +117,7 @@ def simulate(
                 where = index if concurrent else slice(None)
                 start = max(ready, float(free[where].max()))
                 ready = start + seconds
-                spans.append(Span(what, it, start, ready, devices))
+                spans.append(SimSpan(what, it, start, ready, devices))
                 free[where] = ready
             done[name] = ready
             if call.kind == "train":
@@ -143,7 +143,7 @@ def _refused(graph: Graph, plan: Plan, works: dict[str, Workload]) -> list[str]:
     ]
 
 
-def _period(spans: list[Span], n_iterations: int) -> float:
+def _period(spans: list[SimSpan], n_iterations: int) -> float:
     """Seconds per iteration in steady state: how far apart the iterations finish (the first
     one has nothing to overlap with, so a run of many iterations pays its fill only once)."""
     ends = [0.0] * n_iterations

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import ray
 
 from rayhf.models.spec import ModelSpec
-from rayhf.planner.layout import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.realloc.plan import ReallocPlan, Transfer, plan_realloc
 
 

@@ -22,11 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from rayhf.errors import RayhfError
-from rayhf.graph import Graph
 from rayhf.models.sharding import ParamShard, param_shards, shard_ranges, stage_layers
 from rayhf.models.spec import ModelSpec
-from rayhf.planner.layout import Layout, coords_of, layout_rank
-from rayhf.planner.plan import Plan
+from rayhf.parallel.layout import Layout, coords_of, layout_rank
 
 
 @dataclass(frozen=True)
@@ -268,19 +266,3 @@ def _rectangles(
     if m0 < m1:
         out.append((m0, m1, c0, c1))
     return out
-
-
-def format_reallocations(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> str:
-    """The reallocations a plan implies per step, with their bytes (for ``rayhf plan``)."""
-    moves = plan.reallocations(graph)
-    if not moves:
-        return "  reallocations per step: none (every call runs in its role's home layout)"
-    rows = ["  reallocations per step (role's home layout -> call's layout, before the call):"]
-    for name, home, lay in moves:
-        moved = plan_realloc(specs[graph.by_name[name].role], home, lay)
-        busiest = max(moved.sent.values(), default=0)
-        rows.append(
-            f"    {name:<14}{home.name} -> {lay.name}: {moved.total_bytes / 2**20:.2f} MiB in "
-            f"{len(moved.transfers)} slices, busiest sending device {busiest / 2**20:.2f} MiB"
-        )
-    return "\n".join(rows)

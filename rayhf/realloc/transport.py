@@ -15,12 +15,33 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from rayhf.realloc.plan import Transfer
+
+
+class ShardSource(Protocol):
+    """What a sending rank offers a move (``rayhf.engines.RankModel``, a ZeRO-3 rank's slices)."""
+
+    def source_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's local piece of every parameter, by Hugging Face name."""
+        ...
+
+
+class ShardSink(Protocol):
+    """What a receiving rank offers a move (``rayhf.engines.RankModel``)."""
+
+    def receive_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's local piece of every parameter, with storage, for the move to fill."""
+        ...
+
+    def received(self) -> None:
+        """The move has filled the buffers."""
+        ...
+
 
 BUCKET_BYTES = 32 * 2**20
 DIRECT_BYTES = 2**20  # a slice this large travels alone, straight from/into the shard if it can
@@ -156,4 +177,21 @@ def recv_all(
                 dst = dst_piece(shards, t)
                 blend(dst, flat[offset : offset + dst.numel()].view_as(dst))
                 offset += dst.numel()
+    return received
+
+
+def send_from(group: TransferGroup, source: ShardSource, by_peer: Mapping[int, list[Transfer]]):
+    """A rank's sending side of a move; returns bytes sent."""
+    return send_all(group, source.source_shards(), by_peer)
+
+
+def receive_into(
+    group: TransferGroup,
+    sink: ShardSink,
+    by_peer: Mapping[int, list[Transfer]],
+    blend: Blend = copy_into,
+) -> int:
+    """A rank's receiving side of a move (copy, or ``blend``); returns bytes received."""
+    received = recv_all(group, sink.receive_buffers(), by_peer, blend)
+    sink.received()
     return received

@@ -7,7 +7,6 @@ actors has already passed every check a user can fix.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,18 @@ from rayhf.algorithms.reward import resolve_function
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
-from rayhf.engines.config import ENGINES_BY_KIND
-from rayhf.engines.deepspeed_engine import DEEPSPEED_EXTRA
-from rayhf.engines.vllm_engine import VLLM_CPU_HEAD_DIMS, VLLM_EXTRA
+from rayhf.engines.config import check_kind
+from rayhf.engines.deepspeed_trainer import check_deepspeed
+from rayhf.engines.vllm_generator import check_vllm
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
 from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
-from rayhf.planner import Layout, Plan, make_plan
+from rayhf.planner import Plan, make_plan
 from rayhf.planner.plan import check_plan_fits
 from rayhf.realloc.plan import check_compatible
+from rayhf.runtime.planning import auto_plan
 
 
 @dataclass
@@ -46,13 +46,15 @@ class RunAssets:
     trainable: set[str]  # roles with a train call
 
 
-def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path):
+def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path, policy: str):
+    """The run's tokenizer: built from ``tokenizer.alphabet``, else loaded from
+    ``tokenizer.path``, else from the policy role's model directory."""
     if cfg.tokenizer.alphabet is not None:
         out = run_dir / "tokenizer"
         return build_char_tokenizer(cfg.tokenizer.alphabet, out), out
     path = cfg.tokenizer.path
-    if path is None and "actor" in cfg.models:
-        path = cfg.models["actor"].path
+    if path is None and policy in cfg.models:
+        path = cfg.models[policy].path
     if path is None:
         raise RayhfError("tokenizer: set tokenizer.path or tokenizer.alphabet")
     try:
@@ -84,6 +86,17 @@ def prepare_dataset(
     if cfg.eval_every and held_out is None:
         raise RayhfError("eval_every is set but dataset.eval_path is not")
     return train, held_out
+
+
+def existing_dataset(cfg: ExperimentConfig, graph: Graph) -> PromptDataset | None:
+    """The training dataset if its file exists (for ``rayhf plan``, which writes nothing)."""
+    if not Path(cfg.dataset.path).is_file():
+        return None
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer, _ = prepare_tokenizer(cfg, Path(tmp), graph.policy_role)
+        return PromptDataset.from_config(cfg.dataset, tokenizer, kind_for_inputs(graph.inputs))
 
 
 def _check_model_dir(path: Path, field: str) -> None:
@@ -130,7 +143,8 @@ def model_configs(cfg: ExperimentConfig) -> dict[str, Any]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer, _ = prepare_tokenizer(cfg, Path(tmp))
+        policy = load_graph(cfg.graph_path()).policy_role
+        tokenizer, _ = prepare_tokenizer(cfg, Path(tmp), policy)
         configs: dict[str, Any] = {}
         for role, rc in cfg.models.items():
             if rc.path is not None:
@@ -171,7 +185,7 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
                 f"algorithm.name: {needs.model_fields['name'].default}, the config has "
                 f"'{cfg.algorithm.name}'"
             )
-        if cfg.models[c.role].function is not None and c.interface != "reward":
+        if cfg.models[c.role].function is not None and not iface.takes_function:
             raise RayhfError(
                 f"graph '{graph.name}': call '{c.name}' ({c.kind}, {c.interface}) runs on role "
                 f"'{c.role}', which has no model (models.{c.role}.function)"
@@ -192,118 +206,23 @@ def _check_batch(cfg: ExperimentConfig, plan: Plan) -> None:
         raise RayhfError(f"batch_size={cfg.batch_size} is smaller than the plan's dp={widest}")
 
 
-def call_engines(cfg: ExperimentConfig, graph: Graph) -> dict[str, tuple[str, int, bool]]:
-    """Per call not on rayhf's own engines: (engine, ZeRO stage, offload), as the planner
-    prices them (a torch train call with ``optimizer.zero1`` is ZeRO stage 1)."""
-    out = {}
-    for c in graph.calls:
-        engine, zero, offload = cfg.engine_of(c.name, c.kind)
-        if c.kind == "train" and engine == "torch" and c.role in cfg.models:
-            zero = 1 if cfg.models[c.role].optimizer.zero1 else 0
-        if engine in ("vllm", "deepspeed") or zero:
-            out[c.name] = (engine if engine in ("vllm", "deepspeed") else "", zero, offload)
-    return out
-
-
-def _auto_plan(
-    cfg: ExperimentConfig, graph: Graph, model_dirs: dict[str, Path], dataset, run_dir: Path
-) -> Plan:
-    """The planner's choice for this run, kept in the run directory so a resumed run keeps it."""
-    from rayhf.planner.auto import plan_for_run, workloads
-    from rayhf.planner.plan import plan_from_json
-
-    saved = run_dir / PLAN_FILE
-    if saved.exists():  # a resumed run keeps its plan (if it still fits the graph and cluster)
-        plan = plan_from_json(saved.read_text(), "auto")
-        meshes = {d for lay in plan.layouts.values() for d in lay.mesh}
-        if set(plan.layouts) == set(graph.by_name) and max(meshes) < cfg.cluster.n_devices:
-            return plan
-    configs = {
-        role: (AutoConfig.from_pretrained(path, local_files_only=True), cfg.models[role].value_head)
-        for role, path in model_dirs.items()
-    }
-    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
-    prompt_len = round(dataset.mean_prompt_len())
-    works = workloads(
-        graph, cfg.batch_size, prompt_len, cfg.generation.max_new_tokens, minibatches,
-        call_engines(cfg, graph),
-    )  # fmt: skip
-    plan = plan_for_run(graph, configs, works, cfg.cluster, cfg.seed)
-    saved.write_text(plan.to_json())
-    return plan
-
-
-PLAN_FILE = "plan.json"
-
-
 def check_engines(
     cfg: ExperimentConfig, graph: Graph, plan: Plan, specs: dict[str, ModelSpec]
 ) -> None:
-    """Each ``engines.<call>`` names a call of the graph, an engine for its kind, a layout and a
-    model the engine can run, and an engine that is installed."""
+    """Each ``engines.<call>`` names a call of the graph and an engine for its kind, which
+    checks the layout and model it gets (``check_vllm``, ``check_deepspeed``)."""
     for name, ec in cfg.engines.items():
-        field = f"engines.{name}.engine"
         if name not in graph.by_name:
             raise RayhfError(f"engines.{name}: graph '{graph.name}' has no call '{name}'")
-        kind = graph.by_name[name].kind
-        if ec.engine not in ENGINES_BY_KIND[kind]:
-            allowed = ", ".join(ENGINES_BY_KIND[kind])
-            raise RayhfError(f"{field}: a {kind} call runs on {allowed}, not '{ec.engine}'")
-        layout = plan.layouts[name]
-        if ec.engine == "vllm" and (layout.tp > 1 or layout.pp > 1):
-            raise RayhfError(
-                f"{field}: vLLM runs one whole model per rank here (tp=1, pp=1) but the plan "
-                f"gives {name} {layout.name}; set plan.{name} to a dp-only layout"
-            )
-        if ec.engine == "deepspeed":
-            _check_deepspeed(cfg, name, graph.by_name[name].role, layout)
-            _check_zero3_layouts(cfg, graph, plan, name)
-        if ec.engine != "vllm":
-            continue
-        if importlib.util.find_spec("vllm") is None:
-            raise RayhfError(f"{field}: vLLM is not installed: {VLLM_EXTRA}")
-        role = graph.by_name[name].role
-        head_dim = specs[role].head_dim
-        if cfg.cluster.device == "cpu" and head_dim not in VLLM_CPU_HEAD_DIMS:
-            raise RayhfError(
-                f"{field}: vLLM's CPU attention runs head_dim {VLLM_CPU_HEAD_DIMS} but role "
-                f"'{role}' has {head_dim} (hidden_size / n_heads): change models.{role}"
-            )
-
-
-def _check_deepspeed(cfg: ExperimentConfig, call: str, role: str, layout: Layout) -> None:
-    field = f"engines.{call}"
-    if layout.tp > 1 or layout.pp > 1:
-        raise RayhfError(
-            f"{field}.engine: DeepSpeed ZeRO shards over data-parallel ranks only (tp=1, pp=1) "
-            f"but the plan gives {call} {layout.name}; set plan.{call} to a dp-only layout"
-        )
-    if cfg.models[role].optimizer.zero1:
-        raise RayhfError(
-            f"models.{role}.optimizer.zero1: {call} runs on DeepSpeed, whose zero_stage "
-            f"already shards the optimizer; remove zero1"
-        )
-    if cfg.engines[call].zero_stage == 3 and cfg.models[role].init_from is not None:
-        raise RayhfError(
-            f"{field}.zero_stage: a ZeRO-3 role sends its weights but cannot receive them, and "
-            f"models.{role}.init_from would; use zero_stage 1 or 2, or drop init_from"
-        )
-    if importlib.util.find_spec("deepspeed") is None:
-        raise RayhfError(f"{field}.engine: DeepSpeed is not installed: {DEEPSPEED_EXTRA}")
-
-
-def _check_zero3_layouts(cfg: ExperimentConfig, graph: Graph, plan: Plan, call: str) -> None:
-    """A ZeRO-3 group's ranks hold slices, so the role's other calls run in layouts of their own
-    (their weights come by reallocation from the slices)."""
-    if cfg.engines[call].zero_stage != 3:
-        return
-    role = graph.by_name[call].role
-    for c in graph.role_calls(role):
-        if c != call and plan.layouts[c] == plan.layouts[call]:
-            raise RayhfError(
-                f"plan.{c}: role '{role}' trains on ZeRO-3 ({call}), whose ranks hold only "
-                f"slices of the weights; give {c} a layout other than {call}'s"
-            )
+        call = graph.by_name[name]
+        check_kind(name, call.kind, ec)
+        if ec.engine == "vllm":
+            check_vllm(name, call.role, plan.layouts[name], specs[call.role].head_dim,
+                       cfg.cluster.device)  # fmt: skip
+        elif ec.engine == "deepspeed":
+            rc = cfg.models[call.role]
+            layouts = {c: plan.layouts[c] for c in graph.role_calls(call.role)}
+            check_deepspeed(name, call.role, ec, layouts, rc.optimizer.zero1, rc.init_from)
 
 
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
@@ -317,12 +236,12 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
         if rc.function is not None:
             resolve_function(rc.function, f"models.{role}.function")
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir)
+    tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir, graph.policy_role)
     dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
     specs = _model_specs(cfg, model_dirs)
     if plan is None:
-        plan = _auto_plan(cfg, graph, model_dirs, dataset, run_dir)
+        plan = auto_plan(cfg, graph, model_dirs, dataset, run_dir)
         _check_batch(cfg, plan)
     check_plan_fits(plan, graph, specs)
     check_engines(cfg, graph, plan, specs)

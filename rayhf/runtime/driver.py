@@ -10,7 +10,7 @@ Data moves actor to actor: a call's node receives its source calls' head results
 its own replica's share (``flow``); the driver only gets every node's result to report. Each
 node also takes the previous node on its actor and, per unit it must follow, that unit's node on
 the same device, so both executors keep the schedule's order. ``DagExecutor`` runs the same DAG
-with plain actor calls (``dag.execute``) or compiled (``experimental_compile``); see
+with plain ``.remote()`` actor calls or compiled (``experimental_compile``); see
 docs/decisions.md for which one is the default where.
 """
 
@@ -27,9 +27,9 @@ from ray.dag import InputNode, MultiOutputNode
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RunFailed
 from rayhf.graph import Graph
-from rayhf.metrics.trace import Span
+from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
-from rayhf.planner import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.realloc.collective import CollectiveRealloc, ReallocStats
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
@@ -44,7 +44,7 @@ class StepOutcome:
     compute_seconds: dict[str, float] = field(default_factory=dict)  # slowest rank, per call
     wall_seconds: dict[str, float] = field(default_factory=dict)  # first start to last end
     reallocs: dict[str, ReallocStats] = field(default_factory=dict)  # by what they served
-    spans: list[Span] = field(default_factory=list)  # every call and move, for the trace
+    spans: list[TraceSpan] = field(default_factory=list)  # every call and move, for the trace
 
 
 class Executor(Protocol):
@@ -198,9 +198,11 @@ class StepDag:
         out.stats.update(results[0].stats)
         out.compute_seconds[unit.name] = max(r.seconds for r in results)
         out.wall_seconds[unit.name] = ended - began
+        engine = {"engine": results[0].engine}  # the backend every rank of the call ran
         out.spans.append(
-            Span(unit.name, "call", unit.role, group.layout.name, group.key, began, ended)
-        )
+            TraceSpan(unit.name, "call", unit.role, group.layout.name, group.key, began, ended,
+                      engine)
+        )  # fmt: skip
 
     def _report_move(
         self, out: StepOutcome, unit: Unit, results: list[MoveResult], began: float, ended: float
@@ -212,7 +214,9 @@ class StepDag:
         out.reallocs[key] = ReallocStats(ended - began, moved)
         layouts = f"{src.layout.name} -> {dst.layout.name}"
         out.spans.append(
-            Span(unit.name, "realloc", unit.role, layouts, dst.key, began, ended, {"bytes": moved})
+            TraceSpan(
+                unit.name, "realloc", unit.role, layouts, dst.key, began, ended, {"bytes": moved}
+            )
         )
 
     def failure(self, error: ray.exceptions.RayActorError, done: set[int]) -> RunFailed:

@@ -11,14 +11,15 @@ starts a new batch: keys made before it do not carry over to the calls that read
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rayhf.data.batch import PackedBatch
 
 
-def balance_key(batch: PackedBatch) -> str | None:
-    """The key whose token counts balance a data-parallel split."""
-    for key in ("seq", "prompts"):
+def balance_key(batch: PackedBatch, preferred: Sequence[str]) -> str | None:
+    """The key whose token counts balance a data-parallel split: the first of ``preferred``
+    (the call's interface names them) in the batch, else its first key."""
+    for key in preferred:
         if key in batch.tensors:
             return key
     return batch.keys()[0] if batch.tensors else None
@@ -73,7 +74,9 @@ def rename_outputs(out: PackedBatch, outputs: Mapping[str, str], call: str) -> P
     return renamed
 
 
-def replica_share(batch: PackedBatch, dp_size: int, dp_rank: int) -> PackedBatch:
+def replica_share(
+    batch: PackedBatch, dp_size: int, dp_rank: int, balance_keys: Sequence[str]
+) -> PackedBatch:
     """The token-balanced share of data-parallel replica ``dp_rank`` (every rank computes the
     same split, so each takes its own without a coordinator)."""
-    return batch.split(dp_size, by_key=balance_key(batch))[dp_rank]
+    return batch.split(dp_size, by_key=balance_key(batch, balance_keys))[dp_rank]

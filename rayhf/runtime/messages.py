@@ -7,7 +7,8 @@ from typing import Any
 
 from rayhf.algorithms.interface import InterfaceSettings
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.torch_engine import OptimizerConfig
+from rayhf.engines.config import EngineConfig
+from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.realloc.plan import Transfer
 
 
@@ -21,9 +22,7 @@ class CallSpec:
     args: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key read
     outputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key written
-    engine: str = "native"  # generate: native | vllm; train: torch | deepspeed
-    zero_stage: int = 0  # deepspeed: ZeRO stage 1 | 2 | 3
-    offload: bool = False  # deepspeed: optimizer state (and ZeRO-3 parameters) in CPU memory
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(engine="torch"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,7 @@ class CallResult:
     batch: PackedBatch | None
     stats: dict[str, float]
     seconds: float
+    engine: str = ""  # the backend that ran it (native, vllm, torch, deepspeed)
     began: float = 0.0  # wall clock (time.time()) around the call, for the trace
     ended: float = 0.0
 

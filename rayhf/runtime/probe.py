@@ -16,7 +16,7 @@ import torch
 
 from rayhf.data.batch import PackedBatch
 from rayhf.graph import Call, Graph
-from rayhf.planner import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.runtime.driver import DagExecutor, Placement
 from rayhf.runtime.messages import CallNode, CallResult, StepInput
 from rayhf.runtime.schedule import group_key
@@ -35,7 +35,7 @@ class ProbeWorker:
         began = time.time()
         if self.seconds:
             time.sleep(self.seconds)
-        return CallResult(node.call, 0, None, {}, time.time() - began, began, time.time())
+        return CallResult(node.call, 0, None, {}, time.time() - began, "probe", began, time.time())
 
 
 class ProbeGroup:
@@ -62,19 +62,19 @@ def probe_executor(
     meshes: list[tuple[int, ...]], chain: bool, seconds: float, compiled: bool
 ) -> tuple[DagExecutor, list[ProbeGroup]]:
     """One inference call ``r{i}_inf`` per mesh, on role ``r{i}`` (all ranks data-parallel);
-    with ``chain`` each call reads the previous call's output, else all read the prompts."""
+    with ``chain`` each call reads the previous call's output, else all read the step input."""
     calls = [
         Call(
             name=f"r{i}_inf",
             role=f"r{i}",
             kind="inference",
             interface="probe",
-            inputs=[f"k{i - 1}" if chain and i else "prompts"],
+            inputs=[f"k{i - 1}" if chain and i else "rows"],
             outputs=[f"k{i}"],
         )
         for i in range(len(meshes))
     ]
-    graph = Graph(name="probe", inputs=["prompts"], calls=calls)
+    graph = Graph(name="probe", inputs=["rows"], calls=calls)
     layouts = {f"r{i}_inf": Layout(mesh, len(mesh)) for i, mesh in enumerate(meshes)}
     groups = [ProbeGroup(f"r{i}", layouts[f"r{i}_inf"], seconds) for i in range(len(meshes))]
     homes = {g.role: g.layout for g in groups}
@@ -84,7 +84,5 @@ def probe_executor(
 
 
 def probe_batch(n_samples: int = 8, tokens: int = 8) -> PackedBatch:
-    prompts = torch.zeros(n_samples * tokens, dtype=torch.long)
-    return PackedBatch(
-        list(range(n_samples)), {"prompts": prompts}, {"prompts": [tokens] * n_samples}
-    )
+    rows = torch.zeros(n_samples * tokens, dtype=torch.long)
+    return PackedBatch(list(range(n_samples)), {"rows": rows}, {"rows": [tokens] * n_samples})

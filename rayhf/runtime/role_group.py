@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayhf.planner import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.runtime.cluster import DEVICE_RESOURCE, DeviceCluster
 from rayhf.runtime.messages import WorkerSpec
 from rayhf.runtime.worker import RoleWorker

@@ -18,19 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from rayhf.graph import Graph
-from rayhf.planner import Layout
-
-
-class DriverConfig(BaseModel):
-    """How the driver runs each step's DAG."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    executor: Literal["auto", "plain", "compiled"] = "auto"  # auto: plain on CPU, compiled on GPU
-    call_timeout_s: float = Field(3600.0, gt=0)  # a compiled step's longest wait (generate, train)
+from rayhf.parallel.layout import Layout
 
 
 def group_key(role: str, layout: Layout) -> str:

@@ -18,7 +18,7 @@ import ray
 
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
-from rayhf.planner import Layout
+from rayhf.parallel.layout import Layout
 from rayhf.realloc.collective import CollectiveRealloc, ReallocStats
 from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
@@ -146,7 +146,7 @@ class Session:
             c.role == role
             and c.kind == "train"
             and plan.layouts[c.name] == layout
-            and self.cfg.engine_of(c.name, c.kind)[1] == 3
+            and self.cfg.engine_of(c.name, c.kind).zero_stage_for(False) == 3
             for c in graph.calls
         )
 
@@ -163,7 +163,7 @@ class Session:
                 dict(c.args),
                 c.interface_inputs(),
                 c.interface_outputs(),
-                *cfg.engine_of(c.name, c.kind),
+                cfg.engine_of(c.name, c.kind),
             )
             for c in assets.graph.calls
             if c.role == role and assets.plan.layouts[c.name] == layout

@@ -32,7 +32,8 @@ from ray.util.queue import Empty, Queue
 from rayhf.algorithms import CallContext, InterfaceSettings, make_interface
 from rayhf.config import ExperimentConfig, dump_config
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs, to_packed
-from rayhf.engines.torch_engine import TorchEngine
+from rayhf.engines.build import standalone_engine
+from rayhf.engines.call import CallEngine
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.models.hf import load_model, quiet_transformers
@@ -83,9 +84,10 @@ def _evaluate(iface, engine, held_out, rank: int, world: int, step: int) -> dict
     return {f"eval/{k}": v for k, v in stats.items()}
 
 
-def _save(engine: TorchEngine, role: str) -> Checkpoint:
+def _save(engine: CallEngine, role: str) -> Checkpoint:
     out = Path(tempfile.mkdtemp(prefix="rayhf-ckpt-"))
-    engine.save_pretrained(out / role)
+    assert engine.model is not None
+    engine.model.save_pretrained(out / role)
     return Checkpoint.from_directory(str(out))
 
 
@@ -104,7 +106,7 @@ def stage_worker(config: dict[str, Any]) -> None:
     model = load_model(spec.model_dir, spec.value_head, f"models.{spec.role}")
     groups = build_groups(world, 1, 1, rank) if world > 1 else None  # data parallel only
     optim = cfg.models[spec.role].optimizer
-    engine = TorchEngine(model, tokenizer, spec.value_head, optim, groups)
+    engine = standalone_engine(model, tokenizer, spec.value_head, optim, groups)
     iface = make_interface(spec.interface, InterfaceSettings(cfg.algorithm, cfg.generation))
     kind = spec.kind
     data = PromptDataset.from_config(cfg.dataset, tokenizer, kind)
@@ -219,7 +221,7 @@ def run_train_stage(cfg: ExperimentConfig) -> RunResult:
             write_checkpoint(run_dir, cfg.steps, lambda tmp: _copy_role(Path(src), tmp, role), {})
     rows = read_metrics(run_dir)
     plot = plot_run(rows, run_dir / "reward_kl.png", cfg.name) if cfg.metrics.plot else None
-    return RunResult(run_dir, rows, list_checkpoints(run_dir), plot)
+    return RunResult(run_dir, rows, list_checkpoints(run_dir), plot, role)
 
 
 def _copy_role(src: Path, dst: Path, role: str) -> None:

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
+from rayhf.algorithms import INTERFACES
 from rayhf.config import ExperimentConfig, dump_config, load_config
 from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
 from rayhf.errors import RayhfError, RunFailed, RunInterrupted
+from rayhf.graph import Graph
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.metrics.trace import TRACE_FILE, TraceWriter
 from rayhf.models.hf import quiet_transformers
@@ -45,6 +48,7 @@ class RunResult:
     metrics: list[dict[str, float]]
     checkpoints: list[Path]
     plot: Path | None
+    policy: str  # the graph's policy role (``Graph.policy_role``)
     info: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -52,10 +56,10 @@ class RunResult:
         return self.checkpoints[-1] if self.checkpoints else None
 
     @property
-    def actor_checkpoint(self) -> Path | None:
-        """The actor of the last checkpoint, in Hugging Face format."""
+    def policy_checkpoint(self) -> Path | None:
+        """The policy of the last checkpoint, in Hugging Face format (what serving loads)."""
         ckpt = self.final_checkpoint
-        return ckpt / "actor" if ckpt is not None else None
+        return ckpt / self.policy if ckpt is not None else None
 
 
 def sample_means(batch: PackedBatch) -> dict[str, float]:
@@ -67,8 +71,22 @@ def sample_means(batch: PackedBatch) -> dict[str, float]:
     }
 
 
-def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
-    """The train stats plus timing: per call, the step, and the driver/Ray overhead."""
+def sequence_keys(graph: Graph) -> set[str]:
+    """The graph keys holding the token sequences its train calls learn from (each interface
+    names its own: ``Interface.sequence_keys``)."""
+    out: set[str] = set()
+    for c in graph.calls:
+        if c.kind == "train":
+            names = c.interface_inputs()
+            out.update(names[k] for k in INTERFACES[c.interface].sequence_keys if k in names)
+    return out
+
+
+def step_metrics(
+    outcome: StepOutcome, seconds: float, token_keys: Collection[str]
+) -> dict[str, float]:
+    """The train stats plus timing: per call, the step, and the driver/Ray overhead;
+    ``token_keys``: the sequences tokens/s counts."""
     metrics = dict(outcome.stats)
     for name, s in outcome.compute_seconds.items():
         metrics[f"seconds/{name}"] = s
@@ -83,7 +101,7 @@ def step_metrics(outcome: StepOutcome, seconds: float) -> dict[str, float]:
     metrics["overhead_seconds"] = max(seconds - compute - realloc, 0.0)
     metrics.update(sample_means(outcome.batch))
     lens = outcome.batch.seqlens
-    tokens = sum(sum(lens[k]) for k in ("seq", "chosen", "rejected") if k in lens)
+    tokens = sum(sum(lens[k]) for k in sorted(token_keys) if k in lens)
     metrics["tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
     return metrics
 
@@ -159,7 +177,8 @@ class Trainer:
                 batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
                 begin = time.perf_counter()
                 outcome = self.executor.run_step(step, batch)
-                metrics = step_metrics(outcome, time.perf_counter() - begin)
+                seconds = time.perf_counter() - begin
+                metrics = step_metrics(outcome, seconds, sequence_keys(self.assets.graph))
                 trace.write(step, outcome.spans)
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                     metrics.update(self.evaluate(step, trace))
@@ -217,4 +236,5 @@ def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -
             Trainer(cfg, assets, session).loop(start)
     rows = read_metrics(run_dir)
     plot = plot_run(rows, run_dir / "reward_kl.png", cfg.name) if cfg.metrics.plot else None
-    return RunResult(run_dir, rows, list_checkpoints(run_dir), plot, info)
+    policy = assets.graph.policy_role
+    return RunResult(run_dir, rows, list_checkpoints(run_dir), plot, policy, info)

@@ -22,11 +22,21 @@ import torch.distributed as dist
 
 from rayhf.algorithms import CallContext, make_interface
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.torch_engine import TorchEngine
+from rayhf.engines.build import make_generators, make_trainer
+from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
+from rayhf.engines.collectives import DataParallel
+from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import quiet_transformers
 from rayhf.parallel.groups import ParallelGroups, build_groups, single
 from rayhf.realloc.plan import Transfer
-from rayhf.realloc.transport import TransferGroup, copy_into, ema_into, recv_all, send_all
+from rayhf.realloc.transport import (
+    ShardSource,
+    TransferGroup,
+    copy_into,
+    ema_into,
+    receive_into,
+    send_from,
+)
 from rayhf.runtime.flow import assemble, call_inputs, rename_outputs, replica_share
 from rayhf.runtime.messages import (
     CallNode,
@@ -57,7 +67,8 @@ def optim_file(optim_dir: str, role: str, rank: int) -> str:
 
 
 class RoleWorker:
-    """One rank: model, optimizer, and one interface instance per interface name."""
+    """One rank: its model, its trainer, one generator per generate call, and one interface
+    instance per interface name."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         from transformers import AutoTokenizer
@@ -69,7 +80,9 @@ class RoleWorker:
         self._hf_model = _build_model(spec)  # the full model until ``setup`` shards it
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
         self.groups: ParallelGroups = single()
-        self.engine = TorchEngine(None, self.tokenizer, spec.value_head, None)
+        self.model: RankModel | None = None
+        self.trainer: Trainer | None = None
+        self.generators: dict[str, Generator] = {}
         self.transfer_groups: dict[str, TransferGroup] = {}
         self.calls = {c.name: c for c in spec.calls}
         self.interfaces = {
@@ -97,39 +110,47 @@ class RoleWorker:
                 backend, init_method=init_method, rank=spec.rank, world_size=world
             )
             self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
-        model, self._hf_model = self._hf_model, None
-        optim = spec.optimizer if model is not None else None
-        args = (model, self.tokenizer, spec.value_head, optim, self.groups, spec.n_mbs, spec.device)
+        hf_model, self._hf_model = self._hf_model, None
+        if hf_model is None:
+            return  # a function-valued role
+        self.model = RankModel.from_hf(
+            hf_model, self.tokenizer, spec.value_head,
+            groups=self.groups, n_mbs=spec.n_mbs, device=spec.device,
+        )  # fmt: skip
         trainer = next((c for c in spec.calls if c.kind == "train"), None)
-        if optim is not None and trainer is not None and trainer.engine == "deepspeed":
-            from rayhf.engines.deepspeed_engine import DeepSpeedEngine
+        if spec.optimizer is not None and trainer is not None:
+            self.trainer = make_trainer(self.model, spec.optimizer, trainer.engine)
+        gen_calls = {c.name: c.engine for c in spec.calls if c.kind == "generate"}
+        self.generators = make_generators(self.model, gen_calls, spec.seed, trainer is not None)
 
-            self.engine = DeepSpeedEngine(
-                *args, zero_stage=trainer.zero_stage, offload=trainer.offload
-            )
-        else:
-            self.engine = TorchEngine(*args)
-        if any(c.engine == "vllm" for c in spec.calls) and self.engine.model is not None:
-            self.engine.use_vllm(spec.seed, colocated=trainer is not None)
+    def engine_for(self, call: str) -> CallEngine:
+        """What ``call``'s interface runs on: the rank's model, that call's own generator, the
+        role's trainer, and the reductions over the replicas."""
+        comm = DataParallel(self.groups.dp_group)
+        generator = self.generators.get(call)
+        trainer = self.trainer if self.calls[call].kind == "train" else None
+        return CallEngine(self.tokenizer, self.model, comm, generator, trainer)
 
     def run(self, req: CallRequest) -> CallResult:
         call = self.calls[req.call]
         interface = self.interfaces[call.interface]
         dp_rank = self.groups.coords.dp_rank
         ctx = CallContext(req.step, dp_rank, self.spec.dp_size, self.spec.seed, call.args)
+        engine = self.engine_for(req.call)
         start = time.perf_counter()
         batch, stats = None, {}
         if call.kind != "train" and req.batch.n_samples == 0:
             pass  # more dp ranks than samples: this rank has nothing to do
         elif call.kind == "generate":
-            batch = interface.generate(self.engine, req.batch, ctx)
+            batch = interface.generate(engine, req.batch, ctx)
         elif call.kind == "inference":
-            batch = interface.inference(self.engine, req.batch, ctx)
+            batch = interface.inference(engine, req.batch, ctx)
         elif req.evaluate:
-            stats = interface.evaluate(self.engine, req.batch, ctx)
+            stats = interface.evaluate(engine, req.batch, ctx)
         else:
-            stats = interface.train_step(self.engine, req.batch, ctx)
-        return CallResult(req.call, self.spec.rank, batch, stats, time.perf_counter() - start)
+            stats = interface.train_step(engine, req.batch, ctx)
+        seconds = time.perf_counter() - start
+        return CallResult(req.call, self.spec.rank, batch, stats, seconds, engine.name)
 
     def dag_call(self, step: StepInput, node: CallNode, *upstream: Any) -> CallResult:
         """A call as a node of the step's DAG: assemble the batch from the step input and the
@@ -145,7 +166,8 @@ class RoleWorker:
             step.batch, [(s, [b for _, b in sorted(outputs[s].items())]) for s in node.sources]
         )
         view = call_inputs(batch, call.inputs, call.name)
-        part = replica_share(view, self.spec.dp_size, self.groups.coords.dp_rank)
+        keys = self.interfaces[call.interface].balance_keys
+        part = replica_share(view, self.spec.dp_size, self.groups.coords.dp_rank, keys)
         result = self.run(CallRequest(node.call, step.step, part, node.evaluate))
         if result.batch is not None:
             keep = self.groups.is_head
@@ -170,12 +192,14 @@ class RoleWorker:
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The whole model (gathered over this replica's tp and pp ranks: every rank of the
         replica must call); the head rank returns it, the others an empty dict."""
-        full = self.engine.full_state()
+        full = self._full_state()
         return full if self.groups.is_head else {}
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> int:
         """Keep this rank's shards of the whole-model ``weights``; returns the bytes kept."""
-        return self.engine.load_full_state(weights)
+        kept = self._model().load_full_state(weights)
+        self._weights_loaded()
+        return kept
 
     def join_transfer_group(self, name: str, address: str, rank: int, size: int) -> None:
         """Join the reallocation transfer group ``name`` (made once per pair of role groups)."""
@@ -183,54 +207,70 @@ class RoleWorker:
 
     def realloc_send(self, group: str, by_peer: dict[int, list[Transfer]]) -> int:
         """Send this rank's planned source slices; returns bytes sent."""
-        assert self.engine.model is not None
-        return send_all(self.transfer_groups[group], self.engine.source_shards(), by_peer)
+        return send_from(self.transfer_groups[group], self._source(), by_peer)
 
     def realloc_recv(
         self, group: str, by_peer: dict[int, list[Transfer]], eta: float | None = None
     ) -> int:
         """Receive this rank's planned slices (copy, or blend with weight ``eta``)."""
-        assert self.engine.model is not None
-        self.engine.model.allocate()
         blend = copy_into if eta is None else ema_into(eta)
-        shards = self.engine.model.local_state()
-        received = recv_all(self.transfer_groups[group], shards, by_peer, blend)
-        self.engine.weights_loaded()  # vLLM reloads them before its next call; DeepSpeed's
-        return received  # optimizer takes them as its master weights
+        received = receive_into(self.transfer_groups[group], self._model(), by_peer, blend)
+        self._weights_loaded()
+        return received
 
     def release_weights(self) -> None:
         """Drop this copy's weights until the next reallocation refills them."""
-        assert self.engine.model is not None
-        self.engine.model.release()
+        self._model().release()
 
     def weights_digest(self) -> float:
         """Sum of |w| over this rank's parameters: a cheap fingerprint for tests and logs."""
-        assert self.engine.model is not None
-        return float(sum(p.detach().abs().sum() for p in self.engine.model.parameters()))
+        return self._model().digest()
 
     def local_bytes(self) -> int:
-        return self.engine.local_bytes()
+        """Bytes of the weights this rank holds (a ZeRO-3 rank: its slices)."""
+        return sum(t.numel() * t.element_size() for t in self._source().source_shards().values())
+
+    def generator_names(self) -> dict[str, str]:
+        """Generate call -> the backend that runs it on this rank."""
+        return {call: g.name for call, g in self.generators.items()}
 
     def save(self, model_dir: str, optim_dir: str) -> None:
         """Every rank calls: replica 0 gathers and its head writes the model (Hugging Face
         format) to ``model_dir``; each rank writes its optimizer + interface state to
         ``optim_dir/{role}.rank{r}.pt`` (ranks hold different shards of the optimizer)."""
-        if self.groups.coords.dp_rank == 0 or self.engine.gathers_over_dp:
-            self.engine.save_pretrained(model_dir)
+        over_dp = self.trainer is not None and self.trainer.gathers_over_dp
+        if self.groups.coords.dp_rank == 0 or over_dp:
+            self._model().save_pretrained(model_dir, self._full_state())
         state: dict[str, Any] = {
             "interfaces": {k: v.state_dict() for k, v in self.interfaces.items()}
         }
-        if self.engine.optimizer is not None:
-            state["optimizer"] = self.engine.save_optimizer(self._engine_dir(optim_dir))
+        if self.trainer is not None:
+            state["optimizer"] = self.trainer.save_optimizer(self._engine_dir(optim_dir))
         torch.save(state, optim_file(optim_dir, self.spec.role, self.spec.rank))
 
     def load_optimizer(self, optim_dir: str) -> None:
         path = optim_file(optim_dir, self.spec.role, self.spec.rank)
         state = torch.load(path, weights_only=False)
-        if self.engine.optimizer is not None:
-            self.engine.load_optimizer(self._engine_dir(optim_dir), state["optimizer"])
+        if self.trainer is not None:
+            self.trainer.load_optimizer(self._engine_dir(optim_dir), state["optimizer"])
         for name, s in state["interfaces"].items():
             self.interfaces[name].load_state_dict(s)
+
+    def _model(self) -> RankModel:
+        assert self.model is not None, f"role '{self.spec.role}' has no model"
+        return self.model
+
+    def _source(self) -> ShardSource:
+        return self.trainer.shard_source() if self.trainer is not None else self._model()
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        return whole_state(self._model(), self.trainer)
+
+    def _weights_loaded(self) -> None:
+        """New weights came from outside: the optimizer takes them as its master copy
+        (DeepSpeed); a vLLM generator reloads them before its next call (the model's version)."""
+        if self.trainer is not None:
+            self.trainer.weights_loaded()
 
     def _engine_dir(self, optim_dir: str) -> str:
         """Where an engine with its own checkpoint format (DeepSpeed) writes this role's."""

@@ -4,7 +4,7 @@
     [EngineRequest] --generate--> [EngineOutput] (per-token text pieces, finish reason, counts)
 
 ``NativeEngine`` loads a Hugging Face checkpoint on CPU and runs
-``rayhf.engines.native.generate``. Prompts are tokenized as in training: ``bos`` (if the
+``rayhf.sampling.generate``. Prompts are tokenized as in training: ``bos`` (if the
 tokenizer has one) followed by the text's tokens, no other special tokens.
 
 Choices:
@@ -38,9 +38,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rayhf.engines.native import GenerationConfig, generate
 from rayhf.errors import RayhfError
 from rayhf.models.hf import load_model, quiet_transformers
+from rayhf.sampling import GenerationConfig, generate
 
 
 class EngineConfig(BaseModel):
@@ -161,7 +161,7 @@ class ServingEngine(ABC):
 
 
 class NativeEngine(ServingEngine):
-    """``rayhf.engines.native.generate`` on a checkpoint loaded on CPU in eval mode."""
+    """``rayhf.sampling.generate`` on a checkpoint loaded on CPU in eval mode."""
 
     def __init__(self, cfg: EngineConfig) -> None:
         super().__init__(cfg)

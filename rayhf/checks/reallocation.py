@@ -1,6 +1,6 @@
 """Bit-exactness check of reallocation over random layout pairs, with real processes.
 
-``python -m rayhf.realloc.verify OUT.json [--pairs 24] [--seed 0]`` starts 8 gloo processes:
+``python -m rayhf.checks.reallocation OUT.json [--pairs 24] [--seed 0]`` starts 8 gloo processes:
 ranks 0-3 hold a source layout, ranks 4-7 a destination layout (separate processes, as role
 groups are). For each family and each sampled (source, destination) pair of layouts over meshes
 of 1-4 devices (equal, overlapping and disjoint meshes, every valid dp x tp x pp), the source
@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import sys
 from typing import Any
 
@@ -24,8 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rayhf.checks.common import Tok, free_address, tiny_model
 from rayhf.models.sharding import check_layout
-from rayhf.planner.layout import Layout
+from rayhf.parallel.layout import Layout
 
 N_DEVICES, POOL = 4, 8
 FAMILIES = {"llama": {"n_heads": 4, "n_kv_heads": 2}, "gpt2": {"n_heads": 4}}
@@ -65,22 +65,15 @@ def sample_pairs(spec, n: int, seed: int) -> list[tuple[Layout, Layout]]:
 
 
 def _model(family: str):
-    from rayhf.models.hf import ModelInit, build_model, hf_config
-
-    init = ModelInit(family=family, hidden_size=32, n_layers=4, seed=3, **FAMILIES[family])
-    return build_model(hf_config(init, 37, 0, 2, 1), value_head=False).eval()
-
-
-class _Tok:
-    pad_token_id, eos_token_id = 0, 1
+    return tiny_model(family, FAMILIES[family])
 
 
 def _one_pair(family: str, src: Layout, dst: Layout, rank: int, group) -> dict[str, Any] | None:
-    from rayhf.engines.torch_engine import TorchEngine
+    from rayhf.engines.rank_model import RankModel
     from rayhf.models.spec import model_spec
     from rayhf.parallel.groups import build_groups
     from rayhf.realloc.plan import plan_realloc
-    from rayhf.realloc.transport import recv_all, send_all
+    from rayhf.realloc.transport import receive_into, send_from
 
     src_groups = build_groups(src.dp, src.tp, src.pp, rank, base=0)
     dst_groups = build_groups(dst.dp, dst.tp, dst.pp, rank, base=4)
@@ -91,25 +84,22 @@ def _one_pair(family: str, src: Layout, dst: Layout, rank: int, group) -> dict[s
     mask = torch.ones_like(ids)
     logits = gathered = None
     if rank < src.world_size:
-        engine = TorchEngine(full, _Tok(), False, None, src_groups)
+        model = RankModel.from_hf(full, Tok(), False, groups=src_groups)
         by_peer: dict[int, list] = {}
         for t in plan.for_src(rank):
             by_peer.setdefault(4 + t.dst, []).append(t)
-        assert engine.model is not None
-        send_all(group, engine.model.local_state(), by_peer)
+        send_from(group, model, by_peer)
         with torch.no_grad():
-            logits = engine.forward(ids, mask)
+            logits = model.forward(ids, mask)
     elif 4 <= rank < 4 + dst.world_size:
-        engine = TorchEngine(None, _Tok(), False, None, dst_groups)
-        engine.init_empty(full.config)
+        model = RankModel(full.config, None, Tok(), False, groups=dst_groups)
         by_peer = {}
         for t in plan.for_dst(rank - 4):
             by_peer.setdefault(t.src, []).append(t)
-        assert engine.model is not None
-        recv_all(group, engine.model.local_state(), by_peer)
-        gathered = engine.full_state() if dst_groups.coords.dp_rank == 0 else None
+        receive_into(group, model, by_peer)
+        gathered = model.full_state() if dst_groups.coords.dp_rank == 0 else None
         with torch.no_grad():
-            logits = engine.forward(ids, mask)
+            logits = model.forward(ids, mask)
     results: list[Any] = [None] * POOL
     dist.all_gather_object(results, (logits, gathered if rank == 4 else None))
     if rank != 4:
@@ -151,12 +141,6 @@ def _worker(rank: int, address: str, store_address: str, pairs: list, out: str) 
     dist.destroy_process_group()
 
 
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def main(argv: list[str] | None = None) -> None:
     from rayhf.models.spec import model_spec
 
@@ -170,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
         jobs += [(family, a, b) for a, b in sample_pairs(spec, args.pairs, args.seed)]
-    mp.spawn(_worker, args=(_free_address(), _free_address(), jobs, args.out), nprocs=POOL)
+    mp.spawn(_worker, args=(free_address(), free_address(), jobs, args.out), nprocs=POOL)
 
 
 if __name__ == "__main__":

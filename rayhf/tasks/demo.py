@@ -11,7 +11,7 @@ It is dense and graded, so PPO sees progress within ~30 steps:
 * a policy that copies the prompt's digits scores 1.0.
 
 Reward contract: a reward function referenced as ``module:function`` in a config (this one is
-``rayhf.data.demo_task:reward``) takes ``(prompts, responses)``, two equally long lists of
+``rayhf.tasks.demo:reward``) takes ``(prompts, responses)``, two equally long lists of
 strings (prompt text without bos; decoded response with the eos removed), and returns one float
 per sample, in the same order.
 
@@ -149,7 +149,7 @@ def policy_answers(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rayhf.engines.native import GenerationConfig, generate
+    from rayhf.sampling import GenerationConfig, generate
 
     tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)

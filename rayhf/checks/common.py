@@ -1,0 +1,30 @@
+"""What the harnesses share: tiny models of every family, a stand-in tokenizer, and a free
+rendezvous address for their gloo processes."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+VOCAB, PAD, BOS, EOS = 37, 0, 2, 1
+
+
+class Tok:
+    """The special ids a rank's engine reads of a tokenizer."""
+
+    pad_token_id, eos_token_id = PAD, EOS
+
+
+def tiny_model(family: str, shape: dict[str, Any], value_head: bool = False, seed: int = 0):
+    """A 4-layer, 32-wide model of ``family`` (``shape``: its heads and sizes), seeded, eval."""
+    from rayhf.models.hf import ModelInit, build_model, hf_config
+
+    init = ModelInit(family=family, hidden_size=32, n_layers=4, **shape)
+    return build_model(hf_config(init, VOCAB, PAD, BOS, EOS), value_head, seed=seed).eval()
+
+
+def free_address() -> str:
+    """``tcp://127.0.0.1:port`` with a port free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

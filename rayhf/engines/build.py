@@ -1,0 +1,61 @@
+"""Assemble a rank's engines from its calls' ``EngineConfig``s: the trainer its train call asks
+for, one generator per generate call (vLLM engines shared by the calls that ask for vLLM)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rayhf.engines.call import CallEngine, Generator, Trainer
+from rayhf.engines.collectives import DataParallel
+from rayhf.engines.config import EngineConfig
+from rayhf.engines.native import NativeGenerator
+from rayhf.engines.rank_model import RankModel
+from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer
+from rayhf.parallel.groups import ParallelGroups
+
+
+def make_trainer(model: RankModel, optimizer: OptimizerConfig, engine: EngineConfig) -> Trainer:
+    if engine.engine == "deepspeed":
+        from rayhf.engines.deepspeed_trainer import DeepSpeedTrainer
+
+        return DeepSpeedTrainer(model, optimizer, engine)
+    return TorchTrainer(model, optimizer)
+
+
+def make_generators(
+    model: RankModel, engines: Mapping[str, EngineConfig], seed: int, sleeps: bool
+) -> dict[str, Generator]:
+    """A generator per generate call (``engines``: call -> its engine); ``sleeps``: the rank
+    also trains, so a vLLM engine sleeps between its calls."""
+    out: dict[str, Generator] = {}
+    vllm: Generator | None = None
+    for call, engine in engines.items():
+        if engine.engine == "vllm":
+            if vllm is None:
+                from rayhf.engines.vllm_generator import VllmGenerator
+
+                vllm = VllmGenerator(model, seed, sleeps)
+            out[call] = vllm
+        else:
+            out[call] = NativeGenerator(model)
+    return out
+
+
+def standalone_engine(
+    hf_model: Any,
+    tokenizer: Any,
+    value_head: bool,
+    optimizer: OptimizerConfig | None = None,
+    groups: ParallelGroups | None = None,
+    n_mbs: int = 1,
+    device: str = "cpu",
+) -> CallEngine:
+    """One rank's engine outside a role group (Ray Train stages, profiling, checks, tests):
+    the native generator, and a torch trainer when ``optimizer`` is given."""
+    model = RankModel.from_hf(
+        hf_model, tokenizer, value_head, groups=groups, n_mbs=n_mbs, device=device
+    )
+    trainer = TorchTrainer(model, optimizer) if optimizer is not None else None
+    comm = DataParallel(model.groups.dp_group)
+    return CallEngine(tokenizer, model, comm, NativeGenerator(model), trainer)

@@ -1,0 +1,126 @@
+"""The seams: a call's generator and a role's trainer, and the view of them an interface gets.
+
+    Generator  generate(prompts, cfg, seed) -> tokens + log-probs   NativeGenerator, VllmGenerator
+    Trainer    train(minibatches, loss_fn) -> stats, optimizer I/O   TorchTrainer, DeepSpeedTrainer
+
+A worker holds one trainer per rank (its role's train call picks it) and one generator per
+generate call (each call's ``engines:`` entry picks its own), and hands each call a
+``CallEngine``: the rank's model for forwards, the call's generator, the trainer, and the
+data-parallel reductions. ``CallEngine`` is what ``rayhf.algorithms.interface.ModelEngine``
+describes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.collectives import DataParallel
+from rayhf.engines.rank_model import RankModel
+from rayhf.engines.torch_trainer import LossFn
+from rayhf.sampling import GenerateOutput, GenerationConfig
+
+
+class Generator(Protocol):
+    """Samples responses for a generate call; sees new weights through the rank's model."""
+
+    name: str
+
+    def generate(
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+    ) -> GenerateOutput: ...
+
+
+class Trainer(Protocol):
+    """Optimizer steps over a rank's model, and the state a checkpoint keeps of them."""
+
+    name: str
+    optimizer: Any
+
+    @property
+    def gathers_over_dp(self) -> bool: ...
+
+    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]: ...
+
+    def weights_loaded(self) -> None: ...
+
+    def shard_source(self) -> Any: ...
+
+    def gathered(self) -> AbstractContextManager[None]: ...
+
+    def save_optimizer(self, path: str) -> dict[str, Any]: ...
+
+    def load_optimizer(self, path: str, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class CallEngine:
+    """What one call's interface runs on (``model`` None: a function-valued role)."""
+
+    tokenizer: Any
+    model: RankModel | None
+    comm: DataParallel
+    generator: Generator | None = None
+    trainer: Trainer | None = None
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def value_head(self) -> bool:
+        return self.model is not None and self.model.value_head
+
+    @property
+    def name(self) -> str:
+        """The backend that runs this call: its generator, its trainer, else ``torch``."""
+        for part in (self.generator, self.trainer):
+            if part is not None:
+                return part.name
+        return "torch"
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "forward on a role without a model"
+        return self.model.forward(input_ids, attention_mask)
+
+    def generate(
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+    ) -> GenerateOutput:
+        assert self.generator is not None, "generate outside a generate call"
+        return self.generator.generate(prompts, cfg, seed)
+
+    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+        assert self.trainer is not None, "train on a frozen role"
+        return self.trainer.train(minibatches, loss_fn)
+
+    def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
+        return self.comm.all_reduce_mean(values)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_sum(t)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return self.comm.all_gather_object(obj)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model (a collective over the replica; ZeRO-3: over dp too)."""
+        assert self.model is not None
+        return whole_state(self.model, self.trainer)
+
+
+def whole_state(model: RankModel, trainer: Trainer | None) -> dict[str, torch.Tensor]:
+    """``model``'s whole state dict, gathered over the replica's tp and pp ranks (and the dp
+    ranks where the trainer shards parameters: ZeRO-3), as tensors of its own."""
+    gather = trainer.gathered() if trainer is not None else contextlib.nullcontext()
+    with gather:
+        return {k: v.clone() for k, v in model.full_state().items()}

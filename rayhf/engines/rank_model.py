@@ -1,0 +1,152 @@
+"""One rank's piece of a role's model: its pipeline stage and tensor-parallel shards, and what
+can be done with them without an optimizer.
+
+    Hugging Face state dict --take this rank's shards--> ShardedModel (+ Pipeline over pp)
+      forward:   right-padded rows -> packed -> pipeline -> logits/values, padded again
+      weights:   full_state (gathered over tp and pp), load_full_state, save_pretrained
+      moves:     source_shards / receive_buffers / received  (rayhf.realloc's ShardSource and
+                 ShardSink: what reallocation reads and fills)
+
+``version`` counts weight changes (a train step, a reallocation), so a generator that keeps its
+own copy of the weights (vLLM) knows when to reload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rayhf.models.sharding import embedding_name, join_shards, take_shard
+from rayhf.models.spec import model_spec
+from rayhf.parallel.groups import ParallelGroups, single
+from rayhf.parallel.model import ShardedModel
+from rayhf.parallel.pipeline import Pipeline
+
+
+class RankModel:
+    """This rank's shards of a Hugging Face model (``full`` None: zeros that a reallocation
+    fills) and the pipeline that runs them."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        full: Mapping[str, torch.Tensor] | None,
+        tokenizer: Any,
+        value_head: bool,
+        groups: ParallelGroups | None = None,
+        n_mbs: int = 1,
+        device: str = "cpu",
+    ) -> None:
+        self.hf_config, self.tokenizer, self.value_head = hf_config, tokenizer, value_head
+        self.groups = groups or single()
+        self.spec = model_spec(hf_config, value_head)
+        self.module = ShardedModel(self.spec, self.groups, full).to(device)
+        self.module.train(False)
+        self.pipe = Pipeline(self.module, self.groups, n_mbs)
+        self.version = 0  # bumped whenever the weights change
+
+    @classmethod
+    def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
+        """This rank's shards of a whole Hugging Face model (``kw``: groups, n_mbs, device)."""
+        return cls(model.config, model.state_dict(), tokenizer, value_head, **kw)
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    def changed(self) -> None:
+        """The weights changed in place (a train step)."""
+        self.version += 1
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (LM) or values ``[B, T]`` (value head) of right-padded rows.
+
+        Rows are packed (padding dropped) for the model; padded positions of the result are 0.
+        """
+        keep = attention_mask.to(self.device).bool()
+        lengths = keep.sum(dim=1).tolist()
+        out = self.pipe.forward(input_ids.to(self.device)[keep], lengths)
+        padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
+        return padded.index_put((keep.nonzero(as_tuple=True)), out)
+
+    def source_shards(self) -> dict[str, torch.Tensor]:
+        """What this rank sends when its role's weights move to another layout."""
+        return self.module.local_state()
+
+    def receive_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, with storage again if they were released, for a move to fill."""
+        self.module.allocate()
+        return self.module.local_state()
+
+    def received(self) -> None:
+        """A move filled the shards."""
+        self.changed()
+
+    def release(self) -> None:
+        """Drop the weights' memory until the next move refills them (a copy's)."""
+        self.module.release()
+
+    def local_bytes(self) -> int:
+        """Bytes of the parameters this rank holds."""
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+    def digest(self) -> float:
+        """Sum of |w| over this rank's parameters: a cheap fingerprint for tests and logs."""
+        return float(sum(p.detach().abs().sum() for p in self.module.parameters()))
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's Hugging Face state dict, gathered over this replica's tp and pp
+        ranks (a collective: every rank of the replica calls it)."""
+        local = {k: v.detach().cpu() for k, v in self.module.local_state().items()}
+        stage, shards = local, self.module.shards
+        if self.groups.tp_group is not None:
+            parts: list = [None] * self.groups.tp
+            dist.all_gather_object(parts, local, group=self.groups.tp_group)
+            stage = {k: join_shards([p[k] for p in parts], shards[k]) for k in local}
+        full = dict(stage)
+        if self.groups.pp_group is not None:
+            stages: list = [None] * self.groups.pp
+            dist.all_gather_object(stages, stage, group=self.groups.pp_group)
+            full = {k: v for s in stages for k, v in s.items()}
+        if self.spec.tied:
+            full["lm_head.weight"] = full[embedding_name(self.spec)]
+        return full
+
+    def load_full_state(self, full: Mapping[str, torch.Tensor]) -> int:
+        """Keep this rank's shards of a whole-model state dict; returns the bytes kept."""
+        c, kept = self.groups.coords, 0
+        with torch.no_grad():
+            for name, p in self.module.local_state().items():
+                shard = take_shard(full[name], self.module.shards[name], self.groups.tp, c.tp_rank)
+                p.copy_(shard)
+                kept += shard.numel() * shard.element_size()
+        self.received()
+        return kept
+
+    def save_pretrained(
+        self, out_dir: str | Path, full: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write the whole model (``full``, else gathered now: a collective) in Hugging Face
+        format with its tokenizer; the head rank of replica 0 writes."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        full = self.full_state() if full is None else full
+        if not self.groups.is_head or self.groups.coords.dp_rank != 0:
+            return
+        cls = AutoModelForSequenceClassification if self.value_head else AutoModelForCausalLM
+        hf = cls.from_config(self.hf_config)
+        hf.load_state_dict(dict(full), strict=True)
+        hf.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)

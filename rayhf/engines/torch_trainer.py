@@ -1,0 +1,172 @@
+"""Training on rayhf's own engine: AdamW over this rank's shards.
+
+Every rank of a data-parallel replica runs the same algorithm code on the same batch and gets
+the same outputs; gradients are averaged over the replicas before each optimizer step (one flat
+all-reduce), and the clipping norm is taken over the whole model (all tp shards, all pp stages).
+With ``zero1`` the optimizer state is split over the replicas (torch's ZeroRedundancyOptimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.collectives import DataParallel
+from rayhf.engines.rank_model import RankModel
+
+LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW settings of a trainable role."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, gt=0)  # max global grad norm
+    zero1: bool = False  # shard optimizer state over the data-parallel replicas (ZeRO stage 1)
+
+
+def add_stats(totals: dict[str, float], stats: dict[str, float], n: int) -> None:
+    """Accumulate the mean over ``n`` minibatches of each stat."""
+    for k, v in stats.items():
+        totals[k] = totals.get(k, 0.0) + v / n
+
+
+class TorchTrainer:
+    """AdamW steps over a ``RankModel``'s shards (``engine: torch``)."""
+
+    name = "torch"
+    gathers_over_dp = False  # every replica holds the whole model: saving needs replica 0 only
+
+    def __init__(self, model: RankModel, cfg: OptimizerConfig) -> None:
+        self.model, self.cfg = model, cfg
+        self.groups = model.groups
+        self.comm = DataParallel(self.groups.dp_group)
+        self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
+
+    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step per minibatch; returns the mean of each stat over minibatches.
+
+        ``minibatches`` has the same length on every dp rank (a rank with no samples for one
+        passes an empty batch and contributes zero gradient), so the all-reduces line up.
+        """
+        module, pipe = self.model.module, self.model.pipe
+        module.train(True)
+        pipe.record = True
+        totals: dict[str, float] = {}
+        try:
+            for mb in minibatches:
+                self.optimizer.zero_grad(set_to_none=False)
+                if mb.n_samples > 0:
+                    loss, stats = loss_fn(mb)
+                    loss.backward()
+                    pipe.backward_pending()
+                    add_stats(totals, stats, len(minibatches))
+                self._all_reduce_grads()
+                norm = self._clip_grads(self.cfg.grad_clip)
+                add_stats(totals, {"grad_norm": norm}, len(minibatches))
+                self.optimizer.step()
+            self.model.changed()
+        finally:
+            pipe.record = False
+            pipe.pending.clear()
+            module.train(False)
+        return self.comm.all_reduce_mean(totals)
+
+    def _all_reduce_grads(self) -> None:
+        """Average gradients over the data-parallel replicas (one flat all-reduce)."""
+        group = self.groups.dp_group
+        if group is None:
+            return
+        params = list(self.model.module.parameters())
+        for p in params:
+            if p.grad is None:  # a rank whose minibatch was empty still joins the all-reduce
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _clip_grads(self, max_norm: float) -> float:
+        """Scale gradients so the whole model's gradient norm is at most ``max_norm``.
+
+        A tp-replicated parameter has the same gradient on every tp rank, so it is counted once.
+        """
+        module = self.model.module
+        sharded = torch.zeros((), dtype=torch.float32)
+        replicated = torch.zeros((), dtype=torch.float32)
+        params = module.local_state()
+        for name, p in params.items():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().float().pow(2).sum()
+            if module.shards[name].tp_dim is None or self.groups.tp == 1:
+                replicated += sq
+            else:
+                sharded += sq
+        if self.groups.tp_group is not None:
+            dist.all_reduce(sharded, group=self.groups.tp_group)
+        total = sharded + replicated
+        if self.groups.pp_group is not None:
+            dist.all_reduce(total, group=self.groups.pp_group)
+        norm = float(total.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def weights_loaded(self) -> None:
+        """Weights written into the shards from outside (the optimizer steps them as they are)."""
+
+    def shard_source(self) -> RankModel:
+        """What a move out of this rank's layout reads: the shards themselves."""
+        return self.model
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter whole on this rank meanwhile (they already are)."""
+        yield
+
+    def save_optimizer(self, path: str) -> dict[str, Any]:
+        """This rank's optimizer state, to store in the rank's checkpoint file."""
+        return getattr(self.optimizer, "optim", self.optimizer).state_dict()  # ZeRO-1: its part
+
+    def load_optimizer(self, path: str, state: dict[str, Any]) -> None:
+        getattr(self.optimizer, "optim", self.optimizer).load_state_dict(state)
+
+
+def _make_optimizer(
+    module: torch.nn.Module, cfg: OptimizerConfig, dp_group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer:
+    kwargs: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": cfg.betas,
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.zero1 and dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            list(module.parameters()),
+            optimizer_class=torch.optim.AdamW,
+            process_group=dp_group,
+            **kwargs,
+        )
+    return torch.optim.AdamW(module.parameters(), **kwargs)

@@ -1,0 +1,78 @@
+"""From an experiment config to the planner's inputs, and ``plan: auto`` for a run.
+
+config + graph (+ the dataset, when there is one) -> planner_workloads: each call's work
+    per step, its engine and how its optimizer shards (one definition: ``rayhf run``,
+    ``rayhf plan`` and ``plan: auto`` all call it)
+-> plan: auto: profile every role's model shape on this machine (cached), search, and keep
+   the plan in the run directory so a resumed run keeps it
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from rayhf.config import ExperimentConfig
+from rayhf.data.datasets import PromptDataset
+from rayhf.engines.config import EngineConfig
+from rayhf.graph import Graph
+from rayhf.planner.auto import plan_for_run, searches, workloads
+from rayhf.planner.cost import Workload
+from rayhf.planner.plan import Plan, plan_from_json
+from rayhf.runtime.profiling import profiles_for
+
+PLAN_FILE = "plan.json"
+
+
+def call_engines(cfg: ExperimentConfig, graph: Graph) -> dict[str, EngineConfig]:
+    """Every call's backend: its ``engines:`` entry, else its kind's default."""
+    return {c.name: cfg.engine_of(c.name, c.kind) for c in graph.calls}
+
+
+def prompt_tokens(cfg: ExperimentConfig, dataset: PromptDataset | None) -> int:
+    """The prompt length the planner prices: the dataset's mean, or (no dataset yet) the
+    config's bound ``dataset.max_prompt_len``."""
+    if dataset is None:
+        return cfg.dataset.max_prompt_len
+    return round(dataset.mean_prompt_len())
+
+
+def planner_workloads(
+    cfg: ExperimentConfig, graph: Graph, dataset: PromptDataset | None
+) -> dict[str, Workload]:
+    """Each call's work per step as the planner prices it."""
+    minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
+    zero1 = {role for role, rc in cfg.models.items() if rc.optimizer.zero1}
+    return workloads(
+        graph, cfg.batch_size, prompt_tokens(cfg, dataset), cfg.generation.max_new_tokens,
+        minibatches, call_engines(cfg, graph), zero1,
+    )  # fmt: skip
+
+
+def auto_plan(
+    cfg: ExperimentConfig,
+    graph: Graph,
+    model_dirs: dict[str, Path],
+    dataset: PromptDataset,
+    run_dir: Path,
+) -> Plan:
+    """The planner's choice for this run, kept in the run directory so a resumed run keeps it."""
+    saved = run_dir / PLAN_FILE
+    if saved.exists():  # a resumed run keeps its plan (if it still fits the graph and cluster)
+        plan = plan_from_json(saved.read_text(), "auto")
+        meshes = {d for lay in plan.layouts.values() for d in lay.mesh}
+        if set(plan.layouts) == set(graph.by_name) and max(meshes) < cfg.cluster.n_devices:
+            return plan
+    configs = {
+        role: (AutoConfig.from_pretrained(path, local_files_only=True), cfg.models[role].value_head)
+        for role, path in model_dirs.items()
+    }
+    n = cfg.cluster.n_devices
+    threads = max(1, int((cfg.cluster.num_cpus or os.cpu_count() or 1) / n))
+    specs, profiles = profiles_for(configs, threads) if searches(cfg.cluster) else ({}, {})
+    works = planner_workloads(cfg, graph, dataset)
+    plan = plan_for_run(graph, specs, profiles, works, cfg.cluster, cfg.seed)
+    saved.write_text(plan.to_json())
+    return plan

@@ -1,0 +1,127 @@
+"""Measuring a model for the planner's profiled cost model (the execution side of profiling).
+
+model config -> at depth 1 and 2 layers, a one-rank engine (``standalone_engine``) times its
+forward, train step and generation over the planner's grids (fastest of ``REPEATS``)
+-> ``rayhf.planner.profile.fit_profile`` -> cached as JSON per (shape, threads, torch)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.build import standalone_engine
+from rayhf.engines.call import CallEngine
+from rayhf.engines.torch_trainer import OptimizerConfig
+from rayhf.models.hf import build_model
+from rayhf.models.spec import ModelSpec, model_spec
+from rayhf.planner.profile import (
+    GEN_GRID,
+    GRID,
+    OPS,
+    ModelProfile,
+    Timing,
+    fit_profile,
+    profile_key,
+)
+from rayhf.sampling import GenerationConfig
+
+REPEATS = 3  # the fastest of these is kept (the others carry noise from the rest of the machine)
+
+
+def profile_cache() -> Path:
+    """Where measured model profiles are kept (``RAYHF_CACHE_DIR`` overrides)."""
+    root = os.environ.get("RAYHF_CACHE_DIR") or Path.home() / ".cache" / "rayhf"
+    return Path(root) / "profiles"
+
+
+def profile_model(
+    config: Any, value_head: bool, threads: int, cache: Path | None = None
+) -> ModelProfile:
+    """The fitted profile of ``config``'s model shape (from ``cache`` when it is there)."""
+    spec = model_spec(config, value_head)
+    key = profile_key(spec, threads, torch.__version__)
+    path = cache / f"{key}.json" if cache is not None else None
+    if path is not None and path.exists():
+        return ModelProfile.from_json(path.read_text())
+    torch.set_num_threads(threads)
+    timings: dict[str, list[Timing]] = {op: [] for op in OPS}
+    for depth in (1, 2):
+        engine = _engine(_with_depth(config, depth), value_head)
+        for op in OPS:
+            if op == "generate" and value_head:
+                continue
+            points = GEN_GRID if op == "generate" else GRID
+            _time_op(engine, op, points[0], spec.vocab_size)  # warm-up
+            for pt in points:
+                timings[op].append((depth, pt, _time_op(engine, op, pt, spec.vocab_size)))
+    prof = fit_profile(key, threads, timings)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(prof.to_json())
+    return prof
+
+
+def profiles_for(
+    configs: dict[str, tuple[Any, bool]], threads: int
+) -> tuple[dict[str, ModelSpec], dict[ModelSpec, ModelProfile]]:
+    """Every role's spec and its shape's profile (cached); ``configs``: role -> (Hugging Face
+    config, value head)."""
+    specs, profiles = {}, {}
+    for role, (config, value_head) in configs.items():
+        specs[role] = model_spec(config, value_head)
+        key = dataclasses.replace(specs[role], n_layers=0)
+        profiles[key] = profile_model(config, value_head, threads, profile_cache())
+    return specs, profiles
+
+
+def _with_depth(config: Any, depth: int) -> Any:
+    out = copy.deepcopy(config)
+    setattr(out, "n_layer" if out.model_type == "gpt2" else "num_hidden_layers", depth)
+    return out
+
+
+def _engine(config: Any, value_head: bool) -> CallEngine:
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    model = build_model(config, value_head)
+    return standalone_engine(model, tokenizer, value_head, OptimizerConfig(lr=1e-5))
+
+
+def _best_of(fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _time_op(engine: CallEngine, op: str, point: tuple[int, ...], vocab: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    if op == "generate":
+        b, p, g = point
+        prompts = torch.randint(2, vocab, (b, p), generator=gen).tolist()
+        cfg = GenerationConfig(max_new_tokens=g, min_new_tokens=g)
+        return _best_of(lambda: engine.generate(prompts, cfg, seed=0))
+    b, s = point
+    ids = torch.randint(2, vocab, (b, s), generator=gen)
+    mask = torch.ones_like(ids)
+    if op == "forward":
+        return _best_of(lambda: torch.no_grad()(engine.forward)(ids, mask))
+
+    def loss_fn(_mb):
+        out = engine.forward(ids, mask)
+        loss = out.pow(2).mean() if engine.value_head else torch.log_softmax(out, -1).mean()
+        return loss, {}
+
+    batch = PackedBatch(list(range(b)))
+    return _best_of(lambda: engine.train([batch], loss_fn))

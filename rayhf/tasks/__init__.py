@@ -1,0 +1,1 @@
+"""Demo and example tasks: dataset builders and their rewards (not core code)."""
