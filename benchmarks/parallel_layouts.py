@@ -111,7 +111,7 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     result = {
         "train_s": _timed(train, reps),
         "decode_s": _timed(lambda: engine.generate(prompts, greedy, 0), reps),
-        "bytes": engine.local_bytes(),
+        "bytes": engine.model.local_bytes(),
     }
     if rank == 0:
         Path(out).write_text(json.dumps(result))

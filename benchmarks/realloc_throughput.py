@@ -4,7 +4,7 @@
 
 For each (source layout -> destination layout) pair, two role groups of real rayhf actors on
 emulated devices hold the model; the same bytes (the destination shards) are moved by
-  collective: rayhf's planned slices over a transfer group (``CollectiveRealloc``),
+  collective: rayhf's planned slices over a transfer group (``TransferGroupMover``),
   naive:      the source gathers the whole state dict into one actor, puts it in the Ray object
               store, every destination actor fetches all of it and keeps its shards
               (``ObjectStoreCopy``),
@@ -88,7 +88,7 @@ def bench(layers: int, reps: int) -> dict:
 
     from rayhf.models.sharding import param_shards
     from rayhf.models.spec import model_spec
-    from rayhf.realloc.collective import CollectiveRealloc, ObjectStoreCopy
+    from rayhf.realloc.mover import ObjectStoreCopy, TransferGroupMover
 
     torch.set_num_threads(1)
     rows = []
@@ -96,7 +96,7 @@ def bench(layers: int, reps: int) -> dict:
         ray, devices, group = _groups(Path(tmp), layers)
         spec = model_spec(AutoConfig.from_pretrained(Path(tmp) / "model"), value_head=False)
         params = sum(p.numel for p in param_shards(spec))
-        collective, naive = CollectiveRealloc(), ObjectStoreCopy()
+        collective, naive = TransferGroupMover(), ObjectStoreCopy()
         try:
             for i, (name, a, b) in enumerate(PAIRS):
                 src, dst = group(f"src{i}", a), group(f"dst{i}", b)

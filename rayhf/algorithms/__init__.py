@@ -23,5 +23,13 @@ from rayhf.algorithms.interface import (
     InterfaceSettings,
     make_interface,
 )
+from rayhf.algorithms.reward import resolve_function
 
-__all__ = ["INTERFACES", "CallContext", "Interface", "InterfaceSettings", "make_interface"]
+__all__ = [
+    "INTERFACES",
+    "CallContext",
+    "Interface",
+    "InterfaceSettings",
+    "make_interface",
+    "resolve_function",
+]

@@ -11,8 +11,9 @@ fits, compares with a single-process Hugging Face model built from the same seed
   ``zero1_step``, the same with ZeRO-1 optimizer sharding, for Llama layouts with dp > 1);
 - ``generate``: greedy tokens identical (bool).
 
-It writes one row per (family, layout) to OUT.json; ``tests/test_parallel_parity.py`` asserts on
-it, and the same rows are useful when a new family or layout is added.
+It writes one row per (family, layout) to OUT.json;
+``tests/integration/test_parallel_parity.py`` asserts on it, and the same rows are useful when
+a new family or layout is added.
 """
 
 from __future__ import annotations
@@ -94,10 +95,22 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - v).abs().max()) for k, v in b.items())
 
 
+def _value_error(family: str, groups, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """A critic's per-token values against the Hugging Face model's, on this rank's rows."""
+    from rayhf.engines.build import standalone_engine
+    from rayhf.models.hf import per_token_values
+
+    critic_ref = _model(family, True)
+    critic = standalone_engine(_model(family, True), Tok(), True, None, groups)
+    keep = mask.bool()
+    with torch.no_grad():
+        want = per_token_values(critic_ref, ids, mask)
+        return _rel(critic.forward(ids, mask)[keep], want[keep])
+
+
 def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] | None:
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.models.hf import per_token_values
     from rayhf.parallel.groups import build_groups
     from rayhf.sampling import GenerationConfig
     from rayhf.sampling import generate as hf_generate
@@ -116,11 +129,7 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     with torch.no_grad():
         want = ref(input_ids=my_ids, attention_mask=my_mask).logits
         logit_err = _rel(engine.forward(my_ids, my_mask)[keep], want[keep])
-    critic_ref = _model(family, True)
-    critic = engine_of(_model(family, True), Tok(), True, None, groups)
-    with torch.no_grad():
-        want = per_token_values(critic_ref, my_ids, my_mask)
-        value_err = _rel(critic.forward(my_ids, my_mask)[keep], want[keep])
+    value_err = _value_error(family, groups, my_ids, my_mask)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
     same_tokens = (

@@ -6,7 +6,8 @@ groups are). For each family and each sampled (source, destination) pair of layo
 of 1-4 devices (equal, overlapping and disjoint meshes, every valid dp x tp x pp), the source
 holds a randomly initialized model, the planned slices move over a transfer group, and rank 4
 reports whether the gathered destination weights equal the originals bit for bit and how far
-the destination's logits are from the source's. ``tests/test_realloc_exec.py`` asserts on it.
+the destination's logits are from the source's.
+``tests/integration/test_realloc_exec.py`` asserts on it.
 """
 
 from __future__ import annotations

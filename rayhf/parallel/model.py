@@ -148,17 +148,17 @@ class ShardedModel(torch.nn.Module):
     ) -> torch.Tensor:
         if self.spec.family == "gpt2":
             p = f"transformer.h.{i}"
-            x = x + self.gpt2_attention(self.norm(x, f"{p}.ln_1"), i, where, cache)
-            return x + self.gpt2_mlp(self.norm(x, f"{p}.ln_2"), p)
+            x = x + self._gpt2_attention(self.norm(x, f"{p}.ln_1"), i, where, cache)
+            return x + self._gpt2_mlp(self.norm(x, f"{p}.ln_2"), p)
         p = f"model.layers.{i}"
-        x = x + self.llama_attention(self.norm(x, f"{p}.input_layernorm"), i, where, cache)
-        return x + self.llama_mlp(self.norm(x, f"{p}.post_attention_layernorm"), p)
+        x = x + self._llama_attention(self.norm(x, f"{p}.input_layernorm"), i, where, cache)
+        return x + self._llama_mlp(self.norm(x, f"{p}.post_attention_layernorm"), p)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         out = reduce_from_tp(x @ weight, self.groups.tp_group)
         return out if bias is None else out + bias
 
-    def llama_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
+    def _llama_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
         p, d = f"model.layers.{i}.self_attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
         q = F.linear(h, self.w(f"{p}.q_proj.weight"), self.b(f"{p}.q_proj.bias"))
@@ -173,14 +173,14 @@ class ShardedModel(torch.nn.Module):
         out = attention(q, k, v, where, self.spec.sliding_window, cache, i).flatten(1)
         return self._row_parallel(out, self.w(f"{p}.o_proj.weight").T, self.b(f"{p}.o_proj.bias"))
 
-    def llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+    def _llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
         gate = F.linear(h, self.w(f"{p}.mlp.gate_proj.weight"), self.b(f"{p}.mlp.gate_proj.bias"))
         up = F.linear(h, self.w(f"{p}.mlp.up_proj.weight"), self.b(f"{p}.mlp.up_proj.bias"))
         down = self.w(f"{p}.mlp.down_proj.weight").T
         return self._row_parallel(self.act(gate) * up, down, self.b(f"{p}.mlp.down_proj.bias"))
 
-    def gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
+    def _gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
         p, d = f"transformer.h.{i}.attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
         qkv = h @ self.w(f"{p}.c_attn.weight") + self.w(f"{p}.c_attn.bias")
@@ -188,7 +188,7 @@ class ShardedModel(torch.nn.Module):
         out = attention(q, k, v, where, None, cache, i).flatten(1)
         return self._row_parallel(out, self.w(f"{p}.c_proj.weight"), self.w(f"{p}.c_proj.bias"))
 
-    def gpt2_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+    def _gpt2_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
         inner = self.act(h @ self.w(f"{p}.mlp.c_fc.weight") + self.w(f"{p}.mlp.c_fc.bias"))
         return self._row_parallel(

@@ -78,30 +78,7 @@ def simulate(
     time; rayhf's runs calls on disjoint meshes at once)."""
     homes = plan.home_layouts(graph)
     trained = {c.role for c in graph.calls if c.kind == "train"}
-    overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
-
-    def move(role: str, src: Layout, dst: Layout) -> float:
-        if moved is not None:
-            return moved(role, src, dst)
-        return realloc_seconds(cost, specs[role], src, dst)
-
-    # Every iteration runs the same steps: price each once. A step is (span name, devices, its
-    # index into ``free``, seconds).
-    steps: dict[str, list[tuple[str, tuple[int, ...], np.ndarray | slice, float]]] = {}
-    for name in graph.order:
-        call, layout = graph.by_name[name], plan.layouts[name]
-        home = homes[call.role]
-        own: list[tuple[str, tuple[int, ...], np.ndarray | slice, float]] = []
-        if call.role in specs and layout != home:
-            devices = _union(home.mesh, layout.mesh)
-            seconds = move(call.role, home, layout) + overhead
-            own.append((f"realloc:{name}", devices, _index(devices), seconds))
-        if call.role in specs:
-            seconds = cost.call(specs[call.role], layout, works[name]).seconds
-        else:  # a function-valued role (a reward function) costs ~nothing
-            seconds = overhead
-        own.append((name, layout.mesh, _index(layout.mesh), seconds))
-        steps[name] = own
+    steps = _price_steps(graph, plan, specs, works, cost, moved)
     producers = {name: _producers(graph, name) for name in graph.order}
     n_devices = _n_devices(plan, cost)
     free = np.zeros(n_devices)  # device -> when it is next free
@@ -127,6 +104,46 @@ def simulate(
     sim.refused = _refused(graph, plan, works)
     _memory(sim, graph, plan, specs, works, cost, homes, trained)
     return sim
+
+
+_Step = tuple[str, tuple[int, ...], "np.ndarray | slice", float]
+
+
+def _price_steps(
+    graph: Graph,
+    plan: Plan,
+    specs: dict[str, ModelSpec],
+    works: dict[str, Workload],
+    cost: AnalyticCost,
+    moved: Callable[[str, Layout, Layout], float] | None,
+) -> dict[str, list[_Step]]:
+    """Every iteration runs the same steps: price each once. Per call, its steps as (span
+    name, devices, their index into the free-time array, seconds): a reallocation before it if
+    it runs away from its role's home, then the call."""
+    homes = plan.home_layouts(graph)
+    overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
+
+    def move(role: str, src: Layout, dst: Layout) -> float:
+        if moved is not None:
+            return moved(role, src, dst)
+        return realloc_seconds(cost, specs[role], src, dst)
+
+    steps: dict[str, list[_Step]] = {}
+    for name in graph.order:
+        call, layout = graph.by_name[name], plan.layouts[name]
+        home = homes[call.role]
+        own: list[_Step] = []
+        if call.role in specs and layout != home:
+            devices = _union(home.mesh, layout.mesh)
+            seconds = move(call.role, home, layout) + overhead
+            own.append((f"realloc:{name}", devices, _index(devices), seconds))
+        if call.role in specs:
+            seconds = cost.call(specs[call.role], layout, works[name]).seconds
+        else:  # a function-valued role (a reward function) costs ~nothing
+            seconds = overhead
+        own.append((name, layout.mesh, _index(layout.mesh), seconds))
+        steps[name] = own
+    return steps
 
 
 def _refused(graph: Graph, plan: Plan, works: dict[str, Workload]) -> list[str]:

@@ -1,5 +1,5 @@
 """Moving planned slices between processes: point-to-point over a process group of the actors
-involved, bucketed, inside each actor. No Ray here; the driver side is ``collective.py``.
+involved, bucketed, inside each actor. No Ray here; the driver side is ``mover.py``.
 
 A ``TransferGroup`` is an independent torch process group (gloo for CPU tensors, NCCL for GPU
 tensors) over one set of actors, made from its own TCP store, so an actor can belong to its role

@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
 
-from rayhf.algorithms.reward import resolve_function
+from rayhf.algorithms import INTERFACES, resolve_function
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
@@ -169,8 +169,6 @@ def model_specs(cfg: ExperimentConfig) -> dict[str, ModelSpec]:
 
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
     """Interfaces exist and fit the algorithm; function-valued roles only score."""
-    from rayhf.algorithms import INTERFACES
-
     for c in graph.calls:
         iface = INTERFACES.get(c.interface)
         if iface is None:

@@ -1,10 +1,10 @@
 """Checkpoints: one directory per step, written under a temporary name and renamed when whole.
 
-``checkpoints/step_000010/`` holds each trainable role's model in Hugging Face format
-(``actor/`` loads with ``AutoModelForCausalLM``), ``optim/{role}.rank{r}.pt`` (each rank's
-optimizer shard and interface state), and ``state.json`` (step, dataset cursor). A directory
-without ``state.json``, or with a ``.tmp`` name, is never read: a run killed mid-save resumes
-from the previous checkpoint.
+``checkpoints/step_000010/`` holds each trainable role's model in Hugging Face format (a
+language model under ``{role}/`` loads with ``AutoModelForCausalLM``), ``optim/{role}.rank{r}.pt``
+(each rank's optimizer shard and interface state), and ``state.json`` (step, dataset cursor).
+A directory without ``state.json``, or with a ``.tmp`` name, is never read: a run killed
+mid-save resumes from the previous checkpoint.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from rayhf.graph import Graph
 from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.realloc.collective import CollectiveRealloc, ReallocStats
+from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
 from rayhf.runtime.role_group import RoleGroup
@@ -65,7 +65,7 @@ class Placement:
     layouts: dict[str, Layout]  # call -> its layout
     homes: dict[str, Layout]  # role -> the layout holding its weights
     specs: dict[str, ModelSpec]  # role -> model shape (reallocation plans)
-    mover: CollectiveRealloc
+    mover: TransferGroupMover
     followers: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # EMA targets
 
 

@@ -105,3 +105,11 @@ class MoveResult:
     bytes: int  # received (0 for a sender)
     began: float
     ended: float
+
+
+@dataclass(frozen=True)
+class WeightsSummary:
+    """What a rank holds of its role's weights (for tests and logs)."""
+
+    bytes: int  # of the weights this rank holds (a ZeRO-3 rank: its flat slices)
+    digest: float  # sum of |w| over them: a cheap fingerprint

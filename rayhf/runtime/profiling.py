@@ -109,9 +109,9 @@ def _time_op(engine: CallEngine, op: str, point: tuple[int, ...], vocab: int) ->
     gen = torch.Generator().manual_seed(0)
     if op == "generate":
         b, p, g = point
-        prompts = torch.randint(2, vocab, (b, p), generator=gen).tolist()
+        ids_list = torch.randint(2, vocab, (b, p), generator=gen).tolist()
         cfg = GenerationConfig(max_new_tokens=g, min_new_tokens=g)
-        return _best_of(lambda: engine.generate(prompts, cfg, seed=0))
+        return _best_of(lambda: engine.generate(ids_list, cfg, seed=0))
     b, s = point
     ids = torch.randint(2, vocab, (b, s), generator=gen)
     mask = torch.ones_like(ids)

@@ -19,7 +19,7 @@ import ray
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
 from rayhf.parallel.layout import Layout
-from rayhf.realloc.collective import CollectiveRealloc, ReallocStats
+from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
 from rayhf.runtime.driver import Placement
@@ -44,7 +44,7 @@ class Session:
         self.cfg, self.assets, self.resume = cfg, assets, resume
         self.groups: dict[str, RoleGroup] = {}  # role -> its home group (weights, optimizer)
         self.copies: dict[str, RoleGroup] = {}  # group key -> a role's group in another layout
-        self.mover = CollectiveRealloc()
+        self.mover = TransferGroupMover()
         self.devices: DeviceCluster | None = None
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
         self.init_realloc: ReallocStats | None = None

@@ -1,7 +1,7 @@
 """One training run from config to checkpoint.
 
     config -> assets (files, graph, plan, dataset; no Ray yet) -> Session (Ray, role groups)
-           -> per step: prompts -> executor.run_step -> metrics -> checkpoint on schedule
+           -> per step: dataset rows -> executor.run_step -> metrics -> checkpoint on schedule
            -> final checkpoint, plot, teardown
 
 A resumed run reads the config written into the run directory, loads the newest complete
@@ -63,7 +63,7 @@ class RunResult:
 
 
 def sample_means(batch: PackedBatch) -> dict[str, float]:
-    """``batch/{key}``: the mean of every per-sample float key (e.g. scores of each reward call)."""
+    """``batch/{key}``: the mean of every per-sample float key (e.g. a scoring call's scores)."""
     return {
         f"batch/{key}": t.float().mean().item()
         for key, t in batch.tensors.items()

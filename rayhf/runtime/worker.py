@@ -45,6 +45,7 @@ from rayhf.runtime.messages import (
     MoveNode,
     MoveResult,
     StepInput,
+    WeightsSummary,
     WorkerSpec,
 )
 
@@ -123,7 +124,7 @@ class RoleWorker:
         gen_calls = {c.name: c.engine for c in spec.calls if c.kind == "generate"}
         self.generators = make_generators(self.model, gen_calls, spec.seed, trainer is not None)
 
-    def engine_for(self, call: str) -> CallEngine:
+    def _engine_for(self, call: str) -> CallEngine:
         """What ``call``'s interface runs on: the rank's model, that call's own generator, the
         role's trainer, and the reductions over the replicas."""
         comm = DataParallel(self.groups.dp_group)
@@ -136,7 +137,7 @@ class RoleWorker:
         interface = self.interfaces[call.interface]
         dp_rank = self.groups.coords.dp_rank
         ctx = CallContext(req.step, dp_rank, self.spec.dp_size, self.spec.seed, call.args)
-        engine = self.engine_for(req.call)
+        engine = self._engine_for(req.call)
         start = time.perf_counter()
         batch, stats = None, {}
         if call.kind != "train" and req.batch.n_samples == 0:
@@ -173,7 +174,7 @@ class RoleWorker:
             keep = self.groups.is_head
             result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None
         if node.release:
-            self.release_weights()
+            self._model().release()  # a copy: the next reallocation refills it
         result.began, result.ended = began, time.time()
         return result
 
@@ -218,21 +219,11 @@ class RoleWorker:
         self._weights_loaded()
         return received
 
-    def release_weights(self) -> None:
-        """Drop this copy's weights until the next reallocation refills them."""
-        self._model().release()
-
-    def weights_digest(self) -> float:
-        """Sum of |w| over this rank's parameters: a cheap fingerprint for tests and logs."""
-        return self._model().digest()
-
-    def local_bytes(self) -> int:
-        """Bytes of the weights this rank holds (a ZeRO-3 rank: its slices)."""
-        return sum(t.numel() * t.element_size() for t in self._source().source_shards().values())
-
-    def generator_names(self) -> dict[str, str]:
-        """Generate call -> the backend that runs it on this rank."""
-        return {call: g.name for call, g in self.generators.items()}
+    def weights_summary(self) -> WeightsSummary:
+        """The bytes of weights this rank holds (a ZeRO-3 rank: its slices) and their digest."""
+        held = self._source().source_shards().values()
+        n_bytes = sum(t.numel() * t.element_size() for t in held)
+        return WeightsSummary(n_bytes, self._model().digest())
 
     def save(self, model_dir: str, optim_dir: str) -> None:
         """Every rank calls: replica 0 gathers and its head writes the model (Hugging Face

@@ -62,7 +62,7 @@ def _by_peer(transfers: list[Transfer], peer_of: Any) -> dict[int, list[Transfer
     return dict(out)
 
 
-class CollectiveRealloc:
+class TransferGroupMover:
     """Slices move directly between the actors that hold and need them."""
 
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ from rayhf.k8s.grammar import parse_quantity
 from rayhf.k8s.kustomize import apply_json6902, build, strategic_merge
 from rayhf.k8s.render import SERVE_IMPORT_PATH, parse_cluster, render, write_manifests
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
 CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
 SAMPLES = sorted((SHARED / "kuberay-samples").glob("*.yaml"))

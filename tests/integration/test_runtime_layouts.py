@@ -41,8 +41,8 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
         assert {"critic.d0-1.dp1tp1pp2[0]", "critic.d0-1.dp1tp1pp2[1]"} <= alive
         actor, ref, critic = (session.groups[r] for r in ("actor", "ref", "critic"))
         # Each tp rank holds about half the actor; the dp ref ranks hold all of it.
-        actor_bytes = ray.get([a.local_bytes.remote() for a in actor.actors])
-        ref_bytes = ray.get(ref.actors[0].local_bytes.remote())
+        actor_bytes = [w.bytes for w in ray.get([a.weights_summary.remote() for a in actor.actors])]
+        ref_bytes = ray.get(ref.actors[0].weights_summary.remote()).bytes
         assert max(actor_bytes) < 0.6 * ref_bytes
         # The ref was copied from the actor's gathered shards: the same whole model.
         gathered = ray.get([a.get_weights.remote() for a in actor.actors])[0]
@@ -124,7 +124,7 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
         Trainer(cfg, assets, session).loop(0)
         actor_after = ray.get([a.get_weights.remote() for a in home.actors])[0]
         ref_after = ray.get(ref.actors[0].get_weights.remote())
-        copy_bytes = ray.get([a.local_bytes.remote() for a in copy.actors])
+        copy_bytes = [w.bytes for w in ray.get([a.weights_summary.remote() for a in copy.actors])]
     assert not _same(actor_before, actor_after)
     expected = {
         k: v.clone().mul_(0.75).add_(actor_after[k], alpha=0.25) for k, v in ref_before.items()

@@ -11,7 +11,7 @@ import pytest
 
 from rayhf.metrics.tracker import RayMetricsSink
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 ROLES = {"actor_gen": "actor", "ref_inf": "ref", "actor_train": "actor"}
 STEP = {  # what a PPO step with a reallocated generation and an EMA reference logs
     "task_reward": 0.4, "kl": 0.01, "step_seconds": 0.3, "tokens_per_s": 900.0,

@@ -20,7 +20,7 @@ from rayhf.planner.layout import LayoutSpec
 from rayhf.planner.plan import format_reallocations, make_plan
 from rayhf.realloc.plan import check_compatible, plan_realloc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _spec(family: str, **kw):

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
-from rayhf.realloc.collective import Routes
+from rayhf.realloc.mover import Routes
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.driver import Placement, StepDag
 from rayhf.runtime.schedule import group_key, plan_step, waves
 
-PPO = load_graph(Path(__file__).parents[1] / "graphs" / "ppo.yaml")
+PPO = load_graph(Path(__file__).parents[3] / "graphs" / "ppo.yaml")
 ALL = Layout((0, 1, 2, 3), 4)
 
 

@@ -41,12 +41,12 @@ def test_plain_and_compiled_executors_agree_and_train(ray_cluster, tiny_config):
             b = compiled.run_step(1, batch, evaluate=True)
             assert _same_batches(a.batch, b.batch), "same DAG, same seeds: same outputs"
             assert a.stats == b.stats and "scores" in a.batch.tensors
-            before = ray.get(session.groups["actor"].actors[0].weights_digest.remote())
+            before = ray.get(session.groups["actor"].actors[0].weights_summary.remote()).digest
             trained = compiled.run_step(1, batch)  # switches to the train DAG
             assert {"policy_loss", "value_loss"} <= set(trained.stats)
         finally:
             compiled.close()
-        after = ray.get(session.groups["actor"].actors[0].weights_digest.remote())
+        after = ray.get(session.groups["actor"].actors[0].weights_summary.remote()).digest
         assert after != before, "the compiled train step updated the actor"
         out = plain.run_step(2, batch)  # the actors take plain calls again after the teardown
         assert {"policy_loss", "value_loss"} <= set(out.stats)

@@ -32,7 +32,7 @@ from rayhf.sampling import GenerationConfig, generate
 from rayhf.serve.engine import EngineRequest, SamplingSpec, detokenize, group_requests
 from rayhf.tasks.demo import build_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_PROMPT_TOKENS = 32
 MAX_TOKENS = 32
 TIMEOUT = 60

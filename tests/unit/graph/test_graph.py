@@ -6,7 +6,7 @@ import yaml
 from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_ppo_graph_order_and_edges():

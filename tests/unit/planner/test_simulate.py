@@ -20,7 +20,7 @@ from rayhf.planner.plan import Plan
 from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
 from rayhf.planner.simulate import simulate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 SPECS = {
     "actor": public_shape("llama2-7b"),

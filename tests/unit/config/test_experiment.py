@@ -6,7 +6,7 @@ import yaml
 from rayhf.config import dump_config, load_config
 from rayhf.errors import RayhfError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
 
 
