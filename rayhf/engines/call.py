@@ -83,11 +83,12 @@ class CallEngine:
 
     @property
     def name(self) -> str:
-        """The backend that runs this call: its generator, its trainer, else ``torch``."""
+        """The backend that runs this call: its generator, its trainer, else ``torch`` (the
+        rank's forward), or ``function`` for a role without a model."""
         for part in (self.generator, self.trainer):
             if part is not None:
                 return part.name
-        return "torch"
+        return "torch" if self.model is not None else "function"
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "forward on a role without a model"

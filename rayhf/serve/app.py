@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayhf.errors import RayhfError
 from rayhf.serve.engine import (
-    EngineConfig,
+    ServingEngineConfig,
     EngineOutput,
     EngineRequest,
     RequestRejected,
@@ -69,7 +69,7 @@ from rayhf.serve.protocol import (
 APP_NAME = "policy"
 
 
-class ServeConfig(EngineConfig):
+class ServeConfig(ServingEngineConfig):
     """``build_app``'s args: the engine's fields plus how the deployment runs."""
 
     model_id: str | None = None  # None = the checkpoint directory's name

@@ -43,7 +43,7 @@ from rayhf.models.hf import load_model, quiet_transformers
 from rayhf.sampling import GenerationConfig, generate
 
 
-class EngineConfig(BaseModel):
+class ServingEngineConfig(BaseModel):
     """What to serve and the per-request limits."""
 
     model_config = ConfigDict(extra="forbid")
@@ -55,7 +55,7 @@ class EngineConfig(BaseModel):
     default_max_tokens: int = Field(16, gt=0)  # when a request gives none (OpenAI's default)
 
     @model_validator(mode="after")
-    def _check_defaults(self) -> EngineConfig:
+    def _check_defaults(self) -> ServingEngineConfig:
         if self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens must be <= max_tokens; lower default_max_tokens")
         return self
@@ -110,7 +110,7 @@ class RequestRejected(RayhfError):
 class ServingEngine(ABC):
     """Tokenize, check limits, generate a batch. One instance per replica; not thread-safe."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: ServingEngineConfig) -> None:
         self.cfg = cfg
 
     @abstractmethod
@@ -163,7 +163,7 @@ class ServingEngine(ABC):
 class NativeEngine(ServingEngine):
     """``rayhf.sampling.generate`` on a checkpoint loaded on CPU in eval mode."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: ServingEngineConfig) -> None:
         super().__init__(cfg)
         from transformers import AutoTokenizer
 
@@ -330,7 +330,7 @@ def require_vllm() -> None:
         )
 
 
-def load_engine(cfg: EngineConfig) -> ServingEngine:
+def load_engine(cfg: ServingEngineConfig) -> ServingEngine:
     """The in-process engine for ``cfg``; ``vllm`` is served by Ray Serve LLM, not from here."""
     if cfg.engine != "native":
         raise RayhfError(f"engine: {cfg.engine} has no in-process engine; use engine: native")

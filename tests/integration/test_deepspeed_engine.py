@@ -55,7 +55,7 @@ def test_zero_stages_train_as_the_torch_engine_does_and_resume(ray_cluster, tmp_
     from rayhf.runtime.trainer import run
 
     torch_run = run(_sft(tmp_path, "torch"))
-    ref = _weights(torch_run.actor_checkpoint)
+    ref = _weights(torch_run.policy_checkpoint)
     assert len(torch_run.metrics) == 3
     for stage, offload in ((1, False), (2, False), (2, True), (3, False)):
         engines = {"actor_train": {"engine": "deepspeed", "zero_stage": stage, "offload": offload}}

@@ -46,4 +46,5 @@ def test_remax_runs_each_generate_call_on_its_own_engine(ray_cluster, tmp_path):
     assert engines["actor_gen"] == {"vllm"}
     assert engines["actor_greedy_gen"] == {"native"}, "only actor_gen asked for vLLM"
     assert engines["actor_train"] == {"torch"} and engines["ref_inf"] == {"torch"}
+    assert engines["rew_inf"] == {"function"}
     assert all("greedy_reward" in m for m in result.metrics if m["step"] > 0)
