@@ -54,6 +54,7 @@ def check_kind(call: str, kind: str, engine: EngineConfig) -> None:
     """Refuse an engine that cannot run a call of ``kind``, naming the field."""
     if engine.engine not in ENGINES_BY_KIND[kind]:
         allowed = ", ".join(ENGINES_BY_KIND[kind])
+        article = "an" if kind[0] in "aeiou" else "a"
         raise RayhfError(
-            f"engines.{call}.engine: a {kind} call runs on {allowed}, not '{engine.engine}'"
+            f"engines.{call}.engine: {article} {kind} call runs on {allowed}, not '{engine.engine}'"
         )

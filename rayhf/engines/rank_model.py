@@ -128,7 +128,7 @@ class RankModel:
         """Keep this rank's shards of a whole-model state dict; returns the bytes kept."""
         c, kept = self.groups.coords, 0
         with torch.no_grad():
-            for name, p in self.module.local_state().items():
+            for name, p in self.receive_buffers().items():
                 shard = take_shard(full[name], self.module.shards[name], self.groups.tp, c.tp_rank)
                 p.copy_(shard)
                 kept += shard.numel() * shard.element_size()

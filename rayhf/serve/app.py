@@ -33,11 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayhf.errors import RayhfError
 from rayhf.serve.engine import (
-    ServingEngineConfig,
     EngineOutput,
     EngineRequest,
     RequestRejected,
     SamplingSpec,
+    ServingEngineConfig,
     check_checkpoint,
     load_engine,
     require_vllm,

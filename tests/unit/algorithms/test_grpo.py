@@ -1,4 +1,5 @@
-"""GRPO, ReMax, DPO, reward-model and SFT losses, against hand-worked numbers and slow loops.
+"""GRPO and Dr. GRPO: config, group advantages, k3 KL and the clipped loss, against
+hand-worked numbers and slow loops; the ``grpo_actor`` interface on a fake engine.
 
 Random cases use rows of varied length, including an empty row, with garbage on the padding so
 that any leak of padded values into a result shows up.
@@ -10,9 +11,7 @@ import statistics
 import pydantic
 import pytest
 import torch
-import torch.nn.functional as F
 
-from rayhf.algorithms.dpo import DPOConfig, dpo_loss, sequence_logprob
 from rayhf.algorithms.grpo import (
     GRPOConfig,
     group_advantages,
@@ -20,10 +19,10 @@ from rayhf.algorithms.grpo import (
     grpo_loss,
     k3_kl,
 )
-from rayhf.algorithms.remax import ReMaxConfig, reinforce_loss, remax_advantages
-from rayhf.algorithms.rm import bradley_terry_loss, final_token_scores
-from rayhf.algorithms.sft import sft_loss
+from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
+from rayhf.sampling import GenerateOutput, GenerationConfig
 
 LENGTHS = [0, 1, 7, 3, 5]
 T = 7
@@ -61,49 +60,32 @@ def _close(a: torch.Tensor | None, b, tol: float = 1e-9) -> None:
     torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=tol, atol=tol)
 
 
-def _softplus(z: float) -> float:
-    """-logsigmoid(-z) = log(1 + e^z), the reference for every logistic loss below."""
-    return math.log1p(math.exp(z))
-
-
-# ----- configs ------------------------------------------------------------------------------
+# ----- config -------------------------------------------------------------------------------
 
 
 def test_config_defaults() -> None:
     g = GRPOConfig()
     assert (g.group_size, g.kl_coef, g.eps_clip, g.eps) == (4, 0.04, 0.2, 1e-6)
     assert (g.dr_grpo, g.max_new_tokens_norm, g.n_minibatches, g.ppo_epochs) == (False, None, 4, 1)
-    r = ReMaxConfig()
-    assert (r.kl_ctl, r.reward_clip, r.n_minibatches, r.adv_norm) == (0.1, 20.0, 1, False)
-    d = DPOConfig()
-    assert (d.beta, d.label_smoothing, d.n_minibatches) == (0.1, 0.0, 1)
-    for cls in (GRPOConfig, ReMaxConfig, DPOConfig):
-        assert all(f.description for f in cls.model_fields.values()), cls  # attribute docstrings
+    assert all(f.description for f in GRPOConfig.model_fields.values())  # attribute docstrings
 
 
 @pytest.mark.parametrize(
-    "cls,bad",
+    "bad",
     [
-        (GRPOConfig, {"group_size": 1}),
-        (GRPOConfig, {"kl_coef": -0.1}),
-        (GRPOConfig, {"eps_clip": 0.0}),
-        (GRPOConfig, {"eps": 0.0}),
-        (GRPOConfig, {"max_new_tokens_norm": 0}),
-        (GRPOConfig, {"n_minibatches": 0}),
-        (GRPOConfig, {"ppo_epochs": 0}),
-        (GRPOConfig, {"no_such_field": 1}),
-        (ReMaxConfig, {"kl_ctl": -1.0}),
-        (ReMaxConfig, {"reward_clip": 0.0}),
-        (ReMaxConfig, {"n_minibatches": 0}),
-        (DPOConfig, {"beta": 0.0}),
-        (DPOConfig, {"label_smoothing": 0.5}),
-        (DPOConfig, {"label_smoothing": -0.1}),
-        (DPOConfig, {"n_minibatches": 0}),
+        {"group_size": 1},
+        {"kl_coef": -0.1},
+        {"eps_clip": 0.0},
+        {"eps": 0.0},
+        {"max_new_tokens_norm": 0},
+        {"n_minibatches": 0},
+        {"ppo_epochs": 0},
+        {"no_such_field": 1},
     ],
 )
-def test_config_rejects_bad_values(cls: type[pydantic.BaseModel], bad: dict) -> None:
+def test_config_rejects_bad_values(bad: dict) -> None:
     with pytest.raises(pydantic.ValidationError):
-        cls(**bad)
+        GRPOConfig(**bad)
 
 
 # ----- GRPO advantages ----------------------------------------------------------------------
@@ -298,216 +280,97 @@ def test_grpo_loss_with_no_valid_tokens_is_zero_and_finite(dr_grpo: bool) -> Non
     assert new.grad is not None and torch.isfinite(new.grad).all()
 
 
-# ----- ReMax --------------------------------------------------------------------------------
+# ----- the grpo_actor interface -------------------------------------------------------------
 
 
-def test_remax_advantages_by_hand() -> None:
-    mask = _mask([3, 1, 2, 0], 3)
-    sampled = torch.tensor([30.0, -1.0, 1.0, 5.0])
-    greedy = torch.tensor([10.0, -25.0, 3.0, 0.0])
-    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 9.0, 9.0], [-1.0, -1.0, 9.0], [9.0] * 3])
-    ref = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, 0.0, 0.0], [-1.0, -1.0, 0.0], [0.0] * 3])
-    adv = remax_advantages(sampled, greedy, logp, ref, mask, kl_ctl=0.1, reward_clip=20.0)
-    # row 0: kl 0.5, 0, -1 -> rewards -0.05, 0, 0.1 + (clip 30 - 10 = 10); return-to-go
-    #        10.05, 10.1, 10.1 (clipping the difference 20 instead would give 20)
-    # row 1: -0.05 + (-1 - clip(-25) = -1 + 20 = 19) = 18.95
-    # row 2: no KL, 1 - 3 = -2 at the last token -> -2, -2; row 3 is empty
-    expected = [[10.05, 10.1, 10.1], [18.95, 0.0, 0.0], [-2.0, -2.0, 0.0], [0.0, 0.0, 0.0]]
-    _close(adv, expected, 1e-6)
+class FakeEngine:
+    """A bigram model (logits at a position = ``table[its token]``), one of several dp ranks
+    (``others``: the other ranks' gathered objects, in rank order around this one's ``rank``)."""
+
+    pad_id, eos_id = 0, 1
+
+    def __init__(self, table: torch.Tensor, others: list = (), rank: int = 0) -> None:
+        self.table, self.others, self.rank = table, list(others), rank
+        self.prompts: list[list[int]] = []
+        self.losses: list[float] = []
+        self.minibatch_ids: list[list[int]] = []
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.table[input_ids]
+
+    def generate(self, prompts, cfg, seed):
+        self.prompts = prompts
+        tokens = [[3 + i, 1] for i in range(len(prompts))]
+        return GenerateOutput(tokens, [[-1.0, -2.0]] * len(prompts), [True] * len(prompts))
+
+    def all_gather_object(self, obj):
+        return [*self.others[: self.rank], obj, *self.others[self.rank :]]
+
+    def all_reduce_mean(self, values):
+        return dict(values)
+
+    def train(self, minibatches, loss_fn):
+        stats = {}
+        for mb in minibatches:
+            loss, stats = loss_fn(mb)
+            self.losses.append(loss.item())
+            self.minibatch_ids.append(mb.sample_ids)
+        return stats
 
 
-def test_remax_advantage_sign_follows_greedy_baseline() -> None:
-    logp, ref, mask = _rand(30), _rand(31), _mask(LENGTHS)
-    better = remax_advantages(_vec(32, 5) + 1.0, _vec(32, 5), logp, ref, mask, 0.0, 20.0)
-    assert (better[mask] > 0).all() and (better[~mask] == 0).all()
-    _close(better[mask], torch.ones(sum(LENGTHS)))
-    worse = remax_advantages(_vec(32, 5) - 1.0, _vec(32, 5), logp, ref, mask, 0.0, 20.0)
-    assert (worse[mask] < 0).all()
-    same = remax_advantages(_vec(32, 5), _vec(32, 5), logp, ref, mask, 0.0, 20.0)
-    assert torch.equal(same, torch.zeros_like(same))
+def _actor(**cfg) -> object:
+    return make_interface("grpo_actor", InterfaceSettings(GRPOConfig(**cfg), GenerationConfig()))
 
 
-def test_remax_advantages_match_reference() -> None:
-    logp, ref = _rand(33), _rand(34)
-    sampled = torch.tensor([50.0, -3.0, -40.0, 0.5, 19.0], dtype=torch.float64)
-    greedy = torch.tensor([1.0, 30.0, -2.0, 0.7, -25.0], dtype=torch.float64)
-    kl_ctl, clip = 0.05, 10.0
-    adv = remax_advantages(sampled, greedy, logp, ref, _mask(LENGTHS), kl_ctl, clip)
-    clamp = lambda v: max(-clip, min(clip, v))  # noqa: E731
-    expected = []
-    for lp, rp, s, g in zip(
-        _valid(logp), _valid(ref), sampled.tolist(), greedy.tolist(), strict=True
-    ):
-        rewards = [-kl_ctl * (a - b) for a, b in zip(lp, rp, strict=True)]
-        if rewards:
-            rewards[-1] += clamp(s) - clamp(g)
-        expected.append([sum(rewards[t:]) for t in range(len(rewards))])
-    _close(adv, _pad(expected))
+def test_grpo_generate_samples_group_size_responses_per_prompt() -> None:
+    prompts = PackedBatch([4, 9])
+    prompts.add("prompts", torch.tensor([5, 6, 7]), [2, 1])
+    engine = FakeEngine(torch.zeros(12, 12))
+    out = _actor(group_size=3).generate(engine, prompts, CallContext(0, 0, 1, 0))
+    assert engine.prompts == [[5, 6]] * 3 + [[7]] * 3
+    assert out.sample_ids == [12, 13, 14, 27, 28, 29]
+    assert out.tensors["group_ids"].tolist() == [4, 4, 4, 9, 9, 9]
 
 
-def test_reinforce_loss_by_hand() -> None:
-    # loss = -(2 * -1 + 1 * -2 + -1 * -0.5) / 3 = 3.5 / 3; d/dlogp = -A / 3
-    logp = torch.tensor([[-1.0, -2.0, 99.0], [-0.5, -math.inf, 0.0], [1.0] * 3], requires_grad=True)
-    adv = torch.tensor([[2.0, 1.0, 5.0], [-1.0, 7.0, 7.0], [3.0] * 3], requires_grad=True)
-    loss, stats = reinforce_loss(logp, adv, _mask([2, 1, 0], 3))
-    _close(loss.detach(), 3.5 / 3, 1e-6)
-    assert stats["advantage_mean"] == pytest.approx(2 / 3)
-    loss.backward()
-    _close(logp.grad, [[-2 / 3, -1 / 3, 0.0], [1 / 3, 0.0, 0.0], [0.0] * 3], 1e-6)
-    assert adv.grad is None  # advantages are constants of the gradient
+def _rollouts(scores: list[float], groups: list[int]) -> PackedBatch:
+    """Prompt [2] + response [3, 4] per sample, with old and ref log-probs left to fill."""
+    n = len(scores)
+    b = PackedBatch(list(range(n)))
+    b.add("seq", torch.tensor([2, 3, 4] * n), [3] * n)
+    b.add("prompt_lens", torch.ones(n, dtype=torch.long), [1] * n)
+    b.add("scores", torch.tensor(scores), [1] * n)
+    b.add("group_ids", torch.tensor(groups), [1] * n)
+    return b
 
 
-def test_reinforce_loss_matches_reference() -> None:
-    logp, adv = _rand(35), _rand(36)
-    loss, stats = reinforce_loss(logp, adv, _mask(LENGTHS))
-    pairs = [
-        (a, p)
-        for lp, ap in zip(_valid(logp), _valid(adv), strict=True)
-        for p, a in zip(lp, ap, strict=True)
-    ]
-    _close(loss, -sum(a * p for a, p in pairs) / len(pairs))
-    assert stats["advantage_mean"] == pytest.approx(sum(a for a, _ in pairs) / len(pairs))
-    empty, _ = reinforce_loss(logp, adv, torch.zeros_like(_mask(LENGTHS)))
-    assert empty.item() == 0.0
+def test_grpo_advantages_use_group_members_on_other_ranks() -> None:
+    # group 0 has a sample on each rank, group 1 two on rank 0: normalized over all of them
+    rank0 = (torch.tensor([0, 1, 1]), torch.tensor([1.0, 2.0, 6.0]))
+    mine = _rollouts([3.0, 5.0], [0, 2])
+    engine = FakeEngine(torch.zeros(12, 12), others=[rank0], rank=1)
+    adv = _actor(eps=1e-9).advantages(engine, mine, rank=1)
+    everyone = group_advantages(
+        torch.tensor([1.0, 2.0, 6.0, 3.0, 5.0]), torch.tensor([0, 1, 1, 0, 2]), 1e-9
+    )
+    _close(adv, everyone[3:])
+    _close(adv, [1 / math.sqrt(2.0), 0.0], 1e-6)  # (3 - 2) / sample std sqrt 2; group of one: 0
 
 
-# ----- DPO ----------------------------------------------------------------------------------
-
-
-def test_sequence_logprob_by_hand_and_reference() -> None:
-    x = torch.tensor([[-1.0, -2.0, 50.0], [-0.5, 50.0, 50.0], [50.0] * 3])
-    _close(sequence_logprob(x, _mask([2, 1, 0], 3)), [-3.0, -0.5, 0.0])
-    logp = _rand(40)
-    _close(sequence_logprob(logp, _mask(LENGTHS)), [sum(row) for row in _valid(logp)])
-
-
-@pytest.mark.parametrize("ls", [0.0, 0.2, 0.45])
-def test_dpo_loss_at_zero_margin_is_log_2(ls: float) -> None:
-    # both logsigmoid terms are log(1/2), weighted (1 - ls) + ls = 1
-    pi_c, pi_r = torch.tensor([-3.0, -7.0]), torch.tensor([-1.0, -2.0])
-    ref_c, ref_r = pi_c + 0.5, pi_r + 0.5  # equal log-ratios, so margin 0
-    loss, stats = dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=0.3, label_smoothing=ls)
-    _close(loss, math.log(2.0), 1e-6)
-    assert stats["reward_accuracy"] == 0.0  # a tie is not a win
-    assert stats["reward_margin"] == pytest.approx(0.0, abs=1e-7)
-
-
-def test_dpo_loss_by_hand_and_gradient_sign() -> None:
-    # beta 0.5. pair 0: chosen log-ratio +2, rejected -2 -> margin 4, beta m = 2
-    #           pair 1: chosen 0, rejected +1            -> margin -1, beta m = -0.5
-    # loss = (log(1 + e^-2) + log(1 + e^0.5)) / 2
-    pi_c = torch.tensor([-3.0, -4.0], requires_grad=True)
-    pi_r = torch.tensor([-6.0, -1.0], requires_grad=True)
-    ref_c, ref_r = torch.tensor([-5.0, -4.0]), torch.tensor([-4.0, -2.0])
-    loss, stats = dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=0.5)
-    _close(loss.detach(), (_softplus(-2.0) + _softplus(0.5)) / 2, 1e-6)
-    assert stats["reward_margin"] == pytest.approx(0.75)  # (2 - 0.5) / 2
-    assert stats["reward_accuracy"] == pytest.approx(0.5)
-    assert stats["chosen_reward"] == pytest.approx(0.5)  # 0.5 * (2 + 0) / 2
-    assert stats["rejected_reward"] == pytest.approx(-0.25)  # 0.5 * (-2 + 1) / 2
-    loss.backward()
-    # dL/d pi_c = -beta sigmoid(-beta m) / B: descent raises chosen, lowers rejected
-    sig = torch.sigmoid(torch.tensor([-2.0, 0.5]))
-    assert pi_c.grad is not None and pi_r.grad is not None
-    _close(pi_c.grad, -0.25 * sig, 1e-6)
-    _close(pi_r.grad, 0.25 * sig, 1e-6)
-    assert bool((pi_c.grad < 0).all()) and bool((pi_r.grad > 0).all())
-
-
-def test_dpo_label_smoothing() -> None:
-    # ls 0.1 at beta m = 2: 0.9 log(1 + e^-2) + 0.1 log(1 + e^2)
-    zero = torch.zeros(1)
-    loss, _ = dpo_loss(torch.tensor([4.0]), zero, zero, zero, beta=0.5, label_smoothing=0.1)
-    _close(loss, 0.9 * _softplus(-2.0) + 0.1 * _softplus(2.0), 1e-6)
-    # dL/dz = -(1 - ls) sigmoid(-z) + ls sigmoid(z) is 0 at e^z = (1 - ls) / ls: the loss stops
-    # pushing there, and past it pushes the chosen response back down
-    for z, sign in [(math.log(9.0), 0), (math.log(9.0) + 1, 1), (math.log(9.0) - 1, -1)]:
-        pi_c = torch.tensor([z], dtype=torch.float64, requires_grad=True)
-        zero64 = torch.zeros(1, dtype=torch.float64)
-        dpo_loss(pi_c, zero64, zero64, zero64, beta=1.0, label_smoothing=0.1)[0].backward()
-        assert pi_c.grad is not None
-        grad = pi_c.grad.item()
-        assert grad == pytest.approx(0.0, abs=1e-12) if sign == 0 else grad * sign > 0
-
-
-def test_dpo_loss_matches_reference() -> None:
-    pi_c, pi_r, ref_c, ref_r = (_vec(s, 6, scale=4.0) for s in (41, 42, 43, 44))
-    beta, ls = 0.2, 0.15
-    loss, stats = dpo_loss(pi_c, pi_r, ref_c, ref_r, beta, ls)
-    chosen = [beta * (a - b) for a, b in zip(pi_c.tolist(), ref_c.tolist(), strict=True)]
-    rejected = [beta * (c - d) for c, d in zip(pi_r.tolist(), ref_r.tolist(), strict=True)]
-    zs = [c - r for c, r in zip(chosen, rejected, strict=True)]
-    _close(loss, sum((1 - ls) * _softplus(-z) + ls * _softplus(z) for z in zs) / len(zs))
-    assert 0 < stats["reward_accuracy"] < 1, "random case should hold wins and losses"
-    assert stats["reward_accuracy"] == pytest.approx(sum(z > 0 for z in zs) / len(zs))
-    assert stats["reward_margin"] == pytest.approx(sum(zs) / len(zs))
-    assert stats["chosen_reward"] == pytest.approx(sum(chosen) / len(chosen))
-    assert stats["rejected_reward"] == pytest.approx(sum(rejected) / len(rejected))
-
-
-# ----- reward model -------------------------------------------------------------------------
-
-
-def test_bradley_terry_by_hand() -> None:
-    # margins 2, 0, -2 -> losses log(1 + e^-2), log 2, log(1 + e^2); the tie counts as wrong
-    chosen = torch.tensor([2.0, 0.0, -1.0], requires_grad=True)
-    rejected = torch.tensor([0.0, 0.0, 1.0])
-    loss, stats = bradley_terry_loss(chosen, rejected)
-    _close(loss.detach(), (_softplus(-2.0) + LN(2.0) + _softplus(2.0)) / 3, 1e-6)
-    assert stats["accuracy"] == pytest.approx(1 / 3)
-    assert stats["margin"] == pytest.approx(0.0)
-    loss.backward()
-    # dL/dc = -sigmoid(-m) / 3 < 0: descent raises the chosen score
-    _close(chosen.grad, -torch.sigmoid(torch.tensor([-2.0, 0.0, 2.0])) / 3, 1e-6)
-
-
-def test_bradley_terry_matches_reference() -> None:
-    chosen, rejected = _vec(50, 9, scale=2.0), _vec(51, 9, scale=2.0)
-    loss, stats = bradley_terry_loss(chosen, rejected)
-    margins = [c - r for c, r in zip(chosen.tolist(), rejected.tolist(), strict=True)]
-    _close(loss, sum(_softplus(-m) for m in margins) / len(margins))
-    assert 0 < stats["accuracy"] < 1
-    assert stats["accuracy"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
-    assert stats["margin"] == pytest.approx(sum(margins) / len(margins))
-
-
-def test_final_token_scores() -> None:
-    g = GARBAGE
-    values = torch.tensor([[1.0, 2.0, 3.0, g], [4.0, g, g, g], [5.0, 6.0, 7.0, 8.0]])
-    _close(final_token_scores(values, torch.tensor([3, 1, 4])), [3.0, 4.0, 8.0])
-    values = _rand(52)
-    lens = [1, 7, 3, 5, 2]
-    expected = [row[n - 1] for row, n in zip(values.tolist(), lens, strict=True)]
-    _close(final_token_scores(values, torch.tensor(lens)), expected)
-    for bad in ([0, 1, 1, 1, 1], [8, 1, 1, 1, 1]):
-        with pytest.raises(AssertionError, match="seq_lens"):
-            final_token_scores(values, torch.tensor(bad))
-
-
-# ----- SFT ----------------------------------------------------------------------------------
-
-
-def test_sft_loss_by_hand() -> None:
-    # logits [0, 0, ln 2] -> probs [1/4, 1/4, 1/2]: nll ln 2 and ln 4, mean 1.5 ln 2
-    logits = torch.tensor([[[0.0, 0.0, LN(2.0)]] * 3, [[9.0, 0.0, 0.0]] * 3])
-    labels = torch.tensor([[2, 0, -100], [-100, -100, -100]])
-    loss, stats = sft_loss(logits, labels, _mask([2, 0], 3))
-    _close(loss, 1.5 * LN(2.0), 1e-6)
-    assert stats["nll"] == pytest.approx(1.5 * LN(2.0))
-
-
-def test_sft_loss_equals_torch_cross_entropy() -> None:
-    g = torch.Generator().manual_seed(53)
-    logits = torch.randn(len(LENGTHS), T, 11, generator=g, requires_grad=True)
-    mask = _mask(LENGTHS)
-    labels = torch.randint(0, 11, (len(LENGTHS), T), generator=g).masked_fill(~mask, -100)
-    loss, stats = sft_loss(logits, labels, mask)
-    expected = F.cross_entropy(logits[mask], labels[mask])
-    _close(loss, expected, 1e-6)
-    _close(loss, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100), 1e-6)
-    assert stats["nll"] == pytest.approx(expected.item(), rel=1e-6)
-    (grad,) = torch.autograd.grad(loss, logits)
-    (expected_grad,) = torch.autograd.grad(expected, logits)
-    _close(grad, expected_grad, 1e-6)
-    empty, _ = sft_loss(logits, labels, torch.zeros_like(mask))
-    assert empty.item() == 0.0
+def test_grpo_train_step_at_ratio_one_is_minus_the_token_mean_advantage() -> None:
+    table = torch.randn(12, 12, generator=torch.Generator().manual_seed(28))
+    batch = _rollouts([0.0, 4.0, 1.0, 1.0], [0, 0, 1, 1])
+    logp = table.log_softmax(-1)
+    current = torch.stack([logp[2, 3], logp[3, 4]]).repeat(4)  # the policy's own log-probs
+    batch.add("logprobs", current, [2] * 4)
+    batch.add("ref_logprobs", current, [2] * 4)
+    engine = FakeEngine(table)
+    stats = _actor(n_minibatches=2, ppo_epochs=3).train_step(engine, batch, CallContext(0, 0, 1, 0))
+    assert len(engine.losses) == 2 * 3  # n_minibatches steps per epoch
+    assert stats["task_reward"] == pytest.approx(1.5) and stats["response_len"] == 2.0
+    assert stats["clip_frac"] == 0.0 and stats["kl"] == pytest.approx(0.0, abs=1e-6)
+    # advantages -1/sqrt 2, +1/sqrt 2 in group 0 and 0, 0 in group 1; every sample has 2 tokens
+    adv = batch.tensors["advantages"]
+    _close(adv, [-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0, 0.0], 1e-5)
+    for ids, loss in zip(engine.minibatch_ids, engine.losses, strict=True):
+        assert loss == pytest.approx(-adv[ids].mean().item(), abs=1e-6)
+    assert sorted(i for ids in engine.minibatch_ids[:2] for i in ids) == [0, 1, 2, 3]

@@ -11,7 +11,6 @@ import pydantic
 import pytest
 import torch
 
-from rayhf.algorithms.lm import token_logprobs
 from rayhf.algorithms.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -134,37 +133,7 @@ def test_masked_whiten_all_empty_is_zero() -> None:
     assert torch.equal(out, torch.zeros(2, 3))
 
 
-# ----- log-probs and entropy ----------------------------------------------------------------
-
-
-def test_token_logprobs_by_hand() -> None:
-    # logits [0, 0, ln 2] -> probs [1/4, 1/4, 1/2]
-    logits = torch.tensor([[[0.0, 0.0, math.log(2.0)], [0.0, 0.0, math.log(2.0)]]])
-    labels = torch.tensor([[2, 0]])
-    _close(token_logprobs(logits, labels), [[math.log(0.5), math.log(0.25)]], 1e-6)
-    # temperature 2 -> logits [0, 0, ln sqrt 2] -> p(2) = sqrt 2 / (2 + sqrt 2)
-    r2 = math.sqrt(2.0)
-    got = token_logprobs(logits, labels, temperature=2.0)
-    _close(got, [[math.log(r2 / (2 + r2)), math.log(1 / (2 + r2))]], 1e-6)
-
-
-def test_token_logprobs_matches_reference() -> None:
-    g = torch.Generator().manual_seed(2)
-    logits = torch.randn(3, 4, 6, generator=g) * 4
-    labels = torch.randint(0, 6, (3, 4), generator=g)
-    temp = 0.7
-    got = token_logprobs(logits.to(torch.bfloat16).float(), labels, temperature=temp)
-    ref = []
-    for b in range(3):
-        row = []
-        for t in range(4):
-            zs = [v / temp for v in logits[b, t].to(torch.bfloat16).float().tolist()]
-            row.append(zs[labels[b, t]] - math.log(sum(math.exp(z) for z in zs)))
-        ref.append(row)
-    _close(got, ref, 1e-5)
-    assert got.dtype == torch.float32
-    with pytest.raises(ValueError, match="temperature"):
-        token_logprobs(logits, labels, temperature=0.0)
+# ----- entropy ------------------------------------------------------------------------------
 
 
 def test_entropy_by_hand_and_reference() -> None:

@@ -14,7 +14,7 @@ from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import workloads
 from rayhf.planner.hardware import cpu_cluster
-from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.plan import colocated_plan
 from rayhf.planner.profile import (
     MeasuredRun,
     ModelProfile,
@@ -104,18 +104,3 @@ def test_sequential_driver_adds_up_what_the_concurrent_one_overlaps():
     together = simulate(GRAPH, plan, specs, works, cost, concurrent=True).iteration_seconds
     in_turn = simulate(GRAPH, plan, specs, works, cost, concurrent=False).iteration_seconds
     assert in_turn > together, "critic calls overlap actor calls only in the concurrent driver"
-
-
-def test_a_saved_plan_is_accepted_back_as_a_manual_plan(tmp_path):
-    import rayhf
-
-    layouts = {
-        n: Layout((0,) if GRAPH.by_name[n].role != "critic" else (1,), 1) for n in GRAPH.order
-    }
-    layouts["actor_train"] = Layout((0, 1), 1, 2)
-    layouts["critic_inf"] = Layout((0, 1), 1, 1, 2, 2)
-    path = tmp_path / "plan.json"
-    path.write_text(Plan(layouts, "auto").to_json())
-    cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml", [f"plan={path}"])
-    cfg = cfg.with_overrides({"cluster.n_devices": 2})
-    assert rayhf.make_plan(cfg).layouts == layouts

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
 
 from rayhf.checks.reallocation import all_layouts, mesh_relation
 from rayhf.errors import RayhfError
-from rayhf.graph import load_graph
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.sharding import check_layout, param_shards, shard_numel, stage_units, take_shard
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout, coords_of
-from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.layout import LayoutSpec
-from rayhf.planner.plan import format_reallocations, make_plan
 from rayhf.realloc.plan import check_compatible, plan_realloc
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def _spec(family: str, **kw):
@@ -94,63 +87,6 @@ def test_models_with_different_shapes_are_refused():
     kv_heads = r"k_proj.weight \(source \(16, 32\), destination \(32, 32\)\)"
     with pytest.raises(RayhfError, match=kv_heads):
         check_compatible(_spec("llama"), _spec("llama", n_kv_heads=4), "x")
-
-
-def test_plan_lists_the_reallocations_it_implies():
-    graph = load_graph(REPO / "graphs" / "ppo.yaml")
-    specs = {r: _spec("llama") for r in ("actor", "ref", "critic")}
-    entries = {c.name: LayoutSpec(dp=2) for c in graph.calls}
-    entries["actor_train"] = LayoutSpec(tp=2)
-    plan = make_plan(graph, entries, ClusterConfig(n_devices=2))
-    assert plan.home_layouts(graph)["actor"].tp == 2
-    moves = plan.reallocations(graph)
-    assert [m[0] for m in moves] == ["actor_gen"]
-    text = format_reallocations(plan, graph, specs)
-    total = plan_realloc(specs["actor"], moves[0][1], moves[0][2]).total_bytes
-    assert "actor_gen" in text and f"{total / 2**20:.2f} MiB" in text
-
-
-class _Mailbox:
-    """A fake transfer group: sends land in a dict, receives read from it (one process)."""
-
-    def __init__(self) -> None:
-        self.sent: dict[tuple[int, int], torch.Tensor] = {}
-
-    def isend(self, t, peer, tag):
-        self.sent[(peer, tag)] = t.clone()
-        return self
-
-    def irecv(self, t, peer, tag):
-        self.pending = (t, peer, tag)
-        t.copy_(self.sent[(0, tag)].view_as(t))
-        return self
-
-    def wait(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize("direct_bytes", [64, 2**30])
-def test_bucketed_send_and_receive_rebuild_the_shards(monkeypatch, direct_bytes):
-    import rayhf.realloc.transport as transport
-
-    monkeypatch.setattr(transport, "DIRECT_BYTES", direct_bytes)
-    spec = _spec("gpt2")
-    full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
-    src, dst = Layout((0,), 1), Layout((1, 2), 1, 2, 1)
-    plan = plan_realloc(spec, src, dst)
-    source = _shards(spec, full, src)[0]
-    for d_rank, want in _shards(spec, full, dst).items():
-        box = _Mailbox()
-        mine = [t for t in plan.for_src(0) if t.dst == d_rank]
-        transport.send_all(box, source, {0: mine}, bucket_bytes=4096)  # type: ignore[arg-type]
-        got = {k: torch.zeros_like(v) for k, v in want.items()}
-        n = transport.recv_all(box, got, {0: mine}, bucket_bytes=4096)  # type: ignore[arg-type]
-        assert n == sum(t.nbytes for t in mine)
-        assert all(torch.equal(got[k], want[k]) for k in want)
-        # Blending: received slices are mixed into what is there.
-        mixed = {k: torch.ones_like(v) for k, v in want.items()}
-        transport.recv_all(box, mixed, {0: mine}, transport.ema_into(0.5), 4096)  # type: ignore[arg-type]
-        assert all(torch.allclose(mixed[k], 0.5 * want[k] + 0.5) for k in want)
 
 
 def _flat_slices(full: dict[str, torch.Tensor], dp: int) -> dict[int, dict[str, torch.Tensor]]:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
-from rayhf.realloc.mover import Routes
-from rayhf.realloc.plan import Transfer
-from rayhf.runtime.driver import Placement, StepDag
 from rayhf.runtime.schedule import group_key, plan_step, waves
 
 PPO = load_graph(Path(__file__).parents[3] / "graphs" / "ppo.yaml")
@@ -65,61 +61,3 @@ def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role()
     assert {"realloc:actor_gen", "actor_gen"} <= by["actor_train"].after
     assert {"actor_train", "ref_inf"} <= by["ema:ref"].after and by["ema:ref"].eta == 0.1
     assert "ema:ref" not in [u.name for u in plan_step(PPO, layouts, homes, {}, evaluate=True)]
-
-
-@dataclass
-class FakeGroup:
-    """What the DAG builder reads of a role group."""
-
-    role: str
-    layout: Layout
-    actors: list[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.actors = [f"{self.key}[{r}]" for r in range(len(self.layout.mesh))]
-
-    @property
-    def key(self) -> str:
-        return group_key(self.role, self.layout)
-
-    @property
-    def ranks_per_replica(self) -> int:
-        return self.layout.tp * self.layout.pp
-
-    def actor_name(self, rank: int) -> str:
-        return self.actors[rank]
-
-
-class FakeMover:
-    """Every source rank sends one slice to the destination rank with its index."""
-
-    def routes(self, src, dst, spec) -> Routes:
-        t = Transfer("w", 0, 0, 1, 0, 0, 0, 0, 4)  # contents do not matter to the DAG's shape
-        n = len(dst.actors)
-        sends = {r: {n + r: [t]} for r in range(min(len(src.actors), n))}
-        return Routes(f"{src.key}+{dst.key}", sends, {r: {r: [t]} for r in range(n)})
-
-
-def test_dag_nodes_take_their_sources_head_ranks_and_keep_each_actor_in_order():
-    tp2 = Layout((0, 1), 1, 2)
-    dp2 = Layout((0, 1), 2)
-    layouts = {c.name: dp2 for c in PPO.calls} | {"actor_gen": tp2, "actor_train": tp2}
-    homes = _homes(layouts)
-    groups = {
-        g.key: g
-        for g in (FakeGroup(c.role, layouts[c.name]) for c in PPO.calls)  # one per role/layout
-    }
-    placement = Placement(groups, layouts, homes, {}, FakeMover(), {})  # type: ignore[arg-type]
-    dag = StepDag(PPO, placement, evaluate=False)
-    assert len(dag.nodes) == 2 * len(PPO.calls), "one node per rank of every call"
-    index = {(n.info.unit.name, n.info.rank): i for i, n in enumerate(dag.nodes)}
-    ref0 = dag.nodes[index["ref_inf", 0]]
-    gen_heads = [index["actor_gen", 0]]  # tp=2: one replica, its head is rank 0
-    assert set(gen_heads) <= set(ref0.args) and index["actor_gen", 1] not in ref0.args
-    last: dict[str, int] = {}
-    for i, node in enumerate(dag.nodes):
-        name = node.info.actor_name
-        if name in last:
-            assert last[name] in node.args, f"{node.info.unit.name} does not follow its actor"
-        last[name] = i
-        assert all(a < i for a in node.args), "arguments come from earlier nodes"

@@ -1,0 +1,166 @@
+"""AdamW on one rank (dp = tp = pp = 1): a step is torch's AdamW with global-norm clipping on the
+Hugging Face model, stats are means over minibatches, and optimizer state round-trips."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+
+from rayhf.checks.common import PAD, VOCAB, Tok, tiny_model
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.rank_model import RankModel
+from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer, add_stats
+
+SHAPE = {"n_heads": 4, "n_kv_heads": 2}
+
+
+def _batch(seed: int, n: int = 4) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 8, (n,), generator=g).tolist()
+    b = PackedBatch(list(range(n)))
+    b.add("seq", torch.randint(3, VOCAB, (sum(lens),), generator=g), lens)
+    return b
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over the valid positions."""
+    keep = mask[:, 1:].bool()
+    return F.cross_entropy(logits[:, :-1][keep], ids[:, 1:][keep])
+
+
+def _loss_fn(model: RankModel):
+    def loss_fn(mb: PackedBatch):
+        ids, mask = mb.to_padded("seq", PAD)
+        loss = _nll(model.forward(ids, mask.long()), ids, mask)
+        return loss, {"nll": loss.item()}
+
+    return loss_fn
+
+
+def _trainer(seed: int = 0, **cfg) -> tuple[TorchTrainer, torch.nn.Module]:
+    hf = tiny_model("llama", SHAPE, seed=seed)
+    model = RankModel.from_hf(hf, Tok(), False)
+    return TorchTrainer(model, OptimizerConfig(**cfg)), hf
+
+
+def test_steps_are_clipped_adamw_on_the_hugging_face_model():
+    cfg = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.9), "grad_clip": 0.5}
+    trainer, hf = _trainer(**cfg)
+    ref = copy.deepcopy(hf).train()
+    batches = [_batch(1), _batch(11)]
+    stats = trainer.train(batches, _loss_fn(trainer.model))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)
+    norms, losses = [], []
+    for batch in batches:
+        opt.zero_grad()
+        ids, mask = batch.to_padded("seq", PAD)
+        loss = _nll(ref(ids, attention_mask=mask.long()).logits, ids, mask)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        losses.append(loss.item())
+        opt.step()
+    assert min(norms) > 0.5, "the case should clip"
+    assert stats["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-4)  # pre-clip norms
+    assert stats["nll"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+    full = trainer.model.full_state()
+    # Adam's first step ignores a gradient's scale, so the second one checks the clipping;
+    # without it the weights would differ by ~4e-3
+    for name, tensor in ref.state_dict().items():
+        torch.testing.assert_close(full[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_training_lowers_the_loss_and_bumps_the_version_once_per_call():
+    trainer, _ = _trainer(lr=1e-2)
+    batch, loss_fn = _batch(2), _loss_fn(trainer.model)
+    with torch.no_grad():
+        before = loss_fn(batch)[0].item()
+    for _ in range(3):
+        trainer.train([batch, batch], loss_fn)
+    with torch.no_grad():
+        after = loss_fn(batch)[0].item()
+    assert after < before - 0.1
+    assert trainer.model.version == 3
+    assert not trainer.model.module.training and not trainer.model.pipe.record
+    assert trainer.model.pipe.pending == []
+
+
+def test_stats_are_means_over_minibatches():
+    trainer, _ = _trainer()
+    seen = iter([{"a": 1.0, "b": 4.0}, {"a": 3.0}])
+
+    def loss_fn(mb):
+        ids, mask = mb.to_padded("seq", PAD)
+        return _nll(trainer.model.forward(ids, mask.long()), ids, mask), next(seen)
+
+    stats = trainer.train([_batch(3), _batch(4)], loss_fn)
+    assert stats["a"] == 2.0 and stats["b"] == 2.0
+    assert stats["grad_norm"] > 0
+
+
+def test_an_empty_minibatch_is_skipped_without_a_loss():
+    trainer, _ = _trainer()
+    calls = []
+
+    def loss_fn(mb):
+        calls.append(mb.n_samples)
+        return _loss_fn(trainer.model)(mb)
+
+    before = {k: v.clone() for k, v in trainer.model.full_state().items()}
+    stats = trainer.train([_batch(5).select([])], loss_fn)
+    assert calls == [] and stats == {"grad_norm": 0.0}
+    after = trainer.model.full_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no gradient, no update
+
+
+def test_save_then_load_optimizer_continues_identically(tmp_path):
+    first, _ = _trainer(lr=1e-2)
+    for seed in (6, 7):
+        first.train([_batch(seed)], _loss_fn(first.model))
+    state = copy.deepcopy(first.save_optimizer(str(tmp_path)))  # the live state moves on
+    assert len(state["state"]) == len(list(first.model.module.parameters()))
+    weights = {k: v.clone() for k, v in first.model.full_state().items()}  # views of live params
+
+    def resumed(load: bool) -> dict[str, torch.Tensor]:
+        trainer, _ = _trainer(seed=1, lr=1e-2)  # other initial weights, replaced below
+        trainer.model.load_full_state(weights)
+        trainer.weights_loaded()
+        if load:
+            trainer.load_optimizer(str(tmp_path), copy.deepcopy(state))
+        trainer.train([_batch(8)], _loss_fn(trainer.model))
+        return trainer.model.full_state()
+
+    first.train([_batch(8)], _loss_fn(first.model))
+    expected = first.model.full_state()
+    got, fresh = resumed(load=True), resumed(load=False)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(fresh[n], expected[n]) for n in expected)  # the state mattered
+
+
+def test_one_rank_holds_everything_itself():
+    trainer, _ = _trainer()
+    assert trainer.name == "torch" and trainer.gathers_over_dp is False
+    assert trainer.shard_source() is trainer.model
+    with trainer.gathered():
+        pass
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+
+
+def test_optimizer_config_defaults_and_bad_values():
+    cfg = OptimizerConfig()
+    assert (cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps, cfg.grad_clip, cfg.zero1) == (
+        1e-4, 0.0, (0.9, 0.95), 1e-8, 1.0, False
+    )  # fmt: skip
+    for bad in ({"lr": 0.0}, {"weight_decay": -1.0}, {"grad_clip": 0.0}, {"eps": 0}, {"x": 1}):
+        with pytest.raises(ValidationError):
+            OptimizerConfig(**bad)
+
+
+def test_add_stats_accumulates_means():
+    totals: dict[str, float] = {"a": 1.0}
+    add_stats(totals, {"a": 2.0, "b": 4.0}, 4)
+    assert totals == {"a": 1.5, "b": 1.0}

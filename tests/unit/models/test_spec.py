@@ -1,0 +1,101 @@
+"""A model's shape read from its Hugging Face config, family by family, and the families and
+features refused with a message that says what to use."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from rayhf.errors import RayhfError
+from rayhf.models.hf import ModelInit, hf_config
+from rayhf.models.spec import FAMILIES, model_spec
+
+IDS = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+SIZES = {
+    "vocab_size": 40,
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 72,
+    "max_position_embeddings": 64,
+}
+
+
+def test_llama_spec():
+    cfg = LlamaConfig(**SIZES, **IDS, rms_norm_eps=1e-5, rope_theta=500.0)
+    spec = model_spec(cfg, value_head=False)
+    assert dataclasses.asdict(spec) == {
+        "family": "llama", "vocab_size": 40, "hidden_size": 32, "n_layers": 3, "n_heads": 4,
+        "n_kv_heads": 2, "head_dim": 8, "intermediate_size": 72, "max_positions": 64,
+        "norm_eps": 1e-5, "act": "silu", "rope_theta": 500.0, "qkv_bias": False, "o_bias": False,
+        "mlp_bias": False, "sliding_window": None, "tied": False, "value_head": False,
+        "padding_idx": 0,
+    }  # fmt: skip
+    assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
+
+
+def test_llama_biases_and_an_explicit_head_dim():
+    cfg = LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True, head_dim=16)
+    spec = model_spec(cfg, value_head=True)
+    assert (spec.qkv_bias, spec.o_bias, spec.mlp_bias) == (True, True, True)
+    assert spec.head_dim == 16  # not hidden_size / heads
+    assert spec.head_name == "score.weight" and spec.value_head
+
+
+def test_qwen2_has_qkv_biases_and_an_optional_window():
+    spec = model_spec(Qwen2Config(**SIZES), value_head=False)
+    assert (spec.family, spec.qkv_bias, spec.o_bias, spec.sliding_window) == (
+        "qwen2", True, False, None
+    )  # fmt: skip
+    windowed = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=16)
+    assert model_spec(windowed, value_head=False).sliding_window == 16
+
+
+def test_mistral_always_has_its_window():
+    assert model_spec(MistralConfig(**SIZES, sliding_window=24), False).sliding_window == 24
+
+
+def test_gpt2_spec():
+    cfg = GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=48, **IDS)
+    spec = model_spec(cfg, value_head=False)
+    assert (spec.family, spec.hidden_size, spec.n_layers, spec.n_heads, spec.n_kv_heads) == (
+        "gpt2", 32, 2, 4, 4
+    )  # fmt: skip
+    assert (spec.head_dim, spec.intermediate_size, spec.max_positions) == (8, 128, 48)
+    assert (spec.rope_theta, spec.act, spec.norm_eps) == (None, "gelu_new", 1e-5)
+    assert spec.qkv_bias and spec.o_bias and spec.mlp_bias
+    assert spec.tied  # GPT-2 ties its head to the token embedding by default
+    assert spec.prefix == "transformer" and spec.padding_idx is None
+    assert model_spec(GPT2Config(n_embd=32, n_head=4, n_inner=50), False).intermediate_size == 50
+
+
+def test_a_value_head_is_never_tied():
+    cfg = LlamaConfig(**SIZES, tie_word_embeddings=True)
+    assert model_spec(cfg, value_head=False).tied
+    assert not model_spec(cfg, value_head=True).tied
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_rayhf_creates_is_read_back(family):
+    init = ModelInit(family=family, hidden_size=32, n_layers=2, n_heads=4)
+    spec = model_spec(hf_config(init, 40, 0, 2, 1), value_head=False)
+    assert (spec.family, spec.vocab_size, spec.hidden_size, spec.n_layers) == (family, 40, 32, 2)
+    assert not spec.tied  # rayhf's own models keep embedding and head apart
+
+
+def test_an_unsupported_family_is_refused():
+    with pytest.raises(RayhfError) as info:
+        model_spec(SimpleNamespace(model_type="bert"), value_head=False)
+    assert str(info.value) == (
+        "model type 'bert' is not supported; use one of llama, qwen2, mistral, gpt2"
+    )
+
+
+def test_scaled_rope_is_refused():
+    cfg = LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(RayhfError, match="rope_type 'linear' is not supported; use default RoPE"):
+        model_spec(cfg, value_head=False)

@@ -1,0 +1,55 @@
+"""Process groups of a layout, without torch.distributed: a lone process's groups, the rank sets
+each axis groups together, and what a rank learns of its place."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from rayhf.parallel.groups import ParallelGroups, _lines, build_groups, single
+from rayhf.parallel.layout import Coords
+
+
+def test_a_lone_process_has_no_groups():
+    g = single()
+    assert (g.dp, g.pp, g.tp, g.coords) == (1, 1, 1, Coords(0, 0, 0))
+    assert g.dp_group is g.pp_group is g.tp_group is None
+    assert g.pp_ranks == (0,)
+    assert g.is_first_stage and g.is_last_stage and g.is_head
+
+
+def test_build_groups_of_one_rank_needs_no_torch_distributed():
+    assert not dist.is_initialized()
+    assert build_groups(1, 1, 1, rank=0) == single()
+    with pytest.raises(AssertionError, match=r"needs torch\.distributed"):
+        build_groups(2, 1, 1, rank=0)
+
+
+def test_lines_group_ranks_that_differ_along_one_axis():
+    dp, pp, tp = 2, 2, 2  # ranks (d * pp + p) * tp + t
+    assert _lines(dp, pp, tp, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # neighbours
+    assert _lines(dp, pp, tp, "pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # stage order
+    assert _lines(dp, pp, tp, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(("dp", "pp", "tp"), [(4, 1, 1), (1, 3, 2), (2, 2, 3)])
+@pytest.mark.parametrize("axis", ["dp", "pp", "tp"])
+def test_lines_partition_the_ranks(dp, pp, tp, axis):
+    lines = _lines(dp, pp, tp, axis)
+    size = {"dp": dp, "pp": pp, "tp": tp}[axis]
+    assert all(len(line) == size for line in lines)
+    assert sorted(r for line in lines for r in line) == list(range(dp * pp * tp))
+
+
+@pytest.mark.parametrize(
+    ("coords", "first", "last", "head"),
+    [
+        (Coords(1, 0, 0), True, False, True),
+        (Coords(0, 0, 1), True, False, False),  # a tp peer of the head
+        (Coords(0, 2, 0), False, True, False),
+        (Coords(0, 1, 1), False, False, False),
+    ],
+)
+def test_a_rank_s_place(coords, first, last, head):
+    g = ParallelGroups(2, 3, 2, coords, None, None, None, (0, 2, 4))
+    assert (g.is_first_stage, g.is_last_stage, g.is_head) == (first, last, head)

@@ -1,0 +1,60 @@
+"""Layouts and rank coordinates: the arithmetic a layout checks once, its stable name, and the
+rank order with tp innermost."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from rayhf.parallel.layout import Coords, Layout, coords_of, layout_rank
+
+
+def test_a_layout_splits_its_mesh_exactly():
+    lay = Layout((4, 5, 6, 7), dp=2, tp=2)
+    assert (lay.pp, lay.n_mbs, lay.world_size) == (1, 1, 4)
+    with pytest.raises(AssertionError, match="bad layout"):
+        Layout((0, 1, 2), dp=2)
+    with pytest.raises(AssertionError, match="repeated device"):
+        Layout((0, 0), dp=2)
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"),
+    [
+        (Layout((0, 1), dp=2), "d0-1.dp2tp1pp1"),
+        (Layout((2, 3, 4, 5), dp=1, tp=2, pp=2), "d2-5.dp1tp2pp2"),
+        (Layout((0, 2), dp=1, pp=2), "d0_2.dp1tp1pp2"),  # not contiguous: every device
+        (Layout((3,), dp=1), "d3.dp1tp1pp1"),
+        (Layout((1, 0), dp=2), "d1_0.dp2tp1pp1"),  # the mesh order is part of the name
+    ],
+)
+def test_names_are_short_and_stable(layout, name):
+    assert layout.name == name
+
+
+def test_layouts_are_values():
+    a, b = Layout((0, 1), dp=2), Layout((0, 1), dp=2)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert hash(a) == hash(a)  # memoized, and the same again
+    assert a != Layout((0, 1), dp=2, n_mbs=2) and a != Layout((0, 1), dp=1, tp=2)
+    assert hash(a) != hash(Layout((0, 1), dp=1, tp=2))
+
+
+def test_rank_order_puts_tp_innermost_then_pp_then_dp():
+    dp, pp, tp = 2, 3, 2
+    order = [
+        (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)
+    ]  # nested loops, tp innermost
+    assert [layout_rank(d, p, t, pp, tp) for d, p, t in order] == list(range(dp * pp * tp))
+    assert coords_of(7, pp, tp) == Coords(dp_rank=1, pp_rank=0, tp_rank=1)
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (1, 4), (3, 2)])
+def test_coords_of_inverts_layout_rank(pp, tp):
+    for rank in range(2 * pp * tp):
+        c = coords_of(rank, pp, tp)
+        assert 0 <= c.pp_rank < pp and 0 <= c.tp_rank < tp
+        assert layout_rank(c.dp_rank, c.pp_rank, c.tp_rank, pp, tp) == rank
+    coords = {coords_of(r, pp, tp) for r in range(2 * pp * tp)}
+    assert coords == {Coords(*c) for c in itertools.product(range(2), range(pp), range(tp))}

@@ -1,0 +1,77 @@
+"""``plan: auto`` (``rayhf.planner.auto``): workloads per call, when a run searches, the refusal
+of a cluster too small, and the report beside the baselines (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rayhf.engines.config import EngineConfig
+from rayhf.errors import RayhfError
+from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
+from rayhf.planner.auto import AutoPlan, format_auto, plan_for_run, searches, workloads
+from rayhf.planner.cluster import ClusterConfig
+from rayhf.planner.cost import Workload
+from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.search import SearchResult
+from rayhf.planner.simulate import Simulation
+
+REPO = Path(__file__).resolve().parents[3]
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+SPECS = {
+    "actor": public_shape("llama2-7b"),
+    "ref": public_shape("llama2-7b"),
+    "critic": public_shape("llama2-7b", value_head=True),
+    "reward": public_shape("llama2-7b", value_head=True),
+}
+
+
+def test_a_cluster_too_small_for_a_call_is_refused_naming_it():
+    from rayhf.planner.auto import auto_plan, workloads
+
+    specs = {**SPECS, "actor": public_shape("llama2-70b"), "ref": public_shape("llama2-70b")}
+    works = workloads(GRAPH, 64, 128, 128, 4)
+    with pytest.raises(RayhfError, match=r"call 'actor_train' \(role 'actor'\) needs at least"):
+        auto_plan(GRAPH, specs, works, parse_cluster("1x2xA100"), time_limit=1)
+
+
+def test_workloads_carry_each_call_s_engine_and_optimizer_sharding():
+    engines = {
+        "actor_gen": EngineConfig(engine="vllm"),
+        "critic_train": EngineConfig(engine="deepspeed", zero_stage=3, offload=True),
+    }
+    works = workloads(GRAPH, 64, 16, 8, 4, engines, zero1_roles={"actor"})
+    assert set(works) == set(GRAPH.by_name)
+    assert works["actor_gen"] == Workload("generate", 64, 16, 8, 1, "vllm")
+    assert works["ref_inf"] == Workload("inference", 64, 16, 8, 1)
+    assert works["actor_train"] == Workload("train", 64, 16, 8, 4, "", 1)  # torch, ZeRO-1
+    assert works["critic_train"] == Workload("train", 64, 16, 8, 4, "deepspeed", 3, True)
+    assert works["actor_gen"].whole_model_ranks and not works["actor_train"].whole_model_ranks
+
+
+def test_only_several_emulated_devices_are_searched():
+    assert searches(ClusterConfig(n_devices=2))
+    assert not searches(ClusterConfig(n_devices=1))
+    assert not searches(ClusterConfig(n_devices=8, device="cuda"))
+    works = workloads(GRAPH, 8, 4, 4, 1)
+    plan = plan_for_run(GRAPH, SPECS, {}, works, ClusterConfig(n_devices=4, device="cuda"))
+    assert plan.source == "auto" and plan.layouts == colocated_plan(GRAPH, 4).layouts
+
+
+def test_the_chosen_plan_is_reported_beside_the_baselines():
+    sim = Simulation(2.0, peak_memory={0: 3e9, 1: 5e9})
+    plan = Plan({}, "search")
+    result = AutoPlan(
+        SearchResult(plan, sim, 120, 1.5),
+        {"colocated": (plan, Simulation(3.0)),
+         "realhf": (plan, Simulation(4.0, over_memory=[("actor_train", 0, 9e10)]))},
+    )  # fmt: skip
+    assert format_auto(result).splitlines() == [
+        "estimated iteration: 2.00 s (search: 120 steps in 1.5 s); peak memory per device: 5.0 GB",
+        "baselines (same cost model):",
+        "  colocated      3.00 s  (1.50x the plan)",
+        "  realhf         4.00 s  (2.00x the plan) (does not fit memory)",
+    ]

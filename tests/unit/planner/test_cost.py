@@ -1,0 +1,83 @@
+"""The analytic cost model (``rayhf.planner.cost``): how time and memory respond to layouts,
+launch floors and engines (no Ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
+from rayhf.parallel.layout import Layout
+from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Workload
+from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.plan import Plan
+from rayhf.planner.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[3]
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+SPECS = {
+    "actor": public_shape("llama2-7b"),
+    "ref": public_shape("llama2-7b"),
+    "critic": public_shape("llama2-7b", value_head=True),
+    "reward": public_shape("llama2-7b", value_head=True),
+}
+WORKS = {
+    c.name: Workload(c.kind, 512, 128, 128, 4 if c.kind == "train" else 1) for c in GRAPH.calls
+}
+
+
+def test_cost_model_responds_to_layout_as_expected():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, work = SPECS["actor"], WORKS["actor_train"]
+    one = cost.call(spec, Layout((0,), 1), work)
+    eight_dp = cost.call(spec, Layout(tuple(range(8)), 8), work)
+    eight_tp = cost.call(spec, Layout(tuple(range(8)), 1, 8), work)
+    assert eight_dp.seconds < one.seconds / 4, "8 replicas cut compute time"
+    assert eight_tp.memory < eight_dp.memory / 3, "tp=8 shards weights and optimizer state"
+    assert one.memory > 80e9, "a 7B model with AdamW does not fit one 80 GB device"
+    gen = cost.call(spec, Layout(tuple(range(8)), 8), WORKS["actor_gen"])
+    assert gen.parts["decode"] > gen.parts["prefill"], "decoding 128 tokens is memory bound"
+
+
+def test_eager_launch_floor_makes_a_small_model_on_many_devices_slower_per_token():
+    """Decode never beats the host's op launches, so spreading a 7B model's generation over
+    more devices stops helping; a tiny micro-batch is weight-read bound, not FLOP bound."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec = SPECS["actor"]
+    floor = spec.n_layers * cost.eff.ops_per_layer * cost.eff.op_seconds
+    few = cost.decode_seconds(spec, Layout(tuple(range(2)), 2), 16, 256)
+    many = cost.decode_seconds(spec, Layout(tuple(range(8)), 1, 8), 16, 256)
+    assert few >= floor and many >= floor
+    assert many > few, "tp=8 only adds all-reduces to a launch-bound step"
+    one_seq = cost.forward_seconds(spec, Layout((0,), 1), 1, 1)
+    weights = 2 * 6.5e9 / (cost.cluster.device.memory_bandwidth * cost.eff.memory)
+    assert one_seq >= weights, "a one-token forward still reads every weight"
+
+
+def test_engines_change_the_memory_the_planner_counts():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, lay = SPECS["actor"], Layout(tuple(range(8)), dp=8)
+    train = WORKS["actor_train"]
+    torch_b = cost.resident(spec, lay, True, train)
+    by_stage = [
+        cost.resident(spec, lay, True, dataclasses.replace(train, engine="deepspeed", zero_stage=z))
+        for z in (1, 2, 3)
+    ]
+    assert torch_b > by_stage[0] > by_stage[1] > by_stage[2]
+    weights = cost.resident(spec, lay, False)
+    assert by_stage[2] == pytest.approx(weights * 2 / 8 + (torch_b - 2 * weights) / 8)
+    offload = dataclasses.replace(train, engine="deepspeed", zero_stage=2, offload=True)
+    assert cost.resident(spec, lay, True, offload) == pytest.approx(weights + weights / 8)
+    gen = WORKS["actor_gen"]
+    vllm = dataclasses.replace(gen, engine="vllm")
+    extra = cost.memory(spec, lay, vllm) - cost.memory(spec, lay, gen)
+    assert extra == pytest.approx(weights + VLLM_KV_BYTES)  # its own weights and KV cache
+    plan = Plan({c.name: lay for c in GRAPH.calls}, "colocated")
+    works = {**WORKS, "actor_gen": vllm}
+    plain, with_vllm = (simulate(GRAPH, plan, SPECS, w, cost) for w in (WORKS, works))
+    assert max(with_vllm.peak_memory.values()) == pytest.approx(
+        max(plain.peak_memory.values()) + extra
+    )

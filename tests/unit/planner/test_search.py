@@ -1,0 +1,143 @@
+"""The plan search (``rayhf.planner.search``): candidate meshes and layouts, local improvement
+and annealing, deterministic for a seed and never worse than its starts (no Ray)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
+from rayhf.parallel.layout import Layout
+from rayhf.planner import baselines
+from rayhf.planner.cost import AnalyticCost, Workload
+from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.plan import Plan
+from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
+from rayhf.planner.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[3]
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+SPECS = {
+    "actor": public_shape("llama2-7b"),
+    "ref": public_shape("llama2-7b"),
+    "critic": public_shape("llama2-7b", value_head=True),
+    "reward": public_shape("llama2-7b", value_head=True),
+}
+WORKS = {
+    c.name: Workload(c.kind, 512, 128, 128, 4 if c.kind == "train" else 1) for c in GRAPH.calls
+}
+
+
+def test_candidates_respect_nodes_and_the_model():
+    assert blocks(4) == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
+    for lay in candidates(SPECS["actor"], 16, 8):
+        assert lay.tp <= 8 and lay.dp * lay.tp * lay.pp == len(lay.mesh)
+
+
+def test_meshes_are_blocks_inside_a_node_or_runs_of_whole_nodes():
+    meshes = blocks(24, 8)
+    for mesh in meshes:
+        if len(mesh) < 8:  # inside one node, aligned to its size
+            assert mesh[0] // 8 == mesh[-1] // 8 and mesh[0] % len(mesh) == 0
+        else:
+            assert len(mesh) % 8 == 0 and mesh[0] % 8 == 0
+    runs = {(m[0], len(m)) for m in meshes if len(m) >= 8}
+    assert runs == {(0, 8), (8, 8), (16, 8), (0, 16), (8, 16), (0, 24)}
+    # Three nodes take pp=3, which no power-of-two block allows.
+    three = [lay for lay in candidates(SPECS["actor"], 24, 8) if len(lay.mesh) == 24]
+    assert {(lay.tp, lay.pp) for lay in three} >= {(8, 3), (4, 3), (4, 6), (1, 3)}
+
+
+def test_side_by_side_cuts_a_cluster_at_every_node_boundary():
+    pairs = side_by_side(32, 8)
+    for a, b in pairs:
+        assert not set(a) & set(b) and a[-1] + 1 == b[0]
+    cuts = {len(a) for a, b in pairs if len(a) + len(b) == 32}
+    assert cuts == {8, 16, 24}  # a small critic beside a large actor needs the uneven cuts
+
+
+def test_search_plans_a_graph_of_one_call():
+    graph = load_graph(REPO / "graphs" / "sft.yaml")
+    works = {c.name: Workload(c.kind, 64, 128, 128, 2) for c in graph.calls}
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    start = Plan({c.name: Layout(tuple(range(8)), dp=8) for c in graph.calls}, "start")
+    found = search(graph, SPECS, works, cost, [start], seed=1, max_iterations=200)
+    assert set(found.plan.layouts) == {c.name for c in graph.calls} and found.simulation.feasible
+
+
+def test_search_is_deterministic_and_never_worse_than_its_starts():
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    cap = cost.cluster.device.memory_bytes
+
+    def score(plan: Plan) -> float:
+        return energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+
+    starts = [
+        baselines.colocated(GRAPH, SPECS, 16, 8, score),
+        baselines.realhf(GRAPH, SPECS, 2, 8, score),
+    ]
+    for s in starts:
+        assert s is not None and {c.name for c in GRAPH.calls} == set(s.layouts)
+    a = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
+    b = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
+    assert a.plan.layouts == b.plan.layouts
+    assert score(a.plan) <= min(score(s) for s in starts)
+    assert a.simulation.feasible
+
+
+def test_local_improvement_never_worsens_a_plan_and_is_deterministic():
+    from rayhf.planner.search import _Scorer, improve
+
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    options = {c.name: candidates(SPECS.get(c.role), 16, 8) for c in GRAPH.calls}
+    start = dict(baselines.colocated(GRAPH, SPECS, 16, 8, _score(cost)).layouts)
+    runs = []
+    for _ in range(2):
+        score = _Scorer(GRAPH, SPECS, WORKS, cost, deadline=float("inf"))
+        runs.append(improve(start, options, GRAPH, score))
+        assert runs[-1][1] <= score(start)
+    assert runs[0] == runs[1]
+
+
+def test_search_improves_on_the_colocated_plan():
+    """One layout for every call is a compromise: the search gives each call its own."""
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    score = _score(cost)
+    start = baselines.colocated(GRAPH, SPECS, 16, 8, score)
+    found = search(GRAPH, SPECS, WORKS, cost, [start], seed=0, max_iterations=200)
+    assert found.simulation.feasible
+    assert score(found.plan) < 0.95 * score(start)
+
+
+def _score(cost: AnalyticCost):
+    cap = cost.cluster.device.memory_bytes
+    return lambda plan: energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+
+
+def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    cap = cost.cluster.device.memory_bytes
+    works = {
+        **WORKS,
+        "actor_gen": dataclasses.replace(WORKS["actor_gen"], engine="vllm"),
+        "critic_train": dataclasses.replace(
+            WORKS["critic_train"], engine="deepspeed", zero_stage=3
+        ),
+    }
+
+    def score(plan: Plan) -> float:
+        return energy(simulate(GRAPH, plan, SPECS, works, cost), cap)
+
+    tp2 = Plan({c.name: Layout(tuple(range(8)), 4, 2) for c in GRAPH.calls}, "tp2")
+    refused = simulate(GRAPH, tp2, SPECS, works, cost).refused
+    assert refused == ["actor_gen", "critic_inf", "critic_train"]  # critic_inf: on ZeRO-3 ranks
+    assert score(tp2) == float("inf")
+    starts = [baselines.colocated(GRAPH, SPECS, 8, 8, score)]
+    found = search(GRAPH, SPECS, works, cost, starts, seed=1, max_iterations=300)
+    for name in ("actor_gen", "critic_train"):
+        lay = found.plan.layouts[name]
+        assert (lay.tp, lay.pp) == (1, 1), name
+    # ZeRO-3 ranks hold slices: the critic's inference runs in a layout of its own
+    assert found.plan.layouts["critic_inf"] != found.plan.layouts["critic_train"]
+    assert found.simulation.feasible and score(starts[0]) == float("inf")

@@ -1,0 +1,130 @@
+"""Everything a run needs on disk, checked before any Ray process starts
+(``rayhf.runtime.assets``): a tiny PPO run's files, and the one-line errors a user can fix."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import rayhf
+from rayhf.errors import RayhfError
+from rayhf.graph import Call, Graph, load_graph
+from rayhf.parallel.layout import Layout
+from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.runtime.assets import (
+    _check_batch,
+    check_engines,
+    check_graph_against_config,
+    existing_dataset,
+    model_specs,
+    prepare_dataset,
+    prepare_models,
+    prepare_run,
+    prepare_tokenizer,
+)
+from rayhf.runtime.planning import PLAN_FILE
+
+REPO = Path(__file__).resolve().parents[3]
+PPO = load_graph(REPO / "graphs" / "ppo.yaml")
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    data = tmp_path / "data" / "echo.parquet"
+    base = [f"run_dir={tmp_path / 'run'}", f"dataset.path={data}", "cluster.n_devices=1"]
+    return rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml", [*base, *overrides])
+
+
+def test_a_tiny_ppo_run_gets_its_files_graph_plan_and_dataset(tmp_path: Path):
+    cfg = _cfg(tmp_path)
+    assert existing_dataset(cfg, PPO) is None, "rayhf plan writes nothing"
+    run_dir = tmp_path / "run"
+    assets = prepare_run(cfg, run_dir)
+    assert assets.graph.name == "ppo" and assets.trainable == {"actor", "critic"}
+    assert len(assets.dataset) == 512 and assets.eval_dataset is None  # built by the builder
+    assert (assets.tokenizer_dir / "tokenizer.json").is_file()
+    dirs = assets.model_dirs
+    assert dirs == {"actor": run_dir / "init" / "actor", "ref": run_dir / "init" / "actor",
+                    "critic": run_dir / "init" / "critic"}  # fmt: skip
+    assert all((d / "config.json").is_file() for d in dirs.values())
+    assert assets.specs["ref"] == assets.specs["actor"] != assets.specs["critic"]
+    assert assets.specs == model_specs(cfg), "the same shapes as from the config alone"
+    assert assets.plan.layouts == colocated_plan(PPO, 1).layouts and assets.plan.source == "auto"
+    assert (run_dir / PLAN_FILE).is_file(), "a resumed run keeps the plan"
+    found = existing_dataset(cfg, PPO)
+    assert found is not None and len(found) == 512
+
+
+def test_the_tokenizer_comes_from_an_alphabet_a_path_or_the_policy_s_model(tmp_path: Path):
+    cfg = _cfg(tmp_path)
+    tok, where = prepare_tokenizer(cfg, tmp_path, "actor")
+    assert where == tmp_path / "tokenizer" and len(tok) == 26
+    no_alphabet = cfg.with_overrides({"tokenizer.alphabet": None})
+    with pytest.raises(RayhfError, match=re.escape("set tokenizer.path or tokenizer.alphabet")):
+        prepare_tokenizer(no_alphabet, tmp_path, "actor")  # the actor has no path either
+    missing = cfg.with_overrides({"tokenizer.alphabet": None, "tokenizer.path": str(tmp_path)})
+    with pytest.raises(
+        RayhfError, match=f"tokenizer.path: cannot load a tokenizer from {tmp_path}"
+    ):
+        prepare_tokenizer(missing, tmp_path, "actor")
+
+
+def test_datasets_and_models_that_cannot_be_had_are_named(tmp_path: Path):
+    cfg = _cfg(tmp_path)
+    tok, _ = prepare_tokenizer(cfg, tmp_path, "actor")
+    with pytest.raises(
+        RayhfError, match=re.escape("eval_every is set but dataset.eval_path is not")
+    ):
+        prepare_dataset(cfg.with_overrides({"eval_every": 5}), tok, "prompts")
+    train, held_out = prepare_dataset(
+        cfg.with_overrides({"dataset.eval_path": str(tmp_path / "eval.parquet")}), tok, "prompts"
+    )
+    assert held_out is not None and len(held_out) == 256 and len(train) == 512
+    assert train.texts != held_out.texts, "held-out rows come from another seed"
+    not_a_model = {"models.critic": {"path": str(tmp_path), "value_head": True}}
+    with pytest.raises(RayhfError, match=r"models\.critic\.path: .* is not a model directory"):
+        prepare_models(cfg.with_overrides(not_a_model), tmp_path, tok)
+    with pytest.raises(
+        RayhfError, match=re.escape("models.ref.init_from: 'reward' is not a role with a")
+    ):
+        prepare_models(cfg.with_overrides({"models.ref": {"init_from": "reward"}}), tmp_path, tok)
+
+
+def _graph(*calls: Call) -> Graph:
+    return Graph(name="g", inputs=["prompts"], calls=list(calls))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (Call(name="x", role="actor", kind="inference", interface="nope"),
+         "call 'x' has unknown interface 'nope' (have: "),
+        (Call(name="x", role="actor", kind="train", interface="dpo"),
+         "call 'x' (interface dpo) needs algorithm.name: dpo, the config has 'ppo'"),
+        (Call(name="x", role="reward", kind="inference", interface="lm"),
+         "call 'x' (inference, lm) runs on role 'reward', which has no model"),
+    ],
+)  # fmt: skip
+def test_a_graph_that_does_not_fit_the_config_is_refused(tmp_path, call, message):
+    with pytest.raises(RayhfError, match="^" + re.escape(f"graph 'g': {message}")):
+        check_graph_against_config(_graph(call), _cfg(tmp_path))
+    check_graph_against_config(PPO, _cfg(tmp_path))
+
+
+def test_plans_and_engines_that_the_config_cannot_run_are_refused(tmp_path):
+    wide = Plan({c.name: Layout((0, 1, 2, 3), 4) for c in PPO.calls}, "manual")
+    with pytest.raises(RayhfError, match="batch_size=2 is smaller than the plan's dp=4"):
+        _check_batch(_cfg(tmp_path, "batch_size=2"), wide)
+    _check_batch(_cfg(tmp_path, "batch_size=4"), wide)
+    plan, specs = colocated_plan(PPO, 1), model_specs(_cfg(tmp_path))
+    unknown = _cfg(tmp_path, "engines.actor_gn.engine=vllm")
+    with pytest.raises(
+        RayhfError, match=re.escape("engines.actor_gn: graph 'ppo' has no call 'actor_gn'")
+    ):
+        check_engines(unknown, PPO, plan, specs)
+    wrong_kind = _cfg(tmp_path, "engines.ref_inf.engine=deepspeed")
+    with pytest.raises(
+        RayhfError, match=r"^engines\.ref_inf\.engine: .* runs on torch, not 'deepspeed'"
+    ):
+        check_engines(wrong_kind, PPO, plan, specs)

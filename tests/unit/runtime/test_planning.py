@@ -1,0 +1,68 @@
+"""From an experiment config to the planner's inputs (``rayhf.runtime.planning``): workloads as
+``rayhf run``, ``rayhf plan`` and ``plan: auto`` price them, and the plan a run keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import rayhf
+from rayhf.engines.config import EngineConfig
+from rayhf.graph import load_graph
+from rayhf.parallel.layout import Layout
+from rayhf.planner.cost import Workload
+from rayhf.planner.plan import Plan, colocated_plan, plan_from_json
+from rayhf.runtime.planning import (
+    PLAN_FILE,
+    auto_plan,
+    call_engines,
+    planner_workloads,
+    prompt_tokens,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+
+
+def test_the_config_s_batch_lengths_and_minibatches_are_priced():
+    cfg = rayhf.load_config(EXAMPLE)  # batch 32, prompts <= 24, 12 new tokens, 4 minibatches
+    assert prompt_tokens(cfg, None) == 24, "no dataset yet: the config's bound"
+    dataset = SimpleNamespace(mean_prompt_len=lambda: 9.6)
+    assert prompt_tokens(cfg, dataset) == 10  # type: ignore[arg-type]
+    works = planner_workloads(cfg, GRAPH, None)
+    assert works["actor_gen"] == Workload("generate", 32, 24, 12, 1)
+    assert works["ref_inf"] == Workload("inference", 32, 24, 12, 1)
+    assert works["actor_train"] == Workload("train", 32, 24, 12, 4)
+
+
+def test_engines_and_zero1_reach_the_workloads():
+    cfg = rayhf.load_config(
+        EXAMPLE,
+        ["engines.actor_gen.engine=vllm", "models.actor.optimizer.zero1=true"],
+    )
+    engines = call_engines(cfg, GRAPH)
+    assert engines["actor_gen"] == EngineConfig(engine="vllm")
+    assert engines["critic_train"] == EngineConfig(engine="torch")
+    works = planner_workloads(cfg, GRAPH, None)
+    assert works["actor_gen"].engine == "vllm" and works["actor_gen"].whole_model_ranks
+    assert works["actor_train"].zero_stage == 1 and works["critic_train"].zero_stage == 0
+
+
+def test_a_resumed_run_keeps_its_plan_while_it_fits(tmp_path):
+    cfg = rayhf.load_config(EXAMPLE, ["cluster.n_devices=2"])
+    kept = Plan({c.name: Layout((1,), 1) for c in GRAPH.calls}, "auto")
+    (tmp_path / PLAN_FILE).write_text(kept.to_json())
+    assert auto_plan(cfg, GRAPH, {}, None, tmp_path) == kept  # type: ignore[arg-type]
+
+
+def test_a_plan_that_no_longer_fits_is_made_again_and_kept(tmp_path):
+    cfg = rayhf.load_config(EXAMPLE, ["cluster.n_devices=1"])  # one device: nothing to search
+    stale = Plan({c.name: Layout((1,), 1) for c in GRAPH.calls}, "auto")
+    (tmp_path / PLAN_FILE).write_text(stale.to_json())
+    plan = auto_plan(cfg, GRAPH, {}, None, tmp_path)  # type: ignore[arg-type]
+    assert plan.source == "auto" and plan.layouts == colocated_plan(GRAPH, 1).layouts
+    assert plan_from_json((tmp_path / PLAN_FILE).read_text(), "auto") == plan
+    other_graph = Plan({"train": Layout((0,), 1)}, "auto")
+    (tmp_path / PLAN_FILE).write_text(other_graph.to_json())
+    assert auto_plan(cfg, GRAPH, {}, None, tmp_path) == plan  # type: ignore[arg-type]

@@ -1,0 +1,109 @@
+"""The Ray cluster and its devices (``rayhf.runtime.cluster``) against a recording stand-in for
+Ray: how Ray is started, what each device bundle holds, and the errors that say why not."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import rayhf.runtime.cluster as cluster
+from rayhf.errors import RayhfError
+from rayhf.planner.cluster import ClusterConfig
+from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
+
+
+class FakeRay:
+    def __init__(self, resources: dict[str, float], initialized: bool = False) -> None:
+        self.resources, self.initialized = resources, initialized
+        self.inits: list[dict[str, Any]] = []
+        self.ready, self.stopped = True, False
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, **options: Any) -> None:
+        self.inits.append(options)
+
+    def cluster_resources(self) -> dict[str, float]:
+        return self.resources
+
+    def wait(self, refs: list, timeout: float) -> tuple[list, list]:
+        return (refs, []) if self.ready else ([], refs)
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+@pytest.fixture
+def fake(monkeypatch) -> tuple[FakeRay, list]:
+    ray = FakeRay({"CPU": 8.0, "rayhf_device": 4.0})
+    removed: list = []
+    monkeypatch.setattr(cluster, "ray", ray)
+    monkeypatch.setattr(
+        cluster, "placement_group",
+        lambda bundles, strategy: SimpleNamespace(bundles=bundles, strategy=strategy,
+                                                  ready=lambda: "ready"),
+    )  # fmt: skip
+    monkeypatch.setattr(cluster, "remove_placement_group", removed.append)
+    return ray, removed
+
+
+def test_connect_starts_an_embedded_cluster_only_when_it_must(fake):
+    ray, _ = fake
+    assert connect(ClusterConfig(n_devices=3, num_cpus=6)) is True
+    assert ray.inits[-1]["address"] == "local" and ray.inits[-1]["num_cpus"] == 6
+    assert ray.inits[-1]["resources"] == {"rayhf_device": 3.0}
+    assert not ray.inits[-1]["include_dashboard"]
+    assert connect(ClusterConfig(device="cuda", dashboard=True)) is True
+    assert ray.inits[-1]["resources"] == {} and ray.inits[-1]["include_dashboard"]
+    assert connect(ClusterConfig(address="auto")) is False, "someone else's cluster"
+    assert ray.inits[-1] == {"address": "auto", "log_to_driver": True}
+    ray.initialized = True
+    assert connect(ClusterConfig()) is False and len(ray.inits) == 3
+
+
+def test_one_bundle_per_emulated_device_with_its_cpu_share(fake):
+    devices = reserve_devices(ClusterConfig(n_devices=4), started_ray=True)
+    assert devices.pg.bundles == [{"rayhf_device": 1.0, "CPU": 2.0}] * 4
+    assert devices.pg.strategy == "PACK"
+    assert (devices.n_devices, devices.cpus_per_device, devices.gpu) == (4, 2.0, False)
+
+
+def test_one_gpu_and_at_most_four_cpus_per_gpu_bundle(fake):
+    ray, _ = fake
+    ray.resources = {"CPU": 64.0, "GPU": 8.0}
+    devices = reserve_devices(ClusterConfig(n_devices=8, device="cuda"), started_ray=False)
+    assert devices.pg.bundles == [{"GPU": 1.0, "CPU": 4.0}] * 8 and devices.gpu
+
+
+@pytest.mark.parametrize(
+    "config,resources,message",
+    [
+        (ClusterConfig(n_devices=6), {"CPU": 8.0, "rayhf_device": 4.0},
+         "cluster.n_devices=6 but the Ray cluster has 4 'rayhf_device' resources"),
+        (ClusterConfig(n_devices=4, device="cuda"), {"CPU": 8.0, "GPU": 2.0},
+         "cluster.n_devices=4 but the Ray cluster has 2 GPUs"),
+    ],
+)  # fmt: skip
+def test_too_few_devices_is_a_clear_error(fake, config, resources, message):
+    fake[0].resources = resources
+    with pytest.raises(RayhfError, match=message):
+        reserve_devices(config, started_ray=False)
+
+
+def test_devices_ray_cannot_reserve_in_time_are_given_back(fake):
+    ray, removed = fake
+    ray.ready = False
+    with pytest.raises(RayhfError, match=r"could not reserve .* within 5s \(is another run"):
+        reserve_devices(ClusterConfig(n_devices=2), started_ray=False, timeout_s=5)
+    assert len(removed) == 1
+
+
+def test_closing_frees_the_devices_and_stops_only_a_cluster_it_started(fake):
+    ray, removed = fake
+    DeviceCluster("pg", 2, 1.0, False, started_ray=False).close()  # type: ignore[arg-type]
+    assert removed == ["pg"] and not ray.stopped
+    DeviceCluster("pg2", 2, 1.0, False, started_ray=True).close()  # type: ignore[arg-type]
+    assert removed == ["pg", "pg2"] and ray.stopped

@@ -1,0 +1,105 @@
+"""A run's Ray side (``rayhf.runtime.session``) before any Ray starts: the spec of every rank it
+would start, where each role's first weights come from, and the placement the driver reads."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import rayhf
+from rayhf.engines.config import EngineConfig
+from rayhf.graph import load_graph
+from rayhf.parallel.layout import Layout
+from rayhf.planner.plan import Plan
+from rayhf.runtime.assets import RunAssets
+from rayhf.runtime.session import Session, _no_interrupts
+
+REPO = Path(__file__).resolve().parents[3]
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+HOME, GEN = Layout((0, 1), 2), Layout((0, 1), 1, 2)  # the actor trains dp=2, generates tp=2
+ONE, TWO = Layout((0,), 1), Layout((1,), 1)
+LAYOUTS = {"actor_gen": GEN, "rew_inf": ONE, "ref_inf": ONE, "critic_inf": TWO,
+           "actor_train": HOME, "critic_train": TWO}  # fmt: skip
+
+
+def _session(tmp_path: Path, resume: Path | None = None, *overrides: str) -> Session:
+    cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml", list(overrides))
+    init = tmp_path / "init"
+    assets = RunAssets(
+        run_dir=tmp_path, graph=GRAPH, plan=Plan(LAYOUTS, "manual"), dataset=None,
+        eval_dataset=None, tokenizer_dir=tmp_path / "tokenizer",
+        model_dirs={"actor": init / "actor", "ref": init / "actor", "critic": init / "critic"},
+        specs={}, trainable={"actor", "critic"},
+    )  # type: ignore[arg-type]  # fmt: skip
+    return Session(cfg, assets, resume)
+
+
+def test_each_rank_s_spec_follows_the_plan(tmp_path: Path):
+    session = _session(tmp_path)
+    home = session._spec("actor", HOME, 1, threads=3)
+    assert [c.name for c in home.calls] == ["actor_train"]
+    shape = (home.role, home.rank, home.dp_size, home.tp_size, home.pp_size, home.n_mbs)
+    assert shape == ("actor", 1, 2, 1, 1, 1)
+    assert (home.layout_name, home.threads, home.device) == ("d0-1.dp2tp1pp1", 3, "cpu")
+    assert home.optimizer == session.cfg.models["actor"].optimizer, "trained at home"
+    assert home.tokenizer_dir == str((tmp_path / "tokenizer").resolve())
+    copy = session._spec("actor", GEN, 0, threads=1)
+    assert [c.name for c in copy.calls] == ["actor_gen"] and copy.optimizer is None
+    (gen,) = copy.calls
+    assert (gen.kind, gen.interface) == ("generate", "ppo_actor")
+    assert gen.engine == EngineConfig(engine="native") and gen.inputs == {"prompts": "prompts"}
+    assert set(gen.outputs) == {"seq", "prompt_lens", "logprobs"}
+    (ref,) = session._spec("ref", ONE, 0, threads=1).calls
+    assert ref.outputs == {"logprobs": "ref_logprobs"}  # the graph's output_remap
+    critic = session._spec("critic", TWO, 0, threads=1)
+    assert [c.name for c in critic.calls] == ["critic_inf", "critic_train"] and critic.value_head
+
+
+def test_where_each_role_s_first_weights_come_from(tmp_path: Path):
+    init = tmp_path / "init"
+    fresh = _session(tmp_path)
+    actor = fresh._spec("actor", HOME, 0, threads=1)
+    assert (actor.model_dir, actor.config_dir) == (str((init / "actor").resolve()), None)
+    ref = fresh._spec("ref", ONE, 0, threads=1)
+    assert (ref.model_dir, ref.config_dir) == (None, str((init / "actor").resolve())), (
+        "init_from: built from the config, the weights arrive by reallocation"
+    )
+    reward = fresh._spec("reward", ONE, 0, threads=1)
+    assert (reward.model_dir, reward.config_dir) == (None, None)
+    assert reward.settings.function == "rayhf.tasks.demo:reward"
+    ckpt = tmp_path / "checkpoints" / "step_000004"
+    resumed = _session(tmp_path, ckpt)
+    assert resumed._spec("actor", HOME, 0, threads=1).model_dir == str((ckpt / "actor").resolve())
+    assert resumed._spec("critic", TWO, 0, threads=1).model_dir == str((ckpt / "critic").resolve())
+    ref = resumed._spec("ref", ONE, 0, threads=1)
+    assert (ref.model_dir, ref.config_dir) == (str((init / "actor").resolve()), None)
+
+
+def test_only_a_zero3_train_layout_holds_flat_slices(tmp_path: Path):
+    zero3 = ("engines.critic_train.engine=deepspeed", "engines.critic_train.zero_stage=3")
+    session = _session(tmp_path, None, *zero3)
+    assert session._zero3("critic", TWO)
+    assert not session._zero3("actor", HOME) and not session._zero3("critic", ONE)
+    assert not _session(tmp_path)._zero3("critic", TWO)
+
+
+def test_the_placement_names_groups_homes_and_moving_average_followers(tmp_path: Path):
+    session = _session(tmp_path, None, "models.ref.ema=0.1")
+    group = lambda role, lay: SimpleNamespace(key=f"{role}.{lay.name}", layout=lay)  # noqa: E731
+    homes = {"actor": HOME, "reward": ONE, "ref": ONE, "critic": TWO}
+    session.groups = {r: group(r, lay) for r, lay in homes.items()}  # type: ignore[misc]
+    session.copies = {"actor.d0-1.dp1tp2pp1": group("actor", GEN)}  # type: ignore[dict-item]
+    placement = session.placement()
+    keys = {f"{r}.{lay.name}" for r, lay in homes.items()} | {"actor.d0-1.dp1tp2pp1"}
+    assert set(placement.groups) == keys and len(keys) == 5
+    assert placement.layouts == LAYOUTS and placement.homes == homes
+    assert placement.followers == {"actor": [("ref", 0.1)]} and placement.mover is session.mover
+    assert _session(tmp_path).placement().followers == {}
+
+
+def test_teardown_cannot_be_interrupted_halfway():
+    before = signal.getsignal(signal.SIGINT)
+    with _no_interrupts():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before

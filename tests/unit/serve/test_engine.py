@@ -1,0 +1,178 @@
+"""The serving engine seam (``rayhf.serve.engine``): request limits, batching by sampling key,
+incremental detokenization with stop strings, checkpoint checks, and the native engine on a tiny
+checkpoint in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from rayhf.errors import RayhfError
+from rayhf.models.hf import ModelInit, build_model, hf_config, save_model
+from rayhf.serve.engine import (
+    EngineOutput,
+    EngineRequest,
+    NativeEngine,
+    RequestRejected,
+    SamplingSpec,
+    ServingEngine,
+    ServingEngineConfig,
+    check_checkpoint,
+    detokenize,
+    group_requests,
+    load_engine,
+    require_vllm,
+)
+from rayhf.tasks.demo import build_tokenizer
+
+
+def test_the_config_keeps_the_default_under_the_ceiling():
+    cfg = ServingEngineConfig(checkpoint="ckpt")
+    assert (cfg.engine, cfg.max_prompt_tokens, cfg.max_tokens, cfg.default_max_tokens) == (
+        "native", 512, 256, 16,
+    )  # fmt: skip
+    with pytest.raises(ValidationError, match="default_max_tokens must be <= max_tokens"):
+        ServingEngineConfig(checkpoint="ckpt", max_tokens=8, default_max_tokens=16)
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        ServingEngineConfig(checkpoint="ckpt", max_batch=4)  # type: ignore[call-arg]
+
+
+class _Chars(ServingEngine):
+    """An engine whose tokens are characters (no bos) and whose model has 20 positions."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
+        return None
+
+    @property
+    def max_positions(self) -> int | None:
+        return 20
+
+    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    "prompt,max_tokens,code,param",
+    [
+        ("abc", 9, "max_tokens_exceeded", "max_tokens"),
+        ("", 4, "empty_prompt", None),
+        ("x" * 11, 4, "context_length_exceeded", "prompt"),
+        ("x" * 10, 11, "max_tokens_exceeded", "max_tokens"),
+        ("x" * 10, 8, None, None),
+    ],
+)
+def test_requests_over_a_limit_are_rejected_naming_the_field(prompt, max_tokens, code, param):
+    engine = _Chars(ServingEngineConfig(checkpoint="c", max_prompt_tokens=10, max_tokens=8,
+                                        default_max_tokens=4))  # fmt: skip
+    sampling = SamplingSpec(max_tokens=max_tokens)
+    if code is None:
+        assert engine.prepare(prompt, sampling) == EngineRequest(tuple(map(ord, prompt)), sampling)
+        return
+    with pytest.raises(RequestRejected) as err:
+        engine.prepare(prompt, sampling)
+    assert (err.value.code, err.value.param) == (code, param)
+
+
+def test_a_long_prompt_and_max_tokens_together_overflow_the_model():
+    engine = _Chars(ServingEngineConfig(checkpoint="c", max_prompt_tokens=100, max_tokens=50))
+    with pytest.raises(RequestRejected, match=r"prompt \(15 tokens\) \+ max_tokens \(6\) is over"):
+        engine.prepare("x" * 15, SamplingSpec(max_tokens=6))
+    assert len(engine.prepare("x" * 15, SamplingSpec(max_tokens=5)).prompt_ids) == 15
+
+
+def _req(**sampling) -> EngineRequest:
+    return EngineRequest((1,), SamplingSpec(max_tokens=4, **sampling))
+
+
+def test_requests_are_grouped_by_sampling_key_in_first_seen_order():
+    requests = [
+        _req(greedy=True), _req(temperature=0.7), _req(seed=3), _req(greedy=True, top_k=5),
+        _req(temperature=0.7), _req(temperature=0.7, top_p=0.9), _req(seed=3),
+    ]  # fmt: skip
+    groups = group_requests(requests)
+    assert list(groups.values()) == [[0, 3], [1, 4], [2], [5], [6]]
+    keys = list(groups)
+    assert keys[0] == "greedy" and keys[2] == ("seeded", 2)
+
+
+def _bytes(tokens: list[int]) -> str:
+    """Tokens are UTF-8 bytes: a character cut in the middle decodes to U+FFFD."""
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def test_pieces_add_up_to_the_text_and_hold_back_half_characters():
+    tokens = list("aé b".encode())
+    pieces, n_used, stopped = detokenize(_bytes, tokens, ())
+    assert pieces == ["a", "", "é", " ", "b"] and (n_used, stopped) == (5, False)
+    assert detokenize(_bytes, [], ("x",)) == ([], 0, False)
+
+
+def test_a_stop_string_ends_the_text_before_it_and_the_tokens_after_it():
+    tokens = list(b"abcdef")
+    pieces, n_used, stopped = detokenize(_bytes, tokens, ("zz", "cd"))
+    assert (pieces, n_used, stopped) == (["a", "b", "", ""], 4, True)
+    pieces, n_used, stopped = detokenize(_bytes, tokens, ("ef", "b"))
+    assert "".join(pieces) == "a" and n_used == 2 and stopped, "the first stop to appear"
+
+
+def test_checkpoints_need_a_config_and_a_tokenizer(tmp_path: Path):
+    with pytest.raises(RayhfError, match="is not a directory"):
+        check_checkpoint(tmp_path / "missing")
+    with pytest.raises(RayhfError, match=r"is not a model directory \(no config.json\)"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RayhfError, match="has no tokenizer; save it with"):
+        check_checkpoint(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert check_checkpoint(str(tmp_path)) == tmp_path
+
+
+def test_vllm_is_not_served_in_process_and_its_absence_is_one_line(monkeypatch):
+    with pytest.raises(RayhfError, match="engine: vllm has no in-process engine"):
+        load_engine(ServingEngineConfig(checkpoint="c", engine="vllm"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(RayhfError, match=r"pip install 'rayhf\[vllm\]'"):
+        require_vllm()
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> NativeEngine:
+    out = tmp_path_factory.mktemp("ckpt") / "actor"
+    tok = build_tokenizer()
+    config = hf_config(ModelInit(hidden_size=32, n_heads=4, max_positions=64), len(tok),
+                       tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)  # fmt: skip
+    save_model(build_model(config, value_head=False, seed=3), out, tok)
+    return NativeEngine(
+        ServingEngineConfig(checkpoint=str(out), max_tokens=8, default_max_tokens=4)
+    )
+
+
+def test_the_native_engine_encodes_as_training_did(native: NativeEngine):
+    ids = native.encode("1 2 =")
+    assert ids[0] == native.tokenizer.bos_token_id and len(ids) == 6
+    assert native.encode(native.tokenizer.bos_token + "1") == ids[:2], "one bos only"
+    assert (
+        native.max_positions == 64
+        and native.render_chat([{"role": "user", "content": "hi"}]) is None
+    )
+
+
+def test_rows_of_a_batch_do_not_interact_and_seeds_reproduce(native: NativeEngine):
+    greedy = SamplingSpec(max_tokens=6, greedy=True)
+    short = native.prepare("1 =", SamplingSpec(max_tokens=2, greedy=True))
+    long = native.prepare("3 1 4 1 5 =", greedy)
+    alone = native.generate([long])[0]
+    batched = native.generate([short, long, native.prepare("9 =", greedy)])
+    assert batched[1] == alone, "a greedy row equals the same request run alone"
+    assert batched[0].completion_tokens <= 2 and batched[0].prompt_tokens == 4  # bos 1 space =
+    for out in batched:
+        assert out.text == "".join(out.pieces) and len(out.pieces) == len(out.token_ids)
+        ended = bool(out.token_ids) and out.token_ids[-1] == native.eos_id
+        assert out.finish_reason == ("stop" if ended else "length")
+    seeded = native.prepare("2 =", SamplingSpec(max_tokens=6, seed=11))
+    assert native.generate([seeded]) == native.generate([seeded, long])[:1]
