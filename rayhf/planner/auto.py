@@ -7,7 +7,7 @@ workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayhf.engines.config import EngineConfig
@@ -28,6 +28,7 @@ from rayhf.planner.simulate import Simulation, simulate
 class AutoPlan:
     chosen: SearchResult
     baselines: dict[str, tuple[Plan, Simulation]]
+    absent: list[str] = field(default_factory=list)  # baselines with no plan for this setup
 
 
 def workloads(
@@ -106,7 +107,7 @@ def auto_plan(
             f"plan: no plan found that fits memory; call '{what}' needs {need / 1e9:.1f} GB on "
             f"device {device} ({cap / 1e9:.0f} GB)"
         )
-    return AutoPlan(found, base)
+    return AutoPlan(found, base, [k for k, p in built.items() if p is None])
 
 
 def format_auto(result: AutoPlan) -> str:
@@ -121,6 +122,8 @@ def format_auto(result: AutoPlan) -> str:
         fits = "" if bsim.feasible else " (does not fit memory)"
         speed = bsim.iteration_seconds / sim.iteration_seconds
         rows.append(f"  {name:<10}{bsim.iteration_seconds:>9.2f} s  ({speed:.2f}x the plan){fits}")
+    for name in result.absent:
+        rows.append(f"  {name:<10} no plan: its layouts do not fit this graph, cluster or model")
     return "\n".join(rows)
 
 

@@ -36,6 +36,15 @@ def _layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) ->
     return out
 
 
+def _model_takes(plan: Plan, graph: Graph, specs: Mapping[str, ModelSpec]) -> bool:
+    """Whether every call's model can take its layout (heads over tp, layers over pp)."""
+    return all(
+        specs.get(c.role) is None
+        or check_layout(specs[c.role], plan.layouts[c.name].tp, plan.layouts[c.name].pp) is None
+        for c in graph.calls
+    )
+
+
 def _tune(plans: list[Plan], score: Score) -> Plan:
     return min(plans, key=score)
 
@@ -94,7 +103,8 @@ def realhf(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, per_node:
     if per_node != 8 or not {"actor_gen", "actor_train", "critic_train"} <= set(graph.by_name):
         return None
     plans = [_realhf_plan(graph, specs, n_nodes, n_mbs) for n_mbs in MICRO_BATCHES]
-    return _tune(plans, score)
+    plans = [p for p in plans if _model_takes(p, graph, specs)]
+    return _tune(plans, score) if plans else None  # its fixed tp/pp exceed a small model
 
 
 def _realhf_plan(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_mbs: int):

@@ -105,3 +105,32 @@ def test_a_planted_upward_import_is_caught(tmp_path):
     assert any("models/spec.py" in v and "rayhf.runtime" in v and "upward" in v for v in found)
     assert any("planner/cost.py" in v and "-> ray (execution" in v for v in found)
     assert len(found) == 2
+
+
+def _graph_names() -> set[str]:
+    """Every role and batch key the shipped graphs name."""
+    import yaml
+
+    names: set[str] = set()
+    for path in (REPO / "graphs").glob("*.yaml"):
+        graph = yaml.safe_load(path.read_text())
+        names.update(graph["inputs"])
+        for call in graph["calls"]:
+            names.add(call["role"])
+            names.update(call.get("inputs", []) + call.get("outputs", []))
+            names.update(call.get("input_remap", {}))
+            names.update(call.get("output_remap", {}))
+    return names
+
+
+def test_the_runtime_names_no_role_and_no_batch_key():
+    """What the runtime knows of roles and keys comes from the graph and the interfaces: no
+    string in ``rayhf/runtime`` is a role or key of a shipped graph."""
+    names = _graph_names()
+    assert {"actor", "critic", "ref", "reward", "seq", "prompts", "chosen"} <= names
+    found = []
+    for path in sorted((REPO / "rayhf" / "runtime").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.name}:{node.lineno} {node.value!r}")
+    assert found == []

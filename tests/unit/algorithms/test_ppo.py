@@ -10,6 +10,7 @@ import pickle
 import pydantic
 import pytest
 import torch
+from algo_support import LENGTHS, T, _close, _mask, _rand, _valid
 
 from rayhf.algorithms.ppo import (
     AdaptiveKLController,
@@ -24,31 +25,6 @@ from rayhf.algorithms.ppo import (
     ppo_policy_loss,
     ppo_value_loss,
 )
-
-LENGTHS = [0, 1, 7, 3, 5]
-T = 7
-GARBAGE = 1234.5
-
-
-def _mask(lengths: list[int], t: int = T) -> torch.Tensor:
-    return torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-
-
-def _rand(seed: int, lengths: list[int] = LENGTHS, scale: float = 1.0) -> torch.Tensor:
-    """Random float64 [B, T] with GARBAGE on padding."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(lengths), T, generator=g, dtype=torch.float64) * scale
-    return torch.where(_mask(lengths), x, torch.full_like(x, GARBAGE))
-
-
-def _valid(x: torch.Tensor, lengths: list[int] = LENGTHS) -> list[list[float]]:
-    """Per row, the valid entries as Python floats."""
-    return [row[:n] for row, n in zip(x.tolist(), lengths, strict=True)]
-
-
-def _close(a: torch.Tensor, b, tol: float = 1e-9) -> None:
-    torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=tol, atol=tol)
-
 
 # ----- config -------------------------------------------------------------------------------
 

@@ -10,46 +10,12 @@ import math
 import pydantic
 import pytest
 import torch
+from algo_support import LENGTHS, _close, _mask, _pad, _rand, _valid, _vec
 
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.remax import ReMaxConfig, reinforce_loss, remax_advantages
 from rayhf.data.batch import PackedBatch
 from rayhf.sampling import GenerationConfig
-
-LENGTHS = [0, 1, 7, 3, 5]
-T = 7
-GARBAGE = 1234.5
-
-
-def _mask(lengths: list[int], t: int = T) -> torch.Tensor:
-    return torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-
-
-def _rand(seed: int, lengths: list[int] = LENGTHS, scale: float = 1.0) -> torch.Tensor:
-    """Random float64 [B, T] with GARBAGE on padding."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(lengths), T, generator=g, dtype=torch.float64) * scale
-    return torch.where(_mask(lengths), x, torch.full_like(x, GARBAGE))
-
-
-def _vec(seed: int, n: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g, dtype=torch.float64) * scale
-
-
-def _valid(x: torch.Tensor, lengths: list[int] = LENGTHS) -> list[list[float]]:
-    """Per row, the valid entries as Python floats."""
-    return [row[:n] for row, n in zip(x.tolist(), lengths, strict=True)]
-
-
-def _pad(rows: list[list[float]], t: int = T) -> list[list[float]]:
-    return [row + [0.0] * (t - len(row)) for row in rows]
-
-
-def _close(a: torch.Tensor | None, b, tol: float = 1e-9) -> None:
-    assert a is not None  # e.g. a .grad that was never filled
-    torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=tol, atol=tol)
-
 
 # ----- config -------------------------------------------------------------------------------
 

@@ -5,47 +5,14 @@ Random cases use rows of varied length, including an empty row, with garbage on 
 that any leak of padded values into a result shows up.
 """
 
-import math
-
 import pydantic
 import pytest
 import torch
+from algo_support import GARBAGE, LN, _close, _rand, _softplus, _vec
 
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.rm import RMConfig, bradley_terry_loss, final_token_scores
 from rayhf.data.batch import PackedBatch
-
-LENGTHS = [0, 1, 7, 3, 5]
-T = 7
-GARBAGE = 1234.5
-LN = math.log
-
-
-def _mask(lengths: list[int], t: int = T) -> torch.Tensor:
-    return torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-
-
-def _rand(seed: int, lengths: list[int] = LENGTHS, scale: float = 1.0) -> torch.Tensor:
-    """Random float64 [B, T] with GARBAGE on padding."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(lengths), T, generator=g, dtype=torch.float64) * scale
-    return torch.where(_mask(lengths), x, torch.full_like(x, GARBAGE))
-
-
-def _vec(seed: int, n: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g, dtype=torch.float64) * scale
-
-
-def _close(a: torch.Tensor | None, b, tol: float = 1e-9) -> None:
-    assert a is not None  # e.g. a .grad that was never filled
-    torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=tol, atol=tol)
-
-
-def _softplus(z: float) -> float:
-    """-logsigmoid(-z) = log(1 + e^z), the reference for every logistic loss below."""
-    return math.log1p(math.exp(z))
-
 
 # ----- config -------------------------------------------------------------------------------
 

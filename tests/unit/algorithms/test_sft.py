@@ -1,30 +1,15 @@
 """SFT: the cross-entropy loss against hand-worked numbers and torch's cross entropy; the ``sft``
 interface on a fake engine."""
 
-import math
-
 import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
+from algo_support import LENGTHS, LN, T, _close, _mask
 
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.sft import SFTConfig, sft_loss
 from rayhf.data.batch import PackedBatch
-
-LENGTHS = [0, 1, 7, 3, 5]
-T = 7
-LN = math.log
-
-
-def _mask(lengths: list[int], t: int = T) -> torch.Tensor:
-    return torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-
-
-def _close(a: torch.Tensor | None, b, tol: float = 1e-9) -> None:
-    assert a is not None  # e.g. a .grad that was never filled
-    torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=tol, atol=tol)
-
 
 # ----- config -------------------------------------------------------------------------------
 

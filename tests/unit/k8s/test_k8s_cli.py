@@ -2,53 +2,18 @@
 
 from __future__ import annotations
 
-import copy
-import os
 from pathlib import Path
 
-import pytest
 import yaml
+from k8s_support import CRD_DIR, EXAMPLE, K8S_MARKS, WORKER, _worker
+from k8s_support import job as job
+from k8s_support import rendered as rendered
 from typer.testing import CliRunner
 
 from rayhf.errors import RayhfError
 from rayhf.k8s.cli import app
-from rayhf.k8s.render import render
 
-REPO = Path(__file__).resolve().parents[3]
-SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
-CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
-EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-CHECKPOINT = "/mnt/rayhf/runs/ppo-tiny/checkpoints/step_000120/actor"
-
-# CI always has shared/ beside the clone: there a missing CRD folder is a failure, not a skip
-if os.environ.get("CI") and not CRD_DIR.is_dir():
-    raise RuntimeError(f"KubeRay CRDs not found at {CRD_DIR}; set RAYHF_SHARED_DIR")
-
-pytestmark = [
-    pytest.mark.skipif(
-        not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (set RAYHF_SHARED_DIR)"
-    ),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray"),  # Ray Serve's pydantic use
-]
-
-
-@pytest.fixture(scope="session")
-def rendered() -> list[dict]:
-    return render(
-        EXAMPLE, "2x8xH100", "me/rayhf:1", checkpoint=CHECKPOINT, storage_claim="rayhf-storage"
-    )
-
-
-@pytest.fixture
-def job(rendered: list[dict]) -> dict:
-    return copy.deepcopy(next(d for d in rendered if d["kind"] == "RayJob"))
-
-
-WORKER = "spec.rayClusterSpec.workerGroupSpecs[0]"
-
-
-def _worker(doc: dict) -> dict:
-    return doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+pytestmark = K8S_MARKS
 
 
 def test_cli_render_then_validate(tmp_path: Path) -> None:

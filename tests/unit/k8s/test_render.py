@@ -3,15 +3,17 @@ RayService say, and that the written files validate."""
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
 import pytest
 import yaml
+from k8s_support import CHECKPOINT, EXAMPLE, K8S_MARKS
+from k8s_support import crds as crds
+from k8s_support import rendered as rendered
 
 from rayhf.errors import RayhfError
-from rayhf.k8s import CRDSet, check_paths, validate_paths
+from rayhf.k8s import check_paths, validate_paths
 from rayhf.k8s.render import (
     SERVE_IMPORT_PATH,
     dns_name,
@@ -20,34 +22,7 @@ from rayhf.k8s.render import (
     write_manifests,
 )
 
-REPO = Path(__file__).resolve().parents[3]
-SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
-CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
-EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-CHECKPOINT = "/mnt/rayhf/runs/ppo-tiny/checkpoints/step_000120/actor"
-
-# CI always has shared/ beside the clone: there a missing CRD folder is a failure, not a skip
-if os.environ.get("CI") and not CRD_DIR.is_dir():
-    raise RuntimeError(f"KubeRay CRDs not found at {CRD_DIR}; set RAYHF_SHARED_DIR")
-
-pytestmark = [
-    pytest.mark.skipif(
-        not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (set RAYHF_SHARED_DIR)"
-    ),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray"),  # Ray Serve's pydantic use
-]
-
-
-@pytest.fixture(scope="session")
-def crds() -> CRDSet:
-    return CRDSet.load(CRD_DIR)
-
-
-@pytest.fixture(scope="session")
-def rendered() -> list[dict]:
-    return render(
-        EXAMPLE, "2x8xH100", "me/rayhf:1", checkpoint=CHECKPOINT, storage_claim="rayhf-storage"
-    )
+pytestmark = K8S_MARKS
 
 
 def test_rendered_manifests_are_valid(rendered: list[dict], tmp_path: Path, crds) -> None:

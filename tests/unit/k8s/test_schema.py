@@ -3,57 +3,16 @@ bounds, formats and list types, each error with its field path."""
 
 from __future__ import annotations
 
-import copy
-import os
-from pathlib import Path
-
 import pytest
+from k8s_support import K8S_MARKS, _errors, _worker
+from k8s_support import crds as crds
+from k8s_support import job as job
+from k8s_support import rendered as rendered
 
-from rayhf.k8s import CRDSet, validate_document
-from rayhf.k8s.render import render
+from rayhf.k8s import CRDSet
 from rayhf.k8s.schema import normalize, validate_object
 
-REPO = Path(__file__).resolve().parents[3]
-SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
-CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
-EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-CHECKPOINT = "/mnt/rayhf/runs/ppo-tiny/checkpoints/step_000120/actor"
-
-# CI always has shared/ beside the clone: there a missing CRD folder is a failure, not a skip
-if os.environ.get("CI") and not CRD_DIR.is_dir():
-    raise RuntimeError(f"KubeRay CRDs not found at {CRD_DIR}; set RAYHF_SHARED_DIR")
-
-pytestmark = [
-    pytest.mark.skipif(
-        not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (set RAYHF_SHARED_DIR)"
-    ),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray"),  # Ray Serve's pydantic use
-]
-
-
-@pytest.fixture(scope="session")
-def crds() -> CRDSet:
-    return CRDSet.load(CRD_DIR)
-
-
-@pytest.fixture(scope="session")
-def rendered() -> list[dict]:
-    return render(
-        EXAMPLE, "2x8xH100", "me/rayhf:1", checkpoint=CHECKPOINT, storage_claim="rayhf-storage"
-    )
-
-
-def _errors(doc: dict, crds: CRDSet) -> list[str]:
-    return validate_document(copy.deepcopy(doc), crds)
-
-
-@pytest.fixture
-def job(rendered: list[dict]) -> dict:
-    return copy.deepcopy(next(d for d in rendered if d["kind"] == "RayJob"))
-
-
-def _worker(doc: dict) -> dict:
-    return doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+pytestmark = K8S_MARKS
 
 
 def test_nulls_and_defaults_behave_like_the_api_server(job: dict, crds: CRDSet) -> None:

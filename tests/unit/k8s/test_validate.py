@@ -5,60 +5,26 @@ is only imported)."""
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import pytest
 import yaml
+from k8s_support import K8S_MARKS, REPO, SHARED, WORKER, _errors, _one_error, _worker
+from k8s_support import crds as crds
+from k8s_support import job as job
+from k8s_support import rendered as rendered
 
 from rayhf.k8s import CRDSet, check_paths, validate_document, validate_paths
-from rayhf.k8s.render import render
 from rayhf.k8s.validate import metadata_errors
 
-REPO = Path(__file__).resolve().parents[3]
-SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
-CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
 SAMPLES = sorted((SHARED / "kuberay-samples").glob("*.yaml"))
-EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-CHECKPOINT = "/mnt/rayhf/runs/ppo-tiny/checkpoints/step_000120/actor"
 
-# CI always has shared/ beside the clone: there a missing CRD folder is a failure, not a skip
-if os.environ.get("CI") and not CRD_DIR.is_dir():
-    raise RuntimeError(f"KubeRay CRDs not found at {CRD_DIR}; set RAYHF_SHARED_DIR")
-
-pytestmark = [
-    pytest.mark.skipif(
-        not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (set RAYHF_SHARED_DIR)"
-    ),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray"),  # Ray Serve's pydantic use
-]
-
-
-@pytest.fixture(scope="session")
-def crds() -> CRDSet:
-    return CRDSet.load(CRD_DIR)
-
-
-@pytest.fixture(scope="session")
-def rendered() -> list[dict]:
-    return render(
-        EXAMPLE, "2x8xH100", "me/rayhf:1", checkpoint=CHECKPOINT, storage_claim="rayhf-storage"
-    )
+pytestmark = K8S_MARKS
 
 
 def _ray_docs(path: Path) -> list[dict]:
     docs = yaml.safe_load_all(path.read_text())
     return [d for d in docs if isinstance(d, dict) and d.get("apiVersion") == "ray.io/v1"]
-
-
-def _errors(doc: dict, crds: CRDSet) -> list[str]:
-    return validate_document(copy.deepcopy(doc), crds)
-
-
-def _one_error(doc: dict, crds: CRDSet) -> str:
-    errors = _errors(doc, crds)
-    assert len(errors) == 1, errors
-    return errors[0]
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=[p.name for p in SAMPLES])
@@ -113,17 +79,7 @@ def test_shipped_manifests_are_valid(crds: CRDSet) -> None:
         assert validate_paths([str(file)], crds) == {str(file): []}
 
 
-@pytest.fixture
-def job(rendered: list[dict]) -> dict:
-    return copy.deepcopy(next(d for d in rendered if d["kind"] == "RayJob"))
-
-
-WORKER = "spec.rayClusterSpec.workerGroupSpecs[0]"
 CONTAINER = f"{WORKER}.template.spec.containers[0]"
-
-
-def _worker(doc: dict) -> dict:
-    return doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
 
 
 def _container(doc: dict) -> dict:

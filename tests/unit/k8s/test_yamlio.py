@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import yaml
+from k8s_support import K8S_MARKS
+from k8s_support import crds as crds
 
 from rayhf.errors import RayhfError
 from rayhf.k8s import CRDSet, validate_paths
@@ -18,25 +19,7 @@ from rayhf.k8s.yamlio import (
     write_atomic,
 )
 
-REPO = Path(__file__).resolve().parents[3]
-SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
-CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
-
-# CI always has shared/ beside the clone: there a missing CRD folder is a failure, not a skip
-if os.environ.get("CI") and not CRD_DIR.is_dir():
-    raise RuntimeError(f"KubeRay CRDs not found at {CRD_DIR}; set RAYHF_SHARED_DIR")
-
-pytestmark = [
-    pytest.mark.skipif(
-        not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (set RAYHF_SHARED_DIR)"
-    ),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray"),  # Ray Serve's pydantic use
-]
-
-
-@pytest.fixture(scope="session")
-def crds() -> CRDSet:
-    return CRDSet.load(CRD_DIR)
+pytestmark = K8S_MARKS
 
 
 def test_duplicate_yaml_keys_are_errors(tmp_path: Path, crds: CRDSet) -> None:

@@ -3,13 +3,11 @@ of a cluster too small, and the report beside the baselines (no Ray)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from planner_support import GRAPH, SPECS
 
 from rayhf.engines.config import EngineConfig
 from rayhf.errors import RayhfError
-from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
 from rayhf.planner.auto import AutoPlan, format_auto, plan_for_run, searches, workloads
 from rayhf.planner.cluster import ClusterConfig
@@ -18,15 +16,6 @@ from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.search import SearchResult
 from rayhf.planner.simulate import Simulation
-
-REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
-SPECS = {
-    "actor": public_shape("llama2-7b"),
-    "ref": public_shape("llama2-7b"),
-    "critic": public_shape("llama2-7b", value_head=True),
-    "reward": public_shape("llama2-7b", value_head=True),
-}
 
 
 def test_a_cluster_too_small_for_a_call_is_refused_naming_it():
@@ -75,3 +64,20 @@ def test_the_chosen_plan_is_reported_beside_the_baselines():
         "  colocated      3.00 s  (1.50x the plan)",
         "  realhf         4.00 s  (2.00x the plan) (does not fit memory)",
     ]
+
+
+def test_a_model_too_small_for_a_baseline_gets_a_plan_and_the_baseline_is_named_absent():
+    """The ReaLHF heuristic fixes pp and tp by node count: a 2-layer model cannot take pp=16, so
+    the baseline is absent (not the user's error) and the search still plans."""
+    from rayhf.models.hf import ModelInit, hf_config
+    from rayhf.models.spec import model_spec
+    from rayhf.planner.auto import auto_plan
+
+    config = hf_config(ModelInit(hidden_size=64, n_layers=2, n_heads=4), 24, 0, 1, 2)
+    tiny = {r: model_spec(config, r in ("critic", "reward")) for r in SPECS}
+    works = workloads(GRAPH, 32, 16, 12, 4)
+    result = auto_plan(GRAPH, tiny, works, parse_cluster("16x8xH100"), time_limit=2)
+    assert result.absent == ["realhf"] and "realhf" not in result.baselines
+    assert result.chosen.simulation.feasible
+    assert all(lay.pp <= 2 for lay in result.chosen.plan.layouts.values())
+    assert "realhf     no plan" in format_auto(result)

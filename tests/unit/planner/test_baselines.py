@@ -3,22 +3,12 @@ valid plan of its own shape, tuned by the score it is given."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from planner_support import GRAPH, REPO, SPECS
 
 from rayhf.graph import load_graph
-from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
 from rayhf.planner.plan import Plan
-
-REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
-SPECS = {
-    "actor": public_shape("llama2-7b"),
-    "ref": public_shape("llama2-7b"),
-    "critic": public_shape("llama2-7b", value_head=True),
-    "reward": public_shape("llama2-7b", value_head=True),
-}
 
 
 def _most_tp(plan: Plan) -> float:

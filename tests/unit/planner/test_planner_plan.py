@@ -3,9 +3,8 @@ from the config, the JSON a run keeps, and the tables ``rayhf plan`` prints."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from planner_support import GRAPH, REPO
 
 from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
@@ -24,9 +23,6 @@ from rayhf.planner.plan import (
     plan_from_json,
 )
 from rayhf.realloc.plan import plan_realloc
-
-REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 
 
 def _spec(family: str, **kw):

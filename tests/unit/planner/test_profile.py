@@ -4,12 +4,11 @@ runtime constants fitted from runs, and ``plan: auto`` on emulated CPU devices (
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
+from planner_support import GRAPH
 from transformers import LlamaConfig
 
-from rayhf.graph import load_graph
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import workloads
@@ -23,9 +22,6 @@ from rayhf.planner.profile import (
     calibrate,
 )
 from rayhf.planner.simulate import simulate
-
-REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 
 
 def tiny(value_head: bool = False):

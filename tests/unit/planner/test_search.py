@@ -4,10 +4,10 @@ and annealing, deterministic for a seed and never worse than its starts (no Ray)
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+
+from planner_support import GRAPH, REPO, SPECS, WORKS
 
 from rayhf.graph import load_graph
-from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
 from rayhf.planner.cost import AnalyticCost, Workload
@@ -15,18 +15,6 @@ from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
 from rayhf.planner.simulate import simulate
-
-REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
-SPECS = {
-    "actor": public_shape("llama2-7b"),
-    "ref": public_shape("llama2-7b"),
-    "critic": public_shape("llama2-7b", value_head=True),
-    "reward": public_shape("llama2-7b", value_head=True),
-}
-WORKS = {
-    c.name: Workload(c.kind, 512, 128, 128, 4 if c.kind == "train" else 1) for c in GRAPH.calls
-}
 
 
 def test_candidates_respect_nodes_and_the_model():

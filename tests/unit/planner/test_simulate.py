@@ -4,28 +4,15 @@ ones overlap, reallocations and memory peaks appear where a plan implies them (n
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
-from rayhf.graph import load_graph
-from rayhf.models.shapes import public_shape
+from planner_support import GRAPH, SPECS, WORKS
+
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import AnalyticCost, Workload
+from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import energy
 from rayhf.planner.simulate import simulate
-
-REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
-SPECS = {
-    "actor": public_shape("llama2-7b"),
-    "ref": public_shape("llama2-7b"),
-    "critic": public_shape("llama2-7b", value_head=True),
-    "reward": public_shape("llama2-7b", value_head=True),
-}
-WORKS = {
-    c.name: Workload(c.kind, 512, 128, 128, 4 if c.kind == "train" else 1) for c in GRAPH.calls
-}
 
 
 def _plan(layout_of) -> Plan:

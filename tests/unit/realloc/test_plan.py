@@ -6,33 +6,13 @@ import itertools
 
 import pytest
 import torch
+from realloc_support import _shards, _spec
 
 from rayhf.checks.reallocation import all_layouts, mesh_relation
 from rayhf.errors import RayhfError
-from rayhf.models.hf import ModelInit, hf_config
-from rayhf.models.sharding import check_layout, param_shards, shard_numel, stage_units, take_shard
-from rayhf.models.spec import model_spec
+from rayhf.models.sharding import check_layout, param_shards, shard_numel
 from rayhf.parallel.layout import Layout, coords_of
 from rayhf.realloc.plan import check_compatible, plan_realloc
-
-
-def _spec(family: str, **kw):
-    shape = {"n_heads": 4, "n_kv_heads": 2} if family == "llama" else {"n_heads": 4}
-    init = ModelInit(family=family, n_layers=4, **{"hidden_size": 32, **shape, **kw})
-    return model_spec(hf_config(init, 37, 0, 2, 1), value_head=False)
-
-
-def _shards(spec, full, lay: Layout) -> dict[int, dict[str, torch.Tensor]]:
-    out = {}
-    for r in range(lay.world_size):
-        c = coords_of(r, lay.pp, lay.tp)
-        units = stage_units(spec, lay.pp, c.pp_rank)
-        out[r] = {
-            p.name: take_shard(full[p.name], p, lay.tp, c.tp_rank)
-            for p in param_shards(spec)
-            if p.unit in units
-        }
-    return out
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

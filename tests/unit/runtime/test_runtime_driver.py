@@ -5,31 +5,18 @@ named. No Ray is started."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from runtime_support import PPO, _homes
 
 from rayhf.data.batch import PackedBatch
-from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.mover import Routes
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.driver import DagExecutor, Placement, StepDag
 from rayhf.runtime.messages import CallResult, MoveResult
 from rayhf.runtime.schedule import group_key
-
-PPO = load_graph(Path(__file__).parents[3] / "graphs" / "ppo.yaml")
-
-
-def _homes(layouts: dict[str, Layout]) -> dict[str, Layout]:
-    """Each role's home: the layout of its train call, else of its first call."""
-    homes: dict[str, Layout] = {}
-    for name in PPO.order:
-        call = PPO.by_name[name]
-        if call.kind == "train" or call.role not in homes:
-            homes[call.role] = layouts[name]
-    return homes
 
 
 @dataclass

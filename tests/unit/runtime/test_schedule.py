@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from runtime_support import PPO, _homes
 
-from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.runtime.schedule import group_key, plan_step, waves
 
-PPO = load_graph(Path(__file__).parents[3] / "graphs" / "ppo.yaml")
 ALL = Layout((0, 1, 2, 3), 4)
 
 
 def _ppo(**layouts: Layout) -> dict[str, Layout]:
     return {c.name: layouts.get(c.name, ALL) for c in PPO.calls}
-
-
-def _homes(layouts: dict[str, Layout]) -> dict[str, Layout]:
-    """Each role's home: the layout of its train call, else of its first call."""
-    homes: dict[str, Layout] = {}
-    for name in PPO.order:
-        call = PPO.by_name[name]
-        if call.kind == "train" or call.role not in homes:
-            homes[call.role] = layouts[name]
-    return homes
 
 
 def test_calls_on_disjoint_meshes_share_a_wave_and_shared_devices_run_in_graph_order():
