@@ -45,6 +45,10 @@ def import_deepspeed() -> Any:
     except ImportError as e:
         msg = f"engine 'deepspeed' needs DeepSpeed, which is not installed: {DEEPSPEED_EXTRA}"
         raise RayhfError(msg) from e
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory op (30 s on 2 cores, under a lock file
+    # in ~/.cache that a killed build leaves behind, hanging every later run) for an inference
+    # all-reduce the trainer never calls: training reduces through torch.distributed.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
 
 
@@ -202,7 +206,7 @@ class _FlatSlices:
 
 def _join_world(cpu: bool, dp: int) -> None:
     """DeepSpeed reads its launcher's variables: a Ray GPU actor sees one device (index 0);
-    emulated CPU devices of one group share a host (its shared-memory all-reduce)."""
+    emulated CPU devices of one group share a host."""
     if not torch.distributed.is_initialized():  # a group of one rank: DeepSpeed still wants a
         torch.distributed.init_process_group(  # process group (else it looks for MPI)
             "gloo" if cpu else "nccl", store=torch.distributed.HashStore(), rank=0, world_size=1

@@ -5,6 +5,7 @@ started in tests/integration/test_deepspeed_engine.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -89,6 +90,20 @@ def test_not_installed_names_the_extra(monkeypatch):
     with pytest.raises(RayhfError, match="engine 'deepspeed' needs DeepSpeed") as info:
         import_deepspeed()
     assert DEEPSPEED_EXTRA in str(info.value)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None
+    and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
+    reason="DeepSpeed not installed",
+)
+def test_nothing_is_compiled_for_the_shared_memory_inference_all_reduce():
+    """DeepSpeed would JIT-build it under a lock file in ~/.cache (a killed build hung CI)."""
+    ops = import_deepspeed().ops
+    assert ops.__compatible_ops__["deepspeed_shm_comm"] is False
+    from deepspeed.comm.torch import build_shm_op
+
+    assert build_shm_op() is None
 
 
 def test_ds_config_carries_the_optimizer_settings():
