@@ -147,11 +147,11 @@ def _memory_per_device(cfg, graph, the_plan, specs) -> str:
     from rayhf.planner.hardware import cpu_cluster
     from rayhf.planner.simulate import simulate
     from rayhf.runtime.assets import existing_dataset
-    from rayhf.runtime.planning import planner_workloads
+    from rayhf.runtime.planning import planner_workloads, step_options
 
     works = planner_workloads(cfg, graph, existing_dataset(cfg, graph))
     cost = AnalyticCost(cpu_cluster(cfg.cluster.n_devices, cfg.cluster.device_memory_gb))
-    sim = simulate(graph, the_plan, specs, works, cost)
+    sim = simulate(graph, the_plan, specs, works, cost, step=step_options(cfg))
     peaks = ", ".join(f"d{d} {b / 2**20:.1f} MiB" for d, b in sorted(sim.peak_memory.items()))
     return f"  memory per device (weights, optimizer state, engines, largest call): {peaks}"
 
@@ -176,11 +176,12 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     from rayhf.planner.auto import auto_plan, format_auto, write_gantt
     from rayhf.planner.hardware import parse_cluster
     from rayhf.runtime.assets import existing_dataset
-    from rayhf.runtime.planning import planner_workloads
+    from rayhf.runtime.planning import planner_workloads, step_options
 
     cluster = parse_cluster(cluster_text)
     works = planner_workloads(cfg, graph, existing_dataset(cfg, graph))
-    result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds)
+    step = step_options(cfg, "cuda")
+    result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds, step)
     chosen = result.chosen.plan
     if json_out:
         typer.echo(chosen.to_json())

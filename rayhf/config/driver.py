@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class DriverConfig(BaseModel):
@@ -12,5 +12,23 @@ class DriverConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    executor: Literal["auto", "plain", "compiled"] = "auto"  # auto: plain on CPU, compiled on GPU
+    # auto: plain calls; compiled (Ray Compiled Graphs) on GPU when steps do not overlap
+    executor: Literal["auto", "plain", "compiled"] = "auto"
     call_timeout_s: float = Field(3600.0, gt=0)  # a compiled step's longest wait (generate, train)
+    # submit step i+1 while step i runs (each unit waits only for what its dataflow needs:
+    # rayhf.planner.step.carried); false: one step at a time. Same results either way.
+    overlap_steps: bool = True
+
+    @model_validator(mode="after")
+    def _compiled_runs_one_step_at_a_time(self) -> DriverConfig:
+        if self.executor == "compiled" and self.overlap_steps:
+            raise ValueError(
+                "executor: compiled runs one step at a time; set driver.overlap_steps: false "
+                "or driver.executor: plain"
+            )
+        return self
+
+    def compiled(self, device: str) -> bool:
+        """Whether steps run as Ray compiled graphs on ``device`` (``cuda`` or ``cpu``)."""
+        auto = device == "cuda" and not self.overlap_steps
+        return self.executor == "compiled" or (self.executor == "auto" and auto)

@@ -22,6 +22,7 @@ from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.profile import ModelProfile, ProfiledCost
 from rayhf.planner.search import SearchResult, candidates, energy, search
 from rayhf.planner.simulate import Simulation, simulate
+from rayhf.planner.step import StepOptions
 
 
 @dataclass
@@ -83,13 +84,14 @@ def auto_plan(
     cluster: ClusterSpec,
     seed: int = 0,
     time_limit: float = 25.0,
+    step: StepOptions = StepOptions(),
 ) -> AutoPlan:
     cost = AnalyticCost(cluster)
     check_fits(graph, specs, works, cost)
     cap = cluster.device.memory_bytes
 
     def score(plan: Plan) -> float:
-        return energy(simulate(graph, plan, specs, works, cost), cap)
+        return energy(simulate(graph, plan, specs, works, cost, step=step), cap)
 
     n, per = cluster.n_devices, cluster.devices_per_node
     built = {
@@ -97,10 +99,11 @@ def auto_plan(
         "disjoint": baselines.disjoint(graph, specs, n, per, score),
         "realhf": baselines.realhf(graph, specs, cluster.n_nodes, per, score),
     }
-    base = {k: (p, simulate(graph, p, specs, works, cost)) for k, p in built.items() if p}
-    found = search(
-        graph, specs, works, cost, [p for p, _ in base.values()], seed, time_limit=time_limit
-    )
+    base = {
+        k: (p, simulate(graph, p, specs, works, cost, step=step)) for k, p in built.items() if p
+    }
+    starts = [p for p, _ in base.values()]
+    found = search(graph, specs, works, cost, starts, seed, time_limit=time_limit, step=step)
     if not found.simulation.feasible:
         what, device, need = found.simulation.over_memory[0]
         raise RayhfError(
@@ -169,10 +172,12 @@ def plan_for_run(
     works: dict[str, Workload],
     cluster: ClusterConfig,
     seed: int = 0,
+    step: StepOptions = StepOptions(),
 ) -> Plan:
     """``plan: auto`` for a run on emulated CPU devices: search with the profiled cost of
-    rayhf's driver (which runs calls on disjoint meshes at the same time), from the measured
-    ``profiles`` of the roles' model shapes (``rayhf.runtime.profiling``)."""
+    rayhf's driver (which runs units on disjoint meshes at the same time, and with
+    ``step.overlap`` the next step's as its dataflow allows), from the measured ``profiles``
+    of the roles' model shapes (``rayhf.runtime.profiling``)."""
     n = cluster.n_devices
     if not searches(cluster):
         return Plan(colocated_plan(graph, n).layouts, "auto")
@@ -181,12 +186,12 @@ def plan_for_run(
     check_fits(graph, specs, works, cost)
 
     def score(plan: Plan) -> float:
-        sim = simulate(graph, plan, specs, works, cost)
+        sim = simulate(graph, plan, specs, works, cost, step=step)
         return energy(sim, spec.device.memory_bytes)
 
     starts = [
         baselines.colocated(graph, specs, n, n, score),
         baselines.disjoint(graph, specs, n, n, score),
     ]
-    found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS)
+    found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, step=step)
     return Plan(found.plan.layouts, "auto")

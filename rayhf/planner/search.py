@@ -31,6 +31,7 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.simulate import Simulation, simulate
+from rayhf.planner.step import StepOptions
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -132,10 +133,10 @@ class _Scorer:
 
     def __init__(
         self, graph: Graph, specs, works, cost: AnalyticCost, deadline: float,
-        concurrent: bool = True,
+        concurrent: bool = True, step: StepOptions = StepOptions(),
     ) -> None:  # fmt: skip
         self.graph, self.specs, self.works, self.cost = graph, specs, works, cost
-        self.concurrent = concurrent
+        self.concurrent, self.step = concurrent, step
         self.capacity = cost.cluster.device.memory_bytes
         self.deadline = deadline
         self.seen: dict[tuple[Layout, ...], float] = {}
@@ -148,8 +149,9 @@ class _Scorer:
             self.evaluations += 1
             plan = Plan(dict(layouts), "search")
             sim = simulate(
-                self.graph, plan, self.specs, self.works, self.cost, concurrent=self.concurrent
-            )
+                self.graph, plan, self.specs, self.works, self.cost, concurrent=self.concurrent,
+                step=self.step,
+            )  # fmt: skip
             self.seen[key] = energy(sim, self.capacity)
         return self.seen[key]
 
@@ -312,10 +314,11 @@ def search(
     max_iterations: int = 20000,
     time_limit: float = 30.0,
     concurrent: bool = True,
+    step: StepOptions = StepOptions(),
 ) -> SearchResult:
     """The lowest-energy plan found: the best of ``starts``, locally improved, then simulated
-    annealing from there, and the annealing's best locally improved again. ``concurrent`` as in
-    ``simulate``."""
+    annealing from there, and the annealing's best locally improved again. ``concurrent`` and
+    ``step`` as in ``simulate``."""
     began = time.perf_counter()
     rng = random.Random(seed)
     cluster = cost.cluster
@@ -328,7 +331,7 @@ def search(
             options[name] = [lay for lay in opts if lay.tp == 1 and lay.pp == 1]
     options = _fitting(options, graph, specs, works, cost)
     short = _shortlist(options, graph, specs, works, cost)
-    score = _Scorer(graph, specs, works, cost, began + time_limit, concurrent)
+    score = _Scorer(graph, specs, works, cost, began + time_limit, concurrent, step)
     ready = time.perf_counter()  # the phases share what is left of the limit
     left = began + time_limit - ready
     improved = []
@@ -342,7 +345,7 @@ def search(
         score.deadline = began + time_limit
         best, best_e = improve(found, short, graph, score)
     plan = Plan(best, "search")
-    sim = simulate(graph, plan, specs, works, cost, concurrent=concurrent)
+    sim = simulate(graph, plan, specs, works, cost, concurrent=concurrent, step=step)
     return SearchResult(plan, sim, it + score.evaluations, time.perf_counter() - began)
 
 

@@ -1,17 +1,16 @@
-"""Simulator: schedule a few unrolled iterations of a graph under a plan and measure it.
+"""Simulator: price the step the driver runs (``rayhf.planner.step``) over a few iterations.
 
-    for each iteration, each call in graph order:
-      ready   = its producers in this iteration finished, and its role's train call of the
-                previous iteration finished (on-policy)
-      realloc = if the call runs away from its role's home layout, the weights move first,
-                occupying the home mesh and the call's mesh
-      start   = ready, once every device of its mesh is free (overlapping meshes serialize,
-                disjoint ones overlap)
+    units of one step (calls, weight moves, EMA blends, with their order) -> seconds of each
+    per iteration, each unit in order:
+      start = when its ``after`` units of this iteration end, and
+              with ``overlap``: its ``carried`` units of the previous iteration (the driver
+                submits step i+1 while step i runs);
+              without: every unit of the previous iteration (one step at a time)
 
-It returns the steady iteration time (how far apart the last iterations finish: a long run
-overlaps an iteration's first calls with the previous one's last), every span, and the peak memory
-per device: what every role keeps on its home devices, plus the largest transient of any call
-(or reallocated copy) on that device. A plan whose peak exceeds a device's memory is infeasible.
+It returns the steady iteration time (how far apart the last iterations finish), every span,
+and the peak memory per device: what every role keeps on its home devices, plus the largest
+transient of any call (or reallocated copy) on that device. A plan whose peak exceeds a device's
+memory is infeasible.
 """
 
 from __future__ import annotations
@@ -27,11 +26,12 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload, max_shard_params
 from rayhf.planner.plan import Plan
+from rayhf.planner.step import StepOptions, Unit, carried, plan_step
 
 
 @dataclass(frozen=True)
 class SimSpan:
-    name: str  # a call, or "realloc:<call>"
+    name: str  # a unit: a call, "realloc:<call>" or "ema:<role>"
     iteration: int
     start: float
     end: float
@@ -72,78 +72,62 @@ def simulate(
     n_iterations: int = 3,
     moved: Callable[[str, Layout, Layout], float] | None = None,
     concurrent: bool = True,
+    step: StepOptions = StepOptions(),
 ) -> Simulation:
-    """Schedule ``n_iterations`` of ``graph``; ``works`` gives each call's workload. With
-    ``concurrent=False`` every call waits for every device (a driver that runs one call at a
-    time; rayhf's runs calls on disjoint meshes at once)."""
+    """Run ``n_iterations`` of ``graph``'s step under ``plan``; ``works`` gives each call's
+    workload, ``step`` the EMA blends and whether step i+1 starts while step i runs. With
+    ``concurrent=False`` every unit waits for the one before it (a driver that runs one unit
+    at a time)."""
     homes = plan.home_layouts(graph)
     trained = {c.role for c in graph.calls if c.kind == "train"}
-    steps = _price_steps(graph, plan, specs, works, cost, moved)
-    producers = {name: _producers(graph, name) for name in graph.order}
-    n_devices = _n_devices(plan, cost)
-    free = np.zeros(n_devices)  # device -> when it is next free
-    last_train: dict[str, float] = {}
+    units = plan_step(graph, plan.layouts, homes, step.followers)
+    overlap = step.overlap
+    before = carried(units)
+    seconds = _price(units, specs, works, cost, moved)
     spans: list[SimSpan] = []
+    prev: dict[str, float] = {}
     for it in range(n_iterations):
-        done: dict[str, float] = {}
-        train_end: dict[str, float] = {}
-        for name in graph.order:
-            call = graph.by_name[name]
-            ready = max([0.0, last_train.get(call.role, 0.0), *(done[p] for p in producers[name])])
-            for what, devices, index, seconds in steps[name]:
-                where = index if concurrent else slice(None)
-                start = max(ready, float(free[where].max()))
-                ready = start + seconds
-                spans.append(SimSpan(what, it, start, ready, devices))
-                free[where] = ready
-            done[name] = ready
-            if call.kind == "train":
-                train_end[call.role] = ready
-        last_train.update(train_end)
+        end: dict[str, float] = {}
+        last = max(prev.values(), default=0.0)
+        for u in units:
+            waits = [end[a] for a in u.after]
+            waits += [prev[a] for a in before[u.name]] if overlap and prev else [last]
+            if not concurrent:  # one unit at a time: after the one before it
+                waits.append(spans[-1].end if spans else 0.0)
+            start = max(waits)
+            end[u.name] = start + seconds[u.name]
+            spans.append(SimSpan(u.name, it, start, end[u.name], tuple(sorted(u.devices))))
+        prev = end
     sim = Simulation(_period(spans, n_iterations), spans)
     sim.refused = _refused(graph, plan, works)
     _memory(sim, graph, plan, specs, works, cost, homes, trained)
     return sim
 
 
-_Step = tuple[str, tuple[int, ...], "np.ndarray | slice", float]
-
-
-def _price_steps(
-    graph: Graph,
-    plan: Plan,
+def _price(
+    units: list[Unit],
     specs: dict[str, ModelSpec],
     works: dict[str, Workload],
     cost: AnalyticCost,
     moved: Callable[[str, Layout, Layout], float] | None,
-) -> dict[str, list[_Step]]:
-    """Every iteration runs the same steps: price each once. Per call, its steps as (span
-    name, devices, their index into the free-time array, seconds): a reallocation before it if
-    it runs away from its role's home, then the call."""
-    homes = plan.home_layouts(graph)
+) -> dict[str, float]:
+    """Seconds of each unit: a call's cost on its layout (a function-valued role, such as a
+    reward function, costs only the driver's overhead), a move's transfer, each plus the
+    driver's cost of a unit."""
     overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
-
-    def move(role: str, src: Layout, dst: Layout) -> float:
-        if moved is not None:
-            return moved(role, src, dst)
-        return realloc_seconds(cost, specs[role], src, dst)
-
-    steps: dict[str, list[_Step]] = {}
-    for name in graph.order:
-        call, layout = graph.by_name[name], plan.layouts[name]
-        home = homes[call.role]
-        own: list[_Step] = []
-        if call.role in specs and layout != home:
-            devices = _union(home.mesh, layout.mesh)
-            seconds = move(call.role, home, layout) + overhead
-            own.append((f"realloc:{name}", devices, _index(devices), seconds))
-        if call.role in specs:
-            seconds = cost.call(specs[call.role], layout, works[name]).seconds
-        else:  # a function-valued role (a reward function) costs ~nothing
-            seconds = overhead
-        own.append((name, layout.mesh, _index(layout.mesh), seconds))
-        steps[name] = own
-    return steps
+    out: dict[str, float] = {}
+    for u in units:
+        if u.kind == "realloc":
+            src, dst = u.layouts
+            if moved is not None:
+                out[u.name] = moved(u.role, src, dst) + overhead
+            else:
+                out[u.name] = realloc_seconds(cost, specs[u.role], src, dst) + overhead
+        elif u.role in specs:
+            out[u.name] = cost.call(specs[u.role], u.layouts[0], works[u.name]).seconds
+        else:
+            out[u.name] = overhead
+    return out
 
 
 def _refused(graph: Graph, plan: Plan, works: dict[str, Workload]) -> list[str]:
@@ -181,16 +165,6 @@ def _index(mesh: tuple[int, ...]) -> np.ndarray | slice:
     if mesh == tuple(range(mesh[0], mesh[0] + len(mesh))):
         return slice(mesh[0], mesh[0] + len(mesh))
     return np.array(mesh)
-
-
-@functools.lru_cache(maxsize=8192)
-def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(sorted(set(a) | set(b)))
-
-
-def _producers(graph: Graph, name: str) -> list[str]:
-    producers = graph.producers
-    return [producers[k] for k in graph.by_name[name].inputs if k in producers]
 
 
 def _memory(

@@ -1,7 +1,7 @@
 """The driver: each step of the graph as one Ray DAG over the role groups' actors.
 
     step input (dataset rows) --InputNode--> every node
-    units (schedule.plan_step) -> per unit, one node per taking-part actor:
+    units (planner.step.plan_step) -> per unit, one node per taking-part actor:
         call:   actor.dag_call(input, CallNode, *source heads' results, *ordering nodes)
         move:   sender.dag_send(...) / receiver.dag_recv(...)   (in the same wave)
     MultiOutputNode(all nodes) -> StepOutcome (batch, stats, timings, spans)
@@ -12,14 +12,19 @@ node also takes the previous node on its actor and, per unit it must follow, tha
 the same device, so both executors keep the schedule's order. ``DagExecutor`` runs the same DAG
 with plain ``.remote()`` actor calls or compiled (``experimental_compile``); see
 docs/decisions.md for which one is the default where.
+
+Steps overlap (plain calls, ``driver.overlap_steps``): step i+1 is submitted while step i runs,
+each of its nodes also taking the nodes of step i that ``planner.step.carried`` names (its
+devices' last units and its role's last update), so the actors run it as soon as the dataflow
+allows and every result is what one step at a time gives.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -30,11 +35,11 @@ from rayhf.graph import Graph
 from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
+from rayhf.planner.step import Unit, carried, plan_step
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
 from rayhf.runtime.role_group import RoleGroup
-from rayhf.runtime.schedule import Unit, plan_step
 
 
 @dataclass
@@ -45,16 +50,6 @@ class StepOutcome:
     wall_seconds: dict[str, float] = field(default_factory=dict)  # first start to last end
     reallocs: dict[str, ReallocStats] = field(default_factory=dict)  # by what they served
     spans: list[TraceSpan] = field(default_factory=list)  # every call and move, for the trace
-
-
-class Executor(Protocol):
-    def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
-        """One iteration; with ``evaluate`` train calls report metrics instead of updating."""
-        ...
-
-    def close(self) -> None:
-        """Free what the executor holds on the actors (before other calls to them)."""
-        ...
 
 
 @dataclass
@@ -102,6 +97,7 @@ class Node:
     method: str  # dag_call | dag_send | dag_recv
     const: CallNode | MoveNode
     args: tuple[int, ...]  # indices of earlier nodes whose results it takes
+    carried: tuple[int, ...] = ()  # indices of the previous step's nodes it runs after
 
 
 class StepDag:
@@ -126,10 +122,16 @@ class StepDag:
                 of_unit[unit.name].append(len(self.nodes))
                 last_on_actor[info.actor_name] = len(self.nodes)
                 self.nodes.append(Node(info, method, const, tuple(args)))
+        between = carried(self.units)  # the same nodes of the previous step, by index
+        for i, node in enumerate(self.nodes):
+            names = between[node.info.unit.name]
+            prev = {self._on_device(of_unit[a], node.info.device) for a in names}
+            self.nodes[i] = replace(node, carried=tuple(sorted(prev)))
 
     def _on_device(self, nodes: list[int], device: int) -> int:
-        """The node among ``nodes`` (one unit's) on ``device``, else the unit's first."""
-        return next((i for i in nodes if self.nodes[i].info.device == device), nodes[0])
+        """The node among ``nodes`` (one unit's) on ``device`` that ends last, else the unit's
+        last: a move's receivers come after its senders and finish after them."""
+        return next((i for i in reversed(nodes) if self.nodes[i].info.device == device), nodes[-1])
 
     def ray_dag(self) -> Any:
         """The same calls bound as a Ray DAG: ``InputNode`` -> nodes -> ``MultiOutputNode``."""
@@ -140,13 +142,18 @@ class StepDag:
                 bound.append(method.bind(step_input, node.const, *(bound[i] for i in node.args)))
             return MultiOutputNode(bound)
 
-    def submit(self, step_input: StepInput) -> list[ray.ObjectRef]:
-        """The same calls as plain ``.remote()`` calls, results passed as object refs."""
+    def submit(
+        self, step_input: StepInput, previous: list[ray.ObjectRef] | None = None
+    ) -> list[ray.ObjectRef]:
+        """The same calls as plain ``.remote()`` calls, results passed as object refs;
+        ``previous``: the refs of the step still running before this one (this DAG's own), whose
+        carried nodes each node also waits for."""
         input_ref = ray.put(step_input)
         refs: list[ray.ObjectRef] = []
         for node in self.nodes:
             method = getattr(node.info.actor, node.method)
-            refs.append(method.remote(input_ref, node.const, *(refs[i] for i in node.args)))
+            prior = [previous[i] for i in node.carried] if previous is not None else []
+            refs.append(method.remote(input_ref, node.const, *(refs[i] for i in node.args), *prior))
         return refs
 
     def _parts(self, unit: Unit) -> Iterator[tuple[NodeInfo, str, CallNode | MoveNode]]:
@@ -242,30 +249,70 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+@dataclass
+class Submitted:
+    """A step handed to the actors and not yet collected."""
+
+    step: int
+    batch: PackedBatch
+    dag: StepDag
+    refs: list[Any]  # plain: one object ref per node; compiled: the compiled graph's ref
+
+
 class DagExecutor:
-    """Runs each step's DAG with plain actor calls or as a Ray compiled graph."""
+    """Runs each step's DAG with plain actor calls or as a Ray compiled graph; with
+    ``overlap`` (plain calls only) a step may be submitted before the previous one is
+    collected, and runs as soon as its dataflow allows."""
 
     def __init__(
-        self, graph: Graph, placement: Placement, compiled: bool = False, timeout_s: float = 3600
+        self,
+        graph: Graph,
+        placement: Placement,
+        compiled: bool = False,
+        timeout_s: float = 3600,
+        overlap: bool = False,
     ) -> None:
+        assert not (compiled and overlap), "a compiled graph runs one step at a time"
         self.graph, self.placement = graph, placement
-        self.compiled, self.timeout_s = compiled, timeout_s
+        self.compiled, self.timeout_s, self.overlap = compiled, timeout_s, overlap
         self._dags: dict[bool, StepDag] = {}
         self._live: tuple[bool, Any] | None = None  # (evaluate, CompiledDAG)
+        self._last: Submitted | None = None  # the step the next one may follow without a barrier
 
     def dag(self, evaluate: bool) -> StepDag:
         if evaluate not in self._dags:
             self._dags[evaluate] = StepDag(self.graph, self.placement, evaluate)
         return self._dags[evaluate]
 
-    def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
+    def submit(self, step: int, batch: PackedBatch, evaluate: bool = False) -> Submitted:
+        """Hand one iteration to the actors; with ``evaluate`` train calls report metrics
+        instead of updating. Without ``overlap`` the previous step must be collected first."""
         dag = self.dag(evaluate)
         step_input = StepInput(step, batch)
         if self.compiled:
-            results = self._run_compiled(dag, step_input)
+            return Submitted(step, batch, dag, [self._execute_compiled(dag, step_input)])
+        last = self._last
+        follows = self.overlap and not evaluate and last is not None and last.dag is dag
+        refs = dag.submit(step_input, last.refs if follows and last is not None else None)
+        out = Submitted(step, batch, dag, refs)
+        self._last = out if not evaluate else None
+        return out
+
+    def collect(self, submitted: Submitted) -> StepOutcome:
+        """Wait for a submitted step; its batch, stats, timings and spans."""
+        dag = submitted.dag
+        if self.compiled:
+            try:
+                results = ray.get(submitted.refs[0], timeout=self.timeout_s)
+            except ray.exceptions.RayActorError as e:
+                raise dag.failure(e, set()) from e
         else:
-            results = self._wait(dag, dag.submit(step_input))
-        return dag.outcome(batch, results)
+            results = self._wait(dag, submitted.refs)
+        return dag.outcome(submitted.batch, results)
+
+    def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
+        """One iteration, submitted and collected."""
+        return self.collect(self.submit(step, batch, evaluate))
 
     def _wait(self, dag: StepDag, refs: list[ray.ObjectRef]) -> list[Any]:
         """Every node's result; the first dead actor stops the wait at once (its peers may be
@@ -282,19 +329,21 @@ class DagExecutor:
                 raise dag.failure(e, set(results)) from e
         return [results[i] for i in range(len(refs))]
 
-    def _run_compiled(self, dag: StepDag, step_input: StepInput) -> list[Any]:
+    def _execute_compiled(self, dag: StepDag, step_input: StepInput) -> Any:
         if self._live is not None and self._live[0] != dag.evaluate:
             self.close()  # one compiled graph at a time holds the actors
         if self._live is None:
             compiled = dag.ray_dag().experimental_compile(_submit_timeout=self.timeout_s)
             self._live = (dag.evaluate, compiled)
         try:
-            return ray.get(self._live[1].execute(step_input), timeout=self.timeout_s)
+            return self._live[1].execute(step_input)
         except ray.exceptions.RayActorError as e:
             raise dag.failure(e, set()) from e
 
     def close(self) -> None:
-        """Tear down the compiled graph (the actors take plain calls again)."""
+        """Tear down the compiled graph (the actors take plain calls again); the next step
+        follows no earlier one."""
+        self._last = None
         if self._live is not None:
             compiled, self._live = self._live[1], None
             with contextlib.suppress(Exception):  # a dead actor must not stop the teardown

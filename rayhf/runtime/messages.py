@@ -68,6 +68,7 @@ class CallResult:
     engine: str = ""  # the backend that ran it (native, vllm, torch, deepspeed)
     began: float = 0.0  # wall clock (time.time()) around the call, for the trace
     ended: float = 0.0
+    step: int = 0  # the step it belongs to (a node may also wait on the previous step's)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from rayhf.graph import Graph
 from rayhf.planner.auto import plan_for_run, searches, workloads
 from rayhf.planner.cost import Workload
 from rayhf.planner.plan import Plan, plan_from_json
+from rayhf.planner.step import StepOptions
 from rayhf.runtime.profiling import profiles_for
 
 PLAN_FILE = "plan.json"
@@ -29,6 +30,18 @@ PLAN_FILE = "plan.json"
 def call_engines(cfg: ExperimentConfig, graph: Graph) -> dict[str, EngineConfig]:
     """Every call's backend: its ``engines:`` entry, else its kind's default."""
     return {c.name: cfg.engine_of(c.name, c.kind) for c in graph.calls}
+
+
+def step_options(cfg: ExperimentConfig, device: str | None = None) -> StepOptions:
+    """The step as the driver will run it on ``device`` (default: the run's): each EMA role
+    blended toward the role it follows, and whether steps overlap (only plain calls do)."""
+    followers: dict[str, list[tuple[str, float]]] = {}
+    for role, rc in cfg.models.items():
+        if rc.init_from is not None and rc.ema is not None:
+            followers.setdefault(rc.init_from, []).append((role, rc.ema))
+    device = device or cfg.cluster.device
+    overlap = cfg.driver.overlap_steps and not cfg.driver.compiled(device)
+    return StepOptions(followers, overlap)
 
 
 def prompt_tokens(cfg: ExperimentConfig, dataset: PromptDataset | None) -> int:
@@ -73,6 +86,6 @@ def auto_plan(
     threads = max(1, int((cfg.cluster.num_cpus or os.cpu_count() or 1) / n))
     specs, profiles = profiles_for(configs, threads) if searches(cfg.cluster) else ({}, {})
     works = planner_workloads(cfg, graph, dataset)
-    plan = plan_for_run(graph, specs, profiles, works, cfg.cluster, cfg.seed)
+    plan = plan_for_run(graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg))
     saved.write_text(plan.to_json())
     return plan

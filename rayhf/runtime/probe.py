@@ -17,9 +17,9 @@ import torch
 from rayhf.data.batch import PackedBatch
 from rayhf.graph import Call, Graph
 from rayhf.parallel.layout import Layout
+from rayhf.planner.step import group_key
 from rayhf.runtime.driver import DagExecutor, Placement
 from rayhf.runtime.messages import CallNode, CallResult, StepInput
-from rayhf.runtime.schedule import group_key
 
 
 class ProbeWorker:

@@ -24,6 +24,7 @@ from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
 from rayhf.runtime.driver import Placement
 from rayhf.runtime.messages import CallSpec, WorkerSpec
+from rayhf.runtime.planning import step_options
 from rayhf.runtime.role_group import RoleGroup
 
 
@@ -66,10 +67,6 @@ class Session:
         return [*self.groups.values(), *self.copies.values()]
 
     def placement(self) -> Placement:
-        followers: dict[str, list[tuple[str, float]]] = {}
-        for role, rc in self.cfg.models.items():
-            if rc.init_from is not None and rc.ema is not None:
-                followers.setdefault(rc.init_from, []).append((role, rc.ema))
         plan, graph = self.assets.plan, self.assets.graph
         return Placement(
             {g.key: g for g in self.all_groups()},
@@ -77,7 +74,7 @@ class Session:
             {role: g.layout for role, g in self.groups.items()},
             self.assets.specs,
             self.mover,
-            followers,
+            dict(step_options(self.cfg).followers),
         )
 
     def close(self) -> None:

@@ -1,7 +1,9 @@
 """One training run from config to checkpoint.
 
     config -> assets (files, graph, plan, dataset; no Ray yet) -> Session (Ray, role groups)
-           -> per step: dataset rows -> executor.run_step -> metrics -> checkpoint on schedule
+           -> per step: dataset rows -> executor.submit (step i+1 while step i runs, with
+              driver.overlap_steps) -> collect -> metrics -> eval and checkpoint on schedule
+              (those steps drain: nothing runs past them)
            -> final checkpoint, plot, teardown
 
 A resumed run reads the config written into the run directory, loads the newest complete
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +37,7 @@ from rayhf.runtime.checkpoint import (
     read_state,
     write_checkpoint,
 )
-from rayhf.runtime.driver import DagExecutor, StepOutcome
+from rayhf.runtime.driver import DagExecutor, StepOutcome, Submitted
 from rayhf.runtime.session import Session
 
 CONFIG_FILE = "config.yaml"
@@ -133,12 +136,12 @@ class Trainer:
     def __init__(self, cfg: ExperimentConfig, assets: RunAssets, session: Session) -> None:
         self.cfg, self.assets, self.session = cfg, assets, session
         driver = cfg.driver
-        compiled = driver.executor == "compiled" or (
-            driver.executor == "auto" and cfg.cluster.device == "cuda"
-        )
+        compiled = driver.compiled(cfg.cluster.device)
         self.executor = DagExecutor(
-            assets.graph, session.placement(), compiled, driver.call_timeout_s
-        )
+            assets.graph, session.placement(), compiled, driver.call_timeout_s,
+            overlap=driver.overlap_steps,
+        )  # fmt: skip
+        self.token_keys = sequence_keys(assets.graph)
 
     def checkpoint(self, step: int) -> Path:
         groups = self.session.groups
@@ -162,6 +165,28 @@ class Trainer:
         trace.write(step, outcome.spans, "eval")
         return {f"eval/{k}": v for k, v in outcome.stats.items()}
 
+    def drains(self, step: int) -> bool:
+        """Whether nothing may run past ``step``: it evaluates, checkpoints or ends the run."""
+        cfg = self.cfg
+        return (
+            step == cfg.steps
+            or bool(cfg.eval_every and step % cfg.eval_every == 0)
+            or bool(cfg.save_every and step % cfg.save_every == 0)
+        )
+
+    def finish(self, done: Submitted, since: float, trace: TraceWriter) -> dict[str, float]:
+        """Collect a submitted step: its metrics (its seconds run from ``since``: its submission,
+        or the previous step's end when it overlapped that one), trace, eval and checkpoint."""
+        cfg, step = self.cfg, done.step
+        outcome = self.executor.collect(done)
+        metrics = step_metrics(outcome, time.perf_counter() - since, self.token_keys)
+        trace.write(step, outcome.spans)
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            metrics.update(self.evaluate(step, trace))
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            self.checkpoint(step)
+        return metrics
+
     def loop(self, start: int) -> None:
         cfg = self.cfg
         roles = {c.name: c.role for c in self.assets.graph.calls}
@@ -170,21 +195,19 @@ class Trainer:
         )  # fmt: skip
         trace = TraceWriter(self.assets.run_dir / TRACE_FILE)
         began = time.time()
+        running: deque[tuple[Submitted, float]] = deque()  # (step, when it was submitted)
         try:
             if cfg.eval_every and start == 0:
                 tracker.log(0, self.evaluate(0, trace))  # the held-out baseline before updates
+            ended = 0.0
             for step in range(start + 1, cfg.steps + 1):
                 batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
-                begin = time.perf_counter()
-                outcome = self.executor.run_step(step, batch)
-                seconds = time.perf_counter() - begin
-                metrics = step_metrics(outcome, seconds, sequence_keys(self.assets.graph))
-                trace.write(step, outcome.spans)
-                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    metrics.update(self.evaluate(step, trace))
-                tracker.log(step, metrics)
-                if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                    self.checkpoint(step)
+                running.append((self.executor.submit(step, batch), time.perf_counter()))
+                keep = 1 if self.executor.overlap and not self.drains(step) else 0
+                while len(running) > keep:
+                    done, submitted = running.popleft()
+                    tracker.log(done.step, self.finish(done, max(submitted, ended), trace))
+                    ended = time.perf_counter()
         except RunFailed as e:
             where = self.assets.run_dir
             raise RunFailed(

@@ -156,12 +156,15 @@ class RoleWorker:
     def dag_call(self, step: StepInput, node: CallNode, *upstream: Any) -> CallResult:
         """A call as a node of the step's DAG: assemble the batch from the step input and the
         source calls' results among ``upstream`` (the rest only order this node), take this
-        replica's share, run, and return the outputs under graph key names (head ranks only)."""
+        replica's share, run, and return the outputs under graph key names (head ranks only);
+        results of another step among ``upstream`` only order this node too."""
         began = time.time()
         call = self.calls[node.call]
         outputs: dict[str, dict[int, PackedBatch]] = {s: {} for s in node.sources}
         for r in upstream:
-            if isinstance(r, CallResult) and r.call in outputs and r.batch is not None:
+            if not isinstance(r, CallResult) or r.step != step.step:
+                continue  # it only orders this node
+            if r.call in outputs and r.batch is not None:
                 outputs[r.call][r.rank] = r.batch
         batch = assemble(
             step.batch, [(s, [b for _, b in sorted(outputs[s].items())]) for s in node.sources]
@@ -175,7 +178,7 @@ class RoleWorker:
             result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None
         if node.release:
             self._model().release()  # a copy: the next reallocation refills it
-        result.began, result.ended = began, time.time()
+        result.began, result.ended, result.step = began, time.time(), step.step
         return result
 
     def dag_send(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import REPO
+from trace_support import assert_trace_is_priced
 from transformers import AutoModelForCausalLM
 
 import rayhf
@@ -107,6 +108,7 @@ def test_zero3_slices_move_bit_exactly_into_a_tp2_layout(ray_cluster, tiny_confi
         first = whole(ref)  # ref's weights came by init_from: from the actor's flat slices
         assert all(torch.equal(first[k], init[k]) for k in init)
         Trainer(cfg, assets, session).loop(0)  # one PPO step: ZeRO-3 trains the actor
+        assert_trace_is_priced(cfg, assets)  # ZeRO-3 home, a tp2 generation copy
         session.mover.move(home, gen, assets.specs["actor"])
         src, dst = whole(home), whole(gen)
         assert not torch.equal(src["model.embed_tokens.weight"], init["model.embed_tokens.weight"])

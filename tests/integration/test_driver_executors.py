@@ -73,7 +73,8 @@ def test_calls_on_disjoint_meshes_run_at_the_same_time_and_shared_ones_in_turn(
 def test_a_run_on_the_compiled_executor_checkpoints_and_continues(ray_cluster, tiny_config):
     from rayhf.runtime.trainer import run
 
-    cfg = tiny_config(**{"driver.executor": "compiled"})  # 2 steps, a checkpoint after each
+    # 2 steps, a checkpoint after each; a compiled graph runs one step at a time
+    cfg = tiny_config(**{"driver.executor": "compiled", "driver.overlap_steps": False})
     result = run(cfg)  # each checkpoint tears the compiled graph down; the next step recompiles
     assert [m["step"] for m in result.metrics] == [1, 2]
     assert len(result.checkpoints) == 2 and result.policy_checkpoint is not None

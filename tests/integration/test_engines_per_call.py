@@ -9,9 +9,11 @@ import os
 from pathlib import Path
 
 import pytest
+from trace_support import assert_trace_is_priced
 
 import rayhf
 from rayhf.metrics.trace import TRACE_FILE, read_trace
+from rayhf.runtime.assets import prepare_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,3 +50,5 @@ def test_remax_runs_each_generate_call_on_its_own_engine(ray_cluster, tmp_path):
     assert engines["actor_train"] == {"torch"} and engines["ref_inf"] == {"torch"}
     assert engines["rew_inf"] == {"function"}
     assert all("greedy_reward" in m for m in result.metrics if m["step"] > 0)
+    # the units the planner prices are those run, with vLLM's own layout copy
+    assert_trace_is_priced(cfg, prepare_run(cfg, result.run_dir))

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from ray.util.state import list_actors
+from trace_support import assert_trace_is_priced
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rayhf.metrics.trace import TRACE_FILE, read_trace
@@ -57,6 +58,7 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
     done = [e for e in events if e["pid"] == 0 and e["ph"] == "X" and e["args"]["phase"] == "train"]
     order = assets.graph.order
     assert [(e["args"]["step"], e["name"]) for e in done] == [(s, c) for s in (1, 2) for c in order]
+    assert_trace_is_priced(cfg, assets)  # the units the planner prices, tp and pp included
     layouts = {e["name"]: e["args"]["layout"] for e in done}
     assert layouts["actor_gen"] == layouts["actor_train"] == "d0-1.dp1tp2pp1"
     assert layouts["critic_train"] == "d0-1.dp1tp1pp2" and layouts["ref_inf"] == "d0-1.dp2tp1pp1"

@@ -12,11 +12,11 @@ from runtime_support import PPO, _homes
 
 from rayhf.data.batch import PackedBatch
 from rayhf.parallel.layout import Layout
+from rayhf.planner.step import group_key
 from rayhf.realloc.mover import Routes
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.driver import DagExecutor, Placement, StepDag
 from rayhf.runtime.messages import CallResult, MoveResult
-from rayhf.runtime.schedule import group_key
 
 
 @dataclass

@@ -1,17 +1,22 @@
-"""The step schedule and its DAG, as pure functions: no Ray, fake role groups."""
+"""The step: units, their order within a step and between steps (pure functions)."""
 
 from __future__ import annotations
 
-from runtime_support import PPO, _homes
+from planner_support import GRAPH as PPO
 
 from rayhf.parallel.layout import Layout
-from rayhf.runtime.schedule import group_key, plan_step, waves
+from rayhf.planner.plan import Plan
+from rayhf.planner.step import carried, group_key, plan_step, waves
 
 ALL = Layout((0, 1, 2, 3), 4)
 
 
 def _ppo(**layouts: Layout) -> dict[str, Layout]:
     return {c.name: layouts.get(c.name, ALL) for c in PPO.calls}
+
+
+def _homes(layouts: dict[str, Layout]) -> dict[str, Layout]:
+    return Plan(layouts, "manual").home_layouts(PPO)
 
 
 def test_calls_on_disjoint_meshes_share_a_wave_and_shared_devices_run_in_graph_order():
@@ -49,3 +54,24 @@ def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role()
     assert {"realloc:actor_gen", "actor_gen"} <= by["actor_train"].after
     assert {"actor_train", "ref_inf"} <= by["ema:ref"].after and by["ema:ref"].eta == 0.1
     assert "ema:ref" not in [u.name for u in plan_step(PPO, layouts, homes, {}, evaluate=True)]
+
+
+def test_between_steps_a_unit_waits_for_its_devices_and_its_role_s_last_update_only():
+    actor, critic = Layout((0, 1), 2), Layout((2, 3), 2)
+    layouts = _ppo(
+        actor_gen=actor, actor_train=actor, ref_inf=actor, rew_inf=actor, critic_inf=critic,
+        critic_train=critic,
+    )  # fmt: skip
+    units = plan_step(PPO, layouts, _homes(layouts), {"actor": [("ref", 0.1)]})
+    before = carried(units)
+    # the actor generates again once it trained and its devices' last unit (the blend) is done;
+    # the critic may still be training
+    assert before["actor_gen"] == {"ema:ref", "actor_train"}
+    assert "critic_train" not in before["actor_gen"]
+    # the critic's first unit of the next step waits for its training; the ref for its blend
+    assert before["critic_inf"] == {"critic_train"}
+    assert "ema:ref" in before["ref_inf"]
+    # a role nobody trains or blends is no barrier: the reward waits for its devices only
+    assert all(not u.startswith(("critic", "actor_train")) for u in before["rew_inf"])
+    frozen = plan_step(PPO, layouts, _homes(layouts), {})
+    assert not any(u.updates for u in frozen if u.role in ("ref", "reward"))

@@ -1,4 +1,5 @@
-"""One step of the graph as units of work and the order between them (pure: no Ray).
+"""One step of the graph as units of work and the order between them: the one definition the
+driver runs and the simulator prices (pure: no Ray).
 
     graph calls in topological order
       -> units: each call on its role group; a weight move "realloc:<call>" before a call whose
@@ -8,14 +9,16 @@
          it uses (calls sharing devices run in graph order), and, for a train call or a blend,
          every earlier unit of its role (a role trains on the weights its step used: on-policy)
 
-Units on disjoint devices with no path between them run at the same time. A role's train call
-of step i finishes before step i+1 begins because the driver runs one step at a time.
+Units on disjoint devices with no path between them run at the same time. Between steps
+(``carried``): a unit of step i+1 runs after step i's last unit on each of its devices and after
+step i's last update of its role (a train call or a blend); a role nobody updates is no barrier.
+The dataset rows are the only other input, and they are ready before the step is submitted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rayhf.graph import Graph
@@ -28,6 +31,16 @@ def group_key(role: str, layout: Layout) -> str:
 
 
 @dataclass(frozen=True)
+class StepOptions:
+    """What besides the graph and the plan shapes a step: the EMA blends and whether steps
+    overlap (``driver.overlap_steps`` on the plain executor)."""
+
+    followers: Mapping[str, list[tuple[str, float]]] = field(default_factory=dict)  # role ->
+    # (role, eta) blended toward it after it trains
+    overlap: bool = True
+
+
+@dataclass(frozen=True)
 class Unit:
     """A call on its role group, or a weight move between two role groups."""
 
@@ -35,15 +48,17 @@ class Unit:
     kind: Literal["call", "realloc"]
     role: str  # the role whose weights it uses (a move: the role that receives them)
     groups: tuple[str, ...]  # group keys taking part: (the call's group,) or (source, destination)
-    devices: frozenset[int]
+    layouts: tuple[Layout, ...]  # the groups' layouts, in the same order
     after: frozenset[str]  # units that must finish first
     sources: tuple[str, ...] = ()  # a call: the calls whose outputs it reads, in graph order
     eta: float | None = None  # a blend: dst = eta * src + (1 - eta) * dst
     release: bool = False  # a call on a copy: drop the weights afterwards
+    updates: bool = False  # it changes its role's weights (a train call, a blend)
+    reads: str = ""  # a blend: the role whose weights it reads (else its own role)
 
-
-def _devices(*layouts: Layout) -> frozenset[int]:
-    return frozenset(d for layout in layouts for d in layout.mesh)
+    @property
+    def devices(self) -> frozenset[int]:
+        return frozenset(d for layout in self.layouts for d in layout.mesh)
 
 
 class _Builder:
@@ -59,10 +74,7 @@ class _Builder:
         after.update(self.last_on_device[d] for d in unit.devices if d in self.last_on_device)
         if role_barrier:
             after.update(self.of_role.get(unit.role, []))
-        unit = Unit(
-            unit.name, unit.kind, unit.role, unit.groups, unit.devices, frozenset(after),
-            unit.sources, unit.eta, unit.release,
-        )  # fmt: skip
+        unit = replace(unit, after=frozenset(after))
         self.units.append(unit)
         for d in unit.devices:
             self.last_on_device[d] = unit.name
@@ -86,33 +98,49 @@ def plan_step(
         copy = layout != home
         if copy:
             keys = (group_key(call.role, home), group_key(call.role, layout))
-            b.add(
-                Unit(f"realloc:{name}", "realloc", call.role, keys, _devices(home, layout),
-                     frozenset()),
-                role_barrier=False,
-            )  # fmt: skip
-        sources = tuple(
-            dict.fromkeys(graph.producers[k] for k in call.inputs if k in graph.producers)
-        )
-        sources = tuple(s for s in graph.order if s in sources)
-        after = frozenset(sources) | ({f"realloc:{name}"} if copy else set())
-        unit = Unit(
-            name, "call", call.role, (group_key(call.role, layout),), _devices(layout), after,
-            sources, release=copy,
-        )  # fmt: skip
+            move = Unit(f"realloc:{name}", "realloc", call.role, keys, (home, layout), frozenset())
+            b.add(move, role_barrier=False)
+        sources = {graph.producers[k] for k in call.inputs if k in graph.producers}
+        ordered = tuple(s for s in graph.order if s in sources)
+        after = frozenset(ordered) | ({f"realloc:{name}"} if copy else set())
         trains = call.kind == "train" and not evaluate
+        unit = Unit(
+            name, "call", call.role, (group_key(call.role, layout),), (layout,), after, ordered,
+            release=copy, updates=trains,
+        )  # fmt: skip
         b.add(unit, role_barrier=trains)
         if not trains:
             continue
         for follower, eta in followers.get(call.role, []):
             keys = (group_key(call.role, home), group_key(follower, homes[follower]))
-            devices = _devices(home, homes[follower])
-            b.add(
-                Unit(f"ema:{follower}", "realloc", follower, keys, devices, frozenset({name}),
-                     eta=eta),
-                role_barrier=True,
+            blend = Unit(
+                f"ema:{follower}", "realloc", follower, keys, (home, homes[follower]),
+                frozenset({name}), eta=eta, updates=True, reads=call.role,
             )  # fmt: skip
+            b.add(blend, role_barrier=True)
     return b.units
+
+
+def carried(units: list[Unit]) -> dict[str, frozenset[str]]:
+    """Per unit of step i+1, the units of step i it runs after (``units``: one step): step i's
+    last unit on each device it is the first of step i+1 to use, and step i's last update of
+    its role. The rest of step i may still run."""
+    last_on_device: dict[int, str] = {}
+    last_update: dict[str, str] = {}
+    for u in units:
+        last_on_device.update(dict.fromkeys(u.devices, u.name))
+        if u.updates:
+            last_update[u.role] = u.name
+    touched: set[int] = set()
+    out: dict[str, frozenset[str]] = {}
+    for u in units:
+        before = {last_on_device[d] for d in u.devices - touched if d in last_on_device}
+        for role in {u.role, u.reads or u.role}:
+            if role in last_update:
+                before.add(last_update[role])
+        out[u.name] = frozenset(before)
+        touched |= u.devices
+    return out
 
 
 def waves(units: list[Unit]) -> list[list[str]]:
