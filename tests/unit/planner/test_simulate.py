@@ -7,12 +7,14 @@ import itertools
 
 from planner_support import GRAPH, SPECS, WORKS
 
+from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import energy
 from rayhf.planner.simulate import simulate
+from rayhf.planner.step import StepOptions
 
 
 def _plan(layout_of) -> Plan:
@@ -68,3 +70,30 @@ def test_a_call_at_home_of_a_trained_role_still_counts_its_cache():
         SPECS["actor"], lay, False
     )
     assert gen > 0 and sim.peak_memory[0] >= resident + gen - 1
+
+
+def test_overlapped_steps_are_priced_as_the_driver_runs_them_and_barriers_when_asked():
+    """A split plan gains from overlapping steps, a shared one cannot; one step at a time costs
+    its makespan; EMA blends are priced units."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    half = {"actor": (0, 1, 2, 3), "ref": (0, 1, 2, 3)}
+    split = _plan(lambda c: Layout(half.get(c.role, (4, 5, 6, 7)), 4))
+    ema = StepOptions({"actor": [("ref", 0.1)]})
+    specs = {**SPECS, "critic": public_shape("llama2-13b", value_head=True)}  # trains longer
+    over = simulate(GRAPH, split, specs, WORKS, cost, step=ema)
+    barrier = simulate(GRAPH, split, specs, WORKS, cost, step=StepOptions(ema.followers, False))
+    first = [s for s in barrier.spans if s.iteration == 0]
+    makespan = max(s.end for s in first)
+    assert abs(barrier.iteration_seconds - makespan) < 1e-9
+    assert over.iteration_seconds < barrier.iteration_seconds
+    assert "ema:ref" in [s.name for s in first]
+    gen1 = next(s for s in over.spans if s.name == "actor_gen" and s.iteration == 1)
+    critic0 = next(s for s in over.spans if s.name == "critic_train" and s.iteration == 0)
+    blend0 = next(s for s in over.spans if s.name == "ema:ref" and s.iteration == 0)
+    assert gen1.start < critic0.end and gen1.start >= blend0.end
+    shared = _plan(lambda c: Layout(tuple(range(8)), 8))
+    a, b = (
+        simulate(GRAPH, shared, SPECS, WORKS, cost, step=StepOptions(overlap=o)).iteration_seconds
+        for o in (True, False)
+    )
+    assert abs(a - b) < 1e-9, "on shared devices nothing can overlap"
