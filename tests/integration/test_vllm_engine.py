@@ -33,8 +33,17 @@ def _tiny_model(tmp_path: Path) -> RankModel:
     return RankModel.from_hf(build_model(config, value_head=False, seed=3), tok, False)
 
 
+@pytest.fixture
+def vllm_here():
+    """vLLM in this process joins torch.distributed (a world of one): leave it as found."""
+    yield
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 @needs_vllm
-def test_vllm_greedy_tokens_match_the_native_engine(tmp_path):
+def test_vllm_greedy_tokens_match_the_native_engine(tmp_path, vllm_here):
     from rayhf.engines.vllm_generator import VllmGenerator
 
     model = _tiny_model(tmp_path)
