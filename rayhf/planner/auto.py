@@ -13,6 +13,7 @@ from pathlib import Path
 from rayhf.engines.config import EngineConfig
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph
+from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
 from rayhf.planner import baselines
 from rayhf.planner.cluster import ClusterConfig
@@ -30,6 +31,7 @@ class AutoPlan:
     chosen: SearchResult
     baselines: dict[str, tuple[Plan, Simulation]]
     absent: list[str] = field(default_factory=list)  # baselines with no plan for this setup
+    device_use: list[str] = field(default_factory=list)  # roles on fewer than all devices, why
 
 
 def workloads(
@@ -110,7 +112,39 @@ def auto_plan(
             f"plan: no plan found that fits memory; call '{what}' needs {need / 1e9:.1f} GB on "
             f"device {device} ({cap / 1e9:.0f} GB)"
         )
-    return AutoPlan(found, base, [k for k, p in built.items() if p is None])
+    absent = [k for k, p in built.items() if p is None]
+    return AutoPlan(found, base, absent, device_use(graph, found.plan, specs, works, cluster))
+
+
+def device_use(
+    graph: Graph,
+    plan: Plan,
+    specs: dict[str, ModelSpec],
+    works: dict[str, Workload],
+    cluster: ClusterSpec,
+) -> list[str]:
+    """A line per role whose calls use fewer than all devices: how many, and why (what the
+    model and the batch allow at most, else that more devices were slower)."""
+    n, per = cluster.n_devices, cluster.devices_per_node
+    out = []
+    for role, spec in specs.items():
+        calls = [c.name for c in graph.calls if c.role == role]
+        used = {d for name in calls for d in plan.layouts[name].mesh}
+        if not calls or len(used) == n:
+            continue
+        tp = max(t for t in (1 << k for k in range(per.bit_length())) if t <= per
+                 and check_layout(spec, t, 1) is None)  # fmt: skip
+        pp = max(p for p in range(1, spec.n_layers + 1) if check_layout(spec, 1, p) is None)
+        dp = max(works[name].n_seqs for name in calls)
+        most = tp * pp * dp
+        why = (
+            f"the model takes at most tp={tp} (its heads), pp={pp} (its layers) and dp={dp} "
+            f"(sequences per step): {most} devices"
+            if most < n
+            else "more devices were slower in the cost model"
+        )
+        out.append(f"  {role}: {len(used)} of {n} devices; {why}")
+    return out
 
 
 def format_auto(result: AutoPlan) -> str:
@@ -127,6 +161,8 @@ def format_auto(result: AutoPlan) -> str:
         rows.append(f"  {name:<10}{bsim.iteration_seconds:>9.2f} s  ({speed:.2f}x the plan){fits}")
     for name in result.absent:
         rows.append(f"  {name:<10} no plan: its layouts do not fit this graph, cluster or model")
+    if result.device_use:
+        rows += ["devices per role (where fewer than all):", *result.device_use]
     return "\n".join(rows)
 
 

@@ -9,6 +9,7 @@ from planner_support import GRAPH, SPECS
 from rayhf.engines.config import EngineConfig
 from rayhf.errors import RayhfError
 from rayhf.models.shapes import public_shape
+from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import AutoPlan, format_auto, plan_for_run, searches, workloads
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.cost import Workload
@@ -81,3 +82,22 @@ def test_a_model_too_small_for_a_baseline_gets_a_plan_and_the_baseline_is_named_
     assert result.chosen.simulation.feasible
     assert all(lay.pp <= 2 for lay in result.chosen.plan.layouts.values())
     assert "realhf     no plan" in format_auto(result)
+
+
+def test_a_role_on_fewer_devices_than_the_cluster_is_told_how_many_and_why():
+    from rayhf.models.hf import ModelInit, hf_config
+    from rayhf.models.spec import model_spec
+    from rayhf.planner.auto import device_use
+
+    config = hf_config(ModelInit(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2), 24, 0, 1, 2)
+    tiny = {r: model_spec(config, r in ("critic", "reward")) for r in SPECS}
+    cluster = parse_cluster("1x8xH100")
+    half = Plan({c.name: Layout((0, 1, 2, 3), 4) for c in GRAPH.calls}, "search")
+    few = device_use(GRAPH, half, tiny, workloads(GRAPH, 1, 16, 12, 1), cluster)
+    # 2 kv heads, 2 layers, 1 sequence: at most 4 devices, whatever the search wanted
+    assert "  actor: 4 of 8 devices; the model takes at most tp=2 (its heads), pp=2" in few[0]
+    assert all(line.endswith(": 4 devices") for line in few) and len(few) == len(tiny)
+    many = device_use(GRAPH, half, tiny, workloads(GRAPH, 32, 16, 12, 1), cluster)
+    assert all(line.endswith("more devices were slower in the cost model") for line in many)
+    whole = Plan({c.name: Layout(tuple(range(8)), 8) for c in GRAPH.calls}, "search")
+    assert device_use(GRAPH, whole, tiny, workloads(GRAPH, 32, 16, 12, 1), cluster) == []
