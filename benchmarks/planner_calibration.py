@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ def rows_of(name: str, setup, plans: dict[str, Plan], runs, cost: ProfiledCost) 
     return rows
 
 
-def report(rows: list[dict], fitted: ProfiledCost, args) -> str:
+def report(rows: list[dict], fitted: ProfiledCost, args, commit: str) -> str:
     actor = ", ".join(f"{k} device(s) {a * 1e3:.1f} ms + {b:.2f} x profile"
                       for k, (a, b) in sorted(fitted.actor.items()))  # fmt: skip
     lines = [
@@ -229,7 +230,9 @@ def report(rows: list[dict], fitted: ProfiledCost, args) -> str:
         f"minibatches; measured: mean of {args.steps} steps after {args.warmup} warm-up, median of "
         f"{args.rounds} interleaved rounds. Fitted on the calibration plans of both "
         f"models: driver cost per call {fitted.call_overhead * 1e3:.1f} ms; a call inside the "
-        f"actors takes {actor}. Command: `python benchmarks/planner_calibration.py`.",
+        f"actors takes {actor}. Steps overlap where the dataflow allows (the driver's default), "
+        f"measured and simulated alike. Command: `python benchmarks/planner_calibration.py`; "
+        f"commit {commit}.",
         "",
         "| model | plan | use | estimate s | measured s | error |",
         "| --- | --- | --- | ---: | ---: | ---: |",
@@ -270,7 +273,10 @@ def main() -> None:
     rows = [
         r for name, setup in setups.items() for r in rows_of(name, setup, plans[name], runs, cost)
     ]
-    text = report(rows, cost, args)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    text = report(rows, cost, args, commit)
     print(text)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "planner_calibration.md").write_text(text)

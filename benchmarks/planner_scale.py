@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
 from rayhf.graph import load_graph
@@ -81,12 +82,13 @@ def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float
     return row
 
 
-def report(rows: list[dict]) -> str:
+def report(rows: list[dict], commit: str) -> str:
     lines = [
         "# Planner at scale (simulated, analytic cost model, H100 datasheet figures)",
         "",
-        f"PPO, batch {BATCH} prompts of {PROMPT} tokens; seconds per iteration; `*` = does not "
-        "fit memory. Command: `python benchmarks/planner_scale.py`.",
+        f"PPO, batch {BATCH} prompts of {PROMPT} tokens; seconds per iteration (steps overlapped "
+        "where the dataflow allows, as the driver runs them); `*` = does not fit memory. "
+        f"Command: `python benchmarks/planner_scale.py`; commit {commit}.",
         "",
         "| actor | critic | GPUs | gen | colocated | disjoint | ReaLHF | search | speed-up | "
         "search s |",
@@ -105,7 +107,12 @@ def report(rows: list[dict]) -> str:
             f"| {up:.2f}x | {r['search_seconds']:.1f} |"
         )
     finite = [u for u in ups if u == u]
-    lines += ["", f"Mean speed-up over the best feasible baseline: {statistics.mean(finite):.2f}x"]
+    lines += [
+        "",
+        f"Speed-up over the best feasible baseline: geometric mean "
+        f"{statistics.geometric_mean(finite):.2f}x, median {statistics.median(finite):.2f}x, "
+        f"range {min(finite):.2f}-{max(finite):.2f}x over {len(finite)} setups.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -118,7 +125,10 @@ def main() -> None:
     for setup in setups(args.quick):
         rows.append(run_setup(*setup, time_limit=args.time_limit))
         print(rows[-1], flush=True)
-    text = report(rows)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    text = report(rows, commit)
     print(text)
     if not args.quick:
         OUT.mkdir(parents=True, exist_ok=True)
