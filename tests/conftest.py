@@ -17,6 +17,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def world_of_one():
+    """A real gloo process group of this process alone (in-memory store, no network)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "an earlier test left torch.distributed initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A 2-CPU Ray cluster with 4 emulated devices, shared by every Ray test."""

@@ -3,22 +3,9 @@ through torch.distributed on a one-process gloo group."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from rayhf.engines.collectives import DataParallel
-
-
-@pytest.fixture
-def world_of_one():
-    """A real gloo process group of this process alone (in-memory store, no network)."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_no_group_is_one_replica():

@@ -7,19 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
-
-
-@pytest.fixture
-def world_of_one():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _leaf() -> torch.Tensor:
