@@ -36,10 +36,11 @@ from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster
 from rayhf.planner.layout import LayoutSpec
 from rayhf.planner.plan import Plan, make_plan
-from rayhf.planner.profile import MeasuredRun, ProfiledCost, calibrate, profile_model
+from rayhf.planner.profile import MeasuredRun, ProfiledCost, calibrate
 from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
 from rayhf.runtime.assets import model_configs
+from rayhf.runtime.profiling import profile_model
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
