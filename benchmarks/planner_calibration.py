@@ -118,7 +118,7 @@ def mean_prompt_tokens(cfg) -> int:
     from rayhf.tasks.demo import make_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
-        tok, _ = prepare_tokenizer(cfg, Path(tmp))
+        tok, _ = prepare_tokenizer(cfg, Path(tmp), "actor")
         rows = load_rows(make_dataset(f"{tmp}/data.parquet"))
     return round(statistics.mean(len(tok(r["prompt"])["input_ids"]) for r in rows))
 
