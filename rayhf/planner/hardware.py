@@ -80,8 +80,10 @@ CPU_LINK_LATENCY = 2e-3
 # The runtime around the profiled engine ops on this machine, fitted by the same benchmark
 # (``rayhf.planner.profile.calibrate``): the driver's cost per call, and by the number of
 # devices a call keeps busy, (seconds per call, scale) of in-actor compute over the profile.
-CPU_CALL_OVERHEAD = 7.7e-3  # refitted with the DAG driver (was 7.2 ms on the sequential one)
-CPU_ACTOR = {1: (10.5e-3, 0.95), 2: (11.2e-3, 1.30)}
+# fitted by benchmarks/planner_calibration.py on 4fd5c79 (steps overlapped; 7.7 ms, 10.5 ms + 0.95x
+# and 11.2 ms + 1.30x before, with one step at a time)
+CPU_CALL_OVERHEAD = 5.9e-3
+CPU_ACTOR = {1: (4.9e-3, 1.14), 2: (8.4e-3, 1.17)}
 
 
 def cpu_cluster(n_devices: int, memory_gb: float) -> ClusterSpec:
