@@ -5,8 +5,9 @@
   generation on the actor's devices.
 - ``realhf`` (ReaLHF's PPO heuristic from its public code; see the issue text for the rules).
 
-Each gets the same tuning the search gets: among the layouts its rule allows, the one with the
-lowest simulated time is kept.
+Each gets the same tuning the search gets: among the layouts its rule allows (tp a power of two
+within a node, pp any divisor of what tp leaves, micro-batches), the one with the lowest
+simulated time is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rayhf.models.sharding import check_layout, param_shards
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
-from rayhf.planner.search import MICRO_BATCHES, _powers
+from rayhf.planner.search import MICRO_BATCHES, _divisors, _powers
 
 Score = Callable[[Plan], float]
 
@@ -29,8 +30,8 @@ def _layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) ->
         return [Layout(mesh, dp=len(mesh))]
     out = []
     for tp in _powers(min(len(mesh), per_node)):
-        for pp in _powers(len(mesh) // tp):
-            if len(mesh) % (tp * pp) == 0 and check_layout(spec, tp, pp) is None:
+        for pp in _divisors(len(mesh) // tp) if len(mesh) % tp == 0 else []:
+            if check_layout(spec, tp, pp) is None:
                 for n_mbs in MICRO_BATCHES if pp > 1 else (1,):
                     out.append(Layout(mesh, len(mesh) // (tp * pp), tp, pp, n_mbs))
     return out
@@ -67,7 +68,8 @@ def _size(spec: ModelSpec) -> int:
 
 def disjoint(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int, score):
     """Roles on disjoint device blocks proportional to their sizes (with more roles than
-    devices, one device each, wrapping around); each role tuned alone."""
+    devices, one device each, wrapping around); each role tuned in turn while the others stay
+    on their own blocks (at first sharded the most, so they fit)."""
     roles = [r for r in graph.roles if specs.get(r) is not None]
     sizes = {r: _size(specs[r]) for r in roles}  # type: ignore[arg-type]
     total = sum(sizes.values())
@@ -84,16 +86,16 @@ def disjoint(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int
     for c in graph.calls:
         if specs.get(c.role) is None:
             fixed[c.name] = Layout((0,), dp=1)
-    for r in roles:
-        best: Plan | None = None
-        for lay in _layouts_on(meshes[r], specs[r], per_node):
-            trial = {**fixed, **{c: lay for c in graph.role_calls(r)}}
-            rest = {c.name: lay for c in graph.calls if c.name not in trial}
-            plan = Plan({**rest, **trial}, "disjoint")
-            if best is None or score(plan) < score(best):
-                best = plan
-        assert best is not None
-        fixed.update({c: best.layouts[c] for c in graph.role_calls(r)})
+    options = {r: _layouts_on(meshes[r], specs[r], per_node) for r in roles}
+    for r in roles:  # until tuned, each role on its own devices, sharded the most (least memory)
+        most = max(options[r], key=lambda lay: (lay.tp * lay.pp, -lay.n_mbs))
+        fixed.update(dict.fromkeys(graph.role_calls(r), most))
+    for r in roles:  # then each role tuned in turn, the others where they are
+        trials = [
+            Plan({**fixed, **dict.fromkeys(graph.role_calls(r), lay)}, "disjoint")
+            for lay in options[r]
+        ]
+        fixed = dict(_tune(trials, score).layouts)
     return Plan({c.name: fixed[c.name] for c in graph.calls}, "disjoint")
 
 

@@ -41,6 +41,29 @@ def test_disjoint_gives_each_role_its_own_devices_and_one_layout():
     assert {d for lay in two.layouts.values() for d in lay.mesh} == {0, 1}
 
 
+def test_disjoint_tunes_a_role_with_the_others_on_their_own_devices():
+    """While one role is tuned, no other role's calls sit on its devices (they did, which charged
+    its choice for memory the others would never use there)."""
+    scored: list[Plan] = []
+
+    def record(plan: Plan) -> float:
+        scored.append(plan)
+        return _most_tp(plan)
+
+    final = baselines.disjoint(GRAPH, SPECS, 16, 8, record)
+    home = {r: set(final.layouts[GRAPH.role_calls(r)[0]].mesh) for r in GRAPH.roles}
+    assert scored
+    for plan in scored:
+        for role in GRAPH.roles:
+            assert all(set(plan.layouts[c].mesh) == home[role] for c in GRAPH.role_calls(role))
+
+
+def test_baselines_take_any_pipeline_divisor():
+    """6 devices: pp=3 and pp=6 are options (powers of two only before)."""
+    pps = {lay.pp for lay in baselines._layouts_on(tuple(range(6)), SPECS["actor"], 8)}
+    assert {1, 2, 3, 6} <= pps
+
+
 def test_realhf_follows_its_rules_on_nodes_of_eight():
     assert baselines.realhf(GRAPH, SPECS, 1, 4, _most_tp) is None
     sft = load_graph(REPO / "graphs" / "sft.yaml")
