@@ -88,10 +88,10 @@ def disjoint(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int
             fixed[c.name] = Layout((0,), dp=1)
     options = {r: _layouts_on(meshes[r], specs[r], per_node) for r in roles}
     for r in roles:  # until tuned, each role on its own devices, sharded the most (least memory)
-        most = max(options[r], key=lambda lay: (lay.tp * lay.pp, -lay.n_mbs))
+        most = max(options[r], key=lambda lay: (lay.tp * lay.pp, lay.n_mbs))
         fixed.update(dict.fromkeys(graph.role_calls(r), most))
-    for r in roles:  # then each role tuned in turn, the others where they are
-        trials = [
+    for r in roles * 2:  # then each role tuned in turn, the others where they are; twice, so
+        trials = [  # the first roles are tuned again against the others' tuned layouts
             Plan({**fixed, **dict.fromkeys(graph.role_calls(r), lay)}, "disjoint")
             for lay in options[r]
         ]
