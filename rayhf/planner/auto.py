@@ -124,7 +124,7 @@ def device_use(
     cluster: ClusterSpec,
 ) -> list[str]:
     """A line per role whose calls use fewer than all devices: how many, and why (what the
-    model and the batch allow at most, else that more devices were slower)."""
+    model and the batch allow at most, else that the search found fewer faster)."""
     n, per = cluster.n_devices, cluster.devices_per_node
     out = []
     for role, spec in specs.items():
@@ -141,7 +141,7 @@ def device_use(
             f"the model takes at most tp={tp} (its heads), pp={pp} (its layers) and dp={dp} "
             f"(sequences per step): {most} devices"
             if most < n
-            else "more devices were slower in the cost model"
+            else "the search found this faster in the cost model (other calls use the rest)"
         )
         out.append(f"  {role}: {len(used)} of {n} devices; {why}")
     return out
