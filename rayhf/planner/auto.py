@@ -21,7 +21,7 @@ from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, ClusterSpec, cpu_cluster
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.profile import ModelProfile, ProfiledCost
-from rayhf.planner.search import SearchResult, candidates, energy, search
+from rayhf.planner.search import SearchResult, _powers, candidates, energy, search
 from rayhf.planner.simulate import Simulation, simulate
 from rayhf.planner.step import StepOptions
 
@@ -132,8 +132,7 @@ def device_use(
         used = {d for name in calls for d in plan.layouts[name].mesh}
         if not calls or len(used) == n:
             continue
-        tp = max(t for t in (1 << k for k in range(per.bit_length())) if t <= per
-                 and check_layout(spec, t, 1) is None)  # fmt: skip
+        tp = max(t for t in _powers(per) if check_layout(spec, t, 1) is None)
         pp = max(p for p in range(1, spec.n_layers + 1) if check_layout(spec, 1, p) is None)
         dp = max(works[name].n_seqs for name in calls)
         most = tp * pp * dp

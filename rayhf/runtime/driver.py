@@ -291,9 +291,8 @@ class DagExecutor:
         step_input = StepInput(step, batch)
         if self.compiled:
             return Submitted(step, batch, dag, [self._execute_compiled(dag, step_input)])
-        last = self._last
-        follows = self.overlap and not evaluate and last is not None and last.dag is dag
-        refs = dag.submit(step_input, last.refs if follows and last is not None else None)
+        last = self._last if self.overlap and not evaluate else None
+        refs = dag.submit(step_input, last.refs if last is not None and last.dag is dag else None)
         out = Submitted(step, batch, dag, refs)
         self._last = out if not evaluate else None
         return out

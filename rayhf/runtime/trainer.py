@@ -165,25 +165,30 @@ class Trainer:
         trace.write(step, outcome.spans, "eval")
         return {f"eval/{k}": v for k, v in outcome.stats.items()}
 
+    def evaluates(self, step: int) -> bool:
+        """Whether ``step`` ends with the held-out evaluation."""
+        cfg = self.cfg
+        return bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
+
+    def saves(self, step: int) -> bool:
+        """Whether ``step`` ends with a checkpoint."""
+        cfg = self.cfg
+        return step == cfg.steps or bool(cfg.save_every and step % cfg.save_every == 0)
+
     def drains(self, step: int) -> bool:
         """Whether nothing may run past ``step``: it evaluates, checkpoints or ends the run."""
-        cfg = self.cfg
-        return (
-            step == cfg.steps
-            or bool(cfg.eval_every and step % cfg.eval_every == 0)
-            or bool(cfg.save_every and step % cfg.save_every == 0)
-        )
+        return self.evaluates(step) or self.saves(step)
 
     def finish(self, done: Submitted, since: float, trace: TraceWriter) -> dict[str, float]:
         """Collect a submitted step: its metrics (its seconds run from ``since``: its submission,
         or the previous step's end when it overlapped that one), trace, eval and checkpoint."""
-        cfg, step = self.cfg, done.step
+        step = done.step
         outcome = self.executor.collect(done)
         metrics = step_metrics(outcome, time.perf_counter() - since, self.token_keys)
         trace.write(step, outcome.spans)
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if self.evaluates(step):
             metrics.update(self.evaluate(step, trace))
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        if self.saves(step):
             self.checkpoint(step)
         return metrics
 
