@@ -22,10 +22,11 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from _common import git_commit
 
 import rayhf
 from rayhf.graph import load_graph
@@ -274,9 +275,7 @@ def main() -> None:
     rows = [
         r for name, setup in setups.items() for r in rows_of(name, setup, plans[name], runs, cost)
     ]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    commit = git_commit()
     text = report(rows, cost, args, commit)
     print(text)
     OUT.mkdir(parents=True, exist_ok=True)

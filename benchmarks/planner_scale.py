@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from pathlib import Path
+
+from _common import git_commit
 
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
@@ -125,9 +126,7 @@ def main() -> None:
     for setup in setups(args.quick):
         rows.append(run_setup(*setup, time_limit=args.time_limit))
         print(rows[-1], flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    commit = git_commit()
     text = report(rows, commit)
     print(text)
     if not args.quick:

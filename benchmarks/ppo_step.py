@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
+
+from _common import git_commit
 
 import rayhf
 from rayhf.metrics.trace import TRACE_FILE, read_trace
@@ -135,9 +136,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     args = ap.parse_args()
     res = bench(args.steps, args.devices, args.warmup)
-    res["commit"] = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    res["commit"] = git_commit()
     text = report(res, res["commit"])
     print(text)
     OUT.mkdir(parents=True, exist_ok=True)

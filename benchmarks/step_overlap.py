@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
+
+from _common import git_commit
 
 import rayhf
 
@@ -114,9 +115,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    commit = git_commit()
     res = bench(args.steps, args.warmup, args.rounds)
     res["commit"] = commit
     text = report(res, commit)

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
+BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCHMARKS = sorted(p for p in BENCHMARKS_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
-def test_the_benchmark_imports(path):
+def test_the_benchmark_imports(path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))  # as when run: their shared _common
     spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
