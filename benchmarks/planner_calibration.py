@@ -146,9 +146,10 @@ def chosen_plans(graph, specs, works, cost) -> dict[str, Plan]:
     def score(plan: Plan) -> float:
         return simulate(graph, plan, specs, works, cost).iteration_seconds
 
+    setting = baselines.Setting(graph, specs, works, DEVICES, DEVICES, score, cost)
     base = {
-        "baseline: colocated": baselines.colocated(graph, specs, DEVICES, DEVICES, score),
-        "baseline: disjoint": baselines.disjoint(graph, specs, DEVICES, DEVICES, score),
+        "baseline: colocated": baselines.colocated(setting),
+        "baseline: disjoint": baselines.disjoint(setting),
     }
     found = search(graph, specs, works, cost, list(base.values()), time_limit=10.0)
     return {**base, "search": found.plan}

@@ -3,9 +3,10 @@
     python benchmarks/planner_scale.py [--time-limit 25] [--quick]
 
 For each setup (actor size, critic size, devices, generation length) the search's plan is
-compared with the baselines' (colocated verl-style, disjoint OpenRLHF-style, ReaLHF's
-heuristic) in estimated iteration time from the analytic cost model; infeasible (over memory)
-plans are marked. Writes docs/benchmarks/planner_scale.{md,json}.
+compared with every baseline's (``rayhf.planner.baselines``: one shared layout, verl's hybrid
+engine, OpenRLHF, disjoint roles, ReaLHF's heuristic) in estimated iteration time from the
+analytic cost model; infeasible (over memory) plans are marked and never count as the best
+baseline. Writes docs/benchmarks/planner_scale.{md,json}, every plan included.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 from _common import git_commit
@@ -20,9 +22,11 @@ from _common import git_commit
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
 from rayhf.planner import baselines
+from rayhf.planner.auto import open_stages
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
-from rayhf.planner.search import energy, search
+from rayhf.planner.plan import Plan
+from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,10 +47,11 @@ def setups(quick: bool) -> list[tuple[str, str, int, int]]:
 
 
 def works(graph, gen: int) -> dict[str, Workload]:
-    return {
+    """Each call's work; train calls may take any ZeRO stage (0-1 torch, 2-3 DeepSpeed)."""
+    return open_stages({
         c.name: Workload(c.kind, BATCH, PROMPT, gen, 4 if c.kind == "train" else 1)
         for c in graph.calls
-    }
+    })  # fmt: skip
 
 
 def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float) -> dict:
@@ -60,61 +65,99 @@ def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float
         "reward": public_shape(critic, value_head=True),
     }
     w = works(graph, gen)
-    cap = cluster.device.memory_bytes
-
-    def score(plan) -> float:
-        return energy(simulate(graph, plan, specs, w, cost), cap)
-
-    base = {
-        "colocated": baselines.colocated(graph, specs, devices, 8, score),
-        "disjoint": baselines.disjoint(graph, specs, devices, 8, score),
-        "realhf": baselines.realhf(graph, specs, devices // 8, 8, score),
-    }
-    base = {k: v for k, v in base.items() if v is not None}
+    began = time.perf_counter()
+    built = baselines.build_all(baselines.Setting.priced(graph, specs, w, cost))
+    baseline_seconds = time.perf_counter() - began
+    base = {k: v for k, v in built.items() if v is not None}
     found = search(graph, specs, w, cost, list(base.values()), time_limit=time_limit)
-    row = {"actor": actor, "critic": critic, "devices": devices, "gen": gen}
-    for name, plan in {**base, "search": found.plan}.items():
+    row: dict = {"actor": actor, "critic": critic, "devices": devices, "gen": gen}
+    for name, plan in {**built, "search": found.plan}.items():
+        if plan is None:
+            row[name] = None  # its rules give no plan here
+            continue
         sim = simulate(graph, plan, specs, w, cost)
-        row[name] = {"seconds": sim.iteration_seconds, "feasible": sim.feasible}
+        row[name] = {
+            "seconds": sim.iteration_seconds,
+            "feasible": sim.feasible,
+            "plan": json.loads(Plan(plan.layouts, plan.source, sim.stages).to_json()),
+        }
     row["search_seconds"] = found.seconds
+    row["baseline_seconds"] = baseline_seconds
     row["iterations"] = found.iterations
-    feasible = [row[k]["seconds"] for k in base if row[k]["feasible"]]
-    row["best_baseline"] = min(feasible) if feasible else None
+    feasible = {k: row[k]["seconds"] for k in base if row[k]["feasible"]}
+    row["best_baseline"] = min(feasible, key=feasible.__getitem__) if feasible else None
     return row
+
+
+def speedup(row: dict) -> float:
+    """The best feasible baseline's seconds over the search's (nan when none is feasible)."""
+    best = row["best_baseline"]
+    return row[best]["seconds"] / row["search"]["seconds"] if best else float("nan")
 
 
 def report(rows: list[dict], commit: str) -> str:
     lines = [
         "# Planner at scale (simulated, analytic cost model, H100 datasheet figures)",
         "",
-        f"PPO, batch {BATCH} prompts of {PROMPT} tokens; seconds per iteration (steps overlapped "
-        "where the dataflow allows, as the driver runs them); `*` = does not fit memory. "
-        f"Command: `python benchmarks/planner_scale.py`; commit {commit}.",
+        f"PPO, batch {BATCH} prompts of {PROMPT} tokens, 4 minibatches; seconds per iteration "
+        "(steps overlapped where the dataflow allows, as the driver runs them); `*` = does not "
+        "fit memory, `-` = the baseline's rules give no plan. Train calls may take ZeRO stage "
+        "0-1 (torch) or 2-3 (DeepSpeed, dp only) in every plan; verl and OpenRLHF train at "
+        f"ZeRO-3 by their rules. Command: `python benchmarks/planner_scale.py`; commit {commit}. "
+        "Every plan, with its stages, is in `planner_scale.json`.",
         "",
-        "| actor | critic | GPUs | gen | colocated | disjoint | ReaLHF | search | speed-up | "
-        "search s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| actor | critic | GPUs | gen | "
+        + " | ".join(COLUMNS.values())
+        + " | search | best baseline | speed-up | search s |",
+        "| --- | --- | ---: | ---: | "
+        + " | ".join("---:" for _ in COLUMNS)
+        + " | ---: | --- | ---: | ---: |",
     ]
     ups = []
     for r in rows:
         cells = []
-        for k in ("colocated", "disjoint", "realhf", "search"):
+        for k in [*COLUMNS, "search"]:
             v = r.get(k)
             cells.append("-" if v is None else f"{v['seconds']:.1f}{'' if v['feasible'] else '*'}")
-        up = r["best_baseline"] / r["search"]["seconds"] if r["best_baseline"] else float("nan")
+        up = speedup(r)
         ups.append(up)
         lines.append(
             f"| {r['actor']} | {r['critic']} | {r['devices']} | {r['gen']} | {' | '.join(cells)} "
-            f"| {up:.2f}x | {r['search_seconds']:.1f} |"
+            f"| {COLUMNS.get(r['best_baseline'], 'none')} | {up:.2f}x | {r['search_seconds']:.1f} |"
         )
     finite = [u for u in ups if u == u]
+    lost = [r for r, u in zip(rows, ups, strict=True) if u == u and u < 1.0]
+    none = len(rows) - len(finite)
     lines += [
         "",
         f"Speed-up over the best feasible baseline: geometric mean "
         f"{statistics.geometric_mean(finite):.2f}x, median {statistics.median(finite):.2f}x, "
-        f"range {min(finite):.2f}-{max(finite):.2f}x over {len(finite)} setups.",
+        f"range {min(finite):.2f}-{max(finite):.2f}x over {len(finite)} setups"
+        + (f" ({none} with no feasible baseline)." if none else "."),
+        f"Setups where a baseline is faster than the search: {len(lost)}.",
+        "",
+        "Feasible plans per baseline: "
+        + ", ".join(
+            f"{label} {sum(1 for r in rows if r.get(k) and r[k]['feasible'])}/{len(rows)}"
+            for k, label in COLUMNS.items()
+        )
+        + "; best feasible baseline: "
+        + ", ".join(
+            f"{label} {sum(1 for r in rows if r['best_baseline'] == k)}"
+            for k, label in COLUMNS.items()
+        )
+        + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+COLUMNS = {
+    "colocated": "one layout",
+    "verl": "verl",
+    "openrlhf": "OpenRLHF",
+    "disjoint": "disjoint",
+    "realhf": "ReaLHF",
+}
 
 
 def main() -> None:

@@ -111,7 +111,9 @@ def plan(
         list[str] | None,
         typer.Option(help="ROLE=SHAPE: plan with a public model shape, e.g. actor=llama2-70b"),
     ] = None,
-    search_seconds: Annotated[float, typer.Option(help="Search time limit (seconds)")] = 25.0,
+    search_seconds: Annotated[
+        float, typer.Option(help="Time limit of the baselines and the search (seconds)")
+    ] = 20.0,
     gantt: Annotated[str | None, typer.Option(help="Write a Gantt chart PNG here")] = None,
 ) -> None:
     """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies); with

@@ -6,6 +6,8 @@ workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, ClusterSpec, cpu_cluster
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.profile import ModelProfile, ProfiledCost
-from rayhf.planner.search import SearchResult, _powers, candidates, energy, search
+from rayhf.planner.search import SearchResult, _powers, candidates, search
 from rayhf.planner.simulate import Simulation, simulate
 from rayhf.planner.step import StepOptions
 
@@ -59,6 +61,17 @@ def workloads(
     return out
 
 
+def open_stages(works: Mapping[str, Workload]) -> dict[str, Workload]:
+    """On a cluster planned for, a train call may take any ZeRO stage its engines offer: 0-1
+    on rayhf's torch engine (any layout), 1-3 on DeepSpeed (dp only); the plan names it."""
+    return {
+        name: dataclasses.replace(w, zero_choices=(1, 2, 3) if w.engine else (0, 1, 2, 3))
+        if w.kind == "train" and w.engine in ("", "deepspeed")
+        else w
+        for name, w in works.items()
+    }
+
+
 def check_fits(graph: Graph, specs: dict[str, ModelSpec], works, cost: AnalyticCost) -> None:
     """Refuse a cluster on which some call fits no layout, naming it and its smallest need."""
     cluster = cost.cluster
@@ -70,7 +83,7 @@ def check_fits(graph: Graph, specs: dict[str, ModelSpec], works, cost: AnalyticC
         options = candidates(spec, cluster.n_devices, cluster.devices_per_node)
         if works[call.name].whole_model_ranks:
             options = [lay for lay in options if lay.tp == 1 and lay.pp == 1]
-        need = min(cost.memory(spec, lay, works[call.name]) for lay in options)
+        need = min(cost.least_memory(spec, lay, works[call.name]) for lay in options)
         if need > capacity:
             raise RayhfError(
                 f"plan: call '{call.name}' (role '{call.role}') needs at least {need / 1e9:.1f} GB "
@@ -85,27 +98,21 @@ def auto_plan(
     works: dict[str, Workload],
     cluster: ClusterSpec,
     seed: int = 0,
-    time_limit: float = 25.0,
+    time_limit: float = 20.0,
     step: StepOptions = StepOptions(),
 ) -> AutoPlan:
+    began = time.perf_counter()
     cost = AnalyticCost(cluster)
+    works = open_stages(works)
     check_fits(graph, specs, works, cost)
     cap = cluster.device.memory_bytes
-
-    def score(plan: Plan) -> float:
-        return energy(simulate(graph, plan, specs, works, cost, step=step), cap)
-
-    n, per = cluster.n_devices, cluster.devices_per_node
-    built = {
-        "colocated": baselines.colocated(graph, specs, n, per, score),
-        "disjoint": baselines.disjoint(graph, specs, n, per, score),
-        "realhf": baselines.realhf(graph, specs, cluster.n_nodes, per, score),
-    }
+    built = baselines.build_all(baselines.Setting.priced(graph, specs, works, cost, step))
     base = {
         k: (p, simulate(graph, p, specs, works, cost, step=step)) for k, p in built.items() if p
     }
     starts = [p for p, _ in base.values()]
-    found = search(graph, specs, works, cost, starts, seed, time_limit=time_limit, step=step)
+    left = max(5.0, time_limit - (time.perf_counter() - began))  # the search gets what is left
+    found = search(graph, specs, works, cost, starts, seed, time_limit=left, step=step)
     if not found.simulation.feasible:
         what, device, need = found.simulation.over_memory[0]
         raise RayhfError(
@@ -220,13 +227,7 @@ def plan_for_run(
     cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
     check_fits(graph, specs, works, cost)
 
-    def score(plan: Plan) -> float:
-        sim = simulate(graph, plan, specs, works, cost, step=step)
-        return energy(sim, spec.device.memory_bytes)
-
-    starts = [
-        baselines.colocated(graph, specs, n, n, score),
-        baselines.disjoint(graph, specs, n, n, score),
-    ]
+    setting = baselines.Setting.priced(graph, specs, works, cost, step)
+    starts = [baselines.colocated(setting), baselines.disjoint(setting)]
     found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, step=step)
     return Plan(found.plan.layouts, "auto")

@@ -1,28 +1,86 @@
 """Hand-written placements that the search must beat, as plans in the same format.
 
-- ``colocated`` (verl-style): every call on all devices in one shared layout, no reallocation.
-- ``disjoint`` (OpenRLHF-style): each role on its own devices in proportion to its size,
-  generation on the actor's devices.
+- ``colocated``: every call on all devices in one shared layout, no reallocation.
+- ``verl`` (verl's hybrid engine): every call on all devices; training FSDP-like (dp only,
+  ZeRO-3); generation in its own dp x tp layout, the actor resharded into it every step; the
+  other calls in layouts of their own on all devices.
+- ``openrlhf`` (OpenRLHF): each role on its own devices, generation on engines of its own
+  (dp x tp) that the training group broadcasts the weights to; training ZeRO-3.
+- ``disjoint``: each role on its own devices, generation on the actor's.
 - ``realhf`` (ReaLHF's PPO heuristic from its public code; see the issue text for the rules).
 
-Each gets the same tuning the search gets: among the layouts its rule allows (tp a power of two
-within a node, pp any divisor of what tp leaves, micro-batches), the one with the lowest
-simulated time is kept.
+Each gets the tuning the search gets: among the layouts its rule allows (tp a power of two
+within a node, pp any divisor of what tp leaves, micro-batches, the ZeRO stage where its rule
+leaves it open: ``simulate.staged``), the one with the lowest simulated time is kept, call by
+call; the disjoint ones also move devices between their groups while that helps.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout, param_shards
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
+from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
-from rayhf.planner.search import MICRO_BATCHES, _divisors, _powers
+from rayhf.planner.search import MICRO_BATCHES, _divisors, _powers, energy
+from rayhf.planner.simulate import simulate
+from rayhf.planner.step import StepOptions
 
 Score = Callable[[Plan], float]
+SHORTLIST = 4  # layouts per call tried while the disjoint baselines move devices
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a baseline is built for and tuned by: the graph, its models and workloads, the
+    cluster's size, and the score of a plan (lower is better). ``cost`` ranks a call's layouts
+    for the disjoint baselines' device moves (without it they try every layout)."""
+
+    graph: Graph
+    specs: Mapping[str, ModelSpec]
+    works: Mapping[str, Workload]
+    n_devices: int
+    per_node: int
+    score: Score
+    cost: AnalyticCost | None = None
+
+    @classmethod
+    def priced(
+        cls, graph: Graph, specs: Mapping[str, ModelSpec], works: Mapping[str, Workload],
+        cost: AnalyticCost, step: StepOptions = StepOptions(),
+    ) -> Setting:  # fmt: skip
+        """Scored by the simulator's energy, as the search scores."""
+        cap = cost.cluster.device.memory_bytes
+        seen: dict[tuple, float] = {}
+
+        def score(plan: Plan) -> float:
+            key = (*(plan.layouts[n] for n in graph.order), *sorted(plan.zero.items()))
+            if key not in seen:
+                sim = simulate(graph, plan, dict(specs), dict(works), cost, step=step)
+                seen[key] = energy(sim, cap)
+            return seen[key]
+
+        cluster = cost.cluster
+        return cls(graph, specs, works, cluster.n_devices, cluster.devices_per_node, score, cost)
+
+    def spec(self, call: str) -> ModelSpec | None:
+        return self.specs.get(self.graph.by_name[call].role)
+
+    def trains(self) -> list[str]:
+        """The train calls of roles with a model."""
+        return [c.name for c in self.graph.calls if c.kind == "train" and self.spec(c.name)]
+
+    def zero3(self) -> bool:
+        """Whether every train call may run ZeRO-3."""
+        return all(
+            self.works[t].zero_stage == 3 or 3 in self.works[t].zero_choices for t in self.trains()
+        )
 
 
 def _layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> list[Layout]:
@@ -37,6 +95,18 @@ def _layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) ->
     return out
 
 
+def _options(s: Setting, name: str, mesh: tuple[int, ...], engines: bool) -> list[Layout]:
+    """Layouts call ``name`` may take on ``mesh``; with ``engines`` (verl's and OpenRLHF's
+    rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines)."""
+    kind = s.graph.by_name[name].kind
+    out = _layouts_on(mesh, s.spec(name), s.per_node)
+    if engines and kind == "train":
+        out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
+    if engines and kind == "generate":
+        out = [lay for lay in out if lay.pp == 1]
+    return out
+
+
 def _model_takes(plan: Plan, graph: Graph, specs: Mapping[str, ModelSpec]) -> bool:
     """Whether every call's model can take its layout (heads over tp, layers over pp)."""
     return all(
@@ -46,67 +116,184 @@ def _model_takes(plan: Plan, graph: Graph, specs: Mapping[str, ModelSpec]) -> bo
     )
 
 
-def _tune(plans: list[Plan], score: Score) -> Plan:
-    return min(plans, key=score)
-
-
-def colocated(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int, score):
+def colocated(s: Setting) -> Plan:
     """Every call on every device, one layout for all (the best such layout)."""
-    largest = max((s for s in specs.values() if s is not None), key=_size)
-    options = _layouts_on(tuple(range(n)), largest, per_node)
+    largest = max((p for p in s.specs.values() if p is not None), key=_size)
+    options = _layouts_on(tuple(range(s.n_devices)), largest, s.per_node)
     fits_all = [
         lay for lay in options
-        if all(s is None or check_layout(s, lay.tp, lay.pp) is None for s in specs.values())
+        if all(p is None or check_layout(p, lay.tp, lay.pp) is None for p in s.specs.values())
     ]  # fmt: skip
-    plans = [Plan({c.name: lay for c in graph.calls}, "colocated") for lay in fits_all]
-    return _tune(plans, score)
+    plans = [Plan({c.name: lay for c in s.graph.calls}, "colocated") for lay in fits_all]
+    return min(plans, key=s.score)
+
+
+def verl(s: Setting) -> Plan | None:
+    """verl's hybrid engine: every call on every device; train calls dp only at ZeRO-3;
+    generation dp x tp; each call tuned in its own layout (None where ZeRO-3 is not open)."""
+    if not s.zero3():
+        return None
+    every = tuple(range(s.n_devices))
+    options = {c.name: _options(s, c.name, every, True) for c in s.graph.calls}
+    return _tune(s, options, dict.fromkeys(s.trains(), 3), "verl", passes=2)
+
+
+def openrlhf(s: Setting) -> Plan | None:
+    """OpenRLHF: each role on devices of its own, each generate call on its own too; train calls
+    dp only at ZeRO-3, generation dp x tp (None where ZeRO-3 is not open)."""
+    if not s.zero3():
+        return None
+    groups: dict[str, list[str]] = {}
+    for c in s.graph.calls:
+        groups.setdefault(c.name if c.kind == "generate" else c.role, []).append(c.name)
+    return _disjoint(s, groups, dict.fromkeys(s.trains(), 3), "openrlhf", engines=True)
+
+
+def disjoint(s: Setting) -> Plan:
+    """Each role on devices of its own (generation on the actor's); stages as the rule picks."""
+    groups = {r: s.graph.role_calls(r) for r in s.graph.roles}
+    return _disjoint(s, groups, {}, "disjoint", engines=False)
 
 
 def _size(spec: ModelSpec) -> int:
     return sum(p.numel for p in param_shards(spec))
 
 
-def disjoint(graph: Graph, specs: Mapping[str, ModelSpec], n: int, per_node: int, score):
-    """Roles on disjoint device blocks proportional to their sizes (with more roles than
-    devices, one device each, wrapping around); each role tuned in turn while the others stay
-    on their own blocks (at first sharded the most, so they fit)."""
-    roles = [r for r in graph.roles if specs.get(r) is not None]
-    sizes = {r: _size(specs[r]) for r in roles}  # type: ignore[arg-type]
-    total = sum(sizes.values())
-    share = {r: max(1, 2 ** int(math.log2(max(1, n * sizes[r] / total)))) for r in roles}
-    while sum(share.values()) > n and max(share.values()) > 1:
-        biggest = max(share, key=lambda r: share[r])
-        share[biggest] //= 2
+def _least_memory(s: Setting, name: str, options: list[Layout]) -> Layout:
+    """The option that keeps the least on a device (the most sharded, without a cost model)."""
+    spec = s.spec(name)
+    if s.cost is None or spec is None:
+        return max(options, key=lambda lay: (lay.tp * lay.pp, lay.n_mbs))
+    cost, work = s.cost, s.works[name]
+    return min(options, key=lambda lay: cost.least_memory(spec, lay, work))
+
+
+def _tune(
+    s: Setting, options: dict[str, list[Layout]], zero: dict[str, int], source: str, passes: int
+) -> Plan:
+    """Every call from its least-memory option, then each call in turn on the option that
+    scores best with the others fixed, ``passes`` times."""
+    fixed = {name: _least_memory(s, name, opts) for name, opts in options.items()}
+    for _ in range(passes):
+        for name in s.graph.order:
+            trials = [Plan({**fixed, name: lay}, source, zero) for lay in options[name]]
+            fixed = dict(min(trials, key=s.score).layouts)
+    return Plan({name: fixed[name] for name in s.graph.order}, source, zero)
+
+
+def _disjoint(
+    s: Setting, groups: dict[str, list[str]], zero: dict[str, int], source: str, engines: bool
+) -> Plan:
+    """Groups of calls on disjoint device blocks (sized at first by their models' parameters,
+    trained ones thrice), each call tuned on its group's block; then a block grows at another's
+    expense (a node, or half of a smaller block) while the plan gets faster. ``engines``: the
+    layouts of ``verl``'s rule (ZeRO-3 training, dp x tp generation)."""
+    modelled = {g: calls for g, calls in groups.items() if any(s.spec(c) for c in calls)}
+    weight = {g: sum(_weight(s, c) for c in calls) for g, calls in modelled.items()}
+    total = sum(weight.values())
+    shares = {g: _block_size(s.n_devices * weight[g] / total, s) for g in modelled}
+    while sum(shares.values()) > s.n_devices and max(shares.values()) > 1:
+        biggest = max(shares, key=lambda g: shares[g])
+        shares[biggest] = _smaller(shares[biggest], s)
+    best = _on_blocks(s, groups, shares, zero, source, engines, quick=True)
+    best_e = s.score(best)
+    for _ in range(4 * len(shares)):
+        moved = False
+        for trial in _share_moves(shares, s):
+            plan = _on_blocks(s, groups, trial, zero, source, engines, quick=True)
+            e = s.score(plan)
+            if e < best_e:
+                best, best_e, shares, moved = plan, e, trial, True
+                break
+        if not moved:
+            break
+    return _on_blocks(s, groups, shares, zero, source, engines, quick=False)
+
+
+def _weight(s: Setting, name: str) -> int:
+    """A call's share of the devices at first: its model's parameters, thrice to train."""
+    spec = s.spec(name)
+    return 0 if spec is None else _size(spec) * (3 if s.graph.by_name[name].kind == "train" else 1)
+
+
+def _block_size(devices: float, s: Setting) -> int:
+    """A block size at or below ``devices``: a power of two within a node, or whole nodes."""
+    if devices >= s.per_node:
+        return s.per_node * max(1, int(devices // s.per_node))
+    return max(1, 2 ** int(math.log2(max(1.0, devices))))
+
+
+def _smaller(size: int, s: Setting) -> int:
+    return size - s.per_node if size > s.per_node else max(1, size // 2)
+
+
+def _larger(size: int, s: Setting) -> int:
+    return size + s.per_node if size >= s.per_node else size * 2
+
+
+def _share_moves(shares: dict[str, int], s: Setting):
+    """Block sizes with one group grown by a step, the devices taken from idle ones, or from
+    one group shrunk by as many steps as it takes, or from two groups shrunk a step each."""
+    free = s.n_devices - sum(shares.values())
+    for a in shares:
+        grown = {**shares, a: _larger(shares[a], s)}
+        need = grown[a] - shares[a] - free
+        if need <= 0:
+            yield grown
+            continue
+        others = [b for b in shares if b != a]
+        for b in others:
+            size = shares[b]
+            while size > 1 and shares[b] - size < need:
+                size = _smaller(size, s)
+            if shares[b] - size >= need:
+                yield {**grown, b: size}
+        for b, c in itertools.combinations(others, 2):
+            sb, sc = _smaller(shares[b], s), _smaller(shares[c], s)
+            if sb < shares[b] and sc < shares[c] and shares[b] - sb + shares[c] - sc >= need:
+                yield {**grown, b: sb, c: sc}
+
+
+def _on_blocks(
+    s: Setting, groups: dict[str, list[str]], shares: dict[str, int], zero: dict[str, int],
+    source: str, engines: bool, quick: bool,
+) -> Plan:  # fmt: skip
+    """Blocks laid out largest first (with more groups than devices they wrap around and
+    share); each call tuned on its group's block (``quick``: one pass over a shortlist)."""
     start, meshes = 0, {}
-    for r in sorted(roles, key=lambda r: -share[r]):
-        start = start if start + share[r] <= n else 0  # more roles than devices: they share
-        meshes[r] = tuple(range(start, start + share[r]))
-        start += share[r]
-    fixed: dict[str, Layout] = {}
-    for c in graph.calls:
-        if specs.get(c.role) is None:
-            fixed[c.name] = Layout((0,), dp=1)
-    options = {r: _layouts_on(meshes[r], specs[r], per_node) for r in roles}
-    for r in roles:  # until tuned, each role on its own devices, sharded the most (least memory)
-        most = max(options[r], key=lambda lay: (lay.tp * lay.pp, lay.n_mbs))
-        fixed.update(dict.fromkeys(graph.role_calls(r), most))
-    for r in roles * 2:  # then each role tuned in turn, the others where they are; twice, so
-        trials = [  # the first roles are tuned again against the others' tuned layouts
-            Plan({**fixed, **dict.fromkeys(graph.role_calls(r), lay)}, "disjoint")
-            for lay in options[r]
-        ]
-        fixed = dict(_tune(trials, score).layouts)
-    return Plan({c.name: fixed[c.name] for c in graph.calls}, "disjoint")
+    for g in sorted(shares, key=lambda g: -shares[g]):
+        start = start if start + shares[g] <= s.n_devices else 0
+        meshes[g] = tuple(range(start, start + shares[g]))
+        start += shares[g]
+    options: dict[str, list[Layout]] = {}
+    for g, calls in groups.items():
+        for name in calls:
+            opts = _options(s, name, meshes[g], engines) if g in meshes else [Layout((0,), 1)]
+            options[name] = _shortlist(s, name, opts) if quick else opts
+    return _tune(s, options, zero, source, passes=1 if quick else 2)
 
 
-def realhf(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, per_node: int, score):
+def _shortlist(s: Setting, name: str, options: list[Layout]) -> list[Layout]:
+    """The ``SHORTLIST`` fastest options that fit alone, and the least-memory one."""
+    spec = s.spec(name)
+    if s.cost is None or spec is None or len(options) <= SHORTLIST:
+        return options
+    cost, work, cap = s.cost, s.works[name], s.cost.cluster.device.memory_bytes
+    fits = [lay for lay in options if cost.least_memory(spec, lay, work) <= cap]
+    fastest = sorted(fits, key=lambda lay: cost.call(spec, lay, work).seconds)[:SHORTLIST]
+    least = _least_memory(s, name, options)
+    return fastest + ([least] if least not in fastest else [])
+
+
+def realhf(s: Setting) -> Plan | None:
     """ReaLHF's PPO heuristic (its public ``realhf/experiments/common/ppo_exp.py`` rules), for
     nodes of 8 devices; None for other graphs or node sizes."""
-    if per_node != 8 or not {"actor_gen", "actor_train", "critic_train"} <= set(graph.by_name):
+    graph, specs = s.graph, s.specs
+    if s.per_node != 8 or not {"actor_gen", "actor_train", "critic_train"} <= set(graph.by_name):
         return None
-    plans = [_realhf_plan(graph, specs, n_nodes, n_mbs) for n_mbs in MICRO_BATCHES]
+    plans = [_realhf_plan(graph, specs, s.n_devices // 8, n_mbs) for n_mbs in MICRO_BATCHES]
     plans = [p for p in plans if _model_takes(p, graph, specs)]
-    return _tune(plans, score) if plans else None  # its fixed tp/pp exceed a small model
+    return min(plans, key=s.score) if plans else None  # its fixed tp/pp exceed a small model
 
 
 def _realhf_plan(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_mbs: int):
@@ -136,3 +323,15 @@ def _realhf_plan(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_m
         for name, mesh in blocks.items():
             lay[name] = Layout(mesh, 2, 4, len(mesh) // 8, n_mbs)
     return Plan({call.name: lay[call.name] for call in graph.calls}, "realhf")
+
+
+def build_all(s: Setting) -> dict[str, Plan | None]:
+    """Every baseline for ``s`` (None: its rules give no plan for this graph, cluster or
+    engines)."""
+    return {
+        "colocated": colocated(s),
+        "verl": verl(s),
+        "openrlhf": openrlhf(s),
+        "disjoint": disjoint(s),
+        "realhf": realhf(s),
+    }

@@ -13,20 +13,24 @@ It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idea
   states); after a forward the last stage broadcasts the whole output (the logits) to its
   pipeline (``Pipeline.broadcast``); tp gathers the logits of the vocab-parallel head;
 - training: per minibatch one forward+backward, one gradient all-reduce over dp and one AdamW
-  step;
+  step over the optimizer's shard (ZeRO 1-2: the state split over dp, a reduce-scatter and an
+  all-gather moving what the all-reduce moves); ZeRO-3 gathers every weight before the forward
+  and again before the backward and reduce-scatters the gradients, prefetched under the compute
+  (DeepSpeed and FSDP overlap them), so a minibatch takes the longer of the two;
 - generation: prefill is one unmicro-batched pass (``Pipeline.step``: stages in turn); each
   decode step walks the stages one after another, reading every weight shard and the KV cache
   at its full capacity (prompt + generation: attention masks the empty slots but reads them),
   with grouped-query keys and values expanded to every head (``repeat_interleave``: read once,
   written and read again per head group); a step also pays its sampling ops and a host sync
   (``finished.all()``), so a decode step never costs less than launching every op it runs;
-- memory: weights, gradients and AdamW state (fp32 master + two moments, sharded over dp with
-  ZeRO-1), activations of every micro-batch in flight (GPipe), the KV cache (and its expanded
+- memory: weights, gradients and AdamW state (fp32 master + two moments; the ZeRO stage splits
+  them over dp), activations of every micro-batch in flight (GPipe), the KV cache (and its expanded
   copy for one layer), and the full logits of a replica's batch (rayhf gathers logits over tp).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -53,6 +57,14 @@ class Workload:
     engine: str = ""  # the call's backend when not rayhf's own: "vllm" | "deepspeed"
     zero_stage: int = 0  # train: what the optimizer shards over dp (ZeRO-1 torch, DeepSpeed)
     offload: bool = False  # train: optimizer state in host memory (DeepSpeed)
+    # train: the ZeRO stages a plan may give the call instead of ``zero_stage`` (0-1 on any
+    # layout with the torch engine, 2-3 run on DeepSpeed: one whole model per rank)
+    zero_choices: tuple[int, ...] = ()
+
+    def with_stage(self, stage: int) -> Workload:
+        """This train call at ZeRO ``stage`` (2 and 3 on DeepSpeed)."""
+        engine = "deepspeed" if stage >= 2 and not self.engine else self.engine
+        return dataclasses.replace(self, zero_stage=stage, engine=engine)
 
     @property
     def whole_model_ranks(self) -> bool:
@@ -245,21 +257,34 @@ class AnalyticCost:
             parts["forward"] = self.forward_seconds(spec, layout, n_seqs, seq)
         else:
             per_minibatch = math.ceil(n_seqs / work.n_minibatches)
-            parts["forward_backward"] = work.n_minibatches * self.forward_seconds(
-                spec, layout, per_minibatch, seq, backward=True
+            passes = self.forward_seconds(spec, layout, per_minibatch, seq, backward=True)
+            if work.zero_stage >= 3:  # two gathers and a reduce-scatter, under the compute
+                passes = max(passes, 3 * self._gather_seconds(spec, layout))
+            parts["forward_backward"] = work.n_minibatches * passes
+            parts["optimizer"] = work.n_minibatches * self._optimizer_seconds(
+                spec, layout, work.zero_stage
             )
-            parts["optimizer"] = work.n_minibatches * self._optimizer_seconds(spec, layout)
         return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
 
-    def _optimizer_seconds(self, spec: ModelSpec, layout: Layout) -> float:
-        """Gradient all-reduce over dp plus one AdamW pass over this device's shard."""
+    def _optimizer_seconds(self, spec: ModelSpec, layout: Layout, zero: int = 0) -> float:
+        """Gradient all-reduce over dp (ZeRO-3: reduce-scattered in the backward) plus one AdamW
+        pass over this device's part of the optimizer state (all of its shard at stage 0)."""
         shard = max_shard_params(spec, layout.tp, layout.pp)
         grads = shard * self.cluster.device.dtype_bytes
         dp_devices = layout.mesh[:: layout.tp * layout.pp]
         reduce = _allreduce(
             grads, layout.dp, self.cluster.bandwidth(dp_devices), self.cluster.link_latency
         )
-        return reduce + 2 * 16 * shard / self._bytes_rate()
+        owned = shard / (layout.dp if zero >= 1 else 1)
+        return (0.0 if zero >= 3 else reduce) + 2 * 16 * owned / self._bytes_rate()
+
+    def _gather_seconds(self, spec: ModelSpec, layout: Layout) -> float:
+        """ZeRO-3: one all-gather of the weights over dp (or reduce-scatter of the gradients),
+        layer by layer."""
+        shard = max_shard_params(spec, layout.tp, layout.pp) * self.cluster.device.dtype_bytes
+        dp = layout.dp
+        bandwidth = self.cluster.bandwidth(layout.mesh[:: layout.tp * layout.pp])
+        return (dp - 1) / dp * shard / bandwidth + spec.n_layers * self.cluster.link_latency
 
     def resident(
         self, spec: ModelSpec, layout: Layout, trainable: bool, work: Workload | None = None
@@ -276,6 +301,13 @@ class AnalyticCost:
         if work.engine != "vllm":
             return 0.0
         return max_shard_params(spec, 1, 1) * self.cluster.device.dtype_bytes + VLLM_KV_BYTES
+
+    def least_memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
+        """``memory`` at the ZeRO stage (of the call's own and its choices) that keeps least."""
+        stages = {work.zero_stage} | {
+            s for s in work.zero_choices if s < 2 or (layout.tp == 1 and layout.pp == 1)
+        }
+        return min(self.memory(spec, layout, work.with_stage(s)) for s in stages)
 
     def memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
         """Peak bytes on a device while the call runs, its weights and its engine's included (a

@@ -9,7 +9,7 @@ that reallocation fills from the home layout before the call and that is dropped
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rayhf.errors import RayhfError
@@ -30,6 +30,7 @@ class Plan:
 
     layouts: dict[str, Layout]
     source: str  # "colocated", "auto" or "manual"
+    zero: dict[str, int] = field(default_factory=dict)  # train call -> the ZeRO stage it gets
 
     def home_layouts(self, graph: Graph) -> dict[str, Layout]:
         """Where each role's weights live: its train call's layout, else its first call's."""
@@ -67,6 +68,7 @@ class Plan:
                     "tp": lay.tp,
                     "pp": lay.pp,
                     "n_mbs": lay.n_mbs,
+                    **({"zero": self.zero[name]} if name in self.zero else {}),
                 }
                 for name, lay in self.layouts.items()
             },
@@ -77,8 +79,9 @@ class Plan:
 def plan_from_json(text: str, source: str) -> Plan:
     """Inverse of ``Plan.to_json``."""
     raw = json.loads(text)
-    return Plan({name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], v["n_mbs"])
-                 for name, v in raw.items()}, source)  # fmt: skip
+    layouts = {name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], v["n_mbs"])
+               for name, v in raw.items()}  # fmt: skip
+    return Plan(layouts, source, {name: v["zero"] for name, v in raw.items() if "zero" in v})
 
 
 def colocated_plan(graph: Graph, n_devices: int) -> Plan:
@@ -120,17 +123,19 @@ def check_plan_fits(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> No
 
 
 def format_plan(plan: Plan, graph: Graph) -> str:
-    """A table of the plan for ``rayhf plan``."""
+    """A table of the plan for ``rayhf plan`` (with the ZeRO stage of each train call where the
+    plan names it: 2-3 run on DeepSpeed)."""
     rows = [f"plan ({plan.source}) for graph '{graph.name}':"]
     rows.append(
         f"  {'call':<14}{'role':<10}{'kind':<11}{'mesh':<14}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}"
+        + ("  zero" if plan.zero else "")
     )
     for name in graph.order:
         c, lay = graph.by_name[name], plan.layouts[name]
         mesh = lay.name.split(".")[0][1:]  # "0-15" or "0_2_5"
         rows.append(
             f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
-            f"{lay.pp:>4}{lay.n_mbs:>5}"
+            f"{lay.pp:>4}{lay.n_mbs:>5}" + (f"{plan.zero.get(name, '-'):>6}" if plan.zero else "")
         )
     return "\n".join(rows)
 

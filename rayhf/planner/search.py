@@ -180,7 +180,10 @@ def _fitting(options, graph: Graph, specs, works, cost: AnalyticCost) -> dict[st
     out = {}
     for name, opts in options.items():
         spec = specs.get(graph.by_name[name].role)
-        fits = [lay for lay in opts if spec is None or cost.memory(spec, lay, works[name]) <= cap]
+        fits = [
+            lay for lay in opts
+            if spec is None or cost.least_memory(spec, lay, works[name]) <= cap
+        ]  # fmt: skip
         out[name] = fits or opts
     return out
 
@@ -344,8 +347,8 @@ def search(
     if found_e < best_e:
         score.deadline = began + time_limit
         best, best_e = improve(found, short, graph, score)
-    plan = Plan(best, "search")
-    sim = simulate(graph, plan, specs, works, cost, concurrent=concurrent, step=step)
+    sim = simulate(graph, Plan(best, ""), specs, works, cost, concurrent=concurrent, step=step)
+    plan = Plan(best, "search", dict(sim.stages))
     return SearchResult(plan, sim, it + score.evaluations, time.perf_counter() - began)
 
 

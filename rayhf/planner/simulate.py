@@ -11,6 +11,10 @@ It returns the steady iteration time (how far apart the last iterations finish),
 and the peak memory per device: what every role keeps on its home devices, plus the largest
 transient of any call (or reallocated copy) on that device. A plan whose peak exceeds a device's
 memory is infeasible.
+
+A train call runs at the ZeRO stage the plan gives it; where the plan is silent and the workload
+leaves a choice (``Workload.zero_choices``), at the fastest stage that fits, raised stage by stage
+while its devices overflow (``staged``): the same rule for the search and every baseline.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Simulation:
     peak_memory: dict[int, float] = field(default_factory=dict)  # device -> bytes
     over_memory: list[tuple[str, int, float]] = field(default_factory=list)  # (what, device, B)
     refused: list[str] = field(default_factory=list)  # calls whose engine cannot take the layout
+    stages: dict[str, int] = field(default_factory=dict)  # train call -> ZeRO stage, where chosen
 
     @property
     def feasible(self) -> bool:
@@ -80,6 +85,7 @@ def simulate(
     at a time)."""
     homes = plan.home_layouts(graph)
     trained = {c.role for c in graph.calls if c.kind == "train"}
+    works, stages = staged(graph, plan, specs, works, cost)
     units = plan_step(graph, plan.layouts, homes, step.followers)
     overlap = step.overlap
     before = carried(units)
@@ -98,10 +104,71 @@ def simulate(
             end[u.name] = start + seconds[u.name]
             spans.append(SimSpan(u.name, it, start, end[u.name], tuple(sorted(u.devices))))
         prev = end
-    sim = Simulation(_period(spans, n_iterations), spans)
+    sim = Simulation(_period(spans, n_iterations), spans, stages=stages)
     sim.refused = _refused(graph, plan, works)
-    _memory(sim, graph, plan, specs, works, cost, homes, trained)
+    sim.peak_memory, sim.over_memory = _memory(graph, plan, specs, works, cost, homes, trained)
     return sim
+
+
+def staged(
+    graph: Graph,
+    plan: Plan,
+    specs: dict[str, ModelSpec],
+    works: dict[str, Workload],
+    cost: AnalyticCost,
+) -> tuple[dict[str, Workload], dict[str, int]]:
+    """Every call's workload with its train calls' ZeRO stages, and those stages (where the plan
+    or the rule set them): the plan's stage, else among the workload's ``zero_choices`` that
+    the layout allows (2-3: dp only; 3: not while another call of the role shares the layout)
+    the fastest that fits a device on its own, raised while the plan overflows its devices."""
+    out, choices = dict(works), {}
+    for c in graph.calls:
+        if c.kind != "train" or c.role not in specs:
+            continue
+        if c.name in plan.zero:
+            out[c.name] = works[c.name].with_stage(plan.zero[c.name])
+        elif works[c.name].zero_choices:
+            allowed = _allowed(graph, plan, c.name, works[c.name].zero_choices)
+            if allowed:
+                choices[c.name] = allowed
+                out[c.name] = _fastest_fitting(cost, specs[c.role], plan.layouts[c.name],
+                                               works[c.name], allowed)  # fmt: skip
+    homes, trained = plan.home_layouts(graph), {c.role for c in graph.calls if c.kind == "train"}
+    for _ in range(3 if choices else 0):  # a stage up where a train call's devices overflow
+        _, over = _memory(graph, plan, specs, out, cost, homes, trained)
+        full = {d for _, d, _ in over}
+        raised = False
+        for name, allowed in choices.items():
+            now = out[name].zero_stage
+            if full & set(plan.layouts[name].mesh) and now < allowed[-1]:
+                out[name] = works[name].with_stage(min(s for s in allowed if s > now))
+                raised = True
+        if not raised:
+            break
+    named = set(plan.zero) | set(choices)
+    return out, {n: out[n].zero_stage for n in graph.order if n in named}
+
+
+def _allowed(graph: Graph, plan: Plan, name: str, choices: tuple[int, ...]) -> tuple[int, ...]:
+    lay = plan.layouts[name]
+    shared = any(
+        plan.layouts[n] == lay for n in graph.role_calls(graph.by_name[name].role) if n != name
+    )
+    return tuple(sorted(
+        s for s in choices
+        if s < 2 or (lay.tp == 1 and lay.pp == 1 and not (s == 3 and shared))
+    ))  # fmt: skip
+
+
+def _fastest_fitting(
+    cost: AnalyticCost, spec: ModelSpec, layout: Layout, work: Workload, allowed: tuple[int, ...]
+) -> Workload:
+    """``work`` at the fastest of the ``allowed`` stages whose call fits a device by itself
+    (ties: the higher stage, which keeps less), else at the highest."""
+    cap = cost.cluster.device.memory_bytes
+    priced = [(cost.call(spec, layout, work.with_stage(s)), s) for s in allowed]
+    fits = [(c.seconds, -s) for c, s in priced if c.memory <= cap]
+    return work.with_stage(-min(fits)[1] if fits else allowed[-1])
 
 
 def _price(
@@ -168,7 +235,6 @@ def _index(mesh: tuple[int, ...]) -> np.ndarray | slice:
 
 
 def _memory(
-    sim: Simulation,
     graph: Graph,
     plan: Plan,
     specs: dict[str, ModelSpec],
@@ -176,8 +242,9 @@ def _memory(
     cost: AnalyticCost,
     homes: dict[str, Layout],
     trained: set[str],
-) -> None:
-    """Resident weights per device, plus the largest call transient on it."""
+) -> tuple[dict[int, float], list[tuple[str, int, float]]]:
+    """Peak bytes per used device (resident weights plus the largest call transient on it),
+    and (what, device, bytes) for each device over its memory."""
     n_devices = _n_devices(plan, cost)
     resident = np.zeros(n_devices)
     used = np.zeros(n_devices, dtype=bool)
@@ -211,8 +278,9 @@ def _memory(
         owner[index] = np.where(bigger, i, owner[index])
     peak = resident + transient
     devices = np.flatnonzero(used)
-    sim.peak_memory = dict(zip(devices.tolist(), peak[devices].tolist(), strict=True))
     capacity = cost.cluster.device.memory_bytes
-    for d in np.flatnonzero(used & (peak > capacity)).tolist():
-        what = graph.order[owner[d]] if owner[d] >= 0 else "weights"
-        sim.over_memory.append((what, d, float(peak[d])))
+    over = [
+        (graph.order[owner[d]] if owner[d] >= 0 else "weights", d, float(peak[d]))
+        for d in np.flatnonzero(used & (peak > capacity)).tolist()
+    ]
+    return dict(zip(devices.tolist(), peak[devices].tolist(), strict=True)), over

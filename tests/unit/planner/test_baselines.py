@@ -3,12 +3,18 @@ valid plan of its own shape, tuned by the score it is given."""
 
 from __future__ import annotations
 
-from planner_support import GRAPH, REPO, SPECS
+import pytest
+from planner_support import GRAPH, REPO, SPECS, WORKS
 
 from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
+from rayhf.planner.auto import open_stages
+from rayhf.planner.cost import AnalyticCost, Workload
+from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.simulate import simulate
 
 
 def _most_tp(plan: Plan) -> float:
@@ -16,46 +22,120 @@ def _most_tp(plan: Plan) -> float:
     return -sum(lay.tp for lay in plan.layouts.values())
 
 
+def _setting(n: int, per_node: int, score=_most_tp) -> baselines.Setting:
+    return baselines.Setting(GRAPH, SPECS, WORKS, n, per_node, score)
+
+
+def _priced(cluster: str, actor: str = "llama2-7b", critic: str = "llama2-7b", gen: int = 128):
+    """A setting scored by the simulator on ``cluster``, train calls open to every ZeRO stage."""
+    specs = {
+        "actor": public_shape(actor),
+        "ref": public_shape(actor),
+        "critic": public_shape(critic, value_head=True),
+        "reward": public_shape(critic, value_head=True),
+    }
+    works = open_stages({
+        c.name: Workload(c.kind, 512, 128, gen, 4 if c.kind == "train" else 1)
+        for c in GRAPH.calls
+    })  # fmt: skip
+    cost = AnalyticCost(parse_cluster(cluster))
+    return baselines.Setting.priced(GRAPH, specs, works, cost), cost
+
+
+def _role_devices(plan: Plan) -> dict[str, set[int]]:
+    return {r: {d for c in GRAPH.role_calls(r) for d in plan.layouts[c].mesh} for r in GRAPH.roles}
+
+
+def _pairwise_disjoint(meshes: dict[str, set[int]]) -> bool:
+    keys = sorted(meshes)
+    return all(not meshes[a] & meshes[b] for i, a in enumerate(keys) for b in keys[i + 1 :])
+
+
 def test_colocated_is_one_layout_on_every_device_for_every_call():
-    plan = baselines.colocated(GRAPH, SPECS, 8, 8, _most_tp)
+    plan = baselines.colocated(_setting(8, 8))
     assert plan.source == "colocated" and set(plan.layouts) == set(GRAPH.by_name)
     (lay,) = set(plan.layouts.values())
     assert lay.mesh == tuple(range(8)) and lay.tp == 8, "the score picked the layout"
-    fewest = baselines.colocated(GRAPH, SPECS, 8, 8, lambda p: -_most_tp(p))
+    fewest = baselines.colocated(_setting(8, 8, lambda p: -_most_tp(p)))
     assert {lay.tp for lay in fewest.layouts.values()} == {1}
 
 
-def test_disjoint_gives_each_role_its_own_devices_and_one_layout():
-    plan = baselines.disjoint(GRAPH, SPECS, 8, 8, _most_tp)
+def test_disjoint_gives_each_role_its_own_devices():
+    plan = baselines.disjoint(_setting(8, 8))
     assert plan.source == "disjoint" and set(plan.layouts) == set(GRAPH.by_name)
-    meshes = {}
-    for role in GRAPH.roles:
-        (lay,) = {plan.layouts[c] for c in GRAPH.role_calls(role)}
-        meshes[role] = set(lay.mesh)
-    roles = sorted(meshes)
-    for i, a in enumerate(roles):
-        for b in roles[i + 1 :]:
-            assert not meshes[a] & meshes[b], (a, b)
+    assert _pairwise_disjoint(_role_devices(plan))
     # more roles than devices: the blocks wrap around and share
-    two = baselines.disjoint(GRAPH, SPECS, 2, 2, _most_tp)
+    two = baselines.disjoint(_setting(2, 2))
     assert {d for lay in two.layouts.values() for d in lay.mesh} == {0, 1}
 
 
-def test_disjoint_tunes_a_role_with_the_others_on_their_own_devices():
-    """While one role is tuned, no other role's calls sit on its devices (they did, which charged
-    its choice for memory the others would never use there)."""
+def test_disjoint_tunes_every_role_on_its_own_devices():
+    """No plan it scores puts a role's calls on another role's devices (the others sat on the
+    tuned role's devices once, which charged its choice for memory they would never use)."""
     scored: list[Plan] = []
 
     def record(plan: Plan) -> float:
         scored.append(plan)
         return _most_tp(plan)
 
-    final = baselines.disjoint(GRAPH, SPECS, 16, 8, record)
-    home = {r: set(final.layouts[GRAPH.role_calls(r)[0]].mesh) for r in GRAPH.roles}
-    assert scored
-    for plan in scored:
-        for role in GRAPH.roles:
-            assert all(set(plan.layouts[c].mesh) == home[role] for c in GRAPH.role_calls(role))
+    baselines.disjoint(_setting(16, 8, record))
+    assert len(scored) > 10
+    assert all(_pairwise_disjoint(_role_devices(p)) for p in scored)
+
+
+def test_disjoint_fits_where_a_disjoint_plan_fits():
+    """13B models on 32 H100: the earlier disjoint baseline did not fit memory (its blocks were
+    fixed by parameter counts); here a disjoint plan fits, so the baseline must."""
+    setting, cost = _priced("4x8xH100", "llama2-13b", "llama2-13b")
+    by_hand = Plan({
+        "actor_gen": Layout(tuple(range(16)), 4, 4),
+        "actor_train": Layout(tuple(range(16)), 4, 4),
+        "critic_inf": Layout(tuple(range(16, 24)), 2, 4),
+        "critic_train": Layout(tuple(range(16, 24)), 1, 4, 2, 8),
+        "ref_inf": Layout(tuple(range(24, 28)), 1, 4),
+        "rew_inf": Layout(tuple(range(28, 32)), 1, 4),
+    }, "by hand")  # fmt: skip
+    sim = lambda p: simulate(GRAPH, p, dict(setting.specs), dict(setting.works), cost)  # noqa: E731
+    assert _pairwise_disjoint(_role_devices(by_hand)) and sim(by_hand).feasible
+    plan = baselines.disjoint(setting)
+    assert _pairwise_disjoint(_role_devices(plan)) and sim(plan).feasible
+    assert setting.score(plan) <= setting.score(by_hand)
+
+
+def test_verl_colocates_every_call_trains_at_zero3_and_reshards_for_generation():
+    setting, cost = _priced("2x8xH100")
+    plan = baselines.verl(setting)
+    assert plan is not None and plan.source == "verl"
+    assert all(lay.mesh == tuple(range(16)) for lay in plan.layouts.values())
+    assert plan.zero == {"actor_train": 3, "critic_train": 3}
+    for name in ("actor_train", "critic_train"):
+        assert (plan.layouts[name].tp, plan.layouts[name].pp) == (1, 1)  # FSDP-like: dp only
+    gen = plan.layouts["actor_gen"]
+    assert gen.pp == 1 and gen != plan.layouts["actor_train"]
+    sim = simulate(GRAPH, plan, dict(setting.specs), dict(setting.works), cost)
+    moved = {s.name for s in sim.spans}
+    assert "realloc:actor_gen" in moved  # the resharding into the rollout layout is priced
+    assert sim.stages == plan.zero and sim.feasible
+
+
+def test_openrlhf_generates_on_devices_of_its_own_and_trains_at_zero3():
+    setting, cost = _priced("2x8xH100")
+    plan = baselines.openrlhf(setting)
+    assert plan is not None and plan.source == "openrlhf"
+    meshes = _role_devices(plan)
+    meshes["actor"] = set(plan.layouts["actor_train"].mesh)
+    meshes["engines"] = set(plan.layouts["actor_gen"].mesh)
+    assert _pairwise_disjoint(meshes)
+    assert plan.zero == {"actor_train": 3, "critic_train": 3}
+    assert plan.layouts["actor_gen"].pp == 1
+    sim = simulate(GRAPH, plan, dict(setting.specs), dict(setting.works), cost)
+    assert "realloc:actor_gen" in {s.name for s in sim.spans}  # the weights broadcast
+
+
+@pytest.mark.parametrize("build", [baselines.verl, baselines.openrlhf])
+def test_zero3_baselines_need_an_engine_that_offers_it(build):
+    """The workloads as a run configures them (torch training, no stage choice): no plan."""
+    assert build(baselines.Setting(GRAPH, SPECS, WORKS, 16, 8, _most_tp)) is None
 
 
 def test_baselines_take_any_pipeline_divisor():
@@ -65,16 +145,16 @@ def test_baselines_take_any_pipeline_divisor():
 
 
 def test_realhf_follows_its_rules_on_nodes_of_eight():
-    assert baselines.realhf(GRAPH, SPECS, 1, 4, _most_tp) is None
+    assert baselines.realhf(_setting(4, 4)) is None
     sft = load_graph(REPO / "graphs" / "sft.yaml")
-    assert baselines.realhf(sft, SPECS, 1, 8, _most_tp) is None
+    assert baselines.realhf(baselines.Setting(sft, SPECS, WORKS, 8, 8, _most_tp)) is None
     by_mbs = lambda p: p.layouts["actor_gen"].n_mbs  # noqa: E731
-    one = baselines.realhf(GRAPH, SPECS, 1, 8, by_mbs)
+    one = baselines.realhf(_setting(8, 8, by_mbs))
     assert one is not None and one.source == "realhf"
     assert one.layouts["actor_gen"] == Layout(tuple(range(8)), 4, 1, 2, 1)
     assert one.layouts["actor_train"] == Layout((0, 1, 2, 3), 2, 2)  # a 7B actor: tp 2
     assert one.layouts["critic_train"] == Layout((4, 5, 6, 7), 2, 2)
-    two = baselines.realhf(GRAPH, SPECS, 2, 8, by_mbs)
+    two = baselines.realhf(_setting(16, 8, by_mbs))
     assert two is not None
     assert two.layouts["actor_train"] == Layout(tuple(range(8)), 2, 4, 1)
     assert two.layouts["critic_train"] == Layout(tuple(range(8, 16)), 2, 4, 1)

@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 from planner_support import GRAPH, SPECS, WORKS
 
+from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost
+from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.simulate import simulate
@@ -67,3 +68,20 @@ def test_engines_change_the_memory_the_planner_counts():
     assert max(with_vllm.peak_memory.values()) == pytest.approx(
         max(plain.peak_memory.values()) + extra
     )
+
+
+def test_zero_stages_trade_memory_for_time():
+    """Stages 1-2 split the optimizer (less memory, a shorter AdamW step); stage 3 also splits
+    the weights and pays its gathers, which hide under the compute only while that is longer."""
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    spec, lay = public_shape("llama2-7b"), Layout(tuple(range(16)), 16)
+    work = Workload("train", 512, 128, 128, 4)
+    by_stage = {z: cost.call(spec, lay, work.with_stage(z)) for z in range(4)}
+    mem = [by_stage[z].memory for z in range(4)]
+    assert mem[0] > mem[1] > mem[2] > mem[3]
+    assert by_stage[1].parts["optimizer"] < by_stage[0].parts["optimizer"]
+    assert by_stage[3].seconds >= by_stage[1].seconds
+    assert work.with_stage(3).engine == "deepspeed" and work.with_stage(1).engine == ""
+    small = Workload("train", 16, 16, 16, 4).with_stage(3)  # little compute: the gathers show
+    gathers = 4 * 3 * cost._gather_seconds(spec, lay)
+    assert cost.call(spec, lay, small).parts["forward_backward"] == pytest.approx(gathers)

@@ -61,10 +61,8 @@ def test_search_is_deterministic_and_never_worse_than_its_starts():
     def score(plan: Plan) -> float:
         return energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
 
-    starts = [
-        baselines.colocated(GRAPH, SPECS, 16, 8, score),
-        baselines.realhf(GRAPH, SPECS, 2, 8, score),
-    ]
+    setting = baselines.Setting(GRAPH, SPECS, WORKS, 16, 8, score)
+    starts = [baselines.colocated(setting), baselines.realhf(setting)]
     for s in starts:
         assert s is not None and {c.name for c in GRAPH.calls} == set(s.layouts)
     a = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
@@ -79,7 +77,7 @@ def test_local_improvement_never_worsens_a_plan_and_is_deterministic():
 
     cost = AnalyticCost(parse_cluster("2x8xH100"))
     options = {c.name: candidates(SPECS.get(c.role), 16, 8) for c in GRAPH.calls}
-    start = dict(baselines.colocated(GRAPH, SPECS, 16, 8, _score(cost)).layouts)
+    start = dict(baselines.colocated(_setting(cost)).layouts)
     runs = []
     for _ in range(2):
         score = _Scorer(GRAPH, SPECS, WORKS, cost, deadline=float("inf"))
@@ -92,7 +90,7 @@ def test_search_improves_on_the_colocated_plan():
     """One layout for every call is a compromise: the search gives each call its own."""
     cost = AnalyticCost(parse_cluster("2x8xH100"))
     score = _score(cost)
-    start = baselines.colocated(GRAPH, SPECS, 16, 8, score)
+    start = baselines.colocated(_setting(cost))
     found = search(GRAPH, SPECS, WORKS, cost, [start], seed=0, max_iterations=200)
     assert found.simulation.feasible
     assert score(found.plan) < 0.95 * score(start)
@@ -101,6 +99,10 @@ def test_search_improves_on_the_colocated_plan():
 def _score(cost: AnalyticCost):
     cap = cost.cluster.device.memory_bytes
     return lambda plan: energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+
+
+def _setting(cost: AnalyticCost) -> baselines.Setting:
+    return baselines.Setting.priced(GRAPH, SPECS, WORKS, cost)
 
 
 def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
@@ -121,7 +123,7 @@ def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
     refused = simulate(GRAPH, tp2, SPECS, works, cost).refused
     assert refused == ["actor_gen", "critic_inf", "critic_train"]  # critic_inf: on ZeRO-3 ranks
     assert score(tp2) == float("inf")
-    starts = [baselines.colocated(GRAPH, SPECS, 8, 8, score)]
+    starts = [baselines.colocated(baselines.Setting(GRAPH, SPECS, works, 8, 8, score))]
     found = search(GRAPH, SPECS, works, cost, starts, seed=1, max_iterations=300)
     for name in ("actor_gen", "critic_train"):
         lay = found.plan.layouts[name]

@@ -3,6 +3,7 @@ ones overlap, reallocations and memory peaks appear where a plan implies them (n
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from planner_support import GRAPH, SPECS, WORKS
@@ -97,3 +98,24 @@ def test_overlapped_steps_are_priced_as_the_driver_runs_them_and_barriers_when_a
         for o in (True, False)
     )
     assert abs(a - b) < 1e-9, "on shared devices nothing can overlap"
+
+
+def test_open_zero_stages_take_the_fastest_that_fits_and_dp_only_for_deepspeed():
+    """A train call whose workload leaves the stage open runs at the fastest stage that fits;
+    where its devices overflow, a higher one; stages 2-3 (DeepSpeed) only on dp-only layouts;
+    a stage the plan names is kept."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    works = {
+        n: dataclasses.replace(w, zero_choices=(0, 1, 2, 3)) if w.kind == "train" else w
+        for n, w in WORKS.items()
+    }
+    dp = _plan(lambda c: Layout(tuple(range(8)), 8))
+    sim = simulate(GRAPH, dp, SPECS, works, cost)
+    assert sim.stages["actor_train"] == 2  # dp only: stage 1 overflows, 3 is refused (shared)
+    tp = _plan(lambda c: Layout(tuple(range(8)), 2, 4))
+    assert set(simulate(GRAPH, tp, SPECS, works, cost).stages.values()) <= {0, 1}
+    own = Plan({**dp.layouts, "actor_gen": Layout(tuple(range(8)), 2, 4)}, "test")
+    assert simulate(GRAPH, own, SPECS, works, cost).stages["actor_train"] == 3
+    named = Plan(dp.layouts, "test", {"actor_train": 1})
+    assert simulate(GRAPH, named, SPECS, works, cost).stages["actor_train"] == 1
+    assert simulate(GRAPH, dp, SPECS, WORKS, cost).stages == {}  # nothing open, nothing chosen
