@@ -229,7 +229,7 @@ def main() -> None:
     if not args.quick:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "planner_scale.md").write_text(text)
-        (OUT / "planner_scale.json").write_text(json.dumps(rows, indent=2))
+        (OUT / "planner_scale.json").write_text(json.dumps(rows, separators=(",", ":")))
 
 
 if __name__ == "__main__":
