@@ -28,7 +28,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
-from rayhf.planner.search import MICRO_BATCHES, _divisors, _powers, energy
+from rayhf.planner.search import MICRO_BATCHES, energy, layouts_on
 from rayhf.planner.simulate import simulate
 from rayhf.planner.step import StepOptions
 
@@ -83,23 +83,11 @@ class Setting:
         )
 
 
-def _layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> list[Layout]:
-    if spec is None:
-        return [Layout(mesh, dp=len(mesh))]
-    out = []
-    for tp in _powers(min(len(mesh), per_node)):
-        for pp in _divisors(len(mesh) // tp) if len(mesh) % tp == 0 else []:
-            if check_layout(spec, tp, pp) is None:
-                for n_mbs in MICRO_BATCHES if pp > 1 else (1,):
-                    out.append(Layout(mesh, len(mesh) // (tp * pp), tp, pp, n_mbs))
-    return out
-
-
 def _options(s: Setting, name: str, mesh: tuple[int, ...], engines: bool) -> list[Layout]:
     """Layouts call ``name`` may take on ``mesh``; with ``engines`` (verl's and OpenRLHF's
     rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines)."""
     kind = s.graph.by_name[name].kind
-    out = _layouts_on(mesh, s.spec(name), s.per_node)
+    out = layouts_on(mesh, s.spec(name), s.per_node)
     if engines and kind == "train":
         out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
     if engines and kind == "generate":
@@ -119,7 +107,7 @@ def _model_takes(plan: Plan, graph: Graph, specs: Mapping[str, ModelSpec]) -> bo
 def colocated(s: Setting) -> Plan:
     """Every call on every device, one layout for all (the best such layout)."""
     largest = max((p for p in s.specs.values() if p is not None), key=_size)
-    options = _layouts_on(tuple(range(s.n_devices)), largest, s.per_node)
+    options = layouts_on(tuple(range(s.n_devices)), largest, s.per_node)
     fits_all = [
         lay for lay in options
         if all(p is None or check_layout(p, lay.tp, lay.pp) is None for p in s.specs.values())

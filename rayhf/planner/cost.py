@@ -61,6 +61,11 @@ class Workload:
     # layout with the torch engine, 2-3 run on DeepSpeed: one whole model per rank)
     zero_choices: tuple[int, ...] = ()
 
+    def choices_on(self, layout: Layout) -> tuple[int, ...]:
+        """The ``zero_choices`` ``layout`` allows, in order (2-3 run on DeepSpeed: dp only)."""
+        dp_only = layout.tp == 1 and layout.pp == 1
+        return tuple(sorted(s for s in self.zero_choices if s < 2 or dp_only))
+
     def with_stage(self, stage: int) -> Workload:
         """This train call at ZeRO ``stage`` (2 and 3 on DeepSpeed)."""
         engine = "deepspeed" if stage >= 2 and not self.engine else self.engine
@@ -304,9 +309,7 @@ class AnalyticCost:
 
     def least_memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
         """``memory`` at the ZeRO stage (of the call's own and its choices) that keeps least."""
-        stages = {work.zero_stage} | {
-            s for s in work.zero_choices if s < 2 or (layout.tp == 1 and layout.pp == 1)
-        }
+        stages = {work.zero_stage, *work.choices_on(layout)}
         return min(self.memory(spec, layout, work.with_stage(s)) for s in stages)
 
     def memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:

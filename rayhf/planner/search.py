@@ -58,13 +58,18 @@ def candidates(spec: ModelSpec | None, n_devices: int, per_node: int) -> list[La
     power of two within a node, pp any divisor of what tp leaves, dp the rest."""
     if spec is None:
         return [Layout(tuple(range(n_devices)), dp=n_devices)]
-    out = []
-    for mesh in blocks(n_devices, per_node):
-        size = len(mesh)
-        for tp in _powers(min(size, per_node)):
-            for pp in _divisors(size // tp) if size % tp == 0 else []:
-                if check_layout(spec, tp, pp) is not None:
-                    continue
+    return [lay for mesh in blocks(n_devices, per_node) for lay in layouts_on(mesh, spec, per_node)]
+
+
+def layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> list[Layout]:
+    """Every layout on ``mesh`` the model takes (tp a power of two within a node, pp any divisor
+    of what tp leaves, micro-batches when pipelined); dp over the mesh for no model."""
+    if spec is None:
+        return [Layout(mesh, dp=len(mesh))]
+    out, size = [], len(mesh)
+    for tp in _powers(min(size, per_node)):
+        for pp in _divisors(size // tp) if size % tp == 0 else []:
+            if check_layout(spec, tp, pp) is None:
                 for n_mbs in MICRO_BATCHES if pp > 1 else (1,):
                     out.append(Layout(mesh, size // (tp * pp), tp, pp, n_mbs))
     return out

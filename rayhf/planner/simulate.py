@@ -85,7 +85,7 @@ def simulate(
     at a time)."""
     homes = plan.home_layouts(graph)
     trained = {c.role for c in graph.calls if c.kind == "train"}
-    works, stages = staged(graph, plan, specs, works, cost)
+    works, stages = staged(graph, plan, specs, works, cost, homes, trained)
     units = plan_step(graph, plan.layouts, homes, step.followers)
     overlap = step.overlap
     before = carried(units)
@@ -116,11 +116,14 @@ def staged(
     specs: dict[str, ModelSpec],
     works: dict[str, Workload],
     cost: AnalyticCost,
+    homes: dict[str, Layout],
+    trained: set[str],
 ) -> tuple[dict[str, Workload], dict[str, int]]:
     """Every call's workload with its train calls' ZeRO stages, and those stages (where the plan
     or the rule set them): the plan's stage, else among the workload's ``zero_choices`` that
     the layout allows (2-3: dp only; 3: not while another call of the role shares the layout)
-    the fastest that fits a device on its own, raised while the plan overflows its devices."""
+    the fastest that fits a device on its own, raised while the plan overflows its devices;
+    ``homes`` and ``trained`` as ``simulate`` derives them."""
     out, choices = dict(works), {}
     for c in graph.calls:
         if c.kind != "train" or c.role not in specs:
@@ -128,12 +131,11 @@ def staged(
         if c.name in plan.zero:
             out[c.name] = works[c.name].with_stage(plan.zero[c.name])
         elif works[c.name].zero_choices:
-            allowed = _allowed(graph, plan, c.name, works[c.name].zero_choices)
+            allowed = _allowed(graph, plan, c.name, works[c.name])
             if allowed:
                 choices[c.name] = allowed
                 out[c.name] = _fastest_fitting(cost, specs[c.role], plan.layouts[c.name],
                                                works[c.name], allowed)  # fmt: skip
-    homes, trained = plan.home_layouts(graph), {c.role for c in graph.calls if c.kind == "train"}
     for _ in range(3 if choices else 0):  # a stage up where a train call's devices overflow
         _, over = _memory(graph, plan, specs, out, cost, homes, trained)
         full = {d for _, d, _ in over}
@@ -149,15 +151,12 @@ def staged(
     return out, {n: out[n].zero_stage for n in graph.order if n in named}
 
 
-def _allowed(graph: Graph, plan: Plan, name: str, choices: tuple[int, ...]) -> tuple[int, ...]:
+def _allowed(graph: Graph, plan: Plan, name: str, work: Workload) -> tuple[int, ...]:
     lay = plan.layouts[name]
     shared = any(
         plan.layouts[n] == lay for n in graph.role_calls(graph.by_name[name].role) if n != name
     )
-    return tuple(sorted(
-        s for s in choices
-        if s < 2 or (lay.tp == 1 and lay.pp == 1 and not (s == 3 and shared))
-    ))  # fmt: skip
+    return tuple(s for s in work.choices_on(lay) if not (s == 3 and shared))
 
 
 def _fastest_fitting(

@@ -14,6 +14,7 @@ from rayhf.planner.auto import open_stages
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.search import layouts_on
 from rayhf.planner.simulate import simulate
 
 
@@ -140,7 +141,7 @@ def test_zero3_baselines_need_an_engine_that_offers_it(build):
 
 def test_baselines_take_any_pipeline_divisor():
     """6 devices: pp=3 and pp=6 are options (powers of two only before)."""
-    pps = {lay.pp for lay in baselines._layouts_on(tuple(range(6)), SPECS["actor"], 8)}
+    pps = {lay.pp for lay in layouts_on(tuple(range(6)), SPECS["actor"], 8)}
     assert {1, 2, 3, 6} <= pps
 
 
