@@ -7,6 +7,7 @@ workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -223,7 +224,7 @@ def plan_for_run(
     n = cluster.n_devices
     if not searches(cluster):
         return Plan(colocated_plan(graph, n).layouts, "auto")
-    spec = cpu_cluster(n, cluster.device_memory_gb)
+    spec = cpu_cluster(n, cluster.device_memory_gb, cluster.num_cpus or os.cpu_count() or 1)
     cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
     check_fits(graph, specs, works, cost)
 

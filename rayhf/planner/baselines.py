@@ -9,6 +9,9 @@
 - ``disjoint``: each role on its own devices, generation on the actor's.
 - ``realhf`` (ReaLHF's PPO heuristic from its public code; see the issue text for the rules).
 
+Their ZeRO-3 covers train calls with data-parallel ranks; a one-rank group has nothing to shard,
+and its stage is left to the rule that picks every other call's.
+
 Each gets the tuning the search gets: among the layouts its rule allows (tp a power of two
 within a node, pp any divisor of what tp leaves, micro-batches, the ZeRO stage where its rule
 leaves it open: ``simulate.staged``), the one with the lowest simulated time is kept, call by
@@ -123,7 +126,7 @@ def verl(s: Setting) -> Plan | None:
         return None
     every = tuple(range(s.n_devices))
     options = {c.name: _options(s, c.name, every, True) for c in s.graph.calls}
-    return _tune(s, options, dict.fromkeys(s.trains(), 3), "verl", passes=2)
+    return _tune(s, options, True, "verl", passes=2)
 
 
 def openrlhf(s: Setting) -> Plan | None:
@@ -134,13 +137,13 @@ def openrlhf(s: Setting) -> Plan | None:
     groups: dict[str, list[str]] = {}
     for c in s.graph.calls:
         groups.setdefault(c.name if c.kind == "generate" else c.role, []).append(c.name)
-    return _disjoint(s, groups, dict.fromkeys(s.trains(), 3), "openrlhf", engines=True)
+    return _disjoint(s, groups, True, "openrlhf", engines=True)
 
 
 def disjoint(s: Setting) -> Plan:
     """Each role on devices of its own (generation on the actor's); stages as the rule picks."""
     groups = {r: s.graph.role_calls(r) for r in s.graph.roles}
-    return _disjoint(s, groups, {}, "disjoint", engines=False)
+    return _disjoint(s, groups, False, "disjoint", engines=False)
 
 
 def _size(spec: ModelSpec) -> int:
@@ -157,20 +160,27 @@ def _least_memory(s: Setting, name: str, options: list[Layout]) -> Layout:
 
 
 def _tune(
-    s: Setting, options: dict[str, list[Layout]], zero: dict[str, int], source: str, passes: int
+    s: Setting, options: dict[str, list[Layout]], zero3: bool, source: str, passes: int
 ) -> Plan:
     """Every call from its least-memory option, then each call in turn on the option that
-    scores best with the others fixed, ``passes`` times."""
+    scores best with the others fixed, ``passes`` times. ``zero3``: train calls run ZeRO-3
+    wherever they have data-parallel ranks to shard over."""
+
+    def plan(layouts: dict[str, Layout]) -> Plan:
+        ordered = {name: layouts[name] for name in s.graph.order}
+        zero = {t: 3 for t in s.trains() if zero3 and layouts[t].dp > 1}
+        return Plan(ordered, source, zero)
+
     fixed = {name: _least_memory(s, name, opts) for name, opts in options.items()}
     for _ in range(passes):
         for name in s.graph.order:
-            trials = [Plan({**fixed, name: lay}, source, zero) for lay in options[name]]
+            trials = [plan({**fixed, name: lay}) for lay in options[name]]
             fixed = dict(min(trials, key=s.score).layouts)
-    return Plan({name: fixed[name] for name in s.graph.order}, source, zero)
+    return plan(fixed)
 
 
 def _disjoint(
-    s: Setting, groups: dict[str, list[str]], zero: dict[str, int], source: str, engines: bool
+    s: Setting, groups: dict[str, list[str]], zero3: bool, source: str, engines: bool
 ) -> Plan:
     """Groups of calls on disjoint device blocks (sized at first by their models' parameters,
     trained ones thrice), each call tuned on its group's block; then a block grows at another's
@@ -183,19 +193,19 @@ def _disjoint(
     while sum(shares.values()) > s.n_devices and max(shares.values()) > 1:
         biggest = max(shares, key=lambda g: shares[g])
         shares[biggest] = _smaller(shares[biggest], s)
-    best = _on_blocks(s, groups, shares, zero, source, engines, quick=True)
+    best = _on_blocks(s, groups, shares, zero3, source, engines, quick=True)
     best_e = s.score(best)
     for _ in range(4 * len(shares)):
         moved = False
         for trial in _share_moves(shares, s):
-            plan = _on_blocks(s, groups, trial, zero, source, engines, quick=True)
+            plan = _on_blocks(s, groups, trial, zero3, source, engines, quick=True)
             e = s.score(plan)
             if e < best_e:
                 best, best_e, shares, moved = plan, e, trial, True
                 break
         if not moved:
             break
-    return _on_blocks(s, groups, shares, zero, source, engines, quick=False)
+    return _on_blocks(s, groups, shares, zero3, source, engines, quick=False)
 
 
 def _weight(s: Setting, name: str) -> int:
@@ -243,7 +253,7 @@ def _share_moves(shares: dict[str, int], s: Setting):
 
 
 def _on_blocks(
-    s: Setting, groups: dict[str, list[str]], shares: dict[str, int], zero: dict[str, int],
+    s: Setting, groups: dict[str, list[str]], shares: dict[str, int], zero3: bool,
     source: str, engines: bool, quick: bool,
 ) -> Plan:  # fmt: skip
     """Blocks laid out largest first (with more groups than devices they wrap around and
@@ -258,7 +268,7 @@ def _on_blocks(
         for name in calls:
             opts = _options(s, name, meshes[g], engines) if g in meshes else [Layout((0,), 1)]
             options[name] = _shortlist(s, name, opts) if quick else opts
-    return _tune(s, options, zero, source, passes=1 if quick else 2)
+    return _tune(s, options, zero3, source, passes=1 if quick else 2)
 
 
 def _shortlist(s: Setting, name: str, options: list[Layout]) -> list[Layout]:

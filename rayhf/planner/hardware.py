@@ -55,6 +55,7 @@ class ClusterSpec:
     intra_node_bandwidth: float  # bytes/s one device can send to a device on its node
     inter_node_bandwidth: float  # bytes/s one device can send to another node
     link_latency: float = 10e-6  # seconds per collective or message
+    host_cores: float = 0.0  # emulated devices: the cores they all share (0: none shared)
 
     @property
     def n_devices(self) -> int:
@@ -84,15 +85,20 @@ CPU_LINK_LATENCY = 2e-3
 # and 11.2 ms + 1.30x before, with one step at a time)
 CPU_CALL_OVERHEAD = 5.9e-3
 CPU_ACTOR = {1: (4.9e-3, 1.14), 2: (8.4e-3, 1.17)}
+# DeepSpeed ZeRO-3 on gloo, per weight tensor per minibatch (beside one all-gather's volume):
+# from the train calls of a dp4 plan at ZeRO-2 and at ZeRO-3, 0.1M and 12.6M models on 4
+# emulated devices (extra per minibatch 31 ms and 100 ms of compute; 24 and 39 tensors)
+CPU_ZERO3_PER_TENSOR = 1.3e-3
 
 
-def cpu_cluster(n_devices: int, memory_gb: float) -> ClusterSpec:
-    """``n_devices`` emulated CPU devices on one node (fp32, gloo)."""
+def cpu_cluster(n_devices: int, memory_gb: float, cores: float = 0.0) -> ClusterSpec:
+    """``n_devices`` emulated CPU devices on one node (fp32, gloo) sharing ``cores`` cores (0:
+    a core each at least); each device's process runs one torch thread."""
     device = DeviceSpec(
         "CPU (emulated)", memory_gb * 1e9, 62e9, 15e9, 4, "measured on this machine"
     )
     return ClusterSpec(
-        1, n_devices, device, CPU_LINK_BANDWIDTH, CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY
+        1, n_devices, device, CPU_LINK_BANDWIDTH, CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY, cores
     )
 
 

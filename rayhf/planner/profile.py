@@ -19,6 +19,7 @@ analytic (``AnalyticCost.memory``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -26,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from rayhf.models.sharding import param_shards
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, CallCost, Workload, max_shard_params
-from rayhf.planner.hardware import ClusterSpec
+from rayhf.planner.hardware import CPU_ZERO3_PER_TENSOR, ClusterSpec
 
 # (batch, sequence) points for forward and train; (batch, prompt, new tokens) for generation
 GRID = [(4, 16), (16, 16), (32, 16), (4, 48), (16, 48), (32, 48)]
@@ -158,6 +160,15 @@ class ProfiledCost(AnalyticCost):
         bw = self.cluster.intra_node_bandwidth
         return 2 * (n - 1) / n * n_bytes / bw + self.cluster.link_latency
 
+    def _zero3_seconds(self, spec: ModelSpec, shard: float, dp: int) -> float:
+        """ZeRO-3's cost per minibatch on gloo over ZeRO-2's: the volume of one all-gather of
+        the weights (DeepSpeed's prefetch and bucketing threads hide the second gather and the
+        gradients' reduce-scatter) and a fixed cost per weight tensor."""
+        if dp <= 1:
+            return 0.0
+        volume = (dp - 1) / dp * shard / self.cluster.intra_node_bandwidth
+        return volume + _n_tensors(spec) * CPU_ZERO3_PER_TENSOR
+
     def _stage_pass(
         self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: float, seq: int, train: bool
     ) -> float:
@@ -213,12 +224,20 @@ class ProfiledCost(AnalyticCost):
             per_mb = math.ceil(n_seqs / work.n_minibatches)
             step = self._pipeline(prof.train, spec, layout, per_mb, seq, True)
             shard = max_shard_params(spec, layout.tp, layout.pp) * 4
-            parts["train"] = work.n_minibatches * (step + self._allreduce(shard, layout.dp))
+            sync = self._allreduce(shard, layout.dp)
+            if work.zero_stage >= 3:  # beside the gradients' reduction, as at stages 1-2
+                sync += self._zero3_seconds(spec, shard, layout.dp)
+            parts["train"] = work.n_minibatches * (step + sync)
         fixed, scale = self.runtime(layout)
         parts = {k: v * scale for k, v in parts.items()}
         parts["actor"] = fixed
         parts["driver"] = self.call_overhead
         return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _n_tensors(spec: ModelSpec) -> int:
+    return len(param_shards(spec))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,9 @@
                 submits step i+1 while step i runs);
               without: every unit of the previous iteration (one step at a time)
 
+On emulated devices that share fewer cores than there are devices (``ClusterSpec.host_cores``),
+units that run together share the cores: each device process gets an equal share, at most one.
+
 It returns the steady iteration time (how far apart the last iterations finish), every span,
 and the peak memory per device: what every role keeps on its home devices, plus the largest
 transient of any call (or reallocated copy) on that device. A plan whose peak exceeds a device's
@@ -90,6 +93,29 @@ def simulate(
     overlap = step.overlap
     before = carried(units)
     seconds = _price(units, specs, works, cost, moved)
+    cores = cost.cluster.host_cores
+    if concurrent and 0 < cores < _n_devices(plan, cost):
+        procs = {u.name: len(u.devices) if u.role in specs else 0 for u in units}
+        spans = _shared_cores(
+            units, before if overlap else None, seconds, procs, cores, n_iterations
+        )
+    else:
+        spans = _one_by_one(units, before, seconds, n_iterations, overlap, concurrent)
+    sim = Simulation(_period(spans, n_iterations), spans, stages=stages)
+    sim.refused = _refused(graph, plan, works)
+    sim.peak_memory, sim.over_memory = _memory(graph, plan, specs, works, cost, homes, trained)
+    return sim
+
+
+def _one_by_one(
+    units: list[Unit],
+    before: dict[str, frozenset[str]],
+    seconds: dict[str, float],
+    n_iterations: int,
+    overlap: bool,
+    concurrent: bool,
+) -> list[SimSpan]:
+    """Each unit as soon as what it runs after has ended, at full speed (every device its own)."""
     spans: list[SimSpan] = []
     prev: dict[str, float] = {}
     for it in range(n_iterations):
@@ -104,10 +130,54 @@ def simulate(
             end[u.name] = start + seconds[u.name]
             spans.append(SimSpan(u.name, it, start, end[u.name], tuple(sorted(u.devices))))
         prev = end
-    sim = Simulation(_period(spans, n_iterations), spans, stages=stages)
-    sim.refused = _refused(graph, plan, works)
-    sim.peak_memory, sim.over_memory = _memory(graph, plan, specs, works, cost, homes, trained)
-    return sim
+    return spans
+
+
+def _shared_cores(
+    units: list[Unit],
+    before: dict[str, frozenset[str]] | None,
+    seconds: dict[str, float],
+    procs: dict[str, int],
+    cores: float,
+    n_iterations: int = 3,
+) -> list[SimSpan]:
+    """As ``_one_by_one``, on emulated devices that share ``cores`` cores: while units run
+    together, each of their ``procs`` (device processes; none for a function the driver runs)
+    gets an equal share of the cores, at most one (processor sharing). ``before``: the carried
+    dependencies when steps overlap, else None."""
+    deps: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for it in range(n_iterations):
+        for u in units:
+            mine = [(it, a) for a in u.after]
+            if it and before is not None:
+                mine += [(it - 1, a) for a in before[u.name]]
+            elif it:
+                mine += [(it - 1, v.name) for v in units]
+            deps[it, u.name] = mine
+    by_name = {u.name: u for u in units}
+    left = {key: seconds[key[1]] for key in deps}
+    start: dict[tuple[int, str], float] = {}
+    end: dict[tuple[int, str], float] = {}
+    waiting, running, now = list(deps), [], 0.0
+    while waiting or running:
+        ready = [k for k in waiting if all(d in end for d in deps[k])]
+        for k in ready:
+            waiting.remove(k)
+            start[k] = now
+            running.append(k)
+        busy = sum(procs[k[1]] for k in running)
+        rate = min(1.0, cores / busy) if busy else 1.0
+        step = min(left[k] for k in running) / rate
+        now += step
+        for k in list(running):
+            left[k] -= step * rate
+            if left[k] <= 1e-12:
+                running.remove(k)
+                end[k] = now
+    return [
+        SimSpan(name, it, start[it, name], end[it, name], tuple(sorted(by_name[name].devices)))
+        for it, name in deps
+    ]
 
 
 def staged(
