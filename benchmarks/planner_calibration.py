@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -69,10 +70,10 @@ def fixed_plans() -> dict[str, dict[str, dict]]:
     }
 
 
-def to_plan(entries: dict[str, dict]) -> Plan:
+def to_plan(entries: dict[str, dict], devices: int = DEVICES) -> Plan:
     graph = load_graph(REPO / "graphs" / "ppo.yaml")
     specs = {k: LayoutSpec(**v) for k, v in entries.items()}
-    return make_plan(graph, specs, ClusterConfig(n_devices=DEVICES))
+    return make_plan(graph, specs, ClusterConfig(n_devices=devices))
 
 
 def as_config(plan: Plan) -> dict[str, dict]:
@@ -82,7 +83,23 @@ def as_config(plan: Plan) -> dict[str, dict]:
     }
 
 
-def base_config(model: dict, tmp: str):
+def run_overrides(plan: Plan) -> dict[str, Any]:
+    """The config fields that make a run execute ``plan``: its layouts, and each train call's
+    ZeRO stage (1: torch's ``zero1``; 2-3: DeepSpeed)."""
+    graph = load_graph(REPO / "graphs" / "ppo.yaml")
+    out: dict[str, Any] = {"plan": as_config(plan)}
+    engines = {}
+    for call, stage in plan.zero.items():
+        if stage == 1:
+            out[f"models.{graph.by_name[call].role}.optimizer.zero1"] = True
+        elif stage >= 2:
+            engines[call] = {"engine": "deepspeed", "zero_stage": stage}
+    if engines:
+        out["engines"] = engines
+    return out
+
+
+def base_config(model: dict, tmp: str, devices: int = DEVICES):
     Path(tmp).mkdir(parents=True, exist_ok=True)
     overrides: dict[str, Any] = {
         "dataset.path": f"{tmp}/data.parquet",
@@ -91,7 +108,7 @@ def base_config(model: dict, tmp: str):
         "generation.max_new_tokens": NEW_TOKENS,
         "generation.min_new_tokens": NEW_TOKENS,
         "algorithm.n_minibatches": MINIBATCHES,
-        "cluster.n_devices": DEVICES,
+        "cluster.n_devices": devices,
         "metrics.console": False,
         "metrics.plot": False,
         "metrics.ray_metrics": False,
@@ -105,7 +122,7 @@ def base_config(model: dict, tmp: str):
 def measure(cfg, plan: Plan, args, run_dir: str) -> MeasuredRun:
     """Mean step seconds after warm-up, and each call's compute inside the actors."""
     run_cfg = cfg.with_overrides(
-        {"plan": as_config(plan), "steps": args.steps + args.warmup, "run_dir": run_dir}
+        {**run_overrides(plan), "steps": args.steps + args.warmup, "run_dir": run_dir}
     )
     rows = rayhf.run(run_cfg).metrics[args.warmup :]
     step = statistics.mean(r["step_seconds"] for r in rows)
@@ -124,10 +141,10 @@ def mean_prompt_tokens(cfg) -> int:
     return round(statistics.mean(len(tok(r["prompt"])["input_ids"]) for r in rows))
 
 
-def planner(cfg):
+def planner(cfg, devices: int = DEVICES):
     """The graph, specs, workloads and (uncalibrated) profiled cost of ``cfg``."""
     graph = load_graph(REPO / "graphs" / "ppo.yaml")
-    threads = 1  # each of the 2 emulated devices has one of the 2 cores
+    threads = 1  # each emulated device has at most one of the 2 cores
     profiles, specs = {}, {}
     for role, config in model_configs(cfg).items():
         value_head = cfg.models[role].value_head
@@ -135,7 +152,8 @@ def planner(cfg):
         profiles[dataclasses.replace(specs[role], n_layers=0)] = profile_model(
             config, value_head, threads, CACHE
         )
-    cost = ProfiledCost(cpu_cluster(DEVICES, cfg.cluster.device_memory_gb), profiles)
+    cores = os.cpu_count() or 1
+    cost = ProfiledCost(cpu_cluster(devices, cfg.cluster.device_memory_gb, cores), profiles)
     works = workloads(graph, BATCH, mean_prompt_tokens(cfg), NEW_TOKENS, MINIBATCHES)
     return graph, specs, works, cost
 
@@ -189,7 +207,8 @@ def distinct(plans: dict[str, Plan]) -> list[str]:
 
 
 def same_as(plans: dict[str, Plan], label: str) -> str:
-    return next(k for k, p in plans.items() if p.layouts == plans[label].layouts)
+    mine = plans[label]
+    return next(k for k, p in plans.items() if (p.layouts, p.zero) == (mine.layouts, mine.zero))
 
 
 def fit(setups, runs) -> ProfiledCost:

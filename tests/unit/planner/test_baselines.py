@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 from planner_support import GRAPH, REPO, SPECS, WORKS
+from transformers import LlamaConfig
 
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
+from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
 from rayhf.planner.auto import open_stages
 from rayhf.planner.cost import AnalyticCost, Workload
-from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.hardware import cpu_cluster, parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import layouts_on
 from rayhf.planner.simulate import simulate
@@ -160,3 +162,25 @@ def test_realhf_follows_its_rules_on_nodes_of_eight():
     assert two.layouts["actor_train"] == Layout(tuple(range(8)), 2, 4, 1)
     assert two.layouts["critic_train"] == Layout(tuple(range(8, 16)), 2, 4, 1)
     assert two.layouts["ref_inf"] == Layout(tuple(range(16)), 2, 4, 2)
+
+
+def test_zero3_baselines_shard_only_groups_with_ranks_to_shard_over():
+    """On 4 emulated devices OpenRLHF's groups are small: a one-device train call has nothing
+    to shard, so its stage is left to the rule, and no call is refused (ZeRO-3 with a single
+    rank would hold the role's weights as slices its inference call cannot use)."""
+    config = LlamaConfig(
+        vocab_size=26, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=176, max_position_embeddings=128,
+    )  # fmt: skip
+    specs = {"actor": model_spec(config, False), "ref": model_spec(config, False),
+             "critic": model_spec(config, True), "reward": model_spec(config, True)}  # fmt: skip
+    works = open_stages({
+        c.name: Workload(c.kind, 32, 16, 12, 4 if c.kind == "train" else 1) for c in GRAPH.calls
+    })  # fmt: skip
+    cost = AnalyticCost(cpu_cluster(4, 4.0, cores=2))
+    setting = baselines.Setting.priced(GRAPH, specs, works, cost)
+    for plan in (baselines.openrlhf(setting), baselines.verl(setting)):
+        assert plan is not None
+        for name in ("actor_train", "critic_train"):
+            assert (plan.zero.get(name) == 3) == (plan.layouts[name].dp > 1)
+        assert not simulate(GRAPH, plan, specs, works, cost).refused

@@ -9,10 +9,12 @@ import pytest
 from planner_support import GRAPH
 from transformers import LlamaConfig
 
+from rayhf.models.sharding import param_shards
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import workloads
-from rayhf.planner.hardware import cpu_cluster
+from rayhf.planner.cost import max_shard_params
+from rayhf.planner.hardware import CPU_LINK_BANDWIDTH, CPU_ZERO3_PER_TENSOR, cpu_cluster
 from rayhf.planner.plan import colocated_plan
 from rayhf.planner.profile import (
     MeasuredRun,
@@ -100,3 +102,20 @@ def test_sequential_driver_adds_up_what_the_concurrent_one_overlaps():
     together = simulate(GRAPH, plan, specs, works, cost, concurrent=True).iteration_seconds
     in_turn = simulate(GRAPH, plan, specs, works, cost, concurrent=False).iteration_seconds
     assert in_turn > together, "critic calls overlap actor calls only in the concurrent driver"
+
+
+def test_zero3_pays_its_gathers_only_where_it_has_ranks_to_shard_over():
+    cost, specs = synthetic_cost()
+    spec = specs["actor"]
+    work = workloads(GRAPH, 32, 16, 8, 4)["actor_train"]
+
+    def extra(layout: Layout) -> float:
+        return (
+            cost.call(spec, layout, work.with_stage(3)).seconds
+            - cost.call(spec, layout, work.with_stage(2)).seconds
+        )
+
+    assert extra(Layout((0,), 1)) == 0.0
+    shard = max_shard_params(spec, 1, 1) * 4
+    per_minibatch = shard / 2 / CPU_LINK_BANDWIDTH + len(param_shards(spec)) * CPU_ZERO3_PER_TENSOR
+    assert extra(Layout((0, 1), 2)) == pytest.approx(work.n_minibatches * per_minibatch)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import pytest
 from planner_support import GRAPH, SPECS, WORKS
 
 from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost
-from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.hardware import cpu_cluster, parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import energy
 from rayhf.planner.simulate import simulate
@@ -119,3 +120,21 @@ def test_open_zero_stages_take_the_fastest_that_fits_and_dp_only_for_deepspeed()
     named = Plan(dp.layouts, "test", {"actor_train": 1})
     assert simulate(GRAPH, named, SPECS, works, cost).stages["actor_train"] == 1
     assert simulate(GRAPH, dp, SPECS, WORKS, cost).stages == {}  # nothing open, nothing chosen
+
+
+def test_emulated_devices_share_the_hosts_cores_among_units_that_run_together():
+    """4 emulated devices on 2 cores: a unit on all 4 runs at half speed, units on one device
+    each share the cores while they overlap, and a plan on one device is priced as before."""
+    own = AnalyticCost(cpu_cluster(4, 1e6))
+    shared = AnalyticCost(cpu_cluster(4, 1e6, cores=2))
+
+    def seconds(plan: Plan, cost: AnalyticCost) -> float:
+        return simulate(GRAPH, plan, SPECS, WORKS, cost).iteration_seconds
+
+    alone = _plan(lambda c: Layout((0,), 1))
+    assert seconds(alone, shared) == pytest.approx(seconds(alone, own))
+    every = _plan(lambda c: Layout((0, 1, 2, 3), 4))
+    assert seconds(every, shared) == pytest.approx(2 * seconds(every, own))
+    split = {"actor": (0,), "ref": (1,), "critic": (2,), "reward": (3,)}
+    apart = _plan(lambda c: Layout(split[c.role], 1))
+    assert seconds(apart, own) < seconds(apart, shared) < 2 * seconds(apart, own)
