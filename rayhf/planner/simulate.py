@@ -158,7 +158,8 @@ def _shared_cores(
     left = {key: seconds[key[1]] for key in deps}
     start: dict[tuple[int, str], float] = {}
     end: dict[tuple[int, str], float] = {}
-    waiting, running, now = list(deps), [], 0.0
+    waiting, now = list(deps), 0.0
+    running: list[tuple[int, str]] = []
     while waiting or running:
         ready = [k for k in waiting if all(d in end for d in deps[k])]
         for k in ready:
