@@ -187,7 +187,7 @@ def all_plans(setups) -> dict[str, dict[str, Plan]]:
 def measure_rounds(setups, plans, args, tmp: str) -> dict[tuple[str, str], MeasuredRun]:
     """Every distinct plan of every model run ``args.rounds`` times, the rounds interleaved so
     that a slow spell of the machine spreads over all plans; per plan the round with the median
-    step time."""
+    step time. ``setups``: model name -> a tuple whose first item is the model's config."""
     got: dict[tuple[str, str], list[MeasuredRun]] = {}
     n_runs = 0
     for r in range(args.rounds):

@@ -22,13 +22,13 @@ import tempfile
 from typing import Any, NamedTuple
 
 from _common import git_commit
-from planner_calibration import OUT, as_config, base_config, distinct, measure, planner, same_as
+from planner_calibration import OUT, as_config, base_config, measure_rounds, planner, same_as
 
 from rayhf.planner import baselines
 from rayhf.planner.auto import open_stages
 from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD
 from rayhf.planner.plan import Plan
-from rayhf.planner.profile import MeasuredRun, ProfiledCost
+from rayhf.planner.profile import ProfiledCost
 from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
 
@@ -67,20 +67,6 @@ def chosen(s: Setup, seconds: float) -> tuple[dict[str, Plan], list[str]]:
         stages = simulate(s.graph, plan, s.specs, s.works, s.cost).stages
         out[label] = Plan(plan.layouts, plan.source, stages)
     return out, [k for k, p in built.items() if p is None]
-
-
-def measure_rounds(setups, plans, args, tmp: str) -> dict[tuple[str, str], MeasuredRun]:
-    """Every distinct plan of every model, ``args.rounds`` interleaved rounds; per plan the
-    round with the median step time."""
-    got: dict[tuple[str, str], list[MeasuredRun]] = {}
-    for r in range(args.rounds):
-        for name, s in setups.items():
-            for label in distinct(plans[name]):
-                run_dir = f"{tmp}/run{len(got)}-{sum(map(len, got.values()))}"
-                run = measure(s.cfg, plans[name][label], args, run_dir)
-                got.setdefault((name, label), []).append(run)
-                print(f"round {r + 1}: {name:<18}{label:<22}{run.step_seconds:8.3f}", flush=True)
-    return {k: sorted(v, key=lambda x: x.step_seconds)[len(v) // 2] for k, v in got.items()}
 
 
 def rows_of(name: str, s: Setup, plans: dict[str, Plan], runs) -> list[dict]:
