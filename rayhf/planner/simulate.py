@@ -233,12 +233,14 @@ def _allowed(graph: Graph, plan: Plan, name: str, work: Workload) -> tuple[int, 
 def _fastest_fitting(
     cost: AnalyticCost, spec: ModelSpec, layout: Layout, work: Workload, allowed: tuple[int, ...]
 ) -> Workload:
-    """``work`` at the fastest of the ``allowed`` stages whose call fits a device by itself
-    (ties: the higher stage, which keeps less), else at the highest."""
+    """``work`` at the fastest of the ``allowed`` stages whose call fits a device by itself,
+    else at the highest. Ties go to the lower stage: at dp 1 every stage prices and keeps the
+    same, and stages 2-3 run on DeepSpeed, whose per-step cost the price leaves out; where a
+    higher stage's smaller shards are needed, ``staged`` raises it while the plan overflows."""
     cap = cost.cluster.device.memory_bytes
     priced = [(cost.call(spec, layout, work.with_stage(s)), s) for s in allowed]
-    fits = [(c.seconds, -s) for c, s in priced if c.memory <= cap]
-    return work.with_stage(-min(fits)[1] if fits else allowed[-1])
+    fits = [(c.seconds, s) for c, s in priced if c.memory <= cap]
+    return work.with_stage(min(fits)[1] if fits else allowed[-1])
 
 
 def _price(

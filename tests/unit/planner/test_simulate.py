@@ -120,6 +120,10 @@ def test_open_zero_stages_take_the_fastest_that_fits_and_dp_only_for_deepspeed()
     named = Plan(dp.layouts, "test", {"actor_train": 1})
     assert simulate(GRAPH, named, SPECS, works, cost).stages["actor_train"] == 1
     assert simulate(GRAPH, dp, SPECS, WORKS, cost).stages == {}  # nothing open, nothing chosen
+    roomy = AnalyticCost(cpu_cluster(8, 1e15))  # where every stage fits, a tie goes down
+    one = _plan(lambda c: Layout((0,), 1))
+    assert set(simulate(GRAPH, one, SPECS, works, roomy).stages.values()) == {0}
+    assert simulate(GRAPH, dp, SPECS, works, roomy).stages["actor_train"] == 1  # 2 ties it
 
 
 def test_emulated_devices_share_the_hosts_cores_among_units_that_run_together():
