@@ -14,11 +14,12 @@ Writes docs/benchmarks/driver_overhead.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
+
+from _common import write_results
 
 from rayhf.runtime.probe import probe_batch, probe_executor
 
@@ -125,10 +126,9 @@ def _write(rows: list[dict], conc: list[dict], steps: int) -> None:
               "| executor | meshes | step seconds |", "| --- | --- | --- |"]  # fmt: skip
     for c in conc:
         lines.append(f"| {c['executor']} | {c['meshes']} | {c['seconds']:.2f} |")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "driver_overhead.md").write_text("\n".join(lines) + "\n")
-    (OUT / "driver_overhead.json").write_text(json.dumps({"overhead": rows, "concurrency": conc},
-                                                         indent=2))  # fmt: skip
+    write_results(
+        "driver_overhead", "\n".join(lines) + "\n", {"overhead": rows, "concurrency": conc}
+    )
     print("\n".join(lines))
 
 

@@ -12,13 +12,13 @@ seconds one vLLM weight sync takes (the rank's model -> ``reload_weights``). Nee
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import write_results
 
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
@@ -117,19 +117,9 @@ def _write(rows: list[dict], sync_s: float, nap_s: float, args: argparse.Namespa
         f"vLLM sleep (level 1) + wake_up: {nap_s:.3f} s (on CPU vLLM's worker keeps its memory "
         "in place; on GPUs this moves the weights to host memory and back).",
     ]
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "generation_engines.md").write_text("\n".join(lines) + "\n")
-    (OUT / "generation_engines.json").write_text(
-        json.dumps(
-            {
-                "rows": rows,
-                "weight_sync_seconds": sync_s,
-                "sleep_wake_seconds": nap_s,
-                "args": vars(args),
-            },
-            indent=2,
-        )
-    )
+    data = {"rows": rows, "weight_sync_seconds": sync_s, "sleep_wake_seconds": nap_s,
+            "args": vars(args)}  # fmt: skip
+    write_results("generation_engines", "\n".join(lines) + "\n", data)
     print("\n".join(lines))
 
 

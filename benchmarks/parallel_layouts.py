@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
@@ -174,9 +175,7 @@ def main() -> None:
     res = {"params": ref1["params"], "layers": args.layers, "reps": args.reps, "rows": rows}
     text = report(res)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "parallel_layouts.md").write_text(text)
-    (OUT / "parallel_layouts.json").write_text(json.dumps(res, indent=2))
+    write_results("parallel_layouts", text, res)
 
 
 if __name__ == "__main__":

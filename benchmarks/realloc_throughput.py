@@ -15,7 +15,6 @@ on this machine). Writes docs/benchmarks/realloc_throughput.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
@@ -153,9 +153,7 @@ def main() -> None:
     res = bench(args.layers, args.reps)
     text = report(res)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "realloc_throughput.md").write_text(text)
-    (OUT / "realloc_throughput.json").write_text(json.dumps(res, indent=2))
+    write_results("realloc_throughput", text, res)
 
 
 if __name__ == "__main__":

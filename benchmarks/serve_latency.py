@@ -15,7 +15,6 @@ requests/s, p50/p99 latency, generated tokens/s and the mean batch the server fo
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import socket
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 import requests
 import torch
+from _common import write_results
 
 from rayhf.models.hf import (
     ModelInit,
@@ -188,9 +188,7 @@ def main() -> None:
     res = bench(args.requests, levels, args.max_tokens, args.time_limit, args.batch_wait_s)
     text = report(res)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "serve_latency.md").write_text(text)
-    (OUT / "serve_latency.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_results("serve_latency", text, res)
 
 
 if __name__ == "__main__":
