@@ -1,9 +1,11 @@
 """Every benchmark script still imports (they run by hand, so nothing else would notice a
-module they use moving)."""
+module they use moving), and the parts that decide what a result says work."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,52 @@ BENCHMARKS = sorted(p for p in BENCHMARKS_DIR.glob("*.py") if not p.name.startsw
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
 def test_the_benchmark_imports(path, monkeypatch):
+    assert callable(_load(path, monkeypatch).main)  # its imports ran, not its main
+
+
+def _load(path: Path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS_DIR))  # as when run: their shared _common
     spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # runs its imports, not its main
-    assert callable(module.main)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_headroom_places_roles_once_per_symmetry_class(monkeypatch):
+    """planner_headroom's placements: one per class of placements that swapping the halves of
+    any block makes alike, checked against every placement of 3 roles on 4 devices."""
+    headroom = _load(BENCHMARKS_DIR / "planner_headroom.py", monkeypatch)
+    nodes = [(s, n) for n in (4, 2, 1) for s in range(0, 4, n)]
+
+    def shape(where: dict, start: int, size: int):  # alike placements have the same shape
+        here = tuple(sorted(k for k, v in where.items() if v == (start, size)))
+        if size == 1:
+            return (here,)
+        half = size // 2
+        return (here, *sorted([shape(where, start, half), shape(where, start + half, half)]))
+
+    classes = {
+        shape(dict(zip("abc", combo, strict=True)), 0, 4)
+        for combo in itertools.product(nodes, repeat=3)
+    }
+    placed = headroom.placements(2, frozenset("abc"))
+    assert len(placed) == len(classes)
+    seen = set()
+    for tree in placed:
+        devices = headroom.blocks_of(tree, 0, 4)
+        assert set(devices) == set("abc")
+        seen.add(shape({k: (v[0], len(v)) for k, v in devices.items()}, 0, 4))
+    assert seen == classes, "every class is placed, none twice"
+
+
+def test_results_name_the_commit_they_were_measured_on(monkeypatch, tmp_path):
+    common = _load(BENCHMARKS_DIR / "_common.py", monkeypatch)
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    common.write_results("x", "# X\n", {"a": 1}, commit="abc1234")
+    assert (tmp_path / "docs/benchmarks/x.md").read_text().endswith("Measured on commit abc1234.\n")
+    assert json.loads((tmp_path / "docs/benchmarks/x.json").read_text()) == {
+        "a": 1, "commit": "abc1234"
+    }  # fmt: skip
+    common.write_results("y", "commit abc1234, 3 s\n", [1], commit="abc1234")
+    assert (tmp_path / "docs/benchmarks/y.md").read_text() == "commit abc1234, 3 s\n"
