@@ -30,6 +30,7 @@ from typing import Any
 from _common import git_commit
 
 import rayhf
+from rayhf.data.datasets import kind_for_inputs
 from rayhf.graph import load_graph
 from rayhf.models.spec import model_spec
 from rayhf.planner import baselines
@@ -41,7 +42,8 @@ from rayhf.planner.plan import Plan, make_plan
 from rayhf.planner.profile import MeasuredRun, ProfiledCost, calibrate
 from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
-from rayhf.runtime.assets import model_configs
+from rayhf.runtime.assets import model_configs, prepare_dataset, prepare_tokenizer
+from rayhf.runtime.planning import prompt_tokens
 from rayhf.runtime.profiling import profile_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,15 +132,13 @@ def measure(cfg, plan: Plan, args, run_dir: str) -> MeasuredRun:
     return MeasuredRun(plan, step, compute)
 
 
-def mean_prompt_tokens(cfg) -> int:
-    from rayhf.data.datasets import load_rows
-    from rayhf.runtime.assets import prepare_tokenizer
-    from rayhf.tasks.demo import make_dataset
-
+def prompt_len(cfg, graph) -> int:
+    """The prompt length ``plan: auto`` prices for ``cfg`` (``runtime.planning.prompt_tokens``):
+    its dataset, written where the run reads it as the run writes it, tokenized as the run does."""
     with tempfile.TemporaryDirectory() as tmp:
-        tok, _ = prepare_tokenizer(cfg, Path(tmp), "actor")
-        rows = load_rows(make_dataset(f"{tmp}/data.parquet"))
-    return round(statistics.mean(len(tok(r["prompt"])["input_ids"]) for r in rows))
+        tokenizer, _ = prepare_tokenizer(cfg, Path(tmp), graph.policy_role)
+        train, _ = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
+    return prompt_tokens(cfg, train)
 
 
 def planner(cfg, devices: int = DEVICES):
@@ -154,7 +154,7 @@ def planner(cfg, devices: int = DEVICES):
         )
     cores = os.cpu_count() or 1
     cost = ProfiledCost(cpu_cluster(devices, cfg.cluster.device_memory_gb, cores), profiles)
-    works = workloads(graph, BATCH, mean_prompt_tokens(cfg), NEW_TOKENS, MINIBATCHES)
+    works = workloads(graph, BATCH, prompt_len(cfg, graph), NEW_TOKENS, MINIBATCHES)
     return graph, specs, works, cost
 
 
