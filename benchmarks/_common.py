@@ -16,7 +16,9 @@ def git_commit() -> str:
     ).stdout.strip()
 
 
-def write_results(name: str, text: str, data: object, commit: str | None = None) -> None:
+def write_results(
+    name: str, text: str, data: object, commit: str | None = None, indent: int | None = 2
+) -> None:
     """``docs/benchmarks/<name>.md`` (``text``, ending with the commit it was measured on unless
     it names it already) and ``<name>.json`` (``data``; a dict gets a ``commit`` key)."""
     commit = commit or git_commit()
@@ -27,4 +29,4 @@ def write_results(name: str, text: str, data: object, commit: str | None = None)
     (out / f"{name}.md").write_text(text)
     if isinstance(data, dict):
         data = {**data, "commit": commit}
-    (out / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=indent) + "\n")

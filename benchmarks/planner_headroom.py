@@ -27,19 +27,15 @@ import json
 import math
 import time
 
-from _common import git_commit
-from planner_scale import REPO, setups, works
+from _common import git_commit, write_results
+from planner_scale import setting, setups
 
-from rayhf.graph import load_graph
-from rayhf.models.shapes import public_shape
 from rayhf.planner import baselines
 from rayhf.planner.cost import AnalyticCost
-from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import _fitting, _Scorer, candidates, search
 from rayhf.planner.simulate import simulate
 
-OUT = REPO / "docs" / "benchmarks"
 # placed labels: each role's calls share a block, except the actor's generation
 PLACED = {"actor_gen": "gen", "actor_train": "actor", "critic_inf": "critic",
           "critic_train": "critic", "ref_inf": "ref", "rew_inf": "reward"}  # fmt: skip
@@ -109,15 +105,7 @@ def exhaustive(graph, specs, w, cost: AnalyticCost, score: _Scorer) -> tuple[flo
 
 
 def run_setup(actor: str, critic: str, devices: int, gen: int, limit: float, every: bool) -> dict:
-    graph = load_graph(REPO / "graphs" / "ppo.yaml")
-    cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
-    specs = {
-        "actor": public_shape(actor),
-        "ref": public_shape(actor),
-        "critic": public_shape(critic, value_head=True),
-        "reward": public_shape(critic, value_head=True),
-    }
-    w = works(graph, gen)
+    graph, specs, w, cost = setting(actor, critic, devices, gen)
     built = baselines.build_all(baselines.Setting.priced(graph, specs, w, cost))
     starts = [p for p in built.values() if p is not None]
     best_base = min(
@@ -198,12 +186,11 @@ def main() -> None:
     for setup in chosen:
         rows.append(run_setup(*setup, limit=limit, every=setup[2] == 16))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "search"})[:400], flush=True)
-    text = report(rows, git_commit(), limit)
+    commit = git_commit()
+    text = report(rows, commit, limit)
     print(text)
     if not args.quick:
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "planner_headroom.md").write_text(text)
-        (OUT / "planner_headroom.json").write_text(json.dumps(rows, separators=(",", ":")))
+        write_results("planner_headroom", text, rows, commit, indent=None)
 
 
 if __name__ == "__main__":

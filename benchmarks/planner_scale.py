@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import git_commit
+from _common import git_commit, write_results
 
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
@@ -30,7 +30,6 @@ from rayhf.planner.search import candidates, search
 from rayhf.planner.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 BATCH, PROMPT = 512, 128
 
 
@@ -91,17 +90,21 @@ def _longest(graph, first: str, last: str, seconds: dict[str, float]) -> float:
     return reach.get(last, 0.0)
 
 
-def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float) -> dict:
+def setting(actor: str, critic: str, devices: int, gen: int):
+    """The graph, model specs, workloads and H100 cost model of one setup."""
     graph = load_graph(REPO / "graphs" / "ppo.yaml")
-    cluster = parse_cluster(f"{devices // 8}x8xH100")
-    cost = AnalyticCost(cluster)
+    cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
     specs = {
         "actor": public_shape(actor),
         "ref": public_shape(actor),
         "critic": public_shape(critic, value_head=True),
         "reward": public_shape(critic, value_head=True),
     }
-    w = works(graph, gen)
+    return graph, specs, works(graph, gen), cost
+
+
+def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float) -> dict:
+    graph, specs, w, cost = setting(actor, critic, devices, gen)
     began = time.perf_counter()
     built = baselines.build_all(baselines.Setting.priced(graph, specs, w, cost))
     baseline_seconds = time.perf_counter() - began
@@ -231,9 +234,7 @@ def main() -> None:
     text = report(rows, commit)
     print(text)
     if not args.quick:
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "planner_scale.md").write_text(text)
-        (OUT / "planner_scale.json").write_text(json.dumps(rows, separators=(",", ":")))
+        write_results("planner_scale", text, rows, commit, indent=None)
 
 
 if __name__ == "__main__":
