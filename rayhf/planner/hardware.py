@@ -81,10 +81,11 @@ CPU_LINK_LATENCY = 2e-3
 # The runtime around the profiled engine ops on this machine, fitted by the same benchmark
 # (``rayhf.planner.profile.calibrate``): the driver's cost per call, and by the number of
 # devices a call keeps busy, (seconds per call, scale) of in-actor compute over the profile.
-# fitted by benchmarks/planner_calibration.py on 4fd5c79 (steps overlapped; 7.7 ms, 10.5 ms + 0.95x
-# and 11.2 ms + 1.30x before, with one step at a time)
+# fitted by benchmarks/planner_calibration.py on efa27b7, with prompts priced as plan: auto prices
+# them (bos included; 4.9 ms + 1.14x and 8.4 ms + 1.17x on 4fd5c79 without it; 7.7 ms, 10.5 ms +
+# 0.95x and 11.2 ms + 1.30x before that, with one step at a time)
 CPU_CALL_OVERHEAD = 5.9e-3
-CPU_ACTOR = {1: (4.9e-3, 1.14), 2: (8.4e-3, 1.17)}
+CPU_ACTOR = {1: (6.0e-3, 1.08), 2: (9.7e-3, 1.08)}
 # DeepSpeed ZeRO-3 on gloo, per weight tensor per minibatch (beside one all-gather's volume):
 # from the train calls of a dp4 plan at ZeRO-2 and at ZeRO-3, 0.1M and 12.6M models on 4
 # emulated devices (extra per minibatch 31 ms and 100 ms of compute; 24 and 39 tensors)
