@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data", "sampling"),
     ("parallel",),
     ("engines",),
-    ("algorithms",),
+    ("algorithms", "rewards"),
     ("tasks",),
     ("realloc",),
     ("planner",),
