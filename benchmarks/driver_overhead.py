@@ -17,14 +17,11 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 from _common import write_results
 
 from rayhf.runtime.probe import probe_batch, probe_executor
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 IDLE_S = 3.0
 
 

@@ -27,9 +27,6 @@ from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.sampling import GenerationConfig
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
-
 
 def _timed(fn, reps: int = 3) -> float:
     fn()  # warm-up

@@ -24,8 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import write_results
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 VOCAB, ROWS, SEQ, PROMPT, NEW = 8192, 8, 128, 16, 32
 
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import git_commit
+from _common import git_commit, write_results
 
 import rayhf
 from rayhf.data.datasets import kind_for_inputs
@@ -47,7 +47,6 @@ from rayhf.runtime.planning import prompt_tokens
 from rayhf.runtime.profiling import profile_model
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 CACHE = REPO / "runs" / ".profiles"
 BATCH, NEW_TOKENS, MINIBATCHES, DEVICES = 32, 12, 4, 2
 MODELS: dict[str, dict[str, Any]] = {
@@ -298,9 +297,7 @@ def main() -> None:
     commit = git_commit()
     text = report(rows, cost, args, commit)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "planner_calibration.md").write_text(text)
-    (OUT / "planner_calibration.json").write_text(json.dumps(rows, indent=2))
+    write_results("planner_calibration", text, rows, commit)
 
 
 if __name__ == "__main__":

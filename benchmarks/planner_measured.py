@@ -15,14 +15,13 @@ round with the median step time is kept. Writes docs/benchmarks/planner_measured
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import tempfile
 from typing import Any, NamedTuple
 
-from _common import git_commit
-from planner_calibration import OUT, as_config, base_config, measure_rounds, planner, same_as
+from _common import git_commit, write_results
+from planner_calibration import as_config, base_config, measure_rounds, planner, same_as
 
 from rayhf.planner import baselines
 from rayhf.planner.auto import open_stages
@@ -159,9 +158,7 @@ def main() -> None:
     commit = git_commit()
     text = report(rows, absent, args, commit)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "planner_measured.md").write_text(text)
-    (OUT / "planner_measured.json").write_text(json.dumps(rows, indent=2))
+    write_results("planner_measured", text, rows, commit)
 
 
 if __name__ == "__main__":

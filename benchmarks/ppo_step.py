@@ -19,14 +19,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _common import git_commit
+from _common import git_commit, write_results
 
 import rayhf
 from rayhf.metrics.trace import TRACE_FILE, read_trace
 from rayhf.models.hf import n_params
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 MODEL = {"family": "llama", "hidden_size": 128, "n_layers": 5, "n_heads": 4, "n_kv_heads": 2}
 
 
@@ -139,9 +138,7 @@ def main() -> None:
     res["commit"] = git_commit()
     text = report(res, res["commit"])
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "ppo_step.md").write_text(text)
-    (OUT / "ppo_step.json").write_text(json.dumps(res, indent=2))
+    write_results("ppo_step", text, res, res["commit"])
 
 
 if __name__ == "__main__":

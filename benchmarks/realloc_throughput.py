@@ -24,8 +24,6 @@ from pathlib import Path
 import torch
 from _common import write_results
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 PAIRS = [  # (name, source layout, destination layout) as (mesh, dp, tp, pp)
     ("1 device -> 1 other device", ((0,), 1, 1, 1), ((1,), 1, 1, 1)),
     ("train tp2 -> generate dp2", ((0, 1), 1, 2, 1), ((0, 1), 2, 1, 1)),

@@ -38,8 +38,6 @@ from rayhf.models.hf import (
 )
 from rayhf.tasks.demo import build_tokenizer, make_prompts
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 MODEL = ModelInit(family="llama", hidden_size=128, n_layers=5, n_heads=4, n_kv_heads=2)
 MAX_BATCH_SIZE = 16
 

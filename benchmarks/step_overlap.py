@@ -13,17 +13,15 @@ metrics. Writes docs/benchmarks/step_overlap.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from _common import git_commit
+from _common import git_commit, write_results
 
 import rayhf
 
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "docs" / "benchmarks"
 CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
 ACTOR_SIDE = ("actor_gen", "actor_train", "ref_inf")
 SPLIT = {c: {"mesh": [0] if c in ACTOR_SIDE else [1]} for c in CALLS}
@@ -120,9 +118,7 @@ def main() -> None:
     res["commit"] = commit
     text = report(res, commit)
     print(text)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "step_overlap.md").write_text(text)
-    (OUT / "step_overlap.json").write_text(json.dumps(res, indent=2))
+    write_results("step_overlap", text, res, commit)
 
 
 if __name__ == "__main__":
