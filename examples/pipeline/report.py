@@ -1,5 +1,6 @@
 """The pipeline's learning figures, read from the run directories the stages wrote, and the
-task score of the SFT and the PPO policy on held-out prompts (no PPO prompt among them).
+task score (the digit share the preference pairs were labelled by, `rayhf.tasks.demo.digit_share`)
+of the SFT and the PPO policy on held-out prompts (no PPO prompt among them).
 
 python examples/pipeline/report.py [runs/pipeline]
 """
@@ -26,11 +27,11 @@ def last_with(metrics: list[dict], key: str) -> float:
 def held_out_score(policy: Path, greedy: bool, n: int = 512) -> float:
     """Mean task score of ``policy``'s answers to ``n`` held-out prompts (the score of the text,
     as the PPO run logs it)."""
-    from rayhf.tasks.demo import make_prompts, policy_answers, reward
+    from rayhf.tasks.demo import digit_share_reward, make_prompts, policy_answers
 
     prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]
     answers = [a[0] for a in policy_answers(policy, prompts, greedy=greedy)]
-    return statistics.mean(reward(prompts, answers))
+    return statistics.mean(digit_share_reward(prompts, answers))
 
 
 def last_checkpoint(run_dir: Path, role: str) -> Path:

@@ -96,6 +96,8 @@ def sample_batch(
     if n_samples > 1:
         groups = [sid for sid in batch.sample_ids for _ in range(n_samples)]
         result.add("group_ids", torch.tensor(groups), [1] * len(groups))
+    for key, values in batch.extras.items():  # each answer keeps its prompt's row
+        result.add_extra(key, [v for v in values for _ in range(n_samples)])
     return result
 
 

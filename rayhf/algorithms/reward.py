@@ -4,14 +4,21 @@ It also holds ``resolve_function`` (imports a ``module:function`` reference) and
 ``decode_samples`` (a batch's prompts and responses as text).
 
 A reward function is named ``module:function`` in the config and called as
-``function(prompts: list[str], responses: list[str]) -> list[float]``; responses are decoded
-without the EOS token. A reward model is a value-head model whose score is its value at the last
-token of the sequence.
+``function(prompts: list[str], responses: list[str], **more) -> list[float]``; responses are
+decoded without the EOS token. ``more`` holds what the function's signature names beyond the two
+lists, one list entry per sample:
+
+* a dataset column by its name (``answer``, ``data_source``, ...): the sample's row value;
+* ``finished``: whether the response ended with EOS (it was not cut off at the length limit).
+
+A function with ``**kwargs`` receives every column and ``finished``. A reward model is a
+value-head model whose score is its value at the last token of the sequence.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,18 +47,61 @@ def resolve_function(ref: str, field: str) -> Callable[..., Any]:
     return fn
 
 
-def decode_samples(engine: ModelEngine, batch: PackedBatch) -> tuple[list[str], list[str]]:
-    """Prompts (without BOS) and responses (without EOS) as text."""
-    tok, prompts, responses = engine.tokenizer, [], []
+FINISHED = "finished"  # the keyword that receives whether each response ended with EOS
+_LISTS = ("prompts", "responses")
+
+
+def wanted_columns(fn: Callable[..., Any]) -> tuple[list[str], list[str], bool]:
+    """What ``fn`` takes beyond the two lists: (required names, optional names, takes all)."""
+    required: list[str] = []
+    optional: list[str] = []
+    takes_all = False
+    for i, p in enumerate(inspect.signature(fn).parameters.values()):
+        if p.kind is p.VAR_KEYWORD:
+            takes_all = True
+        elif i >= len(_LISTS) and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            (required if p.default is p.empty else optional).append(p.name)
+    return required, optional, takes_all
+
+
+def check_columns(fn: Callable[..., Any], ref: str, columns: list[str], path: str) -> None:
+    """Refuse, before a run starts, a reward function that needs a column the dataset lacks."""
+    required, _, _ = wanted_columns(fn)
+    missing = [name for name in required if name != FINISHED and name not in columns]
+    if missing:
+        raise RayhfError(
+            f"reward function {ref} needs column {missing[0]!r}, which dataset file {path} "
+            f"does not have (it has {columns or 'only the prompt'}); add the column to the "
+            "file or set the role's function to one that does not need it"
+        )
+
+
+def function_kwargs(
+    fn: Callable[..., Any], extras: dict[str, list[Any]], finished: list[bool]
+) -> dict[str, list[Any]]:
+    """The keyword arguments ``fn`` takes, each one list over the batch's samples."""
+    required, optional, takes_all = wanted_columns(fn)
+    given = {**extras, FINISHED: finished}
+    if takes_all:
+        return given
+    return {name: given[name] for name in required + optional if name in given}
+
+
+def decode_samples(
+    engine: ModelEngine, batch: PackedBatch
+) -> tuple[list[str], list[str], list[bool]]:
+    """Prompts (without BOS), responses (without EOS) as text, and whether each ended in EOS."""
+    tok, prompts, responses, finished = engine.tokenizer, [], [], []
     plens = batch.tensors["prompt_lens"].tolist()
     for i in range(batch.n_samples):
         ids = batch.sample("seq", i).tolist()
         prompt, resp = ids[: plens[i]], ids[plens[i] :]
-        if resp and resp[-1] == engine.eos_id:
+        finished.append(bool(resp) and resp[-1] == engine.eos_id)
+        if finished[-1]:
             resp = resp[:-1]
         prompts.append(tok.decode(prompt, skip_special_tokens=True))
         responses.append(tok.decode(resp, skip_special_tokens=True))
-    return prompts, responses
+    return prompts, responses, finished
 
 
 @register("reward")
@@ -74,8 +124,9 @@ class RewardInterface(Interface):
 
     def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         if self.fn is not None:
-            prompts, responses = decode_samples(engine, batch)
-            scores = torch.tensor([float(s) for s in self.fn(prompts, responses)])
+            prompts, responses, finished = decode_samples(engine, batch)
+            more = function_kwargs(self.fn, batch.extras, finished)
+            scores = torch.tensor([float(s) for s in self.fn(prompts, responses, **more)])
             assert len(scores) == batch.n_samples, "reward function returned the wrong count"
         else:
             ids, attn = padded_inputs(batch, engine.pad_id)

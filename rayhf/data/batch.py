@@ -4,11 +4,16 @@ A batch holds N samples. Each key is one tensor that concatenates the samples' v
 dim 0 with no padding, and ``seqlens[key][i]`` says how many rows sample ``i`` owns. A per-sample
 scalar (a reward score) is a key whose every seqlen is 1. Padding exists only inside a model
 forward (``to_padded``), never in the batch that moves between role groups.
+
+Besides tensors, a batch carries ``extras``: per-sample values that are not tokens (a dataset
+row's ground truth, its data source), one list entry per sample, kept in step with the samples
+through every select, split, concat and reorder, so a reward function receives its own row's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,12 +25,15 @@ class PackedBatch:
     sample_ids: list[int]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     seqlens: dict[str, list[int]] = field(default_factory=dict)
+    extras: dict[str, list[Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key, tensor in self.tensors.items():
             lens = self.seqlens[key]
             assert len(lens) == len(self.sample_ids), f"{key}: {len(lens)} seqlens"
             assert sum(lens) == tensor.shape[0], f"{key}: seqlens sum != rows"
+        for key, values in self.extras.items():
+            assert len(values) == len(self.sample_ids), f"{key}: {len(values)} extra values"
 
     @property
     def n_samples(self) -> int:
@@ -53,11 +61,17 @@ class PackedBatch:
         self.seqlens[key] = list(seqlens)
         self.__post_init__()
 
+    def add_extra(self, key: str, values: list[Any]) -> None:
+        self.extras[key] = list(values)
+        self.__post_init__()
+
     def update(self, other: PackedBatch) -> None:
-        """Take every key of ``other``, whose samples must be ours in the same order."""
+        """Take every key and extra of ``other``, whose samples must be ours in the same order."""
         assert other.sample_ids == self.sample_ids, "update needs the same samples in order"
         for key in other.tensors:
             self.add(key, other.tensors[key], other.seqlens[key])
+        for key, values in other.extras.items():
+            self.add_extra(key, values)
 
     def select(self, indices: list[int], keys: list[str] | None = None) -> PackedBatch:
         """The samples at ``indices`` (in that order), restricted to ``keys`` if given."""
@@ -68,7 +82,8 @@ class PackedBatch:
             parts = [self.tensors[key][off[i] : off[i + 1]] for i in indices]
             tensors[key] = torch.cat(parts) if parts else self.tensors[key][:0]
             seqlens[key] = [self.seqlens[key][i] for i in indices]
-        return PackedBatch([self.sample_ids[i] for i in indices], tensors, seqlens)
+        extras = {key: [values[i] for i in indices] for key, values in self.extras.items()}
+        return PackedBatch([self.sample_ids[i] for i in indices], tensors, seqlens, extras)
 
     def split(self, n_parts: int, by_key: str | None = None) -> list[PackedBatch]:
         """Split into ``n_parts`` batches balanced by token count of ``by_key``."""
@@ -90,7 +105,8 @@ class PackedBatch:
         ids = [i for b in batches for i in b.sample_ids]
         tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in keys}
         seqlens = {k: [n for b in batches for n in b.seqlens[k]] for k in keys}
-        return PackedBatch(ids, tensors, seqlens)
+        extras = {k: [v for b in batches for v in b.extras[k]] for k in batches[0].extras}
+        return PackedBatch(ids, tensors, seqlens, extras)
 
     def reorder(self, sample_ids: list[int]) -> PackedBatch:
         """The same batch with samples in the order of ``sample_ids``."""

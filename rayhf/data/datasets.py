@@ -17,6 +17,7 @@ exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -91,13 +92,15 @@ class Sample:
     """One drawn row; ``sample_id`` is unique across epochs (``epoch * n + index``).
 
     ``text`` and ``ids`` are the prompt (ids with bos); ``fields`` holds the token ids of every
-    key the dataset kind provides.
+    key the dataset kind provides; ``extras`` the row's other columns (prompts kind: its ground
+    truth, data source, ...), as the file holds them.
     """
 
     sample_id: int
     text: str
     ids: list[int]
     fields: dict[str, list[int]]
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:
@@ -114,6 +117,8 @@ def to_packed(samples: list[Sample]) -> PackedBatch:
     keys = list(samples[0].fields)
     assert all(list(s.fields) == keys for s in samples), "to_packed needs samples of one kind"
     batch = PackedBatch([s.sample_id for s in samples])
+    for name in samples[0].extras:
+        batch.add_extra(name, [s.extras[name] for s in samples])
     for key in keys:
         tokens = torch.tensor([t for s in samples for t in s.fields[key]], dtype=torch.long)
         batch.add(key, tokens, [len(s.fields[key]) for s in samples])
@@ -192,6 +197,7 @@ class PromptDataset:
         self.texts = [self._text(row, i, "prompt_key") for i, row in enumerate(rows)]
         self.ids = [self._tokenize(tokenizer, text, i) for i, text in enumerate(self.texts)]
         self.fields = [self._row_fields(tokenizer, row, i) for i, row in enumerate(rows)]
+        self.extras = [self._row_extras(row) for row in rows]
         self.epoch = 0
         self.position = 0
         self._order: list[int] = []
@@ -269,8 +275,20 @@ class PromptDataset:
             fields[key] = seq
         return fields
 
+    def _row_extras(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A prompts row's columns besides the prompt: what its reward may read."""
+        if self.kind != "prompts":
+            return {}
+        return {k: v for k, v in row.items() if k != self.config.prompt_key}
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns every sample carries to the reward (prompts kind; none for the others)."""
+        return sorted(self.extras[0]) if self.extras else []
+
     def _sample(self, sample_id: int, index: int) -> Sample:
-        return Sample(sample_id, self.texts[index], self.ids[index], self.fields[index])
+        i = index
+        return Sample(sample_id, self.texts[i], self.ids[i], self.fields[i], self.extras[i])
 
     def all_samples(self) -> list[Sample]:
         """Every row once in file order, ``sample_id`` = row index: a whole evaluation set."""

@@ -126,7 +126,9 @@ class RayMetricsSink:
     """A ``ray.util.metrics.Gauge`` per metric, tagged with the run name (for the dashboard);
     ``seconds/<call>``, ``realloc_seconds/<call>`` and ``realloc_bytes/<call>`` become
     ``rayhf_call_seconds``, ``rayhf_realloc_seconds`` and ``rayhf_realloc_bytes`` tagged with
-    the call and its role (``roles``: call -> role)."""
+    the call and its role (``roles``: call -> role); an untagged metric of one of those names
+    (the step's total ``realloc_seconds``) becomes ``<name>_total``, since one Ray metric has
+    one set of tag keys."""
 
     def __init__(self, run: str, roles: dict[str, str] | None = None) -> None:
         self.run, self.roles = run, roles or {}
@@ -140,6 +142,7 @@ class RayMetricsSink:
                 name, tags = TAGGED[head], {"run": self.run, "call": call, "role": role}
             else:
                 name, tags = re.sub(r"[^a-zA-Z0-9_]", "_", key), {"run": self.run}
+                name += "_total" if name in TAGGED.values() else ""
             self._gauge("rayhf_" + name, tuple(tags)).set(float(value), tags=tags)
 
     def _gauge(self, name: str, tag_keys: tuple[str, ...]) -> Any:

@@ -135,3 +135,34 @@ def has_answer(response: str) -> float:
 def exact_match(response: str, truth: str) -> float:
     """1.0 when the whole response, stripped, equals ``truth`` stripped, else 0.0."""
     return 1.0 if response.strip() == truth.strip() else 0.0
+
+
+# Reward functions (``models.<role>.function: rayhf.rewards:<name>``): one score per sample, the
+# ground truth from the dataset row's ``answer`` column (a number, an expression, or a GSM8K
+# solution ending in ``#### value``); a row whose answer is empty scores 0.
+
+
+def math_reward(prompts: list[str], responses: list[str], answer: list[object]) -> list[float]:
+    """``math_score`` of every response against its row's ``answer``."""
+    del prompts
+    return [
+        math_score(r, str(a)) if a is not None else 0.0
+        for r, a in zip(responses, answer, strict=True)
+    ]
+
+
+def exact_match_reward(
+    prompts: list[str], responses: list[str], answer: list[object]
+) -> list[float]:
+    """``exact_match`` of every whole response against its row's ``answer``."""
+    del prompts
+    return [
+        exact_match(r, str(a)) if a is not None else 0.0
+        for r, a in zip(responses, answer, strict=True)
+    ]
+
+
+def format_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """``has_answer`` of every response: a boxed or ``####`` final answer, whatever its value."""
+    del prompts
+    return [has_answer(r) for r in responses]

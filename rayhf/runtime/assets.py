@@ -14,6 +14,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer
 
 from rayhf.algorithms import INTERFACES, resolve_function
+from rayhf.algorithms.reward import check_columns
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
@@ -223,6 +224,16 @@ def check_engines(
             check_deepspeed(name, call.role, ec, layouts, rc.optimizer.zero1, rc.init_from)
 
 
+def _check_reward_columns(cfg: ExperimentConfig, datasets: list[PromptDataset]) -> None:
+    """Every reward function finds the columns it needs in every dataset it will score."""
+    for rc in cfg.models.values():
+        if rc.function is None:
+            continue
+        fn = resolve_function(rc.function, "")
+        for data in datasets:
+            check_columns(fn, rc.function, data.columns, data.config.path)
+
+
 def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
@@ -236,6 +247,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir, graph.policy_role)
     dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
+    _check_reward_columns(cfg, [d for d in (dataset, eval_dataset) if d is not None])
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
     specs = _model_specs(cfg, model_dirs)
     if plan is None:

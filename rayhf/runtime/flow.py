@@ -40,7 +40,9 @@ def join_replicas(parts: list[PackedBatch], order: list[int]) -> PackedBatch | N
 def assemble(base: PackedBatch, outputs: list[tuple[str, list[PackedBatch]]]) -> PackedBatch:
     """``base`` with each call's outputs (call name, one batch per replica, keys under graph
     names) added in the given order."""
-    batch = PackedBatch(list(base.sample_ids), dict(base.tensors), dict(base.seqlens))
+    batch = PackedBatch(
+        list(base.sample_ids), dict(base.tensors), dict(base.seqlens), dict(base.extras)
+    )
     for _, parts in outputs:
         joined = join_replicas(parts, batch.sample_ids)
         if joined is None:
@@ -52,8 +54,9 @@ def assemble(base: PackedBatch, outputs: list[tuple[str, list[PackedBatch]]]) ->
 
 
 def call_inputs(batch: PackedBatch, inputs: Mapping[str, str], call: str) -> PackedBatch:
-    """The keys a call reads (``inputs``: interface name -> graph key), under interface names."""
-    view = PackedBatch(list(batch.sample_ids))
+    """The keys a call reads (``inputs``: interface name -> graph key), under interface names,
+    and every extra (a reward reads the row's ground truth; a generate call passes it on)."""
+    view = PackedBatch(list(batch.sample_ids), extras=dict(batch.extras))
     for iface_key, graph_key in inputs.items():
         if graph_key not in batch.tensors:
             raise RuntimeError(
@@ -65,8 +68,9 @@ def call_inputs(batch: PackedBatch, inputs: Mapping[str, str], call: str) -> Pac
 
 
 def rename_outputs(out: PackedBatch, outputs: Mapping[str, str], call: str) -> PackedBatch:
-    """A call's outputs under the graph's key names (``outputs``: interface -> graph key)."""
-    renamed = PackedBatch(list(out.sample_ids))
+    """A call's outputs under the graph's key names (``outputs``: interface -> graph key); its
+    extras as they are."""
+    renamed = PackedBatch(list(out.sample_ids), extras=dict(out.extras))
     for iface_key, graph_key in outputs.items():
         if iface_key not in out.tensors:
             raise RuntimeError(f"call '{call}' did not produce '{iface_key}'")

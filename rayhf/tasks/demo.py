@@ -1,26 +1,35 @@
 """The demo task, "echo the digits": small enough that a ~1M-parameter Llama learns it from scratch.
 
 A prompt is 4-8 random digits separated by spaces and closed by ``=``, e.g. ``"3 1 4 1 5 ="``;
-the ideal response repeats them, ``"3 1 4 1 5"``. The reward is verifiable (no reward model):
-the fraction of the response's non-space characters that are digits occurring in the prompt.
-It is dense and graded, so PPO sees progress within ~30 steps:
+the ideal response repeats them, ``"3 1 4 1 5"``, then ends (EOS).
 
-* a random policy over ``ALPHABET`` scores about 0.2 (a prompt holds ~4.6 distinct digits out
-  of 21 non-space characters);
-* a policy that only learned "print digits" scores about 0.5 (~4.6 of 10 digits);
-* a policy that copies the prompt's digits scores 1.0.
+The reward (``reward``, scored by ``echo_score``) is verifiable and grades the whole answer:
+the response's characters with spaces removed, against the prompt's digits in order, as
+``1 - edit distance / length of the longer`` (Levenshtein over characters), and 0 when the
+response did not end with EOS. So every digit must be right, in its place, with nothing
+missing or added:
+
+* the echo scores 1.0; one digit wrong, missing or extra out of 5 scores 0.8;
+* one prompt digit (``"9"``) scores at most 1/4 (prompts hold 4-8 digits), ``"9 9 9 9"`` only
+  what its matches in place earn, a run of letters 0, an answer cut off at the length limit 0;
+* a random policy over ``ALPHABET`` scores about 0.02 (most of its answers never end).
+
+``digit_share`` is the task's older, softer score (the share of the response's characters that
+are digits of the prompt, in any order): it labels the preference pairs below, where a graded
+difference between two answers is what matters, and is not the reward.
 
 Reward contract: a reward function referenced as ``module:function`` in a config (this one is
 ``rayhf.tasks.demo:reward``) takes ``(prompts, responses)``, two equally long lists of
 strings (prompt text without bos; decoded response with the eos removed), and returns one float
-per sample, in the same order.
+per sample, in the same order; it may also name ``finished`` (one bool per sample: the response
+ended with EOS) and dataset columns (``rayhf.algorithms.reward``).
 
 The same prompts (``make_prompts(n, seed)``) back three more datasets:
 
 * ``make_sft_dataset``: rows ``{"prompt", "response"}``, the response being the ideal echo
   (``"3 1 4 ="`` -> ``"3 1 4"``), for supervised fine-tuning;
 * ``make_preference_dataset``: rows ``{"prompt", "chosen", "rejected"}`` for DPO and reward
-  models: two answers whose task scores differ by at least 0.25, the better one chosen. Half
+  models: two answers whose digit shares differ by at least 0.25, the better one chosen. Half
   are equally long runs of prompt digits with more or fewer swapped for absent digits (only the
   prompt tells them apart); half are free candidates: the echo or a random run of the prompt's
   digits with a random share swapped for absent digits or letters. So the pairs span
@@ -41,6 +50,7 @@ import math
 import random
 from pathlib import Path
 
+from rapidfuzz.distance import Levenshtein
 from transformers import PreTrainedTokenizerFast
 
 from rayhf.data.datasets import write_rows
@@ -80,7 +90,7 @@ def make_sft_rows(n: int, seed: int) -> list[dict[str, str]]:
     return [{"prompt": r["prompt"], "response": echo(r["prompt"])} for r in make_prompts(n, seed)]
 
 
-MIN_SCORE_GAP = 0.25  # a pair's task scores differ at least this much
+MIN_SCORE_GAP = 0.25  # a pair's digit shares differ at least this much
 
 
 def candidate(prompt: str, rng: random.Random) -> str:
@@ -133,9 +143,9 @@ def make_preference_rows(n: int, seed: int) -> list[dict[str, str]]:
         else:
             while True:
                 a, b = candidate(prompt, rng), candidate(prompt, rng)
-                if abs(score(prompt, a) - score(prompt, b)) >= MIN_SCORE_GAP:
+                if abs(digit_share(prompt, a) - digit_share(prompt, b)) >= MIN_SCORE_GAP:
                     break
-            chosen, rejected = (a, b) if score(prompt, a) > score(prompt, b) else (b, a)
+            chosen, rejected = (a, b) if digit_share(prompt, a) > digit_share(prompt, b) else (b, a)
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
@@ -169,7 +179,7 @@ def make_policy_preference_rows(
     n: int, seed: int, policy: str | Path, samples: int = 4, max_new_tokens: int = 16
 ) -> list[dict[str, str]]:
     """Pairs as RLHF collects them: ``samples`` answers per prompt sampled from the ``policy``
-    checkpoint (the SFT model), the best and the worst by task score (the labeller) as chosen
+    checkpoint (the SFT model), the best and the worst by digit share (the labeller) as chosen
     and rejected when they differ by at least ``MIN_SCORE_GAP``; other prompts get a
     ``make_preference_rows`` pair. A reward model trained on these has seen what the policy it
     will judge actually writes."""
@@ -179,9 +189,9 @@ def make_policy_preference_rows(
     for prompt, options, other in zip(
         prompts, answers, make_preference_rows(n, seed), strict=True
     ):  # fmt: skip
-        best = max(options, key=lambda a: score(prompt, a))
-        worst = min(options, key=lambda a: score(prompt, a))
-        if score(prompt, best) - score(prompt, worst) >= MIN_SCORE_GAP:
+        best = max(options, key=lambda a: digit_share(prompt, a))
+        worst = min(options, key=lambda a: digit_share(prompt, a))
+        if digit_share(prompt, best) - digit_share(prompt, worst) >= MIN_SCORE_GAP:
             rows.append({"prompt": prompt, "chosen": best, "rejected": worst})
         else:
             rows.append(other)
@@ -205,8 +215,9 @@ def make_preference_dataset(path: str | Path, n: int = 512, seed: int = 0) -> Pa
     return write_rows(make_preference_rows(n, seed), path)
 
 
-def score(prompt: str, response: str) -> float:
-    """Share of the response's non-space characters that are digits of the prompt."""
+def digit_share(prompt: str, response: str) -> float:
+    """Share of the response's non-space characters that are digits of the prompt (labels the
+    preference pairs; not the reward)."""
     chars = [c for c in response if not c.isspace()]
     if not chars:
         return 0.0
@@ -214,7 +225,29 @@ def score(prompt: str, response: str) -> float:
     return sum(c in allowed for c in chars) / len(chars)
 
 
-def reward(prompts: list[str], responses: list[str]) -> list[float]:
-    """One score in [0, 1] per sample; an empty response scores 0 (see the module docstring)."""
+def digit_share_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """``digit_share`` per sample: the score the preference pairs were labelled by, which the
+    pipeline logs as the true score of a policy trained against a reward model of those pairs."""
+    return [digit_share(p, r) for p, r in zip(prompts, responses, strict=True)]
+
+
+def echo_score(prompt: str, response: str) -> float:
+    """The whole answer against the echo: ``1 - edit distance / longer length`` over the
+    characters with spaces removed; an empty response scores 0."""
+    target = echo(prompt).replace(" ", "")
+    given = "".join(response.split())
+    if not given or not target:
+        return 0.0
+    return float(Levenshtein.normalized_similarity(given, target))
+
+
+def reward(
+    prompts: list[str], responses: list[str], finished: list[bool] | None = None
+) -> list[float]:
+    """One score in [0, 1] per sample: ``echo_score``, or 0 where the response did not end with
+    EOS (``finished``; called without it, every response counts as finished)."""
     assert len(prompts) == len(responses), f"{len(prompts)} prompts, {len(responses)} responses"
-    return [score(p, r) for p, r in zip(prompts, responses, strict=True)]
+    done = [True] * len(prompts) if finished is None else finished
+    return [
+        echo_score(p, r) if end else 0.0 for p, r, end in zip(prompts, responses, done, strict=True)
+    ]

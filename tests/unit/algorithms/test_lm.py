@@ -167,10 +167,13 @@ def test_sample_batch_appends_responses_to_prompts():
 
 def test_sample_batch_with_several_samples_numbers_them_by_prompt():
     engine = BigramEngine(_table(), tokens=[[8], [1], [3, 4], [2]])
-    out = sample_batch(engine, _prompts(), GenerationConfig(), CallContext(0, 0, 1, 0), 2)
+    prompts = _prompts()
+    prompts.add_extra("answer", ["7", "9"])
+    out = sample_batch(engine, prompts, GenerationConfig(), CallContext(0, 0, 1, 0), 2)
     assert engine.calls[0][1] == [[5, 6], [5, 6], [7], [7]]
     assert out.sample_ids == [20, 21, 22, 23]
     assert out.tensors["group_ids"].tolist() == [10, 10, 11, 11]
+    assert out.extras == {"answer": ["7", "7", "9", "9"]}, "each answer keeps its prompt's row"
     assert out.sample("seq", 2).tolist() == [7, 3, 4]
     assert out.tensors["prompt_lens"].tolist() == [2, 2, 1, 1]
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rayhf.algorithms import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.ppo import PPOConfig
+from rayhf.algorithms.reward import check_columns, wanted_columns
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import standalone_engine
 from rayhf.engines.call import CallEngine
 from rayhf.engines.collectives import DataParallel
+from rayhf.errors import RayhfError
 from rayhf.models.hf import ModelInit, build_model, hf_config, per_token_values
 from rayhf.sampling import GenerationConfig
 from rayhf.tasks.demo import build_tokenizer
@@ -37,6 +40,43 @@ def test_function_reward_scores_decoded_text_without_eos():
         engine, _batch(tok, [("1 2", True), ("a 3", False)]), CallContext(1, 0, 1, 0)
     )
     assert out.tensors["scores"].tolist() == [1.0, 0.0]
+
+
+def _answer_reward(prompts, responses, answer, finished, tag="x"):
+    return [
+        float(r == a and f) + (0.5 if tag == "x" else 0.0)
+        for r, a, f in zip(responses, answer, finished, strict=True)
+    ]
+
+
+def _takes_all(prompts, responses, **more):
+    return [float(len(more["finished"]) + len(more)) for _ in prompts]
+
+
+def test_function_reward_receives_the_row_columns_and_eos_it_names():
+    tok = build_tokenizer()
+    engine = CallEngine(tok, None, DataParallel(None))
+    batch = _batch(tok, [("1 2", True), ("1 2", False), ("2 1", True)])
+    batch.add_extra("answer", ["1 2", "1 2", "1 2"])
+    batch.add_extra("source", ["s", "s", "s"])
+    for ref, expected in [
+        (f"{__name__}:_answer_reward", [1.5, 0.5, 0.5]),  # answer and finished; tag keeps default
+        (f"{__name__}:_takes_all", [6.0, 6.0, 6.0]),  # **more: both columns and finished
+    ]:
+        settings = InterfaceSettings(PPOConfig(), GenerationConfig(), ref)
+        out = make_interface("reward", settings).inference(engine, batch, CallContext(1, 0, 1, 0))
+        assert out.tensors["scores"].tolist() == expected
+
+
+def test_a_reward_needing_a_column_the_dataset_lacks_is_refused_by_name():
+    assert wanted_columns(_answer_reward) == (["answer", "finished"], ["tag"], False)
+    check_columns(_answer_reward, "m:f", ["answer", "source"], "d.parquet")
+    with pytest.raises(
+        RayhfError,
+        match=r"reward function m:f needs column 'answer', which "
+        r"dataset file d.parquet does not have \(it has \['source'\]\)",
+    ):
+        check_columns(_answer_reward, "m:f", ["source"], "d.parquet")
 
 
 def test_reward_model_scores_last_token_and_cut_off_answers_get_no_eos_score():

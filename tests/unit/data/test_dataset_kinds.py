@@ -108,6 +108,13 @@ def test_to_packed_prompts_has_no_prompt_lens(tok):
     assert batch.keys() == ["prompts"]
     assert batch.seqlens["prompts"] == [len(s.ids) for s in samples]
     assert batch.tensors["prompts"].tolist() == [t for s in samples for t in s.ids]
+    responses = {r["prompt"]: r["response"] for r in SFT_ROWS}
+    assert batch.extras == {"response": [responses[s.text] for s in samples]}, "other columns"
+    assert dataset(tok, "prompts").columns == ["response"]
+    assert (
+        dataset(tok, "sft").columns == []
+        and to_packed(dataset(tok, "sft").all_samples()).extras == {}
+    )
 
 
 # --- kind_for_inputs -------------------------------------------------------------------------
@@ -274,13 +281,13 @@ def test_demo_sft_rows_echo_the_prompt():
     )
 
 
-def test_demo_preference_rows_rank_by_the_task_score():
+def test_demo_preference_rows_rank_by_the_digit_share():
     rows = demo_task.make_preference_rows(512, seed=0)
     assert rows == demo_task.make_preference_rows(512, seed=0)
     assert rows != demo_task.make_preference_rows(512, seed=1)
     prompts = [r["prompt"] for r in rows]
-    chosen = demo_task.reward(prompts, [r["chosen"] for r in rows])
-    rejected = demo_task.reward(prompts, [r["rejected"] for r in rows])
+    chosen = demo_task.digit_share_reward(prompts, [r["chosen"] for r in rows])
+    rejected = demo_task.digit_share_reward(prompts, [r["rejected"] for r in rows])
     assert all(c - r >= demo_task.MIN_SCORE_GAP for c, r in zip(chosen, rejected, strict=True))
     tokens = {t for r in rows for side in ("chosen", "rejected") for t in r[side].split()}
     assert tokens <= set("0123456789abcdefghij") and tokens & set("abcdefghij")
@@ -300,7 +307,7 @@ def test_policy_preference_rows_pair_the_policy_s_best_and_worst_answers(tmp_pat
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in fallback]
     sampled = [r for r, f in zip(rows, fallback, strict=True) if r != f]
     assert len(sampled) > 16, "a random policy's answers often differ by the gap"
-    score = demo_task.score
+    score = demo_task.digit_share
     for r in rows:
         assert score(r["prompt"], r["chosen"]) - score(r["prompt"], r["rejected"]) >= 0.25
     # what a random policy writes (letters, '=', runs of any length), not the templates' shapes

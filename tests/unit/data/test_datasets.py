@@ -170,20 +170,49 @@ def test_resume_with_other_dataset_size_is_a_user_error(tok):
     ("prompt", "response", "expected"),
     [
         ("3 1 4 =", "3 1 4", 1.0),
+        ("3 1 4 =", "314", 1.0),  # spaces do not count
         ("3 1 4 =", "", 0.0),
         ("3 1 4 =", "   ", 0.0),
         ("3 1 4 =", "a b =", 0.0),
-        ("3 1 4 =", "3 9 a 1", 0.5),
-        ("3 1 4 =", "1111", 1.0),
+        ("3 1 4 =", "3 9 1 4", 0.75),  # one digit too many: 1 edit over 4 characters
+        ("3 1 4 =", "3 1", 2 / 3),  # one missing
+        ("3 1 4 =", "4 1 3", 1 / 3),  # the right digits in the wrong order
         ("3 1 4 =", "3 1 4 =", 0.75),
+        ("3 1 4 1 5 =", "1 1 1 1 1", 0.4),  # only the 1s in place count
     ],
 )
-def test_demo_reward(prompt, response, expected):
+def test_demo_reward_grades_the_whole_answer(prompt, response, expected):
     assert demo_task.reward([prompt], [response]) == [pytest.approx(expected)]
 
 
-def test_demo_reward_keeps_order():
+def test_demo_reward_needs_eos_and_keeps_order():
     assert demo_task.reward(["1 =", "2 ="], ["1", "1"]) == [1.0, 0.0]
+    assert demo_task.reward(["1 =", "1 ="], ["1", "1"], finished=[True, False]) == [1.0, 0.0]
+
+
+def test_demo_reward_cannot_be_gamed_by_degenerate_answers():
+    """The answers a policy could settle on without copying: one digit, one digit repeated to
+    the prompt's length, the prompt's digits sorted; and a random policy that stops at EOS."""
+    prompts = [r["prompt"] for r in demo_task.make_prompts(400, seed=0)]
+    best_single = [max(demo_task.reward([p], [d])[0] for d in "0123456789") for p in prompts]
+    assert max(best_single) <= 0.25  # a one-token answer: < 0.3 whatever the prompt
+    n_digits = [len(demo_task.echo(p).split()) for p in prompts]
+    runs = [
+        max(demo_task.reward([p], [" ".join(d * n)])[0] for d in "0123456789")
+        for p, n in zip(prompts, n_digits, strict=True)
+    ]
+    assert mean(runs) < 0.45  # the most common digit, repeated: its matches in place only
+    rng = random.Random(0)
+    symbols = [*demo_task.ALPHABET, None]  # None: EOS, one token among the alphabet's
+    answers, finished = [], []
+    for _ in prompts:
+        drawn = [rng.choice(symbols) for _ in range(12)]  # the main job's max_new_tokens
+        cut = drawn.index(None) if None in drawn else len(drawn)
+        answers.append("".join(drawn[:cut]))  # type: ignore[arg-type]
+        finished.append(cut < len(drawn))
+    assert mean(demo_task.reward(prompts, answers, finished)) < 0.1
+    echoes = [demo_task.echo(p) for p in prompts]
+    assert demo_task.reward(prompts, echoes, [True] * len(prompts)) == [1.0] * len(prompts)
 
 
 def test_demo_prompts_fit_the_alphabet_and_defaults(tmp_path, tok):
@@ -199,14 +228,3 @@ def test_demo_prompts_fit_the_alphabet_and_defaults(tmp_path, tok):
     assert len(ds) == 64
     assert tok.unk_token_id not in {i for ids in ds.ids for i in ids}
     assert demo_task.reward(ds.texts, [t.rstrip(" =") for t in ds.texts]) == [1.0] * 64
-
-
-def test_demo_reward_separates_random_from_digit_policies():
-    """The numbers the module docstring promises: random ~0.2, digits-only ~0.5."""
-    rng = random.Random(0)
-    prompts = [r["prompt"] for r in demo_task.make_prompts(400, seed=0)]
-    symbols = demo_task.ALPHABET
-    random_policy = ["".join(rng.choices(symbols, k=40)) for _ in prompts]
-    digit_policy = ["".join(rng.choices("0123456789", k=40)) for _ in prompts]
-    assert 0.15 < mean(demo_task.reward(prompts, random_policy)) < 0.3
-    assert 0.4 < mean(demo_task.reward(prompts, digit_policy)) < 0.55

@@ -29,7 +29,7 @@ STEP = {  # what a PPO step with a reallocated generation and an EMA reference l
     "task_reward": 0.4, "kl": 0.01, "step_seconds": 0.3, "tokens_per_s": 900.0,
     "seconds/actor_gen": 0.1, "seconds/ref_inf": 0.02, "seconds/actor_train": 0.05,
     "realloc_seconds/actor_gen": 0.01, "realloc_bytes/actor_gen": 7.7e5,
-    "realloc_bytes/ref_ema": 7.7e5,
+    "realloc_bytes/ref_ema": 7.7e5, "realloc_seconds": 0.01,
 }  # fmt: skip
 
 
@@ -60,6 +60,7 @@ def test_per_call_metrics_are_one_metric_tagged_by_call_and_role(gauges):
     moved = {(t["call"], t["role"]) for _, t in gauges["rayhf_realloc_bytes"].points}
     assert moved == {("actor_gen", "actor"), ("ref_ema", "ref")}
     assert gauges["rayhf_realloc_seconds"].points[0][1]["run"] == "ppo_tiny"
+    assert gauges["rayhf_realloc_seconds_total"].points == [(0.01, {"run": "ppo_tiny"})]
     assert gauges["rayhf_task_reward"].points == [(0.4, {"run": "ppo_tiny"})]
     assert gauges["rayhf_step"].points == [(3.0, {"run": "ppo_tiny"})]
     assert not any("/" in name for name in gauges)

@@ -10,9 +10,12 @@ import pytest
 from rayhf.rewards import (
     equivalent,
     exact_match,
+    exact_match_reward,
     extract_answer,
     extract_boxed,
+    format_reward,
     has_answer,
+    math_reward,
     math_score,
     normalize,
     to_number,
@@ -119,3 +122,14 @@ def test_normalize_keeps_what_changes_the_value():
     assert normalize("-1,000") == "-1000"
     assert normalize("(1, 2)") == "(1,2)"
     assert normalize("10^{2}") == "10^{2}"
+
+
+def test_reward_functions_score_each_response_against_its_own_row():
+    responses = ["so \\boxed{1,000}", "#### 3/4", "the answer is 7", "#### 5", "8"]
+    answers: list[object] = ["1000", "\\frac{3}{4}", 7, "Janet... #### 5", None]
+    prompts = [""] * len(responses)
+    assert math_reward(prompts, responses, answers) == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert format_reward(prompts, responses) == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert exact_match_reward(prompts, [" 7 ", "7.0", "8"], [7, "7", None]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):  # one answer per response, or the rows are misaligned
+        math_reward(["", ""], ["#### 1", "#### 2"], ["1"])

@@ -91,6 +91,17 @@ def test_datasets_and_models_that_cannot_be_had_are_named(tmp_path: Path):
         prepare_models(cfg.with_overrides({"models.ref": {"init_from": "reward"}}), tmp_path, tok)
 
 
+def test_a_reward_function_needing_a_column_the_dataset_lacks_stops_the_run(tmp_path: Path):
+    cfg = _cfg(tmp_path, "models.reward.function=rayhf.rewards:math_reward")
+    with pytest.raises(
+        RayhfError,
+        match=r"reward function rayhf.rewards:math_reward needs column "
+        r"'answer', which dataset file .*echo.parquet does not have",
+    ):
+        prepare_run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "init").exists(), "refused before any model is written"
+
+
 def _graph(*calls: Call) -> Graph:
     return Graph(name="g", inputs=["prompts"], calls=list(calls))
 

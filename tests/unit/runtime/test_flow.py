@@ -81,3 +81,25 @@ def test_every_replica_takes_its_own_token_balanced_share():
     by_prompts = [replica_share(batch, 2, r, ("prompts",)) for r in range(2)]
     assert [s.n_samples for s in by_prompts] == [3, 3]
     assert replica_share(batch, 1, 0, ("seq",)).sample_ids == list(range(6))
+
+
+def test_row_extras_follow_their_samples_through_every_call():
+    """A row's ground truth reaches the reward of each of its answers, whatever the splits."""
+    base = _batch([0, 1, 2], prompts=[2, 2, 2])
+    base.add_extra("answer", ["a0", "a1", "a2"])
+    view = call_inputs(base, {"prompts": "prompts"}, "gen")
+    shares = [replica_share(view, 2, r, ("prompts",)) for r in range(2)]
+    assert sorted(i for s in shares for i in s.sample_ids) == [0, 1, 2]
+    assert all(s.extras["answer"] == [f"a{i}" for i in s.sample_ids] for s in shares)
+    answers = []
+    for share in shares:  # each replica samples 2 answers per prompt: new sample ids 10 * p + j
+        ids = [10 * p + j for p in share.sample_ids for j in range(2)]
+        out = _batch(ids, seq=[3] * len(ids))
+        out.add_extra("answer", [a for a in share.extras["answer"] for _ in range(2)])
+        answers.append(rename_outputs(out, {"seq": "seq"}, "gen"))
+    grouped = assemble(base, [("gen", answers)])
+    assert sorted(grouped.sample_ids) == [0, 1, 10, 11, 20, 21]
+    pairs = zip(grouped.sample_ids, grouped.extras["answer"], strict=True)
+    assert all(a == f"a{sid // 10}" for sid, a in pairs)
+    reward_view = call_inputs(grouped.reorder(sorted(grouped.sample_ids)), {"seq": "seq"}, "rew")
+    assert reward_view.extras["answer"] == ["a0", "a0", "a1", "a1", "a2", "a2"]

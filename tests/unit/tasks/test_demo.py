@@ -15,9 +15,9 @@ from rayhf.tasks.demo import (
     build_tokenizer,
     candidate,
     digit_pair,
+    digit_share,
     echo,
     make_prompts,
-    score,
 )
 
 PROMPTS = [r["prompt"] for r in make_prompts(200, seed=5)]
@@ -37,7 +37,7 @@ def test_the_tokenizer_has_one_token_per_alphabet_character(tmp_path):
 )
 def test_the_ideal_answer_repeats_the_prompt_s_digits(prompt, answer):
     assert echo(prompt) == answer
-    assert score(prompt, answer) == (1.0 if answer else 0.0)
+    assert digit_share(prompt, answer) == (1.0 if answer else 0.0)
 
 
 def test_digit_pairs_differ_only_in_how_many_digits_are_absent_from_the_prompt():
@@ -46,7 +46,7 @@ def test_digit_pairs_differ_only_in_how_many_digits_are_absent_from_the_prompt()
         better, worse = digit_pair(prompt, rng)
         assert len(better.split()) == len(worse.split()) == len(echo(prompt).split())
         assert all(t.isdigit() for t in (better + " " + worse).split())
-        assert score(prompt, better) - score(prompt, worse) >= MIN_SCORE_GAP
+        assert digit_share(prompt, better) - digit_share(prompt, worse) >= MIN_SCORE_GAP
 
 
 def test_candidates_are_runs_of_digits_and_letters_of_every_quality():
@@ -57,5 +57,5 @@ def test_candidates_are_runs_of_digits_and_letters_of_every_quality():
         tokens = answer.split()
         assert 1 <= len(tokens) <= MAX_DIGITS
         assert all(len(t) == 1 and t in "0123456789abcdefghij" for t in tokens)
-        scores.append(score(prompt, answer))
+        scores.append(digit_share(prompt, answer))
     assert min(scores) == 0.0 and max(scores) == 1.0 and 0.0 < sum(scores) / len(scores) < 1.0
