@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[3]
 SHARED = Path(os.environ.get("RAYHF_SHARED_DIR", REPO / ".." / "shared"))
 CRD_DIR = SHARED / "kuberay-crds" / "v1.7.0"
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-CHECKPOINT = "/mnt/rayhf/runs/ppo-tiny/checkpoints/step_000120/actor"
+CHECKPOINT = "/mnt/rayhf/runs/ppo-tiny/checkpoints/step_000200/actor"
 
 # CI always has shared/ beside the clone: there a missing CRD folder is a failure, not a skip
 if os.environ.get("CI") and not CRD_DIR.is_dir():

@@ -114,7 +114,7 @@ def test_parse_cluster() -> None:
 
 def test_render_rejects_a_bad_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(EXAMPLE.read_text().replace("steps: 120", "stepz: 120"))
+    bad.write_text(EXAMPLE.read_text().replace("steps: 200", "stepz: 200"))
     with pytest.raises(RayhfError, match="stepz"):
         render(bad, "1x8")
 
