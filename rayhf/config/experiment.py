@@ -90,6 +90,9 @@ class TokenizerConfig(BaseModel):
 
     path: str | None = None  # None with no alphabet = the actor's model directory
     alphabet: str | None = None  # build a character-level tokenizer over these characters
+    # A Jinja chat template that replaces the tokenizer's own (it renders a prompt column of
+    # chat messages); the run's tokenizer, template included, is saved under run_dir/tokenizer.
+    chat_template: str | None = None
 
 
 class ExperimentConfig(BaseModel):

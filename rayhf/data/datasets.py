@@ -1,5 +1,9 @@
 """Datasets: load rows from a file, tokenize once, draw resumable shuffled batches.
 
+A prompt is text, or a list of chat messages (``[{"role": "user", "content": "..."}, ...]``)
+rendered by the tokenizer's own chat template with the assistant's turn opened (the template
+decides the special tokens, bos included, so none is prepended).
+
 A dataset has a *kind*, chosen by the keys the dataflow graph reads from it (``kind_for_inputs``):
 
 * ``prompts`` (PPO, GRPO, ReMax): ``prompts`` = bos + prompt; generation adds the rest;
@@ -65,7 +69,7 @@ class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str  # a .parquet, .jsonl or .json (JSON lines) file, one sample per row
-    prompt_key: str = "prompt"  # the column holding the prompt text
+    prompt_key: str = "prompt"  # the column holding the prompt: text, or a list of chat messages
     response_key: str = "response"  # the column holding the target response (sft)
     chosen_key: str = "chosen"  # the column holding the preferred response (pairs)
     rejected_key: str = "rejected"  # the column holding the dispreferred response (pairs)
@@ -175,6 +179,32 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def render_messages(tokenizer: PreTrainedTokenizerBase, messages: list[Any], where: str) -> str:
+    """Chat ``messages`` as the prompt text the tokenizer's chat template makes of them, with the
+    assistant's turn opened; ``where`` (file and row) starts every error."""
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise RayhfError(
+                f"{where}: message {j} is not {{role, content}} with text content; fix the file"
+            )
+        if m.get("role") not in CHAT_ROLES:
+            raise RayhfError(
+                f"{where}: message {j} has role {m.get('role')!r}; use one of "
+                f"{', '.join(CHAT_ROLES)}"
+            )
+    if not getattr(tokenizer, "chat_template", None):
+        raise RayhfError(
+            f"{where}: the prompt is chat messages but the tokenizer has no chat template; "
+            "set tokenizer.chat_template or use a tokenizer directory that has one"
+        )
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return str(text)
+
+
 class PromptDataset:
     """Tokenized rows of one kind plus the ``(epoch, position)`` cursor of the batch stream."""
 
@@ -194,8 +224,9 @@ class PromptDataset:
                 "use a tokenizer with one"
             )
         self.config, self.kind = config, kind
-        self.texts = [self._text(row, i, "prompt_key") for i, row in enumerate(rows)]
-        self.ids = [self._tokenize(tokenizer, text, i) for i, text in enumerate(self.texts)]
+        prompts = [self._prompt(tokenizer, row, i) for i, row in enumerate(rows)]
+        self.texts = [text for text, _ in prompts]
+        self.ids = [self._check_len(ids, i) for i, (_, ids) in enumerate(prompts)]
         self.fields = [self._row_fields(tokenizer, row, i) for i, row in enumerate(rows)]
         self.extras = [self._row_extras(row) for row in rows]
         self.epoch = 0
@@ -243,10 +274,20 @@ class PromptDataset:
             )
         return text
 
-    def _tokenize(self, tokenizer: PreTrainedTokenizerBase, text: str, i: int) -> list[int]:
-        """Prompt ids with bos prepended (if the tokenizer has one: some, like Qwen's, don't)."""
+    def _prompt(
+        self, tokenizer: PreTrainedTokenizerBase, row: dict[str, Any], i: int
+    ) -> tuple[str, list[int]]:
+        """Row ``i``'s prompt as text and ids: bos (if the tokenizer has one: some, like Qwen's,
+        don't) + the text, or chat messages rendered by the tokenizer's chat template."""
+        key = self.config.prompt_key
+        if isinstance(row.get(key), list):
+            text = render_messages(tokenizer, row[key], f"dataset file {self.config.path} row {i}")
+            return text, tokenizer.encode(text, add_special_tokens=False)
+        text = self._text(row, i, "prompt_key")
         bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-        ids = bos + tokenizer.encode(text, add_special_tokens=False)
+        return text, bos + tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_len(self, ids: list[int], i: int) -> list[int]:
         limit = self.config.max_prompt_len
         if len(ids) > limit:
             raise RayhfError(

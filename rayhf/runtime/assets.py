@@ -49,19 +49,27 @@ class RunAssets:
 
 def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path, policy: str):
     """The run's tokenizer: built from ``tokenizer.alphabet``, else loaded from
-    ``tokenizer.path``, else from the policy role's model directory."""
+    ``tokenizer.path``, else from the policy role's model directory; with
+    ``tokenizer.chat_template`` in place of its own (then saved under ``run_dir``)."""
+    out = run_dir / "tokenizer"
+    tok: Any
     if cfg.tokenizer.alphabet is not None:
-        out = run_dir / "tokenizer"
-        return build_char_tokenizer(cfg.tokenizer.alphabet, out), out
-    path = cfg.tokenizer.path
-    if path is None and policy in cfg.models:
-        path = cfg.models[policy].path
-    if path is None:
-        raise RayhfError("tokenizer: set tokenizer.path or tokenizer.alphabet")
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True), Path(path)
-    except (OSError, ValueError) as e:
-        raise RayhfError(f"tokenizer.path: cannot load a tokenizer from {path}: {e}") from None
+        tok, where = build_char_tokenizer(cfg.tokenizer.alphabet, out), out
+    else:
+        path = cfg.tokenizer.path
+        if path is None and policy in cfg.models:
+            path = cfg.models[policy].path
+        if path is None:
+            raise RayhfError("tokenizer: set tokenizer.path or tokenizer.alphabet")
+        try:
+            tok, where = AutoTokenizer.from_pretrained(path, local_files_only=True), Path(path)
+        except (OSError, ValueError) as e:
+            raise RayhfError(f"tokenizer.path: cannot load a tokenizer from {path}: {e}") from None
+    if cfg.tokenizer.chat_template is not None:
+        tok.chat_template = cfg.tokenizer.chat_template
+        tok.save_pretrained(str(out))
+        where = out
+    return tok, where
 
 
 EVAL_BUILD = {"n": 256, "seed": 10_007}  # held-out rows: another seed than the training file
