@@ -107,6 +107,8 @@ class ExperimentConfig(BaseModel):
     steps: int = Field(30, gt=0)  # iterations of the graph
     batch_size: int = Field(16, gt=0)  # dataset rows per step (prompts, pairs, demonstrations)
     eval_every: int = Field(0, ge=0)  # evaluate on dataset.eval_path every N steps (0 = never)
+    eval_samples: int = Field(1, gt=0)  # answers sampled per held-out prompt, for eval/pass@k
+    eval_correct_at: float = 1.0  # an answer scoring at least this counts as correct (pass@k)
     save_every: int = Field(0, ge=0)  # checkpoint every N steps (0 = only at the end)
     models: dict[str, RoleConfig]
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)

@@ -12,6 +12,7 @@ checkpoint (models, optimizer and interface state, dataset cursor) and continues
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from rayhf.graph import Graph
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.metrics.trace import TRACE_FILE, TraceWriter
 from rayhf.models.hf import quiet_transformers
+from rayhf.rewards.passk import pass_at_k_metrics
 from rayhf.runtime.assets import RunAssets, prepare_run
 from rayhf.runtime.checkpoint import (
     latest_checkpoint,
@@ -158,12 +160,22 @@ class Trainer:
         )
 
     def evaluate(self, step: int, trace: TraceWriter) -> dict[str, float]:
-        """The graph on the whole held-out set, train calls reporting instead of updating."""
+        """The graph on the whole held-out set (``eval_samples`` copies of each row), train
+        calls reporting instead of updating; pass@k and the mean score where it scores."""
         assert self.assets.eval_dataset is not None
-        batch = to_packed(self.assets.eval_dataset.all_samples())
-        outcome = self.executor.run_step(step, batch, evaluate=True)
+        copies = self.cfg.eval_samples
+        samples = [
+            dataclasses.replace(s, sample_id=s.sample_id * copies + j)
+            for s in self.assets.eval_dataset.all_samples()
+            for j in range(copies)
+        ]
+        outcome = self.executor.run_step(step, to_packed(samples), evaluate=True)
         trace.write(step, outcome.spans, "eval")
-        return {f"eval/{k}": v for k, v in outcome.stats.items()}
+        stats = dict(outcome.stats)
+        stats.update(pass_at_k_metrics(outcome.batch, copies, self.cfg.eval_correct_at))
+        if "scores" in outcome.batch.tensors:
+            stats["task_reward"] = outcome.batch.tensors["scores"].float().mean().item()
+        return {f"eval/{k}": v for k, v in stats.items()}
 
     def evaluates(self, step: int) -> bool:
         """Whether ``step`` ends with the held-out evaluation."""

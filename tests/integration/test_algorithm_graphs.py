@@ -92,7 +92,7 @@ def test_remap_to_missing_key_names_call_and_key(tmp_path: Path):
 
 
 RUNS = {
-    "grpo": {"cluster.n_devices": 2},
+    "grpo": {"cluster.n_devices": 2, "eval_every": 2, "eval_samples": 2},
     "remax": {},
     "dpo": {"eval_every": 1},
     "rm": {"eval_every": 1},
@@ -106,7 +106,7 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
     from conftest import tiny_overrides
 
     ov = tiny_overrides(tmp_path / "run", **RUNS[name])
-    if name in ("dpo", "rm", "sft"):
+    if name in ("dpo", "rm", "sft", "grpo"):
         ov["dataset.eval_path"] = str(tmp_path / "data" / "eval.parquet")
     cfg = _cfg(name, **ov)
     result = rayhf.run(cfg)
@@ -123,5 +123,12 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
     if name in ("dpo", "rm", "sft"):
         evals = [m for m in result.metrics if any(k.startswith("eval/") for k in m)]
         assert [m["step"] for m in evals] == [0, 1, 2]
+    if name == "grpo":  # 2 copies of each held-out prompt x a group of 4: pass@1 to pass@8
+        evals = [m for m in result.metrics if "eval/pass@1" in m]
+        assert [m["step"] for m in evals] == [0, 2]
+        for m in evals:
+            passes = [m[f"eval/pass@{k}"] for k in (1, 2, 4, 8)]
+            assert 0.0 <= passes[0] <= passes[1] <= passes[2] <= passes[3] <= 1.0
+            assert m["eval/pass@1"] <= m["eval/task_reward"] + 1e-6  # a score of 1 counts only
     trained = next(p for p in result.final_checkpoint.iterdir() if (p / "config.json").exists())
     assert trained.name in ("actor", "reward")
