@@ -36,6 +36,7 @@ from rayhf.algorithms.lm import (
 )
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.data.batch import PackedBatch
+from rayhf.engines.torch_trainer import response_tokens, samples
 from rayhf.errors import RayhfError
 
 
@@ -195,6 +196,8 @@ class GRPOActorInterface(LMInterface):
             loss, s = grpo_loss(logp, old, ref, mb.tensors["advantages"], mask, self.cfg)
             return loss, {"policy_loss": loss.item(), **s}
 
+        weight = samples if self.cfg.dr_grpo else response_tokens  # what the loss averages over
         for _ in range(self.cfg.ppo_epochs):
-            stats.update(engine.train(batch.split(self.cfg.n_minibatches, "seq"), loss_fn))
+            minibatches = batch.split(self.cfg.n_minibatches, "seq")
+            stats.update(engine.train(minibatches, loss_fn, weight))
         return stats

@@ -44,7 +44,10 @@ class ModelEngine(Protocol):
         self,
         minibatches: Sequence[PackedBatch],
         loss_fn: Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]],
+        weight: Callable[[PackedBatch], float] = ...,
     ) -> dict[str, float]: ...
+
+    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]: ...
 
     def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]: ...
 

@@ -104,13 +104,15 @@ def sample_batch(
 def logprob_batch(
     engine: ModelEngine, batch: PackedBatch, temperature: float, key: str = "logprobs"
 ) -> PackedBatch:
-    """Per-response-token log-probs (or values, for a value head) under ``key``."""
-    with torch.no_grad():
-        values, _, mask = response_forward(engine, batch, temperature)
-    packed, lens = pack_rows(values, mask)
-    result = PackedBatch(list(batch.sample_ids))
-    result.add(key, packed, lens)
-    return result
+    """Per-response-token log-probs (or values, for a value head) under ``key``, one forward
+    per micro-batch of the call's token budget."""
+    parts = []
+    for part in engine.micro_batches(batch):
+        with torch.no_grad():
+            values, _, mask = response_forward(engine, part, temperature)
+        packed, lens = pack_rows(values, mask)
+        parts.append(PackedBatch(list(part.sample_ids), {key: packed}, {key: lens}))
+    return PackedBatch.concat(parts)
 
 
 def rollout_stats(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:

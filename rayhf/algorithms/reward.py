@@ -129,10 +129,7 @@ class RewardInterface(Interface):
             scores = torch.tensor([float(s) for s in self.fn(prompts, responses, **more)])
             assert len(scores) == batch.n_samples, "reward function returned the wrong count"
         else:
-            ids, attn = padded_inputs(batch, engine.pad_id)
-            with torch.no_grad():
-                values = engine.forward(ids, attn)
-            scores = final_token_scores(values.cpu(), torch.tensor(batch.seqlens["seq"]))
+            scores = torch.cat([self._model_scores(engine, p) for p in engine.micro_batches(batch)])
         if "no_eos_score" in ctx.args:
             ends = torch.tensor([int(batch.sample("seq", i)[-1]) for i in range(batch.n_samples)])
             unfinished = ends != engine.eos_id
@@ -140,3 +137,11 @@ class RewardInterface(Interface):
         result = PackedBatch(list(batch.sample_ids))
         result.add("scores", scores.float(), [1] * batch.n_samples)
         return result
+
+    @staticmethod
+    def _model_scores(engine: ModelEngine, batch: PackedBatch) -> torch.Tensor:
+        """The reward model's value at each sequence's last token."""
+        ids, attn = padded_inputs(batch, engine.pad_id)
+        with torch.no_grad():
+            values = engine.forward(ids, attn)
+        return final_token_scores(values.cpu(), torch.tensor(batch.seqlens["seq"]))

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+SEQUENCE_KEYS = ("seq", "chosen", "rejected")  # the keys holding whole token sequences
+
 
 @dataclass
 class PackedBatch:
@@ -96,6 +98,26 @@ class PackedBatch:
         """Like ``split`` but never returns an empty part (fewer parts when samples run out)."""
         parts = self.split(min(n_minibatches, max(self.n_samples, 1)), by_key)
         return [p for p in parts if p.n_samples > 0]
+
+    def sequence_tokens(self) -> list[int]:
+        """Each sample's tokens over its token sequences (``seq``; ``chosen`` + ``rejected``)."""
+        keys = [k for k in SEQUENCE_KEYS if k in self.seqlens]
+        return [sum(self.seqlens[k][i] for k in keys) for i in range(self.n_samples)]
+
+    def token_chunks(self, budget: int) -> list[PackedBatch]:
+        """Consecutive runs of samples holding at most ``budget`` sequence tokens each (a
+        micro-batch cut by a token budget); ``concat`` of the chunks is this batch again."""
+        chunks: list[list[int]] = []
+        load = budget  # start a new chunk with the first sample
+        for i, n in enumerate(self.sequence_tokens()):
+            if n > budget:
+                raise ValueError(f"a {n}-token sample is over the {budget}-token budget")
+            if load + n > budget:
+                chunks.append([])
+                load = 0
+            chunks[-1].append(i)
+            load += n
+        return [self.select(c) for c in chunks] or [self]
 
     @staticmethod
     def concat(batches: list[PackedBatch]) -> PackedBatch:

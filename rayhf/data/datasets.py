@@ -254,6 +254,16 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.texts)
 
+    def longest_sample(self, max_new_tokens: int) -> tuple[int, str]:
+        """The most sequence tokens one sample can hold (prompts: with its response), and how
+        that count is made, for an error message."""
+        if self.kind == "prompts":
+            prompt = max(len(ids) for ids in self.ids)
+            why = f"prompt of {prompt} + generation.max_new_tokens={max_new_tokens}"
+            return prompt + max_new_tokens, why
+        longest = max(sum(len(ids) for ids in fields.values()) for fields in self.fields)
+        return longest, f"the longest row of dataset file {self.config.path}"
+
     def mean_prompt_len(self) -> float:
         """Mean prompt length in tokens (the planner's workload)."""
         return sum(len(i) for i in self.ids) / max(1, len(self.ids))

@@ -23,7 +23,7 @@ import torch
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
-from rayhf.engines.torch_trainer import LossFn
+from rayhf.engines.torch_trainer import LossFn, Weight, response_tokens
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
 
@@ -46,7 +46,13 @@ class Trainer(Protocol):
     @property
     def gathers_over_dp(self) -> bool: ...
 
-    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]: ...
+    def train(
+        self,
+        minibatches: Sequence[PackedBatch],
+        loss_fn: LossFn,
+        token_budget: int | None = ...,
+        weight: Weight = ...,
+    ) -> dict[str, float]: ...
 
     def weights_loaded(self) -> None: ...
 
@@ -68,6 +74,7 @@ class CallEngine:
     comm: DataParallel
     generator: Generator | None = None
     trainer: Trainer | None = None
+    token_budget: int | None = None  # the call's max_tokens_per_microbatch
 
     @property
     def pad_id(self) -> int:
@@ -100,9 +107,18 @@ class CallEngine:
         assert self.generator is not None, "generate outside a generate call"
         return self.generator.generate(prompts, cfg, seed)
 
-    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train(
+        self, minibatches: Sequence[PackedBatch], loss_fn: LossFn, weight: Weight = response_tokens
+    ) -> dict[str, float]:
+        """One optimizer step per minibatch; ``weight``: what ``loss_fn`` averages over (the
+        response tokens, or ``samples``), for the call's token-budget micro-batches."""
         assert self.trainer is not None, "train on a frozen role"
-        return self.trainer.train(minibatches, loss_fn)
+        return self.trainer.train(minibatches, loss_fn, self.token_budget, weight)
+
+    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        """``batch`` cut by the call's token budget for forwards without gradients (inference);
+        ``PackedBatch.concat`` of the results' parts keeps the samples' order."""
+        return [batch] if self.token_budget is None else batch.token_chunks(self.token_budget)
 
     def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
         return self.comm.all_reduce_mean(values)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayhf.errors import RayhfError
 
@@ -19,18 +19,25 @@ ENGINES_BY_KIND: dict[str, tuple[str, ...]] = {
 class EngineConfig(BaseModel):
     """The backend of one call: ``native`` or ``vllm`` for generate calls, ``torch`` or
     ``deepspeed`` (ZeRO ``zero_stage``, optimizer state ``offload``ed to CPU memory) for train
-    calls, ``torch`` for inference calls."""
+    calls, ``torch`` for inference calls. ``max_tokens_per_microbatch`` cuts a torch train or
+    inference call's batches into micro-batches of at most that many tokens (the gradients of
+    a minibatch's micro-batches accumulate into one optimizer step), so long responses do not
+    run out of memory; None runs each minibatch whole."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: Literal["native", "vllm", "torch", "deepspeed"]
     zero_stage: Literal[1, 2, 3] = 2
     offload: bool = False
+    max_tokens_per_microbatch: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _deepspeed_only(self) -> EngineConfig:
-        if self.engine != "deepspeed" and ({"zero_stage", "offload"} & self.model_fields_set):
+        # by value, not by the fields set: a re-validated dump (with_overrides) sets them all
+        if self.engine != "deepspeed" and (self.zero_stage != 2 or self.offload):
             raise ValueError("zero_stage and offload are settings of engine 'deepspeed'")
+        if self.engine != "torch" and self.max_tokens_per_microbatch is not None:
+            raise ValueError("max_tokens_per_microbatch is a setting of engine 'torch'")
         return self
 
     @classmethod

@@ -29,7 +29,13 @@ from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.rank_model import RankModel
-from rayhf.engines.torch_trainer import LossFn, OptimizerConfig, add_stats
+from rayhf.engines.torch_trainer import (
+    LossFn,
+    OptimizerConfig,
+    Weight,
+    add_stats,
+    response_tokens,
+)
 from rayhf.errors import RayhfError
 from rayhf.parallel.attention import TokenLayout
 from rayhf.parallel.layout import Layout
@@ -138,9 +144,18 @@ class DeepSpeedTrainer:
         no replica holds it)."""
         return self.zero_stage == 3
 
-    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train(
+        self,
+        minibatches: Sequence[PackedBatch],
+        loss_fn: LossFn,
+        token_budget: int | None = None,
+        weight: Weight = response_tokens,
+    ) -> dict[str, float]:
         """One DeepSpeed step per minibatch; a rank without samples in one backpropagates a
-        zero loss so the gradient reduction lines up."""
+        zero loss so the gradient reduction lines up. (No token budget: DeepSpeed fixes its
+        gradient accumulation steps at start, and a budget's micro-batch count varies.)"""
+        assert token_budget is None, "max_tokens_per_microbatch is a torch engine setting"
+        del weight
         self.model.module.train(True)
         totals: dict[str, float] = {}
         try:

@@ -21,6 +21,33 @@ from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 
 LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
+Weight = Callable[[PackedBatch], float]  # what a loss averages over, counted in a batch
+
+
+def response_tokens(batch: PackedBatch) -> float:
+    """What a token-mean loss averages over: the response tokens of ``seq`` (each one predicted
+    after the prompt); a batch without them (pairs) counts its samples."""
+    if "seq" in batch.seqlens and "prompt_lens" in batch.tensors:
+        return float(sum(batch.seqlens["seq"]) - int(batch.tensors["prompt_lens"].sum()))
+    return float(batch.n_samples)
+
+
+def samples(batch: PackedBatch) -> float:
+    """What a per-sequence loss averages over."""
+    return float(batch.n_samples)
+
+
+def micro_batches(
+    mb: PackedBatch, budget: int | None, weight: Weight
+) -> list[tuple[PackedBatch, float]]:
+    """``mb`` cut into micro-batches of at most ``budget`` sequence tokens, each with its share
+    of the minibatch's loss (its ``weight`` over the minibatch's): the shares' weighted sum of
+    the micro-batch losses is the minibatch's loss, so their gradients add up to its gradient."""
+    if budget is None:
+        return [(mb, 1.0)]
+    parts = mb.token_chunks(budget)
+    total = weight(mb)
+    return [(p, weight(p) / total if total else 1.0 / len(parts)) for p in parts]
 
 
 class OptimizerConfig(BaseModel):
@@ -54,11 +81,19 @@ class TorchTrainer:
         self.comm = DataParallel(self.groups.dp_group)
         self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
 
-    def train(self, minibatches: Sequence[PackedBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train(
+        self,
+        minibatches: Sequence[PackedBatch],
+        loss_fn: LossFn,
+        token_budget: int | None = None,
+        weight: Weight = response_tokens,
+    ) -> dict[str, float]:
         """One optimizer step per minibatch; returns the mean of each stat over minibatches.
 
         ``minibatches`` has the same length on every dp rank (a rank with no samples for one
-        passes an empty batch and contributes zero gradient), so the all-reduces line up.
+        passes an empty batch and contributes zero gradient), so the all-reduces line up. With a
+        ``token_budget`` each minibatch's gradient accumulates over its micro-batches
+        (``micro_batches``: each loss scaled by its share), before the one step.
         """
         module, pipe = self.model.module, self.model.pipe
         module.train(True)
@@ -67,11 +102,14 @@ class TorchTrainer:
         try:
             for mb in minibatches:
                 self.optimizer.zero_grad(set_to_none=False)
-                if mb.n_samples > 0:
-                    loss, stats = loss_fn(mb)
-                    loss.backward()
+                parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
+                if token_budget is not None:  # how many the budget cut, per minibatch
+                    add_stats(totals, {"micro_batches": float(len(parts))}, len(minibatches))
+                for part, share in parts:
+                    loss, stats = loss_fn(part)
+                    (loss * share).backward()
                     pipe.backward_pending()
-                    add_stats(totals, stats, len(minibatches))
+                    add_stats(totals, {k: v * share for k, v in stats.items()}, len(minibatches))
                 self._all_reduce_grads()
                 norm = self._clip_grads(self.cfg.grad_clip)
                 add_stats(totals, {"grad_norm": norm}, len(minibatches))

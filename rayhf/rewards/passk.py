@@ -35,7 +35,8 @@ def reported_ks(n: int) -> list[int]:
 
 
 def pass_at_k_metrics(batch: PackedBatch, copies: int, correct_at: float) -> dict[str, float]:
-    """``pass@k`` for every reported k, from a held-out batch's ``scores``.
+    """``pass@k`` for every reported k and ``task_reward`` (the mean score), from a held-out
+    batch's ``scores``.
 
     A sample's prompt is its row: held-out row ``r``'s copy ``j`` has sample id ``r * copies +
     j``, and a generate call that samples a group gives each answer ``group_ids`` = that id.
@@ -51,7 +52,9 @@ def pass_at_k_metrics(batch: PackedBatch, copies: int, correct_at: float) -> dic
         counts[int(pid) // copies][0] += 1
         counts[int(pid) // copies][1] += int(score >= correct_at)
     n = min(total for total, _ in counts.values())
-    return {
+    out = {
         f"pass@{k}": sum(pass_at_k(total, c, k) for total, c in counts.values()) / len(counts)
         for k in reported_ks(n)
     }
+    out["task_reward"] = batch.tensors["scores"].float().mean().item()
+    return out

@@ -232,6 +232,21 @@ def check_engines(
             check_deepspeed(name, call.role, ec, layouts, rc.optimizer.zero1, rc.init_from)
 
 
+def _check_token_budgets(cfg: ExperimentConfig, datasets: list[PromptDataset]) -> None:
+    """Every call's token budget holds the longest sample it may get."""
+    for call, engine in cfg.engines.items():
+        budget = engine.max_tokens_per_microbatch
+        if budget is None:
+            continue
+        for data in datasets:
+            longest, why = data.longest_sample(cfg.generation.max_new_tokens)
+            if budget < longest:
+                raise RayhfError(
+                    f"engines.{call}.max_tokens_per_microbatch={budget} is smaller than the "
+                    f"longest sample ({longest} tokens: {why}); raise it to at least {longest}"
+                )
+
+
 def _check_reward_columns(cfg: ExperimentConfig, datasets: list[PromptDataset]) -> None:
     """Every reward function finds the columns it needs in every dataset it will score."""
     for rc in cfg.models.values():
@@ -255,7 +270,9 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, tokenizer_dir = prepare_tokenizer(cfg, run_dir, graph.policy_role)
     dataset, eval_dataset = prepare_dataset(cfg, tokenizer, kind_for_inputs(graph.inputs))
-    _check_reward_columns(cfg, [d for d in (dataset, eval_dataset) if d is not None])
+    datasets = [d for d in (dataset, eval_dataset) if d is not None]
+    _check_reward_columns(cfg, datasets)
+    _check_token_budgets(cfg, datasets)
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
     specs = _model_specs(cfg, model_dirs)
     if plan is None:

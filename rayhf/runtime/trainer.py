@@ -173,8 +173,6 @@ class Trainer:
         trace.write(step, outcome.spans, "eval")
         stats = dict(outcome.stats)
         stats.update(pass_at_k_metrics(outcome.batch, copies, self.cfg.eval_correct_at))
-        if "scores" in outcome.batch.tensors:
-            stats["task_reward"] = outcome.batch.tensors["scores"].float().mean().item()
         return {f"eval/{k}": v for k, v in stats.items()}
 
     def evaluates(self, step: int) -> bool:

@@ -130,7 +130,8 @@ class RoleWorker:
         comm = DataParallel(self.groups.dp_group)
         generator = self.generators.get(call)
         trainer = self.trainer if self.calls[call].kind == "train" else None
-        return CallEngine(self.tokenizer, self.model, comm, generator, trainer)
+        budget = self.calls[call].engine.max_tokens_per_microbatch
+        return CallEngine(self.tokenizer, self.model, comm, generator, trainer, budget)
 
     def run(self, req: CallRequest) -> CallResult:
         call = self.calls[req.call]

@@ -65,3 +65,24 @@ def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_co
         assert after[0] != digests[0]
     left = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
     assert not [a for a in left if a.name and a.name.startswith(("actor.", "critic.", "ref."))]
+
+
+def test_token_budgets_cut_calls_into_micro_batches_with_the_same_results(
+    ray_cluster, tiny_config, tmp_path
+):
+    """A budget a few samples wide on the actor's train and the reference's inference: the same
+    step as without one (gradients accumulate; log-probs are per sample)."""
+    budget = {"engine": "torch", "max_tokens_per_microbatch": 24}  # prompts <= 18 + 4 new
+    # one minibatch of all 4 samples, so the budget has something to cut
+    runs = {}
+    cut = {"actor_train": budget, "critic_train": budget, "ref_inf": budget}
+    for name, engines in (("whole", {}), ("cut", cut)):
+        cfg = tiny_config(engines=engines, plan="colocated", **{"algorithm.n_minibatches": 1})
+        cfg = cfg.with_overrides({"run_dir": str(tmp_path / name)})
+        runs[name] = run(cfg).metrics
+    assert not any("micro_batches" in m for m in runs["whole"])
+    cut_rows = [(m.get("micro_batches"), m["step"]) for m in runs["cut"]]
+    assert all(n is not None and n > 1.0 for n, _ in cut_rows), cut_rows
+    for key in ("kl", "policy_loss", "value_loss", "task_reward", "grad_norm"):
+        whole = [m[key] for m in runs["whole"]]
+        assert [m[key] for m in runs["cut"]] == pytest.approx(whole, rel=1e-3, abs=1e-6), key

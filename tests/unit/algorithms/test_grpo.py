@@ -274,7 +274,7 @@ class FakeEngine:
     def all_reduce_mean(self, values):
         return dict(values)
 
-    def train(self, minibatches, loss_fn):
+    def train(self, minibatches, loss_fn, *_):
         stats = {}
         for mb in minibatches:
             loss, stats = loss_fn(mb)

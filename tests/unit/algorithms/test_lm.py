@@ -32,11 +32,17 @@ class BigramEngine:
 
     pad_id, eos_id = 0, 1
 
-    def __init__(self, table: torch.Tensor, tokens: list[list[int]] | None = None) -> None:
-        self.table, self.tokens = table, tokens or []
+    def __init__(
+        self, table: torch.Tensor, tokens: list[list[int]] | None = None, budget: int | None = None
+    ) -> None:
+        self.table, self.tokens, self.budget = table, tokens or [], budget
         self.calls: list[tuple] = []
 
+    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        return [batch] if self.budget is None else batch.token_chunks(self.budget)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("forward", input_ids.shape[0]))
         out = self.table[input_ids]
         keep = attention_mask.bool()
         return out * (keep if out.dim() == 2 else keep[..., None])
@@ -133,7 +139,11 @@ def test_response_forward_of_a_value_head_gives_values_and_no_logits():
 
 def test_logprob_batch_packs_one_row_per_response_token():
     table = _table(1)
-    out = logprob_batch(BigramEngine(table), _batch(SEQS, PROMPT_LENS, [4, 8, 9]), 0.7, "lp")
+    whole = logprob_batch(BigramEngine(table), _batch(SEQS, PROMPT_LENS, [4, 8, 9]), 0.7, "lp")
+    engine = BigramEngine(table, budget=max(len(s) for s in SEQS))  # a forward per sequence
+    out = logprob_batch(engine, _batch(SEQS, PROMPT_LENS, [4, 8, 9]), 0.7, "lp")
+    assert [c for c in engine.calls if c[0] == "forward"] == [("forward", 1)] * 3
+    assert torch.equal(out.tensors["lp"], whole.tensors["lp"]) and out.seqlens == whole.seqlens
     assert out.sample_ids == [4, 8, 9] and out.keys() == ["lp"]
     assert out.seqlens["lp"] == [2, 1, 0]
     expected = [_bigram_logprob(table, a, b, 0.7) for a, b in ((6, 7), (7, 8), (9, 10))]

@@ -36,7 +36,7 @@ class FakeTrainer:
         self.calls: list[tuple] = []
         self.gathering = False
 
-    def train(self, minibatches, loss_fn):
+    def train(self, minibatches, loss_fn, *_):
         self.calls.append((minibatches, loss_fn))
         return {"loss": 1.0}
 

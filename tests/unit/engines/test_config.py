@@ -23,9 +23,14 @@ def test_deepspeed_settings_belong_to_deepspeed_only():
     assert (ds.zero_stage, ds.offload) == (3, True)
     assert EngineConfig(engine="deepspeed").zero_stage == 2
     for engine in ("native", "vllm", "torch"):
-        for extra in ({"zero_stage": 1}, {"offload": False}):
+        for extra in ({"zero_stage": 1}, {"offload": True}):
             with pytest.raises(ValidationError, match="settings of engine 'deepspeed'"):
                 EngineConfig(engine=engine, **extra)
+    # a dump holds every field at its default; validated again (with_overrides), it is the same
+    torch = EngineConfig(engine="torch", max_tokens_per_microbatch=64)
+    assert EngineConfig.model_validate(torch.model_dump()) == torch
+    with pytest.raises(ValidationError, match="max_tokens_per_microbatch is a setting of engine"):
+        EngineConfig(engine="vllm", max_tokens_per_microbatch=64)
 
 
 @pytest.mark.parametrize(

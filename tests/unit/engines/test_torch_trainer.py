@@ -13,7 +13,14 @@ from pydantic import ValidationError
 from rayhf.checks.common import PAD, VOCAB, Tok, tiny_model
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.rank_model import RankModel
-from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer, add_stats
+from rayhf.engines.torch_trainer import (
+    OptimizerConfig,
+    TorchTrainer,
+    add_stats,
+    micro_batches,
+    response_tokens,
+    samples,
+)
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2}
 
@@ -164,3 +171,40 @@ def test_add_stats_accumulates_means():
     totals: dict[str, float] = {"a": 1.0}
     add_stats(totals, {"a": 2.0, "b": 4.0}, 4)
     assert totals == {"a": 1.5, "b": 1.0}
+
+
+def _with_prompt_lens(batch: PackedBatch) -> PackedBatch:
+    """``_nll`` predicts every token after the first: a one-token prompt."""
+    batch.add("prompt_lens", torch.ones(batch.n_samples, dtype=torch.long), [1] * batch.n_samples)
+    return batch
+
+
+@pytest.mark.parametrize("budget", [7, 12, 20])
+def test_a_token_budget_accumulates_the_same_step_as_the_whole_minibatch(budget):
+    batches = [_with_prompt_lens(_batch(5, n=6)), _with_prompt_lens(_batch(6, n=6))]
+    whole, _ = _trainer(lr=1e-2)
+    cut, _ = _trainer(lr=1e-2)
+    parts = [len(micro_batches(b, budget, response_tokens)) for b in batches]
+    assert min(parts) > 1, "the budget should cut these minibatches"
+    stats_whole = whole.train(batches, _loss_fn(whole.model))
+    stats_cut = cut.train(batches, _loss_fn(cut.model), token_budget=budget)
+    assert stats_cut["nll"] == pytest.approx(stats_whole["nll"], rel=1e-5)
+    assert stats_cut["micro_batches"] == sum(parts) / 2 and "micro_batches" not in stats_whole
+    assert stats_cut["grad_norm"] == pytest.approx(stats_whole["grad_norm"], rel=1e-4)
+    a, b = whole.model.full_state(), cut.model.full_state()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_micro_batches_keep_order_and_their_shares_add_up():
+    batch = _with_prompt_lens(_batch(7, n=8))
+    lens = batch.seqlens["seq"]
+    parts = micro_batches(batch, max(lens) + 1, response_tokens)
+    assert all(p.n_tokens("seq") <= max(lens) + 1 for p, _ in parts)
+    assert PackedBatch.concat([p for p, _ in parts]).sample_ids == batch.sample_ids
+    assert sum(share for _, share in parts) == pytest.approx(1.0)
+    shares = [s for _, s in micro_batches(batch, max(lens) + 1, samples)]
+    assert shares == pytest.approx([p.n_samples / 8 for p, _ in parts])
+    assert micro_batches(batch, None, response_tokens) == [(batch, 1.0)]
+    with pytest.raises(ValueError, match=f"a {lens[0]}-token sample is over the 2-token budget"):
+        batch.token_chunks(2)

@@ -38,9 +38,11 @@ def _scored(ids: list[int], scores: list[float], groups: list[int] | None = None
 def test_answers_are_grouped_by_their_held_out_row():
     # 2 rows x 2 copies, one answer each (PPO): row 0 has 1 of 2 right, row 1 none
     ppo = _scored([0, 1, 2, 3], [1.0, 0.2, 0.0, 0.99])
-    assert pass_at_k_metrics(ppo, copies=2, correct_at=1.0) == {"pass@1": 0.25, "pass@2": 0.5}
+    got = pass_at_k_metrics(ppo, copies=2, correct_at=1.0)
+    assert got == pytest.approx({"pass@1": 0.25, "pass@2": 0.5, "task_reward": 0.5475})
     # GRPO: 2 rows x 1 copy x group of 3 (new ids; group_ids = the row's sample id)
     grpo = _scored([0, 1, 2, 3, 4, 5], [1, 1, 0, 0, 0, 1], groups=[0, 0, 0, 1, 1, 1])
     got = pass_at_k_metrics(grpo, copies=1, correct_at=0.5)
-    assert got == pytest.approx({"pass@1": 0.5, "pass@2": (1.0 + 2 / 3) / 2, "pass@3": 1.0})
+    expected = {"pass@1": 0.5, "pass@2": (1.0 + 2 / 3) / 2, "pass@3": 1.0, "task_reward": 0.5}
+    assert got == pytest.approx(expected)
     assert pass_at_k_metrics(PackedBatch([0]), copies=1, correct_at=1.0) == {}, "nothing scored"

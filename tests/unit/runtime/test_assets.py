@@ -102,6 +102,23 @@ def test_a_reward_function_needing_a_column_the_dataset_lacks_stops_the_run(tmp_
     assert not (tmp_path / "run" / "init").exists(), "refused before any model is written"
 
 
+def test_a_token_budget_below_the_longest_sample_stops_the_run(tmp_path: Path):
+    budget = {"engines.actor_train": {"engine": "torch", "max_tokens_per_microbatch": 20}}
+    with pytest.raises(RayhfError, match=re.escape(
+        "engines.actor_train.max_tokens_per_microbatch=20 is smaller than the longest sample "
+        "(34 tokens: prompt of 18 + generation.max_new_tokens=16); raise it to at least 34"
+    )):  # fmt: skip
+        prepare_run(_cfg(tmp_path).with_overrides(budget), tmp_path / "run")
+    ok = {"engines.actor_train": {"engine": "torch", "max_tokens_per_microbatch": 34}}
+    assert prepare_run(_cfg(tmp_path).with_overrides(ok), tmp_path / "run2").graph.name == "ppo"
+    with pytest.raises(
+        ValueError, match="max_tokens_per_microbatch is a setting of engine 'torch'"
+    ):
+        _cfg(tmp_path).with_overrides(
+            {"engines.actor_train": {"engine": "deepspeed", "max_tokens_per_microbatch": 64}}
+        )
+
+
 def _graph(*calls: Call) -> Graph:
     return Graph(name="g", inputs=["prompts"], calls=list(calls))
 
