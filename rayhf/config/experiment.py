@@ -72,6 +72,9 @@ class RoleConfig(BaseModel):
     function: str | None = None  # "module:function" reward instead of a model
     value_head: bool = False  # scalar head per token (critic, reward model)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # Keep only each layer's input in training and recompute the rest in backward: less
+    # activation memory (long responses) for one more forward of each layer (torch engine).
+    activation_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> RoleConfig:

@@ -40,18 +40,21 @@ class RankModel:
         groups: ParallelGroups | None = None,
         n_mbs: int = 1,
         device: str = "cpu",
+        checkpointing: bool = False,
     ) -> None:
         self.hf_config, self.tokenizer, self.value_head = hf_config, tokenizer, value_head
         self.groups = groups or single()
         self.spec = model_spec(hf_config, value_head)
         self.module = ShardedModel(self.spec, self.groups, full).to(device)
+        self.module.checkpointing = checkpointing  # recompute each layer in backward
         self.module.train(False)
         self.pipe = Pipeline(self.module, self.groups, n_mbs)
         self.version = 0  # bumped whenever the weights change
 
     @classmethod
     def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
-        """This rank's shards of a whole Hugging Face model (``kw``: groups, n_mbs, device)."""
+        """This rank's shards of a whole Hugging Face model (``kw``: groups, n_mbs, device,
+        checkpointing)."""
         return cls(model.config, model.state_dict(), tokenizer, value_head, **kw)
 
     @property

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from rayhf.models.sharding import (
@@ -60,6 +61,9 @@ class ShardedModel(torch.nn.Module):
         self.n_kv_heads = spec.n_kv_heads // tp
         self.vocab_range = chunk_bounds(spec.vocab_size, tp, c.tp_rank)
         self.act = ACT2FN[spec.act]
+        # Activation checkpointing: in training, keep each layer's input only and run the layer
+        # again in backward (its tp collectives too, in the same order on every rank).
+        self.checkpointing = False
 
     @property
     def device(self) -> torch.device:
@@ -105,8 +109,12 @@ class ShardedModel(torch.nn.Module):
         where = where.to(x.device)
         if self.groups.is_first_stage:
             x = self.embed(x, where.positions)
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for i in self.layers:
-            x = self.layer(x, i, where, cache)
+            if recompute and cache is None:
+                x = checkpoint(self.layer, x, i, where, None, use_reentrant=False)
+            else:
+                x = self.layer(x, i, where, cache)
         if self.groups.is_last_stage:
             x = self.head(x if select is None else x[select])
         return x

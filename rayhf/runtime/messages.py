@@ -46,6 +46,7 @@ class WorkerSpec:
     seed: int
     threads: int  # torch intra-op threads (the device's CPU share)
     device: str = "cpu"
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
 
 
 @dataclass(frozen=True)

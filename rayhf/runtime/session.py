@@ -180,6 +180,7 @@ class Session:
             config_dir=config_dir,
             value_head=rc.value_head,
             optimizer=rc.optimizer if role in assets.trainable and home else None,
+            activation_checkpointing=rc.activation_checkpointing,
             seed=cfg.seed,
             threads=threads,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",

@@ -117,6 +117,7 @@ class RoleWorker:
         self.model = RankModel.from_hf(
             hf_model, self.tokenizer, spec.value_head,
             groups=self.groups, n_mbs=spec.n_mbs, device=spec.device,
+            checkpointing=spec.activation_checkpointing,
         )  # fmt: skip
         trainer = next((c for c in spec.calls if c.kind == "train"), None)
         if spec.optimizer is not None and trainer is not None:

@@ -54,6 +54,10 @@ def test_each_rank_s_spec_follows_the_plan(tmp_path: Path):
     assert ref.outputs == {"logprobs": "ref_logprobs"}  # the graph's output_remap
     critic = session._spec("critic", TWO, 0, threads=1)
     assert [c.name for c in critic.calls] == ["critic_inf", "critic_train"] and critic.value_head
+    assert not home.activation_checkpointing
+    ckpt = _session(tmp_path, None, "models.actor.activation_checkpointing=true")
+    assert ckpt._spec("actor", HOME, 1, threads=3).activation_checkpointing
+    assert not ckpt._spec("critic", TWO, 0, threads=1).activation_checkpointing
 
 
 def test_where_each_role_s_first_weights_come_from(tmp_path: Path):
