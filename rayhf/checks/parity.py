@@ -35,7 +35,14 @@ FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2": {"n_heads": 4},  # q/k/v biases
     "mistral": {"n_heads": 8, "n_kv_heads": 4, "intermediate_size": 90},  # uneven MLP shards
     "gpt2": {"n_heads": 4},  # fused q|k|v, Conv1D, learned positions
-}
+    "qwen3": {"n_heads": 8, "n_kv_heads": 4},  # RMSNorm on each head's q and k
+    "llama3": {  # Llama 3.x's scaled RoPE, over positions past the original context
+        "family": "llama", "n_heads": 8, "n_kv_heads": 4,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 4},
+    },
+}  # fmt: skip
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:
@@ -44,8 +51,10 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
     return [(d, t, p) for d in sizes for t in sizes for p in sizes if d * t * p <= world]
 
 
-def _model(family: str, value_head: bool):
-    return tiny_model(family, FAMILY_SHAPES[family], value_head, seed=7)
+def _model(case: str, value_head: bool):
+    """The tiny model of a ``FAMILY_SHAPES`` case (its key is the family unless it names one)."""
+    shape = dict(FAMILY_SHAPES[case])
+    return tiny_model(shape.pop("family", case), shape, value_head, seed=7)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ backbone with a scalar head (``AutoModelForSequenceClassification`` with one lab
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,11 +23,12 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from rayhf.errors import RayhfError
 
-Family = Literal["llama", "qwen2", "mistral", "gpt2"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"]
 
 
 class ModelInit(BaseModel):
@@ -42,6 +43,9 @@ class ModelInit(BaseModel):
     n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
     intermediate_size: int | None = None  # None = 4 * hidden_size (2.75x for llama-style)
     max_positions: int = Field(256, gt=0)
+    # RoPE settings as Hugging Face names them (rope_type, rope_theta, factor, ...), e.g. Llama
+    # 3.x's {rope_type: llama3, factor: 8, ...}; None = plain RoPE, theta 10000
+    rope_parameters: dict[str, Any] | None = None
     seed: int = 0
 
 
@@ -71,9 +75,14 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
             bos_token_id=bos_id,
             eos_token_id=eos_id,
         )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[init.family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "mistral": MistralConfig}[init.family]  # fmt: skip
     inter = init.intermediate_size or int(2.75 * init.hidden_size)
+    extra: dict[str, Any] = {"head_dim": init.hidden_size // init.n_heads}  # Qwen3's is 128
+    if init.rope_parameters is not None:
+        extra["rope_parameters"] = {"rope_theta": 10000.0, **init.rope_parameters}
     return cls(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=init.hidden_size,
         num_hidden_layers=init.n_layers,

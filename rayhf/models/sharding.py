@@ -59,6 +59,11 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
         ParamShard(f"{p}.mlp.up_proj.weight", (inter, h), 0, unit),
         ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit),
     ]
+    if spec.qk_norm:  # one weight per head dim, shared by every head: replicated
+        out += [
+            ParamShard(f"{p}.self_attn.q_norm.weight", (spec.head_dim,), None, unit),
+            ParamShard(f"{p}.self_attn.k_norm.weight", (spec.head_dim,), None, unit),
+        ]
     if spec.qkv_bias:
         out += [
             ParamShard(f"{p}.self_attn.q_proj.bias", (q_out,), 0, unit),

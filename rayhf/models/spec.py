@@ -1,8 +1,9 @@
 """The shape of a supported Hugging Face model, read once from its config.
 
 Everything that shards, stages or runs a model reads a ``ModelSpec`` rather than the Hugging
-Face config, so the four families (Llama, Qwen2, Mistral, GPT-2) differ in one place: here
-(sizes, norms, position encoding, biases) and in ``sharding`` (parameter names and split dims).
+Face config, so the families (Llama, including Llama 3.x's scaled RoPE; Qwen2; Qwen3, with its
+per-head q/k norms; Mistral; GPT-2) differ in one place: here (sizes, norms, position encoding,
+biases) and in ``sharding`` (parameter names and split dims).
 """
 
 from __future__ import annotations
@@ -10,10 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
 from rayhf.errors import RayhfError
 
-Family = Literal["llama", "qwen2", "mistral", "gpt2"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral", "gpt2")
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+# RoPE variants whose frequencies are fixed at load (Hugging Face computes them the same way);
+# "dynamic" and "longrope" change with the sequence length and are refused.
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,9 @@ class ModelSpec:
     tied: bool  # the LM head is the token embedding
     value_head: bool  # a ``score`` head with one output instead of the LM head
     padding_idx: int | None = None  # this embedding row gets no gradient (Hugging Face's Llama)
+    rope_inv_freq: tuple[float, ...] | None = None  # RoPE frequencies per dim pair (scaled)
+    rope_scale: float = 1.0  # cos and sin multiplier (YaRN's attention factor)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
 
     @property
     def prefix(self) -> str:
@@ -48,6 +57,20 @@ class ModelSpec:
     @property
     def head_name(self) -> str:
         return "score.weight" if self.value_head else "lm_head.weight"
+
+
+def _default_rope(config: Any, device: str) -> tuple[Any, float]:
+    """Plain RoPE frequencies, as Hugging Face's default rotary embedding computes them."""
+    import torch
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (base**exponents), 1.0
+
+
+ROPE_INIT_FUNCTIONS_ALL = {"default": _default_rope, **ROPE_INIT_FUNCTIONS}
 
 
 def model_spec(config: Any, value_head: bool) -> ModelSpec:
@@ -81,9 +104,13 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
             value_head=value_head,
         )
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise RayhfError(f"rope_type '{rope['rope_type']}' is not supported; use default RoPE")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE:
+        raise RayhfError(
+            f"rope_type '{rope_type}' is not supported; use one of {', '.join(STATIC_ROPE)}"
+        )
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    inv_freq, rope_scale = ROPE_INIT_FUNCTIONS_ALL[rope_type](config, "cpu")
     attention_bias = bool(getattr(config, "attention_bias", False))
     window = None
     if family == "mistral" or getattr(config, "use_sliding_window", False):
@@ -103,6 +130,9 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         act=config.hidden_act,
         rope_theta=float(theta),
         qkv_bias=family == "qwen2" or attention_bias,
+        qk_norm=family == "qwen3",
+        rope_inv_freq=tuple(float(f) for f in inv_freq),
+        rope_scale=float(rope_scale),
         o_bias=attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         sliding_window=window,

@@ -61,13 +61,17 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x [n, heads, dim]`` (the half-split layout Hugging Face uses)."""
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: tuple[float, ...], scale: float = 1.0
+) -> torch.Tensor:
+    """Rotary embedding of ``x [n, heads, dim]`` (the half-split layout Hugging Face uses), at
+    the model's frequencies (``ModelSpec.rope_inv_freq``: plain or scaled, e.g. Llama 3's) with
+    cos and sin times ``scale`` (YaRN's attention factor; 1 otherwise)."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * torch.tensor(inv_freq, device=x.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -142,6 +142,14 @@ class ShardedModel(torch.nn.Module):
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.w(f"{name}.weight") * (x * torch.rsqrt(variance + self.spec.norm_eps))
 
+    def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """RMSNorm over each head of this rank's heads. Its weight is shared by every head, on
+        every tp rank; each rank's gradient covers its own heads, so backward sums them over tp
+        (``copy_to_tp`` of the weight)."""
+        weight = copy_to_tp(self.w(f"{name}.weight"), self.groups.tp_group)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return weight * (x * torch.rsqrt(variance + self.spec.norm_eps))
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         gpt2 = self.spec.family == "gpt2"
         x = self.norm(x, "transformer.ln_f" if gpt2 else "model.norm")
@@ -175,9 +183,12 @@ class ShardedModel(torch.nn.Module):
         q = q.view(-1, self.n_heads, d)
         k = k.view(-1, self.n_kv_heads, d)
         v = v.view(-1, self.n_kv_heads, d)
-        assert self.spec.rope_theta is not None
-        q = rope(q, where.positions, self.spec.rope_theta)
-        k = rope(k, where.positions, self.spec.rope_theta)
+        if self.spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+            q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
+        assert self.spec.rope_inv_freq is not None
+        freq, scale = self.spec.rope_inv_freq, self.spec.rope_scale
+        q = rope(q, where.positions, freq, scale)
+        k = rope(k, where.positions, freq, scale)
         out = attention(q, k, v, where, self.spec.sliding_window, cache, i).flatten(1)
         return self._row_parallel(out, self.w(f"{p}.o_proj.weight").T, self.b(f"{p}.o_proj.bias"))
 

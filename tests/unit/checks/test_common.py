@@ -12,7 +12,8 @@ from rayhf.checks.common import BOS, EOS, PAD, VOCAB, Tok, free_address, tiny_mo
 from rayhf.models.spec import FAMILIES, model_spec
 
 SHAPES = {"llama": {"n_heads": 8, "n_kv_heads": 4}, "qwen2": {"n_heads": 4},
-          "mistral": {"n_heads": 8, "n_kv_heads": 4}, "gpt2": {"n_heads": 4}}  # fmt: skip
+          "mistral": {"n_heads": 8, "n_kv_heads": 4}, "gpt2": {"n_heads": 4},
+          "qwen3": {"n_heads": 8, "n_kv_heads": 4}}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -7,10 +7,12 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+import torch
+from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from rayhf.errors import RayhfError
-from rayhf.models.hf import ModelInit, hf_config
+from rayhf.models.hf import ModelInit, build_model, hf_config
+from rayhf.models.sharding import param_shards
 from rayhf.models.spec import FAMILIES, model_spec
 
 IDS = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
@@ -28,12 +30,14 @@ SIZES = {
 def test_llama_spec():
     cfg = LlamaConfig(**SIZES, **IDS, rms_norm_eps=1e-5, rope_theta=500.0)
     spec = model_spec(cfg, value_head=False)
+    freqs = tuple(float(torch.tensor(500.0 ** (-i / 8), dtype=torch.float32)) for i in (0, 2, 4, 6))
     assert dataclasses.asdict(spec) == {
         "family": "llama", "vocab_size": 40, "hidden_size": 32, "n_layers": 3, "n_heads": 4,
         "n_kv_heads": 2, "head_dim": 8, "intermediate_size": 72, "max_positions": 64,
         "norm_eps": 1e-5, "act": "silu", "rope_theta": 500.0, "qkv_bias": False, "o_bias": False,
         "mlp_bias": False, "sliding_window": None, "tied": False, "value_head": False,
-        "padding_idx": 0,
+        "padding_idx": 0, "rope_inv_freq": pytest.approx(freqs, rel=1e-6), "rope_scale": 1.0,
+        "qk_norm": False,
     }  # fmt: skip
     assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
 
@@ -91,11 +95,34 @@ def test_an_unsupported_family_is_refused():
     with pytest.raises(RayhfError) as info:
         model_spec(SimpleNamespace(model_type="bert"), value_head=False)
     assert str(info.value) == (
-        "model type 'bert' is not supported; use one of llama, qwen2, mistral, gpt2"
+        "model type 'bert' is not supported; use one of llama, qwen2, qwen3, mistral, gpt2"
     )
 
 
-def test_scaled_rope_is_refused():
-    cfg = LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(RayhfError, match="rope_type 'linear' is not supported; use default RoPE"):
-        model_spec(cfg, value_head=False)
+def test_scaled_rope_takes_hugging_face_s_frequencies_and_length_dependent_rope_is_refused():
+    plain = model_spec(LlamaConfig(**SIZES), value_head=False).rope_inv_freq
+    assert plain is not None
+    linear = LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert model_spec(linear, False).rope_inv_freq == pytest.approx([f / 2 for f in plain])
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    scaled = model_spec(LlamaConfig(**SIZES, rope_scaling=llama3), False).rope_inv_freq
+    assert (
+        scaled is not None and scaled[0] == plain[0] and scaled[-1] == pytest.approx(plain[-1] / 8)
+    ), "high frequencies kept, low ones divided by the factor"
+    dynamic = LlamaConfig(**SIZES, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(RayhfError, match="rope_type 'dynamic' is not supported; use one of "
+                       "default, linear, llama3, yarn"):  # fmt: skip
+        model_spec(dynamic, value_head=False)
+
+
+def test_qwen3_normalizes_each_head_s_q_and_k():
+    cfg = Qwen3Config(**SIZES, head_dim=8)
+    spec = model_spec(cfg, value_head=False)
+    assert spec.family == "qwen3" and spec.qk_norm and not spec.qkv_bias
+    names = {p.name for p in param_shards(spec)}
+    assert {
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+    } <= names
+    assert names == set(build_model(cfg, value_head=False).state_dict())

@@ -30,7 +30,7 @@ def test_rope_rotates_each_half_split_pair_by_position_times_frequency():
     x = torch.randn(3, 2, D, generator=g, dtype=torch.float64)
     positions = torch.tensor([0, 5, 17])
     theta = 500.0
-    out = rope(x, positions, theta)
+    out = rope(x, positions, tuple(theta ** (-2 * i / D) for i in range(D // 2)))
     half = D // 2
     expected = x.clone()
     for n, pos in enumerate(positions.tolist()):
