@@ -26,14 +26,14 @@ GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 
 
 def test_the_config_s_batch_lengths_and_minibatches_are_priced():
-    cfg = rayhf.load_config(EXAMPLE)  # batch 32, prompts <= 24, 16 new tokens, 4 minibatches
+    cfg = rayhf.load_config(EXAMPLE)  # batch 64, prompts <= 24, 16 new tokens, 4 minibatches
     assert prompt_tokens(cfg, None) == 24, "no dataset yet: the config's bound"
     dataset = SimpleNamespace(mean_prompt_len=lambda: 9.6)
     assert prompt_tokens(cfg, dataset) == 10  # type: ignore[arg-type]
     works = planner_workloads(cfg, GRAPH, None)
-    assert works["actor_gen"] == Workload("generate", 32, 24, 16, 1)
-    assert works["ref_inf"] == Workload("inference", 32, 24, 16, 1)
-    assert works["actor_train"] == Workload("train", 32, 24, 16, 4)
+    assert works["actor_gen"] == Workload("generate", 64, 24, 16, 1)
+    assert works["ref_inf"] == Workload("inference", 64, 24, 16, 1)
+    assert works["actor_train"] == Workload("train", 64, 24, 16, 4)
 
 
 def test_engines_and_zero1_reach_the_workloads():
