@@ -59,18 +59,12 @@ class ModelSpec:
         return "score.weight" if self.value_head else "lm_head.weight"
 
 
-def _default_rope(config: Any, device: str) -> tuple[Any, float]:
+def _default_inv_freq(theta: float, head_dim: int) -> tuple[float, ...]:
     """Plain RoPE frequencies, as Hugging Face's default rotary embedding computes them."""
     import torch
 
-    rope = getattr(config, "rope_parameters", None) or {}
-    base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    return 1.0 / (base**exponents), 1.0
-
-
-ROPE_INIT_FUNCTIONS_ALL = {"default": _default_rope, **ROPE_INIT_FUNCTIONS}
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return tuple((1.0 / (theta**exponents)).tolist())
 
 
 def model_spec(config: Any, value_head: bool) -> ModelSpec:
@@ -110,7 +104,12 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
             f"rope_type '{rope_type}' is not supported; use one of {', '.join(STATIC_ROPE)}"
         )
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    inv_freq, rope_scale = ROPE_INIT_FUNCTIONS_ALL[rope_type](config, "cpu")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        inv_freq, rope_scale = _default_inv_freq(theta, head_dim), 1.0
+    else:  # scaled: Hugging Face's own computation of the frequencies and attention factor
+        freqs, rope_scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq = tuple(freqs.tolist())
     attention_bias = bool(getattr(config, "attention_bias", False))
     window = None
     if family == "mistral" or getattr(config, "use_sliding_window", False):
@@ -122,8 +121,7 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         n_layers=config.num_hidden_layers,
         n_heads=config.num_attention_heads,
         n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-        head_dim=getattr(config, "head_dim", None)
-        or config.hidden_size // config.num_attention_heads,
+        head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         max_positions=config.max_position_embeddings,
         norm_eps=config.rms_norm_eps,
@@ -131,7 +129,7 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         rope_theta=float(theta),
         qkv_bias=family == "qwen2" or attention_bias,
         qk_norm=family == "qwen3",
-        rope_inv_freq=tuple(float(f) for f in inv_freq),
+        rope_inv_freq=inv_freq,
         rope_scale=float(rope_scale),
         o_bias=attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
