@@ -1,15 +1,19 @@
 """Parity check of every small layout against the single-process Hugging Face model.
 
-``python -m rayhf.checks.parity OUT.json [--world 4]`` starts ``world`` processes (gloo, one
-thread each, as emulated devices) and, for each family and each ``dp x tp x pp`` layout that
-fits, compares with a single-process Hugging Face model built from the same seed:
+``python -m rayhf.checks.parity OUT.json [--world 4] [--precision fp32 bf16]`` starts
+``world`` processes (gloo, one thread each, as emulated devices) and, for each precision, each
+family and each ``dp x tp x pp`` layout that fits, compares with a single-process Hugging Face
+model built from the same seed, in the same precision:
 
-- ``logits``: forward logits (and critic values) of a padded batch, max abs error / max abs ref;
-- ``grads``: this rank's gradient shards against the same slices of the reference gradients;
+- ``logits``: forward logits (and critic ``values``) of a padded batch from a frozen copy (its
+  weights stored in the precision; Hugging Face's model cast to it), max abs error / max abs ref;
+- ``grads``: a trained copy's gradient shards (fp32 master weights; at bf16/fp16 the forward
+  under autocast, and Hugging Face's fp32 model under the same autocast) against the same
+  slices of the reference gradients;
 - ``step``: parameters after one AdamW step (global-norm clipping on) on the same batch, max abs
   difference, with the gathered shards compared against the Hugging Face parameters (and
   ``zero1_step``, the same with ZeRO-1 optimizer sharding, for Llama layouts with dp > 1);
-- ``generate``: greedy tokens identical (bool).
+- ``generate``: the share of greedy tokens identical to Hugging Face's (1.0: all).
 
 It writes one row per (family, layout) to OUT.json;
 ``tests/integration/test_parallel_parity.py`` asserts on it, and the same rows are useful when
@@ -19,6 +23,7 @@ a new family or layout is added.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayhf.checks.common import EOS, PAD, VOCAB, Tok, free_address, tiny_model
+from rayhf.models.precision import DTYPES
 
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "llama": {"n_heads": 8, "n_kv_heads": 4},  # grouped-query attention
@@ -42,6 +48,20 @@ FAMILY_SHAPES: dict[str, dict[str, Any]] = {
                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 4},
     },
+    # fused q|k|v and gate|up, RoPE over half of each head, a window shorter than the rows
+    "phi3": {"n_heads": 8, "n_kv_heads": 4, "sliding_window": 5,
+             "rope_parameters": {"partial_rotary_factor": 0.5}},
+    # (1 + w) norms around both blocks, scaled embeddings, alternating sliding-window layers,
+    # attention scaled by query_pre_attn_scalar, scores and logits soft-capped hard enough to
+    # bite, and the LM head tied to the embedding (under pp: a copy on the last stage)
+    "gemma2": {"n_heads": 8, "n_kv_heads": 4, "sliding_window": 4, "tied": True,
+               "config": {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0,
+                          "query_pre_attn_scalar": 16}},
+    # + q/k norms, and other RoPE on the full-attention layers (scaled) than on the sliding ones
+    "gemma3": {"family": "gemma3_text", "n_heads": 8, "n_kv_heads": 4, "sliding_window": 4,
+               "rope_parameters": {
+                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
 }  # fmt: skip
 
 
@@ -104,20 +124,45 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - v).abs().max()) for k, v in b.items())
 
 
-def _value_error(family: str, groups, ids: torch.Tensor, mask: torch.Tensor) -> float:
-    """A critic's per-token values against the Hugging Face model's, on this rank's rows."""
+def _share_off(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -> float:
+    """The share of parameter elements that differ by more than ``tol``."""
+    off = sum(int(((a[k] - v).abs() > tol).sum()) for k, v in b.items())
+    return off / sum(v.numel() for v in b.values())
+
+
+def _value_error(
+    family: str, groups, ids: torch.Tensor, mask: torch.Tensor, precision: str
+) -> float:
+    """A frozen critic's per-token values against the Hugging Face model's, on this rank's
+    rows, both in ``precision``."""
     from rayhf.engines.build import standalone_engine
     from rayhf.models.hf import per_token_values
 
-    critic_ref = _model(family, True)
-    critic = standalone_engine(_model(family, True), Tok(), True, None, groups)
+    critic_ref = _model(family, True).to(DTYPES[precision])
+    critic = standalone_engine(_model(family, True), Tok(), True, None, groups, precision=precision)
     keep = mask.bool()
     with torch.no_grad():
-        want = per_token_values(critic_ref, ids, mask)
+        want = per_token_values(critic_ref, ids, mask).float()
         return _rel(critic.forward(ids, mask)[keep], want[keep])
 
 
-def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] | None:
+def _autocast(precision: str):
+    """Hugging Face's reference under the autocast a trained copy runs in (none in fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=DTYPES[precision])
+
+
+def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of token positions where two batches of sequences agree."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=False)]
+    longest = sum(max(len(ra), len(rb)) for ra, rb in zip(a, b, strict=True))
+    return sum(x == y for x, y in pairs) / max(1, longest)
+
+
+def _check(
+    family: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32"
+) -> dict[str, Any] | None:
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
     from rayhf.parallel.groups import build_groups
@@ -131,37 +176,47 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
     rows = slice(groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
     my_ids, my_mask, keep = ids[rows], mask[rows], mask[rows].bool()
     opt = OptimizerConfig()  # lr 1e-4, AdamW, clip at norm 1
-    ref = _model(family, False)
-    engine = engine_of(_model(family, False), Tok(), False, opt, groups)
-    model = engine.model
-    assert model is not None
+    low = DTYPES[precision]
+    frozen_ref = _model(family, False).to(low)
+    frozen = engine_of(_model(family, False), Tok(), False, None, groups, precision=precision)
     with torch.no_grad():
-        want = ref(input_ids=my_ids, attention_mask=my_mask).logits
-        logit_err = _rel(engine.forward(my_ids, my_mask)[keep], want[keep])
-    value_err = _value_error(family, groups, my_ids, my_mask)
+        want = frozen_ref(input_ids=my_ids, attention_mask=my_mask).logits.float()
+        logit_err = _rel(frozen.forward(my_ids, my_mask)[keep], want[keep])
+    value_err = _value_error(family, groups, my_ids, my_mask, precision)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
-    same_tokens = (
-        engine.generate(prompts, greedy, 0).tokens
-        == hf_generate(ref, prompts, greedy, EOS, PAD).tokens
+    same_tokens = _same_share(
+        frozen.generate(prompts, greedy, 0).tokens,
+        hf_generate(frozen_ref, prompts, greedy, EOS, PAD).tokens,
     )
+    ref = _model(family, False)
+    engine = engine_of(_model(family, False), Tok(), False, opt, groups, precision=precision)
+    model = engine.model
+    assert model is not None
     # One optimizer step: the engine on its rows; the reference on all rows (dp averages).
     _train_step(engine, my_ids, my_mask)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    _loss(ref(input_ids=ids, attention_mask=mask).logits, ids, mask).backward()
+    with _autocast(precision):
+        ref_logits = ref(input_ids=ids, attention_mask=mask).logits.float()
+    _loss(ref_logits, ids, mask).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
     ref_opt.step()
     grad_err = _grad_error(engine, dict(ref.named_parameters()))
     full = engine.full_state()
     step_err = _max_diff(full, ref.state_dict())
+    # AdamW's first step moves each weight by about lr: a gradient of the other sign (a tiny
+    # one, rounded at bf16) moves it 2 lr away from the reference's. How many did.
+    step_off = _share_off(full, ref.state_dict(), opt.lr / 2)
     zero1_err = None
     if dp > 1 and family == "llama":  # ZeRO-1: optimizer state sharded over the replicas
-        zero = engine_of(_model(family, False), Tok(), False, OptimizerConfig(zero1=True), groups)
+        zero1 = OptimizerConfig(zero1=True)
+        zero = engine_of(_model(family, False), Tok(), False, zero1, groups, precision=precision)
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
     before = _model(family, False).state_dict()
     moved = _max_diff(full, before)
     return {
+        "precision": precision,
         "family": family,
         "dp": dp,
         "tp": tp,
@@ -171,26 +226,29 @@ def _check(family: str, dp: int, tp: int, pp: int, rank: int) -> dict[str, Any] 
         "values": value_err,
         "grads": grad_err,
         "step": step_err,
+        "step_off": step_off,
         "zero1_step": zero1_err,
         "moved": moved,
         "generate": same_tokens,
         "bytes": model.local_bytes(),
+        "frozen_bytes": frozen.model.local_bytes() if frozen.model is not None else 0,
     }
 
 
-def _worker(rank: int, world: int, address: str, out: str) -> None:
+def _worker(rank: int, world: int, address: str, out: str, precisions: list[str]) -> None:
     torch.set_num_threads(1)
     from rayhf.models.hf import quiet_transformers
 
     quiet_transformers()
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     rows = []
-    for family in FAMILY_SHAPES:
-        for dp, tp, pp in layouts(world):
-            row = _check(family, dp, tp, pp, rank)
-            if row is not None:
-                rows.append(row)
-            dist.barrier()
+    for precision in precisions:
+        for family in FAMILY_SHAPES:
+            for dp, tp, pp in layouts(world):
+                row = _check(family, dp, tp, pp, rank, precision)
+                if row is not None:
+                    rows.append(row)
+                dist.barrier()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -203,10 +261,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     address = free_address()
-    mp.spawn(_worker, args=(args.world, address, args.out), nprocs=args.world, join=True)
+    spawn_args = (args.world, address, args.out, args.precision)
+    mp.spawn(_worker, args=spawn_args, nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,7 @@ def _memory_per_device(cfg, graph, the_plan, specs) -> str:
 
 
 def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
+    from rayhf.models.precision import priced
     from rayhf.models.shapes import public_shape
 
     for item in shapes:
@@ -167,7 +168,9 @@ def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
             raise RayhfError(
                 f"--shape {item!r}: write ROLE=SHAPE with ROLE one of {list(cfg.models)}"
             )
-        specs[role] = public_shape(name, cfg.models[role].value_head)
+        rc = cfg.models[role]
+        shape = public_shape(name, rc.value_head)
+        specs[role] = priced(shape, rc.precision, rc.ema is not None)
     return specs
 
 

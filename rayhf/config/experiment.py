@@ -35,6 +35,7 @@ from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.errors import RayhfError
 from rayhf.metrics.tracker import MetricsConfig
 from rayhf.models.hf import ModelInit
+from rayhf.models.precision import Precision
 from rayhf.planner import ClusterConfig, PlanConfig
 from rayhf.sampling import GenerationConfig
 
@@ -75,6 +76,10 @@ class RoleConfig(BaseModel):
     # Keep only each layer's input in training and recompute the rest in backward: less
     # activation memory (long responses) for one more forward of each layer (torch engine).
     activation_checkpointing: bool = False
+    # What the role's matmuls run in: bf16/fp16 keep fp32 master weights and optimizer state
+    # for a trained (or moving-average) role, and store frozen copies in the low dtype; auto
+    # is bf16 on GPUs and fp32 on CPU.
+    precision: Precision = "auto"
 
     @model_validator(mode="after")
     def _one_source(self) -> RoleConfig:

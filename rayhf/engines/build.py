@@ -12,6 +12,7 @@ from rayhf.engines.config import EngineConfig
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer
+from rayhf.models.precision import Numerics
 from rayhf.parallel.groups import ParallelGroups
 
 
@@ -50,12 +51,16 @@ def standalone_engine(
     groups: ParallelGroups | None = None,
     n_mbs: int = 1,
     device: str = "cpu",
+    precision: str = "fp32",
 ) -> CallEngine:
     """One rank's engine outside a role group (Ray Train stages, profiling, checks, tests):
-    the native generator, and a torch trainer when ``optimizer`` is given."""
+    the native generator, and a torch trainer when ``optimizer`` is given (which keeps fp32
+    master weights at a lower ``precision``)."""
+    numerics = Numerics(precision, master=optimizer is not None)
     model = RankModel.from_hf(
-        hf_model, tokenizer, value_head, groups=groups, n_mbs=n_mbs, device=device
-    )
+        hf_model, tokenizer, value_head, groups=groups, n_mbs=n_mbs, device=device,
+        numerics=numerics,
+    )  # fmt: skip
     trainer = TorchTrainer(model, optimizer) if optimizer is not None else None
     comm = DataParallel(model.groups.dp_group)
     return CallEngine(tokenizer, model, comm, NativeGenerator(model), trainer)

@@ -60,12 +60,18 @@ def import_deepspeed() -> Any:
 
 def check_deepspeed(
     call: str, role: str, engine: EngineConfig, role_layouts: Mapping[str, Layout], zero1: bool,
-    init_from: str | None,
+    init_from: str | None, precision: str = "fp32",
 ) -> None:  # fmt: skip
     """Refuse, naming the field, what DeepSpeed cannot run here: a tp/pp layout, torch's
     ``zero1`` beside it, ZeRO-3 receiving weights (``init_from``), ZeRO-3 ranks shared with the
-    role's other calls (``role_layouts``: every call of the role -> its layout), no DeepSpeed."""
+    role's other calls (``role_layouts``: every call of the role -> its layout), fp16 (its loss
+    scaling is the torch engine's), no DeepSpeed."""
     layout, field = role_layouts[call], f"engines.{call}"
+    if precision == "fp16":
+        raise RayhfError(
+            f"models.{role}.precision: fp16 training scales the loss on engine 'torch' only, "
+            f"and {call} runs on DeepSpeed; use bf16, or engine torch for {call}"
+        )
     if layout.tp > 1 or layout.pp > 1:
         raise RayhfError(
             f"{field}.engine: DeepSpeed ZeRO shards over data-parallel ranks only (tp=1, pp=1) "
@@ -93,7 +99,8 @@ def check_deepspeed(
 
 
 def ds_config(optim: OptimizerConfig, zero_stage: int, offload: bool) -> dict[str, Any]:
-    """DeepSpeed's config for one train call: fp32, one micro-batch per step (rayhf cuts the
+    """DeepSpeed's config for one train call: fp32 weights and optimizer (at bf16 the forward
+    runs under autocast, inside rayhf's model), one micro-batch per step (rayhf cuts the
     minibatches itself), AdamW from torch (no CPU-Adam build), ZeRO ``zero_stage``."""
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload:

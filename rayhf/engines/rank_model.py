@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rayhf.models.precision import Numerics
 from rayhf.models.sharding import embedding_name, join_shards, take_shard
 from rayhf.models.spec import model_spec
 from rayhf.parallel.groups import ParallelGroups, single
@@ -41,11 +42,13 @@ class RankModel:
         n_mbs: int = 1,
         device: str = "cpu",
         checkpointing: bool = False,
+        numerics: Numerics | None = None,
     ) -> None:
         self.hf_config, self.tokenizer, self.value_head = hf_config, tokenizer, value_head
         self.groups = groups or single()
         self.spec = model_spec(hf_config, value_head)
-        self.module = ShardedModel(self.spec, self.groups, full).to(device)
+        self.numerics = numerics or Numerics()
+        self.module = ShardedModel(self.spec, self.groups, full, self.numerics).to(device)
         self.module.checkpointing = checkpointing  # recompute each layer in backward
         self.module.train(False)
         self.pipe = Pipeline(self.module, self.groups, n_mbs)
@@ -54,7 +57,7 @@ class RankModel:
     @classmethod
     def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
         """This rank's shards of a whole Hugging Face model (``kw``: groups, n_mbs, device,
-        checkpointing)."""
+        checkpointing, numerics)."""
         return cls(model.config, model.state_dict(), tokenizer, value_head, **kw)
 
     @property
@@ -133,8 +136,8 @@ class RankModel:
         with torch.no_grad():
             for name, p in self.receive_buffers().items():
                 shard = take_shard(full[name], self.module.shards[name], self.groups.tp, c.tp_rank)
-                p.copy_(shard)
-                kept += shard.numel() * shard.element_size()
+                p.copy_(shard)  # cast to the weights' dtype
+                kept += p.numel() * p.element_size()
         self.received()
         return kept
 

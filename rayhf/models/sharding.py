@@ -7,8 +7,9 @@ reallocation reads it to know which slice of a parameter lives on which device.
   parameter (norms, biases added after a row-parallel reduce, GPT-2's position table, the value
   head). Column-parallel weights split their output dim, row-parallel ones their input dim (GPT-2's
   ``Conv1D`` stores weights as ``[in, out]``, so its dims are the other way round). Embedding and
-  LM head split the vocabulary. A fused parameter (GPT-2's ``c_attn`` = q|k|v) splits each of its
-  ``fused`` blocks and concatenates the pieces, so a rank holds whole heads of q, k and v.
+  LM head split the vocabulary. A fused parameter (GPT-2's ``c_attn`` = q|k|v, Phi-3's
+  ``qkv_proj`` and ``gate_up_proj``) splits each of its ``blocks`` and concatenates the pieces,
+  so a rank holds whole heads of q, k and v (and the same columns of gate and up).
   Chunks follow ``torch.tensor_split``: sizes differ by at most one (an odd vocabulary is fine);
   head dims are checked to divide evenly in ``check_layout``.
 - pp: parameters belong to *units*: 0 = embeddings, 1..L = decoder layers, L+1 = final norm and
@@ -37,28 +38,51 @@ class ParamShard:
     shape: tuple[int, ...]
     tp_dim: int | None  # None = every tp rank holds all of it
     unit: int  # 0 embeddings, 1..n_layers decoder layers, n_layers + 1 final norm + head
-    fused: int = 1  # blocks along tp_dim that split separately (q|k|v)
+    blocks: tuple[int, ...] = ()  # sizes along tp_dim that split separately (q|k|v); () = one
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        assert self.tp_dim is not None
+        return self.blocks or (self.shape[self.tp_dim],)
 
 
 def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
     h = spec.hidden_size
     q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     inter, unit, p = spec.intermediate_size, i + 1, f"{spec.prefix}.layers.{i}"
-    out = [
-        ParamShard(f"{p}.input_layernorm.weight", (h,), None, unit),
-        ParamShard(f"{p}.self_attn.q_proj.weight", (q_out, h), 0, unit),
-        ParamShard(f"{p}.self_attn.k_proj.weight", (kv_out, h), 0, unit),
-        ParamShard(f"{p}.self_attn.v_proj.weight", (kv_out, h), 0, unit),
+    fused = spec.family == "phi3"  # q|k|v and gate|up in one weight each
+    qkv = (q_out, kv_out, kv_out)
+    out = [ParamShard(f"{p}.input_layernorm.weight", (h,), None, unit)]
+    if fused:
+        out.append(ParamShard(f"{p}.self_attn.qkv_proj.weight", (sum(qkv), h), 0, unit, qkv))
+    else:
+        out += [
+            ParamShard(f"{p}.self_attn.{x}_proj.weight", (n, h), 0, unit)
+            for x, n in zip("qkv", qkv, strict=True)
+        ]
+    out += [
         ParamShard(f"{p}.self_attn.o_proj.weight", (h, q_out), 1, unit),
         ParamShard(f"{p}.post_attention_layernorm.weight", (h,), None, unit),
-        ParamShard(f"{p}.mlp.gate_proj.weight", (inter, h), 0, unit),
-        ParamShard(f"{p}.mlp.up_proj.weight", (inter, h), 0, unit),
-        ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit),
     ]
+    if spec.gemma:  # norms before and after the MLP too
+        out += [
+            ParamShard(f"{p}.pre_feedforward_layernorm.weight", (h,), None, unit),
+            ParamShard(f"{p}.post_feedforward_layernorm.weight", (h,), None, unit),
+        ]
+    if fused:
+        out.append(
+            ParamShard(f"{p}.mlp.gate_up_proj.weight", (2 * inter, h), 0, unit, (inter, inter))
+        )
+    else:
+        out += [
+            ParamShard(f"{p}.mlp.gate_proj.weight", (inter, h), 0, unit),
+            ParamShard(f"{p}.mlp.up_proj.weight", (inter, h), 0, unit),
+        ]
+    out.append(ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit))
     if spec.qk_norm:  # one weight per head dim, shared by every head: replicated
         out += [
             ParamShard(f"{p}.self_attn.q_norm.weight", (spec.head_dim,), None, unit),
@@ -86,8 +110,8 @@ def _gpt2_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
     return [
         ParamShard(f"{p}.ln_1.weight", (h,), None, unit),
         ParamShard(f"{p}.ln_1.bias", (h,), None, unit),
-        ParamShard(f"{p}.attn.c_attn.weight", (h, 3 * h), 1, unit, fused=3),
-        ParamShard(f"{p}.attn.c_attn.bias", (3 * h,), 0, unit, fused=3),
+        ParamShard(f"{p}.attn.c_attn.weight", (h, 3 * h), 1, unit, (h, h, h)),
+        ParamShard(f"{p}.attn.c_attn.bias", (3 * h,), 0, unit, (h, h, h)),
         ParamShard(f"{p}.attn.c_proj.weight", (h, h), 0, unit),
         ParamShard(f"{p}.attn.c_proj.bias", (h,), None, unit),
         ParamShard(f"{p}.ln_2.weight", (h,), None, unit),
@@ -136,12 +160,11 @@ def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
 
 def shard_ranges(p: ParamShard, tp: int, tp_rank: int) -> list[tuple[int, int]]:
     """The ``[start, stop)`` ranges along ``p.tp_dim`` that ``tp_rank`` holds (one per block)."""
-    assert p.tp_dim is not None
-    block = p.shape[p.tp_dim] // p.fused
-    ranges = []
-    for b in range(p.fused):
-        lo, hi = chunk_bounds(block, tp, tp_rank)
-        ranges.append((b * block + lo, b * block + hi))
+    ranges, start = [], 0
+    for size in p.block_sizes:
+        lo, hi = chunk_bounds(size, tp, tp_rank)
+        ranges.append((start + lo, start + hi))
+        start += size
     return ranges
 
 
@@ -166,7 +189,7 @@ def join_shards(shards: list[torch.Tensor], p: ParamShard) -> torch.Tensor:
     if p.tp_dim is None or len(shards) == 1:
         return shards[0].clone()
     tp = len(shards)
-    blocks: list[list[torch.Tensor]] = [[] for _ in range(p.fused)]
+    blocks: list[list[torch.Tensor]] = [[] for _ in p.block_sizes]
     for rank, shard in enumerate(shards):
         sizes = [hi - lo for lo, hi in shard_ranges(p, tp, rank)]
         for b, piece in enumerate(torch.split(shard, sizes, dim=p.tp_dim)):
@@ -245,15 +268,18 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> str | None:
         return f"tp={tp} is larger than the vocabulary or the MLP width"
     if pp > spec.n_layers:
         return f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers"
-    if spec.tied and pp > 1:
-        return f"pp={pp} with tied input/output embeddings is not supported; use pp=1"
     return None
 
 
 def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int) -> int:
-    """Parameter elements one device holds under ``tp x pp``."""
+    """Parameter elements one device holds under ``tp x pp`` (a tied head's last stage: its own
+    copy of the embedding too)."""
     held = unit_numels(spec, tp, tp_rank)
-    return sum(held[u] for u in stage_units(spec, pp, pp_rank))
+    n = sum(held[u] for u in stage_units(spec, pp, pp_rank))
+    if spec.tied and pp > 1 and pp_rank == pp - 1:
+        lo, hi = chunk_bounds(spec.vocab_size, tp, tp_rank)
+        n += (hi - lo) * spec.hidden_size
+    return n
 
 
 @functools.lru_cache(maxsize=1024)

@@ -2,8 +2,10 @@
 
 Everything that shards, stages or runs a model reads a ``ModelSpec`` rather than the Hugging
 Face config, so the families (Llama, including Llama 3.x's scaled RoPE; Qwen2; Qwen3, with its
-per-head q/k norms; Mistral; GPT-2) differ in one place: here (sizes, norms, position encoding,
-biases) and in ``sharding`` (parameter names and split dims).
+per-head q/k norms; Mistral; Phi-3, with fused q|k|v and gate|up weights and partial RoPE;
+Gemma 2 and 3, with soft-capping, sandwich norms and alternating sliding-window layers; GPT-2)
+differ in one place: here (sizes, norms, position encoding, biases) and in ``sharding``
+(parameter names and split dims).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from rayhf.errors import RayhfError
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"]
+FAMILIES: tuple[str, ...] = (
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"
+)  # fmt: skip
+GEMMAS = ("gemma2", "gemma3_text")
 # RoPE variants whose frequencies are fixed at load (Hugging Face computes them the same way);
 # "dynamic" and "longrope" change with the sequence length and are refused.
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -45,9 +50,29 @@ class ModelSpec:
     tied: bool  # the LM head is the token embedding
     value_head: bool  # a ``score`` head with one output instead of the LM head
     padding_idx: int | None = None  # this embedding row gets no gradient (Hugging Face's Llama)
-    rope_inv_freq: tuple[float, ...] | None = None  # RoPE frequencies per dim pair (scaled)
+    # RoPE frequencies per dim pair (scaled); fewer pairs than head_dim / 2: the first dims
+    # rotate and the rest pass (Phi-3's partial_rotary_factor)
+    rope_inv_freq: tuple[float, ...] | None = None
     rope_scale: float = 1.0  # cos and sin multiplier (YaRN's attention factor)
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    # The layers the sliding window applies to (None: every layer; Gemma alternates) and, when
+    # they rotate at other frequencies (Gemma 3), their RoPE.
+    window_layers: tuple[int, ...] | None = None
+    rope_inv_freq_local: tuple[float, ...] | None = None
+    rope_scale_local: float = 1.0
+    # Gemma: norms scale by (1 + weight) in fp32, a norm after attention and around the MLP,
+    # embeddings times sqrt(hidden), attention scaled by query_pre_attn_scalar ** -0.5, and
+    # tanh soft-capping of attention scores and final logits (Gemma 2).
+    gemma: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # The role's numerics, as the planner prices them (rayhf.models.precision): bytes of its
+    # compute dtype (0: the cluster device's), and fp32 weights even where it does not train
+    # (a moving-average role blends into them).
+    dtype_bytes: int = 0
+    master: bool = False
 
     @property
     def prefix(self) -> str:
@@ -97,23 +122,26 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
             tied=tied,
             value_head=value_head,
         )
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE:
-        raise RayhfError(
-            f"rope_type '{rope_type}' is not supported; use one of {', '.join(STATIC_ROPE)}"
-        )
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if rope_type == "default":
-        inv_freq, rope_scale = _default_inv_freq(theta, head_dim), 1.0
-    else:  # scaled: Hugging Face's own computation of the frequencies and attention factor
-        freqs, rope_scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        inv_freq = tuple(freqs.tolist())
+    rope = getattr(config, "rope_parameters", None) or {}
+    gemma = family in GEMMAS
+    if "full_attention" in rope:  # Gemma 3: one RoPE for full-attention layers, one for sliding
+        inv_freq, rope_scale, theta = _rope(
+            config, rope["full_attention"], head_dim, "full_attention"
+        )
+        local, local_scale, _ = _rope(
+            config, rope["sliding_attention"], head_dim, "sliding_attention"
+        )
+    else:
+        inv_freq, rope_scale, theta = _rope(config, rope, head_dim)
+        local, local_scale = None, 1.0
     attention_bias = bool(getattr(config, "attention_bias", False))
-    window = None
-    if family == "mistral" or getattr(config, "use_sliding_window", False):
+    window, window_layers = None, None
+    if family in ("mistral", "phi3", *GEMMAS) or getattr(config, "use_sliding_window", False):
         window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is not None and types is not None:  # alternating sliding and full attention
+        window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     return ModelSpec(
         family=family,
         vocab_size=config.vocab_size,
@@ -125,10 +153,10 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         intermediate_size=config.intermediate_size,
         max_positions=config.max_position_embeddings,
         norm_eps=config.rms_norm_eps,
-        act=config.hidden_act,
+        act=getattr(config, "hidden_activation", None) or config.hidden_act,
         rope_theta=float(theta),
         qkv_bias=family == "qwen2" or attention_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3_text"),
         rope_inv_freq=inv_freq,
         rope_scale=float(rope_scale),
         o_bias=attention_bias,
@@ -137,4 +165,31 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         tied=tied,
         value_head=value_head,
         padding_idx=getattr(config, "pad_token_id", None),
+        window_layers=window_layers,
+        rope_inv_freq_local=local,
+        rope_scale_local=float(local_scale),
+        gemma=gemma,
+        embed_scale=float(config.hidden_size**0.5) if gemma else 1.0,
+        attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
     )
+
+
+def _rope(
+    config: Any, params: dict[str, Any], head_dim: int, layer_type: str | None = None
+) -> tuple[tuple[float, ...], float, float]:
+    """(inverse frequencies, cos/sin scale, theta) of one RoPE setting of ``config``."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE:
+        raise RayhfError(
+            f"rope_type '{rope_type}' is not supported; use one of {', '.join(STATIC_ROPE)}"
+        )
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        return _default_inv_freq(theta, int(head_dim * (partial or 1.0))), 1.0, theta
+    # scaled: Hugging Face's own computation of the frequencies and attention factor
+    kw = {"layer_type": layer_type} if layer_type is not None else {}
+    freqs, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
+    return tuple(freqs.tolist()), scale, theta

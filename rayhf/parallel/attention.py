@@ -66,8 +66,12 @@ def rope(
 ) -> torch.Tensor:
     """Rotary embedding of ``x [n, heads, dim]`` (the half-split layout Hugging Face uses), at
     the model's frequencies (``ModelSpec.rope_inv_freq``: plain or scaled, e.g. Llama 3's) with
-    cos and sin times ``scale`` (YaRN's attention factor; 1 otherwise)."""
+    cos and sin times ``scale`` (YaRN's attention factor; 1 otherwise). With fewer frequencies
+    than half of ``dim``, the first dims rotate and the rest pass unchanged (partial RoPE)."""
     dim = x.shape[-1]
+    if 2 * len(inv_freq) < dim:
+        rotary = 2 * len(inv_freq)
+        return torch.cat([rope(x[..., :rotary], positions, inv_freq, scale), x[..., rotary:]], -1)
     freqs = positions.float()[:, None] * torch.tensor(inv_freq, device=x.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
@@ -85,8 +89,12 @@ def attention(
     window: int | None,
     cache: KVCache | None,
     layer: int,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed ``q [n, hq, d]`` over keys ``k, v [n, hkv, d]`` (+ cache)."""
+    """Causal attention of packed ``q [n, hq, d]`` over keys ``k, v [n, hkv, d]`` (+ cache),
+    scores times ``scale`` (default ``d ** -0.5``) and soft-capped to ``(-softcap, softcap)``
+    by ``tanh`` (Gemma 2) when given."""
     n_heads, n_kv = q.shape[1], k.shape[1]
     if cache is not None:
         keys, values = cache.store(layer, k, v, where)
@@ -107,10 +115,14 @@ def attention(
     if n_kv != n_heads:
         keys = keys.repeat_interleave(n_heads // n_kv, dim=2)
         values = values.repeat_interleave(n_heads // n_kv, dim=2)
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=allowed[:, None],
-    )
+    queries, keys, values = (t.transpose(1, 2) for t in (queries, keys, values))
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=allowed[:, None], scale=scale
+        )
+    else:  # as Hugging Face's eager attention: cap, mask, softmax in fp32
+        scores = queries @ keys.transpose(2, 3) * (scale or q.shape[-1] ** -0.5)
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        out = scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values
     return out.transpose(1, 2)[where.rows, where.slots]

@@ -35,6 +35,9 @@ class ParallelGroups:
     pp_group: dist.ProcessGroup | None
     tp_group: dist.ProcessGroup | None
     pp_ranks: tuple[int, ...]  # global ranks of this rank's pipeline, stage order
+    # the first and last stage of this rank's pipeline (pp > 1, those two stages only): a tied
+    # embedding's two copies sum their gradients over it
+    ends_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -67,7 +70,7 @@ def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> Paralle
     local = rank - base
     member = 0 <= local < size
     coords = coords_of(local, pp, tp) if member else Coords(-1, -1, -1)
-    mine: dict[str, dist.ProcessGroup | None] = {"dp": None, "pp": None, "tp": None}
+    mine: dict[str, dist.ProcessGroup | None] = {"dp": None, "pp": None, "tp": None, "ends": None}
     pp_ranks: tuple[int, ...] = (rank,)
     for axis, n, lines in (
         ("dp", dp, _lines(dp, pp, tp, "dp")),
@@ -83,9 +86,16 @@ def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> Paralle
                 mine[axis] = group
                 if axis == "pp":
                     pp_ranks = tuple(ranks)
+    if pp > 1:
+        for line in _lines(dp, pp, tp, "pp"):
+            ends = [base + line[0], base + line[-1]]
+            group = dist.new_group(ends)
+            if rank in ends:
+                mine["ends"] = group
     return ParallelGroups(
-        dp, pp, tp, coords, mine["dp"], mine["pp"], mine["tp"], pp_ranks if member else ()
-    )
+        dp, pp, tp, coords, mine["dp"], mine["pp"], mine["tp"], pp_ranks if member else (),
+        mine["ends"],
+    )  # fmt: skip
 
 
 def _lines(dp: int, pp: int, tp: int, axis: str) -> list[list[int]]:

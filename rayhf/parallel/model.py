@@ -10,6 +10,7 @@ rounding. Stage 0 maps token ids to hidden states; the last stage maps hidden st
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
+from rayhf.models.precision import Numerics
 from rayhf.models.sharding import (
     ParamShard,
     chunk_bounds,
@@ -39,22 +41,35 @@ def _key(name: str) -> str:
 
 class ShardedModel(torch.nn.Module):
     def __init__(
-        self, spec: ModelSpec, groups: ParallelGroups, full: Mapping[str, torch.Tensor] | None
+        self,
+        spec: ModelSpec,
+        groups: ParallelGroups,
+        full: Mapping[str, torch.Tensor] | None,
+        numerics: Numerics | None = None,
     ):
-        """Keep this rank's shards of the full Hugging Face state dict ``full`` (None: zeros)."""
+        """Keep this rank's shards of the full Hugging Face state dict ``full`` (None: zeros),
+        stored and computed as ``numerics`` says (default: fp32)."""
         super().__init__()
         self.spec, self.groups = spec, groups
+        self.numerics = numerics or Numerics()
+        dtype = self.numerics.storage
         tp, c = groups.tp, groups.coords
         self.layers = stage_layers(spec, groups.pp)[c.pp_rank]
         units = stage_units(spec, groups.pp, c.pp_rank)
+        # A tied head on a last stage apart from the first keeps its own copy of the embedding
+        # (its gradient summed with the first stage's over ``groups.ends_group``).
+        tied_copy = spec.tied and groups.is_last_stage and not groups.is_first_stage
         self.shards: dict[str, ParamShard] = {
-            p.name: p for p in param_shards(spec) if p.unit in units
+            p.name: p
+            for p in param_shards(spec)
+            if p.unit in units or (tied_copy and p.name == embedding_name(spec))
         }
+        self.tied_copy = tied_copy
         for name, p in self.shards.items():
             if full is None:  # the weights arrive later (reallocation)
-                local = torch.zeros(shard_shape(p, tp, c.tp_rank))
+                local = torch.zeros(shard_shape(p, tp, c.tp_rank), dtype=dtype)
             else:
-                local = take_shard(full[name].float(), p, tp, c.tp_rank)
+                local = take_shard(full[name].to(dtype), p, tp, c.tp_rank)
             self.register_parameter(_key(name), torch.nn.Parameter(local))
         self.shard_shapes = {name: tuple(self.w(name).shape) for name in self.shards}
         self.n_heads = spec.n_heads // tp
@@ -82,14 +97,14 @@ class ShardedModel(torch.nn.Module):
     def release(self) -> None:
         """Free the weights' memory (a copy that reallocation refills before its next call)."""
         for name in self.shards:
-            self.w(name).data = torch.empty(0, device=self.device)
+            self.w(name).data = torch.empty(0, device=self.device, dtype=self.numerics.storage)
 
     def allocate(self) -> None:
         """Give released weights storage again (uninitialized: reallocation fills it)."""
         for name, shape in self.shard_shapes.items():
             p = self.w(name)
             if tuple(p.shape) != shape:
-                p.data = torch.empty(shape, device=p.device)
+                p.data = torch.empty(shape, device=p.device, dtype=p.dtype)
 
     def new_cache(self, n_rows: int, capacity: int) -> KVCache:
         return KVCache(n_rows, capacity, self.n_kv_heads, self.spec.head_dim)
@@ -101,12 +116,25 @@ class ShardedModel(torch.nn.Module):
         cache: KVCache | None = None,
         select: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids ``[n]`` (first stage) or hidden ``[n, h]`` -> hidden, or logits/values.
+        """Token ids ``[n]`` (first stage) or hidden ``[n, h]`` -> hidden (in the weights'
+        dtype), or fp32 logits/values.
 
         ``select`` (token indices) keeps only those tokens' outputs on the last stage, so a
-        prefill computes the LM head for each row's last token only.
+        prefill computes the LM head for each row's last token only. With fp32 master weights
+        and a lower precision, matmuls run under autocast.
         """
-        where = where.to(x.device)
+        low = self.numerics.autocast
+        cast = torch.autocast(x.device.type, dtype=low) if low else contextlib.nullcontext()
+        with cast:
+            return self._forward(x, where.to(x.device), cache, select)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        where: TokenLayout,
+        cache: KVCache | None,
+        select: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.groups.is_first_stage:
             x = self.embed(x, where.positions)
         recompute = self.checkpointing and self.training and torch.is_grad_enabled()
@@ -116,7 +144,7 @@ class ShardedModel(torch.nn.Module):
             else:
                 x = self.layer(x, i, where, cache)
         if self.groups.is_last_stage:
-            x = self.head(x if select is None else x[select])
+            x = self.head(x if select is None else x[select]).float()
         return x
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -129,6 +157,8 @@ class ShardedModel(torch.nn.Module):
         local = F.embedding((ids - lo).clamp(0, hi - lo - 1), table, padding_idx=pad)
         local = local * inside[:, None]
         x = reduce_from_tp(local, self.groups.tp_group)
+        if self.spec.embed_scale != 1.0:  # Gemma: sqrt(hidden), in the table's dtype
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.spec.family == "gpt2":
             x = x + F.embedding(positions, self.w("transformer.wpe.weight"))
         return x
@@ -139,16 +169,30 @@ class ShardedModel(torch.nn.Module):
                 x, x.shape[-1:], self.w(f"{name}.weight"), self.b(f"{name}.bias"),
                 self.spec.norm_eps,
             )  # fmt: skip
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.w(f"{name}.weight") * (x * torch.rsqrt(variance + self.spec.norm_eps))
+        return self._scaled(self.w(f"{name}.weight"), x)
+
+    def _scaled(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of ``x`` times ``weight``: Llama-style (normalize in fp32, cast, times the
+        weight) or Gemma's (times 1 + weight in fp32, then cast)."""
+        if not self.spec.gemma:
+            return weight * self._rms(x)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
+        return (h * (1.0 + weight.float())).to(x.dtype)
+
+    def _rms(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` over its root mean square, computed in fp32, back in ``x``'s dtype (as Hugging
+        Face's RMSNorm does before its weight)."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
+        return h.to(x.dtype)
 
     def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """RMSNorm over each head of this rank's heads. Its weight is shared by every head, on
         every tp rank; each rank's gradient covers its own heads, so backward sums them over tp
         (``copy_to_tp`` of the weight)."""
         weight = copy_to_tp(self.w(f"{name}.weight"), self.groups.tp_group)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(variance + self.spec.norm_eps))
+        return self._scaled(weight, x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         gpt2 = self.spec.family == "gpt2"
@@ -157,7 +201,9 @@ class ShardedModel(torch.nn.Module):
             return (x @ self.w("score.weight").T).squeeze(-1)
         table = self.w(embedding_name(self.spec) if self.spec.tied else "lm_head.weight")
         logits = copy_to_tp(x, self.groups.tp_group) @ table.T
-        return gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
+        logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def layer(
         self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None
@@ -167,7 +213,12 @@ class ShardedModel(torch.nn.Module):
             x = x + self._gpt2_attention(self.norm(x, f"{p}.ln_1"), i, where, cache)
             return x + self._gpt2_mlp(self.norm(x, f"{p}.ln_2"), p)
         p = f"model.layers.{i}"
-        x = x + self._llama_attention(self.norm(x, f"{p}.input_layernorm"), i, where, cache)
+        attn = self._llama_attention(self.norm(x, f"{p}.input_layernorm"), i, where, cache)
+        if self.spec.gemma:  # a norm on each block's output, and one before the MLP
+            x = x + self.norm(attn, f"{p}.post_attention_layernorm")
+            mlp = self._llama_mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), p)
+            return x + self.norm(mlp, f"{p}.post_feedforward_layernorm")
+        x = x + attn
         return x + self._llama_mlp(self.norm(x, f"{p}.post_attention_layernorm"), p)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -177,25 +228,41 @@ class ShardedModel(torch.nn.Module):
     def _llama_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
         p, d = f"model.layers.{i}.self_attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
-        q = F.linear(h, self.w(f"{p}.q_proj.weight"), self.b(f"{p}.q_proj.bias"))
-        k = F.linear(h, self.w(f"{p}.k_proj.weight"), self.b(f"{p}.k_proj.bias"))
-        v = F.linear(h, self.w(f"{p}.v_proj.weight"), self.b(f"{p}.v_proj.bias"))
+        if self.spec.family == "phi3":  # this rank's heads of q, k and v, in one weight
+            sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
+            q, k, v = F.linear(h, self.w(f"{p}.qkv_proj.weight")).split(sizes, dim=-1)
+        else:
+            q = F.linear(h, self.w(f"{p}.q_proj.weight"), self.b(f"{p}.q_proj.bias"))
+            k = F.linear(h, self.w(f"{p}.k_proj.weight"), self.b(f"{p}.k_proj.bias"))
+            v = F.linear(h, self.w(f"{p}.v_proj.weight"), self.b(f"{p}.v_proj.bias"))
         q = q.view(-1, self.n_heads, d)
         k = k.view(-1, self.n_kv_heads, d)
         v = v.view(-1, self.n_kv_heads, d)
         if self.spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
             q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
-        assert self.spec.rope_inv_freq is not None
-        freq, scale = self.spec.rope_inv_freq, self.spec.rope_scale
+        spec = self.spec
+        local = spec.window_layers is None or i in spec.window_layers  # a sliding-window layer
+        window = spec.sliding_window if local else None
+        freq, scale = spec.rope_inv_freq, spec.rope_scale
+        if local and spec.rope_inv_freq_local is not None:  # Gemma 3's local layers
+            freq, scale = spec.rope_inv_freq_local, spec.rope_scale_local
+        assert freq is not None
         q = rope(q, where.positions, freq, scale)
         k = rope(k, where.positions, freq, scale)
-        out = attention(q, k, v, where, self.spec.sliding_window, cache, i).flatten(1)
+        out = attention(
+            q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap
+        ).flatten(1)
         return self._row_parallel(out, self.w(f"{p}.o_proj.weight").T, self.b(f"{p}.o_proj.bias"))
 
     def _llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
-        gate = F.linear(h, self.w(f"{p}.mlp.gate_proj.weight"), self.b(f"{p}.mlp.gate_proj.bias"))
-        up = F.linear(h, self.w(f"{p}.mlp.up_proj.weight"), self.b(f"{p}.mlp.up_proj.bias"))
+        if self.spec.family == "phi3":  # this rank's columns of gate and of up, in one weight
+            gate, up = F.linear(h, self.w(f"{p}.mlp.gate_up_proj.weight")).chunk(2, dim=-1)
+        else:
+            gate = F.linear(
+                h, self.w(f"{p}.mlp.gate_proj.weight"), self.b(f"{p}.mlp.gate_proj.bias")
+            )
+            up = F.linear(h, self.w(f"{p}.mlp.up_proj.weight"), self.b(f"{p}.mlp.up_proj.bias"))
         down = self.w(f"{p}.mlp.down_proj.weight").T
         return self._row_parallel(self.act(gate) * up, down, self.b(f"{p}.mlp.down_proj.bias"))
 

@@ -75,7 +75,7 @@ class Pipeline:
             if self.prev is None:
                 x = ids[lo:hi]
             else:
-                x = self._recv((hi - lo, self._hidden), self.prev, tag)
+                x = self._recv((hi - lo, self._hidden), self.prev, tag, self._hidden_dtype)
             if keep and self.prev is not None:
                 x.requires_grad_(True)
             y = self.model(x, where)
@@ -89,7 +89,7 @@ class Pipeline:
         out = (
             torch.cat(outputs)
             if self.next is None
-            else torch.empty(self.out_shape(len(ids)), device=ids.device)
+            else torch.empty(self.out_shape(len(ids)), device=ids.device)  # fp32 logits/values
         )
         out = self.broadcast(out.detach() if keep else out)
         if keep:
@@ -109,7 +109,7 @@ class Pipeline:
                     lo, hi = pend.bounds[tag]
                     grad = pend.output.grad[lo:hi]
                 else:
-                    grad = self._recv(tuple(y.shape), self.next, tag)
+                    grad = self._recv(tuple(y.shape), self.next, tag, y.dtype)
                 torch.autograd.backward(y, grad)
                 if self.prev is not None:
                     x = pend.inputs[tag]
@@ -124,7 +124,7 @@ class Pipeline:
     ) -> torch.Tensor | None:
         """One cached forward (prefill or decode); the last stage returns logits at ``select``."""
         if self.prev is not None:
-            x = self._recv((len(where.rows), self._hidden), self.prev, 0)
+            x = self._recv((len(where.rows), self._hidden), self.prev, 0, self._hidden_dtype)
         y = self.model(x, where, cache, select=select)
         if self.next is not None:
             self._isend(y, self.next, 0).wait()
@@ -142,8 +142,14 @@ class Pipeline:
     def _hidden(self) -> int:
         return self.model.spec.hidden_size
 
-    def _recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, device=self.model.device)
+    @property
+    def _hidden_dtype(self) -> torch.dtype:
+        """What stages pass each other: hidden states in the weights' dtype (with fp32 master
+        weights under autocast the residual stream stays fp32)."""
+        return self.model.numerics.storage
+
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.empty(shape, device=self.model.device, dtype=dtype)
         dist.recv(buf, src=src, group=self.groups.pp_group, tag=tag)
         return buf
 

@@ -45,10 +45,12 @@ def workloads(
     n_minibatches: int,
     engines: Mapping[str, EngineConfig] | None = None,
     zero1_roles: Collection[str] = (),
+    checkpointing_roles: Collection[str] = (),
 ) -> dict[str, Workload]:
     """Each call's work per step (a generate call that samples a group multiplies nothing here:
-    the batch is the step's sequences); ``engines``: call -> its backend (default: its kind's);
-    ``zero1_roles``: roles whose torch optimizer shards its state over dp (ZeRO-1)."""
+    the batch is the step's sequences); ``engines``: call -> its backend (default: its kind's,
+    and its token budget); ``zero1_roles``: roles whose torch optimizer shards its state over
+    dp (ZeRO-1); ``checkpointing_roles``: roles that recompute activations in backward."""
     engines = engines or {}
     out = {}
     for c in graph.calls:
@@ -57,8 +59,10 @@ def workloads(
         zero = engine.zero_stage_for(c.role in zero1_roles) if c.kind == "train" else 0
         named = engine.engine if engine.whole_model_ranks else ""
         out[c.name] = Workload(
-            c.kind, batch, prompt_len, gen_len, minibatches, named, zero, engine.offload
-        )
+            c.kind, batch, prompt_len, gen_len, minibatches, named, zero, engine.offload,
+            checkpointing=c.kind == "train" and c.role in checkpointing_roles,
+            token_budget=engine.max_tokens_per_microbatch or 0,
+        )  # fmt: skip
     return out
 
 

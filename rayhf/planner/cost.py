@@ -60,6 +60,14 @@ class Workload:
     # train: the ZeRO stages a plan may give the call instead of ``zero_stage`` (0-1 on any
     # layout with the torch engine, 2-3 run on DeepSpeed: one whole model per rank)
     zero_choices: tuple[int, ...] = ()
+    checkpointing: bool = False  # train: each layer's input kept, the layer re-run in backward
+    token_budget: int = 0  # train/inference: tokens per micro-batch (0: a minibatch whole)
+
+    def micro_batches(self, n_seqs: int, seq: int) -> int:
+        """How many micro-batches a token budget cuts ``n_seqs`` sequences into (1: none)."""
+        if not self.token_budget:
+            return 1
+        return max(1, min(n_seqs, math.ceil(n_seqs * seq / self.token_budget)))
 
     def choices_on(self, layout: Layout) -> tuple[int, ...]:
         """The ``zero_choices`` ``layout`` allows, in order (2-3 run on DeepSpeed: dp only)."""
@@ -127,15 +135,18 @@ VLLM_KV_BYTES = 2**30  # the KV cache a vLLM engine reserves (VLLM_CPU_KVCACHE_S
 def _resident(
     spec: ModelSpec, tp: int, pp: int, dp: int, trainable: bool, b: int, zero: int, offload: bool
 ) -> float:
-    """Weights (+ gradients and AdamW state) on the fullest device; ZeRO stage ``zero`` splits
+    """Weights (+ gradients and AdamW state) on the fullest device, frozen weights at ``b``
+    bytes each; ZeRO stage ``zero`` splits
     the optimizer state (1), the gradients (2) and the weights (3) over the ``dp`` ranks, and
     ``offload`` keeps the optimizer state in host memory."""
     shard = max_shard_params(spec, tp, pp)
     if not trainable:
         return float(shard * b)
-    optimizer = 8 * shard if b == 4 else 12 * shard  # fp32: 2 moments; bf16: + fp32 master
-    weights = shard * b / (dp if zero >= 3 else 1)
-    grads = shard * b / (dp if zero >= 2 else 1)
+    # fp32 weights, gradients and AdamW moments at every precision (bf16/fp16 run the forward
+    # under autocast over the fp32 weights: rayhf.models.precision)
+    optimizer = 8 * shard
+    weights = shard * 4 / (dp if zero >= 3 else 1)
+    grads = shard * 4 / (dp if zero >= 2 else 1)
     return weights + grads + (0.0 if offload else optimizer / (dp if zero >= 1 else 1))
 
 
@@ -153,8 +164,11 @@ class AnalyticCost:
         self.eff = efficiency or Efficiency()
         self._calls: dict[tuple[ModelSpec, Layout, Workload], CallCost] = {}
 
-    def _flops_rate(self) -> float:
-        return self.cluster.device.flops * self.eff.compute
+    def _flops_rate(self, spec: ModelSpec) -> float:
+        """Matmul FLOP/s in the role's compute dtype (fp32 on a bf16 device: its fp32 rate)."""
+        device = self.cluster.device
+        fp32 = self.dtype_bytes(spec) == 4 and device.dtype_bytes < 4 and device.fp32_flops
+        return (device.fp32_flops if fp32 else device.flops) * self.eff.compute
 
     def _bytes_rate(self) -> float:
         return self.cluster.device.memory_bandwidth * self.eff.memory
@@ -167,19 +181,22 @@ class AnalyticCost:
         return self.cluster.bandwidth(layout.mesh[: layout.tp * layout.pp : layout.tp])
 
     def _layer_seconds(
-        self, spec: ModelSpec, layout: Layout, tokens: float, seq: int, backward: bool
-    ) -> float:
-        """One decoder layer over a micro-batch of ``tokens`` on one device."""
+        self, spec: ModelSpec, layout: Layout, tokens: float, seq: int, backward: bool,
+        recompute: bool = False,
+    ) -> float:  # fmt: skip
+        """One decoder layer over a micro-batch of ``tokens`` on one device (``recompute``:
+        activation checkpointing runs its forward again in backward)."""
         _, matmul, _ = _sizes(spec)
-        b = self.cluster.device.dtype_bytes
+        b = self.dtype_bytes(spec)
         passes = 3 if backward else 1  # backward: gradients of inputs and of weights
+        passes += 1 if backward and recompute else 0
         flops = passes * tokens * (2 * matmul / spec.n_layers + 2 * spec.hidden_size * seq)
         # weights read forward, read again and their gradients written backward; activations
         # written forward, read back backward
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
         n_bytes = (passes * matmul * b / spec.n_layers + (2 if backward else 1) * acts) / layout.tp
-        gpu = max(flops / layout.tp / self._flops_rate(), n_bytes / self._bytes_rate())
-        host = (2 if backward else 1) * self.eff.ops_per_layer * self.eff.op_seconds
+        gpu = max(flops / layout.tp / self._flops_rate(spec), n_bytes / self._bytes_rate())
+        host = (passes if backward else 1) * self.eff.ops_per_layer * self.eff.op_seconds
         reduce = _allreduce(
             tokens * spec.hidden_size * b, layout.tp, self._tp_bandwidth(layout),
             self.cluster.link_latency,
@@ -188,15 +205,15 @@ class AnalyticCost:
 
     def _pass_seconds(
         self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, n_mbs: int,
-        backward: bool = False, full_output: bool = True,
+        backward: bool = False, full_output: bool = True, recompute: bool = False,
     ) -> float:  # fmt: skip
         """A pipelined pass over ``n_seqs`` rows in ``n_mbs`` micro-batches, plus the output's
         tp gather and pp broadcast (``full_output``: every token's logits or values)."""
         n_mbs = max(1, min(n_mbs, n_seqs))  # ``split_rows`` never makes an empty micro-batch
         tokens = n_seqs * seq / n_mbs
-        b = self.cluster.device.dtype_bytes
+        b = self.dtype_bytes(spec)
         stage = math.ceil(spec.n_layers / layout.pp) * self._layer_seconds(
-            spec, layout, tokens, seq, backward
+            spec, layout, tokens, seq, backward, recompute
         )
         if layout.pp > 1:  # receive the micro-batch's hidden states (and send their gradients)
             hop = self.cluster.link_latency + tokens * spec.hidden_size * b / self._pp_bandwidth(
@@ -212,27 +229,37 @@ class AnalyticCost:
             seconds += (layout.tp - 1) / layout.tp * out_bytes / self._tp_bandwidth(layout)
             seconds += self.cluster.link_latency
         if layout.pp > 1:  # the last stage broadcasts the whole output to its pipeline
-            seconds += out_bytes / self._pp_bandwidth(layout) + self.cluster.link_latency
+            fp32 = out_bytes * 4 / b  # the output leaves the model in fp32
+            seconds += fp32 / self._pp_bandwidth(layout) + self.cluster.link_latency
         return seconds
 
     def forward_seconds(
-        self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, backward: bool = False
-    ) -> float:
-        """One forward (and backward) over a replica's ``n_seqs`` sequences of ``seq`` tokens."""
-        return self._pass_seconds(spec, layout, n_seqs, seq, layout.n_mbs, backward)
+        self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, backward: bool = False,
+        work: Workload | None = None,
+    ) -> float:  # fmt: skip
+        """One forward (and backward) over a replica's ``n_seqs`` sequences of ``seq`` tokens,
+        cut into micro-batches by ``work``'s token budget, its layers recomputed in backward
+        with ``work.checkpointing``."""
+        k = work.micro_batches(n_seqs, seq) if work is not None else 1
+        recompute = work is not None and work.checkpointing
+        per = math.ceil(n_seqs / k)
+        return k * self._pass_seconds(
+            spec, layout, per, seq, layout.n_mbs, backward, recompute=recompute
+        )
 
     def decode_seconds(self, spec: ModelSpec, layout: Layout, n_seqs: int, ctx: int) -> float:
         """One decode step (one token per row, a KV cache of ``ctx`` token slots), stages in
         turn; never faster than the host issuing its ops."""
         _, matmul, _ = _sizes(spec)
-        b = self.cluster.device.dtype_bytes
+        b = self.dtype_bytes(spec)
         weights = matmul * b / layout.tp
         kv = 2 * spec.n_layers * n_seqs * ctx * spec.n_kv_heads * spec.head_dim * b / layout.tp
         group = spec.n_heads // spec.n_kv_heads
         kv_traffic = kv * (1 + 2 * group) if group > 1 else kv  # repeat_interleave, then SDPA
         flops = n_seqs * (2 * matmul + 4 * spec.n_layers * spec.hidden_size * ctx)
         gpu = max(
-            flops / layout.tp / self._flops_rate(), (weights + kv_traffic) / self._bytes_rate()
+            flops / layout.tp / self._flops_rate(spec),
+            (weights + kv_traffic) / self._bytes_rate(),
         )
         ops = spec.n_layers * self.eff.ops_per_layer + self.eff.ops_per_step
         host = ops * self.eff.op_seconds
@@ -259,10 +286,10 @@ class AnalyticCost:
             )
             parts["decode"] = work.gen_len * self.decode_seconds(spec, layout, n_seqs, seq)
         elif work.kind == "inference":
-            parts["forward"] = self.forward_seconds(spec, layout, n_seqs, seq)
+            parts["forward"] = self.forward_seconds(spec, layout, n_seqs, seq, work=work)
         else:
             per_minibatch = math.ceil(n_seqs / work.n_minibatches)
-            passes = self.forward_seconds(spec, layout, per_minibatch, seq, backward=True)
+            passes = self.forward_seconds(spec, layout, per_minibatch, seq, True, work)
             if work.zero_stage >= 3:  # two gathers and a reduce-scatter, under the compute
                 passes = max(passes, 3 * self._gather_seconds(spec, layout))
             parts["forward_backward"] = work.n_minibatches * passes
@@ -275,7 +302,7 @@ class AnalyticCost:
         """Gradient all-reduce over dp (ZeRO-3: reduce-scattered in the backward) plus one AdamW
         pass over this device's part of the optimizer state (all of its shard at stage 0)."""
         shard = max_shard_params(spec, layout.tp, layout.pp)
-        grads = shard * self.cluster.device.dtype_bytes
+        grads = shard * 4  # fp32 at every precision
         dp_devices = layout.mesh[:: layout.tp * layout.pp]
         reduce = _allreduce(
             grads, layout.dp, self.cluster.bandwidth(dp_devices), self.cluster.link_latency
@@ -286,7 +313,7 @@ class AnalyticCost:
     def _gather_seconds(self, spec: ModelSpec, layout: Layout) -> float:
         """ZeRO-3: one all-gather of the weights over dp (or reduce-scatter of the gradients),
         layer by layer."""
-        shard = max_shard_params(spec, layout.tp, layout.pp) * self.cluster.device.dtype_bytes
+        shard = max_shard_params(spec, layout.tp, layout.pp) * 4  # the fp32 weights
         dp = layout.dp
         bandwidth = self.cluster.bandwidth(layout.mesh[:: layout.tp * layout.pp])
         return (dp - 1) / dp * shard / bandwidth + spec.n_layers * self.cluster.link_latency
@@ -298,14 +325,23 @@ class AnalyticCost:
         train call's, for how the optimizer shards its state)."""
         zero, offload = (work.zero_stage, work.offload) if work is not None else (0, False)
         return _resident(spec, layout.tp, layout.pp, layout.dp, trainable,
-                         self.cluster.device.dtype_bytes, zero, offload)  # fmt: skip
+                         self.weight_bytes(spec), zero, offload)  # fmt: skip
+
+    def dtype_bytes(self, spec: ModelSpec) -> int:
+        """Bytes per element of the role's compute dtype (activations, caches, frozen copies)."""
+        return spec.dtype_bytes or self.cluster.device.dtype_bytes
+
+    def weight_bytes(self, spec: ModelSpec) -> int:
+        """Bytes per weight of a copy of the role that does not train: its compute dtype, or
+        fp32 for a moving-average role (it blends into fp32 weights)."""
+        return 4 if spec.master else self.dtype_bytes(spec)
 
     def engine_resident(self, spec: ModelSpec, work: Workload) -> float:
         """Bytes a call's engine keeps on each device of the call's layout for the whole run:
         vLLM's own whole copy of the weights and its reserved KV cache."""
         if work.engine != "vllm":
             return 0.0
-        return max_shard_params(spec, 1, 1) * self.cluster.device.dtype_bytes + VLLM_KV_BYTES
+        return max_shard_params(spec, 1, 1) * self.dtype_bytes(spec) + VLLM_KV_BYTES
 
     def least_memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
         """``memory`` at the ZeRO stage (of the call's own and its choices) that keeps least."""
@@ -318,7 +354,7 @@ class AnalyticCost:
         return self._memory(spec, layout, work) + self.engine_resident(spec, work)
 
     def _memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
-        b = self.cluster.device.dtype_bytes
+        b = self.dtype_bytes(spec)
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
         layers = math.ceil(spec.n_layers / layout.pp)
@@ -330,10 +366,16 @@ class AnalyticCost:
                 expanded = 0.0  # one layer's keys and values repeated to every head
             transient = kv + expanded + n_seqs * spec.vocab_size * 4
             return self.resident(spec, layout, False) + transient
-        if work.kind == "inference":
-            tokens = n_seqs * seq / layout.n_mbs
+        if work.kind == "inference":  # a token budget's micro-batches run one after another
+            k = work.micro_batches(n_seqs, seq)
+            tokens = n_seqs * seq / k / layout.n_mbs
             acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
-            return self.resident(spec, layout, False) + acts + logits
-        tokens = n_seqs * seq / work.n_minibatches
-        acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 * layers / layout.tp
-        return self.resident(spec, layout, True, work) + acts + logits / work.n_minibatches
+            return self.resident(spec, layout, False) + acts + logits / k
+        k = work.micro_batches(math.ceil(n_seqs / work.n_minibatches), seq)
+        tokens = n_seqs * seq / work.n_minibatches / k
+        layer = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
+        if work.checkpointing:  # each layer's (fp32) input, and one layer's activations
+            acts = tokens * spec.hidden_size * 4 * layers + layer
+        else:
+            acts = layer * layers
+        return self.resident(spec, layout, True, work) + acts + logits / work.n_minibatches / k

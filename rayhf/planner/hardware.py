@@ -23,6 +23,9 @@ class DeviceSpec:
     memory_bandwidth: float  # bytes/s
     dtype_bytes: int  # bytes per parameter/activation element in that dtype
     source: str  # where the figures come from
+    # dense fp32 FLOP/s (torch's default fp32 matmul on CUDA does not use TF32 tensor cores);
+    # 0: the same as ``flops`` (a device whose training dtype is fp32)
+    fp32_flops: float = 0.0
 
 
 # NVIDIA datasheets: H100 SXM5 (nvidia.com/en-us/data-center/h100, "H100 Tensor Core GPU
@@ -31,11 +34,14 @@ class DeviceSpec:
 # compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s. A100 SXM4 80GB (nvidia.com/en-us/
 # data-center/a100, "A100 Datasheet"): 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e, NVLink 3
 # 600 GB/s. Inter-node: one 400 Gb/s (NDR) InfiniBand NIC per H100/H200 and one 200 Gb/s (HDR)
-# per A100, as in the DGX H100/H200/A100 system datasheets.
+# per A100, as in the DGX H100/H200/A100 system datasheets. FP32 (non-tensor) dense: 67 TFLOPS
+# on H100 and H200 SXM, 19.5 TFLOPS on A100 (the same datasheets).
 DEVICES: dict[str, DeviceSpec] = {
-    "H100": DeviceSpec("H100-SXM5-80GB", 80e9, 989e12, 3.35e12, 2, "NVIDIA H100 datasheet"),
-    "H200": DeviceSpec("H200-SXM-141GB", 141e9, 989e12, 4.8e12, 2, "NVIDIA H200 datasheet"),
-    "A100": DeviceSpec("A100-SXM4-80GB", 80e9, 312e12, 2.039e12, 2, "NVIDIA A100 datasheet"),
+    "H100": DeviceSpec("H100-SXM5-80GB", 80e9, 989e12, 3.35e12, 2, "NVIDIA H100 datasheet", 67e12),
+    "H200": DeviceSpec("H200-SXM-141GB", 141e9, 989e12, 4.8e12, 2, "NVIDIA H200 datasheet", 67e12),
+    "A100": DeviceSpec(
+        "A100-SXM4-80GB", 80e9, 312e12, 2.039e12, 2, "NVIDIA A100 datasheet", 19.5e12
+    ),
 }
 LINKS: dict[str, tuple[float, float]] = {  # kind -> (intra-node, inter-node) bytes/s per device
     "H100": (450e9, 50e9),  # NVLink 4: 900 GB/s bidirectional; NDR 400 Gb/s

@@ -62,8 +62,9 @@ class Simulation:
 @functools.lru_cache(maxsize=16384)
 def realloc_seconds(cost: AnalyticCost, spec: ModelSpec, src: Layout, dst: Layout) -> float:
     """Moving ``spec`` from ``src`` to ``dst``: every destination device receives its shard,
-    the senders share the work (``rayhf.realloc.plan``'s spreading)."""
-    b = cost.cluster.device.dtype_bytes
+    the senders share the work (``rayhf.realloc.plan``'s spreading), in the destination's weight
+    dtype (``rayhf.realloc.mover``: a bf16 copy receives bf16)."""
+    b = cost.weight_bytes(spec)
     shard = max_shard_params(spec, dst.tp, dst.pp) * b
     total = shard * dst.world_size
     senders = max(1, len(set(src.mesh)))

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import ray
 
+from rayhf.models.precision import DTYPES
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.plan import ReallocPlan, Transfer, plan_realloc
@@ -35,6 +36,7 @@ class Routes:
     group: str
     sends: dict[int, dict[int, list[Transfer]]]  # source rank -> transfer-group peer -> slices
     recvs: dict[int, dict[int, list[Transfer]]]  # destination rank -> peer -> slices
+    dtype: str  # what the slices travel in: the destination's weight dtype
 
 
 class GroupRef(Protocol):
@@ -44,6 +46,7 @@ class GroupRef(Protocol):
     layout: Layout
     actors: list[Any]
     flat: bool  # its dp ranks hold flat slices of every parameter (DeepSpeed ZeRO-3)
+    dtype: str  # what its ranks keep the weights in: fp32, bf16, fp16
 
 
 class WeightMover(Protocol):
@@ -66,13 +69,15 @@ class TransferGroupMover:
     """Slices move directly between the actors that hold and need them."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[ModelSpec, Layout, Layout, bool], ReallocPlan] = {}
+        self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
-    def plan(self, spec: ModelSpec, src: Layout, dst: Layout, flat: bool = False) -> ReallocPlan:
-        key = (spec, src, dst, flat)
+    def plan(
+        self, spec: ModelSpec, src: Layout, dst: Layout, flat: bool = False, itemsize: int = 4
+    ) -> ReallocPlan:
+        key = (spec, src, dst, flat, itemsize)
         if key not in self._plans:
-            self._plans[key] = plan_realloc(spec, src, dst, src_flat=flat)
+            self._plans[key] = plan_realloc(spec, src, dst, itemsize, src_flat=flat)
         return self._plans[key]
 
     def _group(self, a: GroupRef, b: GroupRef) -> tuple[str, dict[str, int]]:
@@ -98,9 +103,11 @@ class TransferGroupMover:
 
     def routes(self, src: GroupRef, dst: GroupRef, spec: ModelSpec) -> Routes:
         """Who sends and receives what to move ``spec``'s weights ``src`` -> ``dst`` (joins the
-        transfer group the first time the pair meets)."""
+        transfer group the first time the pair meets). The slices travel in the destination's
+        dtype (a bf16 copy of fp32 master weights receives half the bytes)."""
         assert not dst.flat, "a ZeRO-3 role group sends weights, it does not receive them"
-        plan = self.plan(spec, src.layout, dst.layout, src.flat)
+        itemsize = DTYPES[dst.dtype].itemsize
+        plan = self.plan(spec, src.layout, dst.layout, src.flat, itemsize)
         name, offset = self._group(src, dst)
         s0, d0 = offset[src.key], offset[dst.key]
         sends = {
@@ -109,7 +116,7 @@ class TransferGroupMover:
             if plan.for_src(r)
         }
         recvs = {r: _by_peer(plan.for_dst(r), lambda t: s0 + t.src) for r in range(len(dst.actors))}
-        return Routes(name, sends, recvs)
+        return Routes(name, sends, recvs, dst.dtype)
 
     def move(
         self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
@@ -117,7 +124,7 @@ class TransferGroupMover:
         start = time.perf_counter()
         routes = self.routes(src, dst, spec)
         sends = [
-            src.actors[r].realloc_send.remote(routes.group, by_peer)
+            src.actors[r].realloc_send.remote(routes.group, by_peer, routes.dtype)
             for r, by_peer in routes.sends.items()
         ]
         recvs = [

@@ -22,7 +22,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from rayhf.errors import RayhfError
-from rayhf.models.sharding import ParamShard, param_shards, shard_ranges, stage_layers
+from rayhf.models.sharding import (
+    ParamShard,
+    embedding_name,
+    param_shards,
+    shard_ranges,
+    stage_layers,
+)
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout, coords_of, layout_rank
 
@@ -127,11 +133,13 @@ def plan_realloc(
     assert not src_flat or (src.tp == 1 and src.pp == 1), "a flat source is dp-only"
     plan = ReallocPlan(src, dst)
     src_stage, dst_stage = _stage_of_unit(spec, src.pp), _stage_of_unit(spec, dst.pp)
+    tied = embedding_name(spec) if spec.tied else None  # also on the last stage (its copy)
     sent_by_rank: dict[int, int] = defaultdict(int)
     for d_rank in range(dst.world_size):
         c = coords_of(d_rank, dst.pp, dst.tp)
         for p in param_shards(spec):
-            if dst_stage[p.unit] != c.pp_rank:
+            copy = p.name == tied and c.pp_rank == dst.pp - 1
+            if dst_stage[p.unit] != c.pp_rank and not copy:
                 continue
             wanted = held_ranges(p, dst.tp, c.tp_rank)
             if src_flat:

@@ -113,13 +113,17 @@ def send_all(
     shards: Mapping[str, torch.Tensor],
     by_peer: Mapping[int, list[Transfer]],
     bucket_bytes: int = BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> int:
-    """Send this rank's source slices to each peer; returns bytes sent."""
+    """Send this rank's source slices to each peer (cast to ``dtype``: the receivers'); returns
+    bytes sent."""
     works, sent = [], 0
     with torch.no_grad():
         for peer, transfers in sorted(by_peer.items()):
             for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
                 pieces = [src_piece(shards, t) for t in bucket]
+                if dtype is not None and pieces[0].dtype != dtype:
+                    pieces = [piece.to(dtype) for piece in pieces]
                 if len(pieces) == 1 and pieces[0].is_contiguous():
                     flat = pieces[0]  # no packing copy
                 else:
@@ -180,9 +184,14 @@ def recv_all(
     return received
 
 
-def send_from(group: TransferGroup, source: ShardSource, by_peer: Mapping[int, list[Transfer]]):
-    """A rank's sending side of a move; returns bytes sent."""
-    return send_all(group, source.source_shards(), by_peer)
+def send_from(
+    group: TransferGroup,
+    source: ShardSource,
+    by_peer: Mapping[int, list[Transfer]],
+    dtype: torch.dtype | None = None,
+):
+    """A rank's sending side of a move (in ``dtype``: the receivers'); returns bytes sent."""
+    return send_all(group, source.source_shards(), by_peer, dtype=dtype)
 
 
 def receive_into(

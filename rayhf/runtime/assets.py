@@ -24,6 +24,7 @@ from rayhf.engines.vllm_generator import check_vllm
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
+from rayhf.models.precision import priced
 from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.planner import Plan, make_plan
@@ -170,10 +171,13 @@ def model_configs(cfg: ExperimentConfig) -> dict[str, Any]:
 
 def model_specs(cfg: ExperimentConfig) -> dict[str, ModelSpec]:
     """Every model role's shape, from the config alone (nothing written; for ``rayhf plan``)."""
-    return {
-        role: model_spec(config, cfg.models[role].value_head)
-        for role, config in model_configs(cfg).items()
-    }
+    return {role: role_spec(config, cfg, role) for role, config in model_configs(cfg).items()}
+
+
+def role_spec(config: Any, cfg: ExperimentConfig, role: str) -> ModelSpec:
+    """A model role's shape, with its precision for the planner."""
+    rc = cfg.models[role]
+    return priced(model_spec(config, rc.value_head), rc.precision, rc.ema is not None)
 
 
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
@@ -203,7 +207,7 @@ def _model_specs(cfg: ExperimentConfig, model_dirs: dict[str, Path]) -> dict[str
     specs = {}
     for role, path in model_dirs.items():
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        specs[role] = model_spec(config, cfg.models[role].value_head)
+        specs[role] = role_spec(config, cfg, role)
     return specs
 
 
@@ -229,7 +233,9 @@ def check_engines(
         elif ec.engine == "deepspeed":
             rc = cfg.models[call.role]
             layouts = {c: plan.layouts[c] for c in graph.role_calls(call.role)}
-            check_deepspeed(name, call.role, ec, layouts, rc.optimizer.zero1, rc.init_from)
+            check_deepspeed(
+                name, call.role, ec, layouts, rc.optimizer.zero1, rc.init_from, rc.precision
+            )
 
 
 def _check_token_budgets(cfg: ExperimentConfig, datasets: list[PromptDataset]) -> None:

@@ -168,7 +168,7 @@ class StepDag:
         src, dst = groups
         routes = self.placement.mover.routes(src, dst, self.placement.specs[unit.role])
         for rank, by_peer in routes.sends.items():
-            move = MoveNode(unit.name, routes.group, by_peer)
+            move = MoveNode(unit.name, routes.group, by_peer, dtype=routes.dtype)
             yield NodeInfo(unit, src, rank), "dag_send", move
         for rank, by_peer in routes.recvs.items():
             move = MoveNode(unit.name, routes.group, by_peer, unit.eta)

@@ -9,6 +9,7 @@ from rayhf.algorithms.interface import InterfaceSettings
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
+from rayhf.models.precision import Numerics
 from rayhf.realloc.plan import Transfer
 
 
@@ -47,6 +48,8 @@ class WorkerSpec:
     threads: int  # torch intra-op threads (the device's CPU share)
     device: str = "cpu"
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    # the precision, and whether it keeps fp32 master weights (trains or blends them)
+    numerics: Numerics = field(default_factory=Numerics)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class MoveNode:
     group: str  # the transfer group
     by_peer: dict[int, list[Transfer]]
     eta: float | None = None  # receive: blend instead of copy
+    dtype: str = "fp32"  # send: what the slices travel in (the receivers' weight dtype)
 
 
 @dataclass

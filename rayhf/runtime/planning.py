@@ -58,9 +58,10 @@ def planner_workloads(
     """Each call's work per step as the planner prices it."""
     minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
     zero1 = {role for role, rc in cfg.models.items() if rc.optimizer.zero1}
+    recompute = {role for role, rc in cfg.models.items() if rc.activation_checkpointing}
     return workloads(
         graph, cfg.batch_size, prompt_tokens(cfg, dataset), cfg.generation.max_new_tokens,
-        minibatches, call_engines(cfg, graph), zero1,
+        minibatches, call_engines(cfg, graph), zero1, recompute,
     )  # fmt: skip
 
 

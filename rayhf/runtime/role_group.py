@@ -31,10 +31,12 @@ class RoleGroup:
         share: float,
         namespace: str,
         flat: bool = False,
+        dtype: str = "fp32",
     ) -> None:
         """Start one actor per mesh device; ``share`` is the fraction of a device each takes.
-        ``flat``: the ranks will hold flat slices of the weights (DeepSpeed ZeRO-3)."""
-        self.role, self.layout, self.flat = role, layout, flat
+        ``flat``: the ranks will hold flat slices of the weights (DeepSpeed ZeRO-3); ``dtype``:
+        what they keep the weights in (fp32, bf16, fp16)."""
+        self.role, self.layout, self.flat, self.dtype = role, layout, flat, dtype
         self.key = f"{role}.{layout.name}"  # unique per run: names its actors and transfer groups
         self.actors: list[Any] = []  # ActorHandle[RoleWorker]
         for rank, device in enumerate(layout.mesh):

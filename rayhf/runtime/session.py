@@ -18,6 +18,7 @@ import ray
 
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
+from rayhf.models.precision import Numerics, resolve
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.assets import RunAssets
@@ -114,6 +115,7 @@ class Session:
                     share,
                     self.namespace,
                     flat=self._zero3(role, layout),
+                    dtype=self.numerics(role, layout).storage_name,
                 )
                 self.groups.setdefault(role, group)
                 if group is not self.groups[role]:
@@ -181,10 +183,20 @@ class Session:
             value_head=rc.value_head,
             optimizer=rc.optimizer if role in assets.trainable and home else None,
             activation_checkpointing=rc.activation_checkpointing,
+            numerics=self.numerics(role, layout),
             seed=cfg.seed,
             threads=threads,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",
         )
+
+    def numerics(self, role: str, layout: Layout) -> Numerics:
+        """How a role's copy on ``layout`` computes: fp32 master weights where it trains (its
+        home layout) or blends (a moving-average role), the low dtype elsewhere."""
+        rc, assets = self.cfg.models[role], self.assets
+        device = "cuda" if self.cfg.cluster.device == "cuda" else "cpu"
+        home = assets.plan.home_layouts(assets.graph)[role] == layout
+        master = (role in assets.trainable and home) or rc.ema is not None
+        return Numerics(resolve(rc.precision, device), master)
 
     def _weights_source(self, role: str) -> tuple[str | None, str | None]:
         """(model_dir, config_dir): where a role's first weights come from."""

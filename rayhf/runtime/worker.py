@@ -27,6 +27,7 @@ from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import quiet_transformers
+from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, single
 from rayhf.realloc.plan import Transfer
 from rayhf.realloc.transport import (
@@ -117,7 +118,7 @@ class RoleWorker:
         self.model = RankModel.from_hf(
             hf_model, self.tokenizer, spec.value_head,
             groups=self.groups, n_mbs=spec.n_mbs, device=spec.device,
-            checkpointing=spec.activation_checkpointing,
+            checkpointing=spec.activation_checkpointing, numerics=spec.numerics,
         )  # fmt: skip
         trainer = next((c for c in spec.calls if c.kind == "train"), None)
         if spec.optimizer is not None and trainer is not None:
@@ -186,7 +187,7 @@ class RoleWorker:
     def dag_send(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
         """A weight move's sending side as a node of the step's DAG."""
         began = time.time()
-        self.realloc_send(move.group, move.by_peer)
+        self.realloc_send(move.group, move.by_peer, move.dtype)
         return MoveResult(move.unit, self.spec.rank, 0, began, time.time())
 
     def dag_recv(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
@@ -211,9 +212,11 @@ class RoleWorker:
         """Join the reallocation transfer group ``name`` (made once per pair of role groups)."""
         self.transfer_groups[name] = TransferGroup(address, rank, size, self.spec.device)
 
-    def realloc_send(self, group: str, by_peer: dict[int, list[Transfer]]) -> int:
-        """Send this rank's planned source slices; returns bytes sent."""
-        return send_from(self.transfer_groups[group], self._source(), by_peer)
+    def realloc_send(
+        self, group: str, by_peer: dict[int, list[Transfer]], dtype: str = "fp32"
+    ) -> int:
+        """Send this rank's planned source slices, in ``dtype``; returns bytes sent."""
+        return send_from(self.transfer_groups[group], self._source(), by_peer, DTYPES[dtype])
 
     def realloc_recv(
         self, group: str, by_peer: dict[int, list[Transfer]], eta: float | None = None

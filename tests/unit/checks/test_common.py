@@ -13,7 +13,8 @@ from rayhf.models.spec import FAMILIES, model_spec
 
 SHAPES = {"llama": {"n_heads": 8, "n_kv_heads": 4}, "qwen2": {"n_heads": 4},
           "mistral": {"n_heads": 8, "n_kv_heads": 4}, "gpt2": {"n_heads": 4},
-          "qwen3": {"n_heads": 8, "n_kv_heads": 4}}  # fmt: skip
+          "qwen3": {"n_heads": 8, "n_kv_heads": 4}, "phi3": {"n_heads": 4},
+          "gemma2": {"n_heads": 4}, "gemma3_text": {"n_heads": 4}}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

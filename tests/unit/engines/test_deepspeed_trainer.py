@@ -41,9 +41,15 @@ def installed(monkeypatch):
     )
 
 
-def _check(engine=Z2, layouts=None, zero1=False, init_from=None):
+def _check(engine=Z2, layouts=None, zero1=False, init_from=None, precision="fp32"):
     layouts = layouts or {"actor_train": DP2}
-    check_deepspeed("actor_train", "actor", engine, layouts, zero1, init_from)
+    check_deepspeed("actor_train", "actor", engine, layouts, zero1, init_from, precision)
+
+
+def test_fp16_is_refused_and_bf16_passes(installed):
+    with pytest.raises(RayhfError, match=r"^models\.actor\.precision: fp16 .* use bf16"):
+        _check(precision="fp16")
+    _check(precision="bf16")
 
 
 def test_a_dp_only_layout_passes(installed):

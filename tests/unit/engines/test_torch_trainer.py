@@ -208,3 +208,47 @@ def test_micro_batches_keep_order_and_their_shares_add_up():
     assert micro_batches(batch, None, response_tokens) == [(batch, 1.0)]
     with pytest.raises(ValueError, match=f"a {lens[0]}-token sample is over the 2-token budget"):
         batch.token_chunks(2)
+
+
+def _fp16_trainer(seed: int = 0) -> TorchTrainer:
+    from rayhf.models.precision import Numerics
+
+    hf = tiny_model("llama", SHAPE, seed=seed)
+    model = RankModel.from_hf(hf, Tok(), False, numerics=Numerics("fp16", master=True))
+    return TorchTrainer(model, OptimizerConfig(lr=1e-2))
+
+
+def test_fp16_scales_the_loss_and_steps_fp32_weights_like_fp32_training():
+    trainer = _fp16_trainer()
+    fp32, _ = _trainer(lr=1e-2)
+    before = {k: v.detach().clone() for k, v in trainer.model.module.local_state().items()}
+    stats = trainer.train([_batch(1)], _loss_fn(trainer.model))
+    fp32.train([_batch(1)], _loss_fn(fp32.model))
+    assert stats["loss_scale"] == 2.0**16 and "skipped_steps" not in stats
+    after = {k: v.detach() for k, v in trainer.model.module.local_state().items()}
+    assert {p.dtype for p in after.values()} == {torch.float32}
+    assert max(float((after[k] - v).abs().max()) for k, v in before.items()) > 5e-3
+    # AdamW's first step moves each weight by about lr: count the weights moved another way
+    reference = fp32.model.module.local_state()
+    off = sum(int(((after[k] - reference[k]).abs() > 5e-3).sum()) for k in after)
+    assert off / sum(v.numel() for v in after.values()) < 0.01
+
+
+def test_fp16_skips_a_step_whose_gradients_overflow_and_backs_off_the_scale():
+    trainer = _fp16_trainer()
+    before = {k: v.detach().clone() for k, v in trainer.model.module.local_state().items()}
+    inner = _loss_fn(trainer.model)
+
+    def overflowing(mb: PackedBatch):
+        loss, stats = inner(mb)
+        return loss * 1e35, stats  # scaled by 2**16: beyond fp32's range
+
+    stats = trainer.train([_batch(1)], overflowing)
+    assert stats["skipped_steps"] == 1.0
+    after = trainer.model.module.local_state()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a skipped step moved"
+    assert trainer.scaler is not None and trainer.scaler.get_scale() == 2.0**15
+    saved = trainer.save_optimizer("")
+    fresh = _fp16_trainer()
+    fresh.load_optimizer("", saved)
+    assert fresh.scaler is not None and fresh.scaler.get_scale() == 2.0**15

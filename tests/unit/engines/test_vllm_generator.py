@@ -148,6 +148,8 @@ def test_vllm_engine_asks_for_a_dummy_float32_model_of_the_role_s_shape(fake_vll
     assert '"model_type": "llama"' in config.read_text()
     no_sleep = vg.VllmEngine(hf.config, max_model_len=64, seed=3, sleeps=False)
     assert not no_sleep.llm.kwargs["enable_sleep_mode"]
+    low = vg.VllmEngine(hf.config, max_model_len=64, seed=3, sleeps=False, dtype="bf16")
+    assert low.llm.kwargs["dtype"] == "bfloat16"  # the role's precision
     no_sleep.generate([[3]], GenerationConfig(), eos_token_id=EOS, seed=0)
     assert [e[0] for e in no_sleep.llm.log] == ["generate"]  # a rank that does not train
 
@@ -182,8 +184,9 @@ def test_vllm_engine_sampling_params_and_sleep_between_calls(fake_vllm, hf):
 class FakeEngine:
     """Stands in for ``VllmEngine``: answers ``[8, EOS]`` or ``[8, 9]`` by the prompt's parity."""
 
-    def __init__(self, hf_config, max_model_len, seed, sleeps) -> None:
+    def __init__(self, hf_config, max_model_len, seed, sleeps, dtype) -> None:
         self.args = (max_model_len, seed, sleeps)
+        self.dtype = dtype
         self.loads: list[dict[str, torch.Tensor]] = []
 
     def load_weights(self, weights):

@@ -31,7 +31,7 @@ def _spec(family="llama", n_layers=4, **kw):
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_shards_cover_the_parameter_exactly(tp):
-    fused = ParamShard("c_attn.weight", (5, 12), 1, 1, fused=3)
+    fused = ParamShard("c_attn.weight", (5, 12), 1, 1, (4, 4, 4))
     odd = ParamShard("embed.weight", (37, 8), 0, 0)
     for p in (fused, odd):
         full = torch.arange(p.numel, dtype=torch.float32).reshape(p.shape)
@@ -47,7 +47,7 @@ def test_shards_cover_the_parameter_exactly(tp):
 def test_every_family_lists_every_hugging_face_parameter():
     from rayhf.models.hf import build_model
 
-    for family in ("llama", "qwen2", "mistral", "gpt2"):
+    for family in ("llama", "qwen2", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"):
         for value_head in (False, True):
             init = ModelInit(family=family, hidden_size=32, n_layers=2, n_heads=4)
             config = hf_config(init, 37, 0, 2, 1)

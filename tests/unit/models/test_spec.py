@@ -37,7 +37,9 @@ def test_llama_spec():
         "norm_eps": 1e-5, "act": "silu", "rope_theta": 500.0, "qkv_bias": False, "o_bias": False,
         "mlp_bias": False, "sliding_window": None, "tied": False, "value_head": False,
         "padding_idx": 0, "rope_inv_freq": pytest.approx(freqs, rel=1e-6), "rope_scale": 1.0,
-        "qk_norm": False,
+        "qk_norm": False, "window_layers": None, "rope_inv_freq_local": None,
+        "rope_scale_local": 1.0, "gemma": False, "embed_scale": 1.0, "attn_scale": None,
+        "attn_softcap": None, "final_softcap": None, "dtype_bytes": 0, "master": False,
     }  # fmt: skip
     assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
 
@@ -57,6 +59,9 @@ def test_qwen2_has_qkv_biases_and_an_optional_window():
     )  # fmt: skip
     windowed = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=16)
     assert model_spec(windowed, value_head=False).sliding_window == 16
+    # from max_window_layers on (Hugging Face's layer_types), not before
+    later = Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert model_spec(later, value_head=False).window_layers == (1, 2)
 
 
 def test_mistral_always_has_its_window():
@@ -95,7 +100,8 @@ def test_an_unsupported_family_is_refused():
     with pytest.raises(RayhfError) as info:
         model_spec(SimpleNamespace(model_type="bert"), value_head=False)
     assert str(info.value) == (
-        "model type 'bert' is not supported; use one of llama, qwen2, qwen3, mistral, gpt2"
+        "model type 'bert' is not supported; use one of llama, qwen2, qwen3, mistral, phi3, "
+        "gemma2, gemma3_text, gpt2"
     )
 
 

@@ -57,7 +57,8 @@ def test_engines_change_the_memory_the_planner_counts():
     weights = cost.resident(spec, lay, False)
     assert by_stage[2] == pytest.approx(weights * 2 / 8 + (torch_b - 2 * weights) / 8)
     offload = dataclasses.replace(train, engine="deepspeed", zero_stage=2, offload=True)
-    assert cost.resident(spec, lay, True, offload) == pytest.approx(weights + weights / 8)
+    # fp32 weights and gradients beside bf16 copies: twice the bytes
+    assert cost.resident(spec, lay, True, offload) == pytest.approx(2 * weights + 2 * weights / 8)
     gen = WORKS["actor_gen"]
     vllm = dataclasses.replace(gen, engine="vllm")
     extra = cost.memory(spec, lay, vllm) - cost.memory(spec, lay, gen)
@@ -67,6 +68,46 @@ def test_engines_change_the_memory_the_planner_counts():
     plain, with_vllm = (simulate(GRAPH, plan, SPECS, w, cost) for w in (WORKS, works))
     assert max(with_vllm.peak_memory.values()) == pytest.approx(
         max(plain.peak_memory.values()) + extra
+    )
+
+
+def test_the_role_s_precision_sets_the_bytes_priced():
+    """Frozen copies at the role's dtype, moving-average roles and trained roles with fp32
+    weights, gradients and moments (16 bytes a parameter at any precision)."""
+    from rayhf.models.precision import priced
+    from rayhf.models.sharding import shard_numel
+
+    cost = AnalyticCost(parse_cluster("1x8xH100"))  # the device's default: bf16
+    lay = Layout((0,), 1)
+    base = public_shape("llama2-7b")
+    n = shard_numel(base, 1, 1, 0, 0)
+    fp32, bf16, auto = (priced(base, p, False) for p in ("fp32", "bf16", "auto"))
+    assert cost.resident(fp32, lay, False) == 4 * n
+    assert cost.resident(bf16, lay, False) == cost.resident(auto, lay, False) == 2 * n
+    assert cost.resident(priced(base, "bf16", True), lay, False) == 4 * n  # EMA: fp32
+    for spec in (fp32, bf16):
+        assert cost.resident(spec, lay, True, WORKS["actor_train"]) == 16 * n
+    gen = Workload("generate", 64, 128, 128)
+    assert cost.memory(fp32, lay, gen) > cost.memory(bf16, lay, gen)  # weights and KV cache
+    train = Workload("train", 64, 128, 128)
+    assert cost.call(fp32, lay, train).seconds > cost.call(bf16, lay, train).seconds
+
+
+def test_checkpointing_and_token_budgets_trade_time_for_memory():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, lay = public_shape("llama2-7b"), Layout(tuple(range(8)), 8)
+    train = Workload("train", 512, 512, 1024, 4, zero_stage=1)
+    plain = cost.call(spec, lay, train)
+    ckpt = cost.call(spec, lay, dataclasses.replace(train, checkpointing=True))
+    assert ckpt.memory < plain.memory and ckpt.seconds > plain.seconds
+    # a budget of a quarter of a minibatch's tokens (16 rows of 1536): 4 micro-batches
+    budget = dataclasses.replace(train, token_budget=4 * 1536)
+    assert budget.micro_batches(16, 1536) == 4 and train.micro_batches(16, 1536) == 1
+    cut = cost.call(spec, lay, budget)
+    assert cut.memory < plain.memory and cut.seconds >= plain.seconds
+    infer = Workload("inference", 512, 512, 1024)
+    assert cost.memory(spec, lay, dataclasses.replace(infer, token_budget=1536)) < cost.memory(
+        spec, lay, infer
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rayhf.models.hf import ModelInit, hf_config
-from rayhf.models.sharding import param_shards, stage_units, take_shard
+from rayhf.models.sharding import embedding_name, param_shards, stage_units, take_shard
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout, coords_of
 
@@ -21,9 +21,11 @@ def _shards(spec, full, lay: Layout) -> dict[int, dict[str, torch.Tensor]]:
     for r in range(lay.world_size):
         c = coords_of(r, lay.pp, lay.tp)
         units = stage_units(spec, lay.pp, c.pp_rank)
+        # a tied head's last stage (apart from the first) holds a copy of the embedding
+        copy = spec.tied and 0 < c.pp_rank == lay.pp - 1
         out[r] = {
             p.name: take_shard(full[p.name], p, lay.tp, c.tp_rank)
             for p in param_shards(spec)
-            if p.unit in units
+            if p.unit in units or (copy and p.name == embedding_name(spec))
         }
     return out

@@ -37,7 +37,9 @@ class FakeActor:
         self.name = name
         self.rendezvous_address = _Method(lambda: f"tcp://{name}:1")
         self.join_transfer_group = _Method(lambda *args: log.append(("join", name, *args)))
-        self.realloc_send = _Method(lambda group, by_peer: log.append(("send", name, by_peer)))
+        self.realloc_send = _Method(
+            lambda group, by_peer, dtype: log.append(("send", name, by_peer, dtype))
+        )
         self.realloc_recv = _Method(
             lambda group, by_peer, eta: sum(t.nbytes for ts in by_peer.values() for t in ts)
         )
@@ -51,6 +53,7 @@ class FakeGroup:
     layout: Layout
     actors: list[Any]
     flat: bool = False
+    dtype: str = "fp32"
 
 
 @pytest.fixture
@@ -97,6 +100,19 @@ def test_a_move_reports_the_bytes_that_arrived(log):
     assert stats.bytes == m.plan(_spec(), src.layout, dst.layout).total_bytes
     assert stats.seconds >= 0
     assert {e[1] for e in log if e[0] == "send"} == {"s0", "s1"}, "both replicas send"
+    assert {e[3] for e in log if e[0] == "send"} == {"fp32"}
+
+
+def test_slices_travel_in_the_destination_s_dtype(log):
+    """fp32 master weights moving to a bf16 copy: sent as bf16, half the bytes."""
+    src, dst = _groups(log)
+    low = FakeGroup("actor.l", dst.layout, dst.actors, dtype="bf16")
+    m = TransferGroupMover()
+    full = m.move(src, dst, _spec()).bytes
+    half = m.move(src, low, _spec()).bytes
+    assert half * 2 == full
+    assert m.routes(src, low, _spec()).dtype == "bf16"
+    assert [e[3] for e in log if e[0] == "send"][-2:] == ["bf16", "bf16"]
 
 
 def test_the_object_store_path_hands_the_head_s_weights_to_every_destination(log):

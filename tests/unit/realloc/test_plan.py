@@ -15,9 +15,10 @@ from rayhf.parallel.layout import Layout, coords_of
 from rayhf.realloc.plan import check_compatible, plan_realloc
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt2-tied"])
 def test_every_layout_pair_rebuilds_the_destination_shards_exactly(family):
-    spec = _spec(family)
+    spec = _spec(family.removesuffix("-tied"), tied=family.endswith("-tied"))
+    assert spec.tied == family.endswith("-tied")
     full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
     layouts = [lay for lay in all_layouts() if check_layout(spec, lay.tp, lay.pp) is None]
     assert len(layouts) >= 30

@@ -55,6 +55,24 @@ def test_bucketed_send_and_receive_rebuild_the_shards(monkeypatch, direct_bytes)
         assert all(torch.allclose(mixed[k], 0.5 * want[k] + 0.5) for k in want)
 
 
+def test_slices_are_cast_to_the_dtype_they_travel_in():
+    """fp32 master weights to a bf16 copy: the wire and the copy hold bf16, rounded once."""
+    import rayhf.realloc.transport as transport
+
+    spec = _spec("llama")
+    full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
+    layout = Layout((0,), 1)
+    plan = plan_realloc(spec, layout, layout, itemsize=2)
+    source = _shards(spec, full, layout)[0]
+    box = _Mailbox()
+    transport.send_all(box, source, {0: plan.transfers}, dtype=torch.bfloat16)  # type: ignore[arg-type]
+    assert {t.dtype for t in box.sent.values()} == {torch.bfloat16}
+    got = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in source.items()}
+    n = transport.recv_all(box, got, {0: plan.transfers})  # type: ignore[arg-type]
+    assert n == plan.total_bytes == sum(v.numel() for v in full.values()) * 2
+    assert all(torch.equal(got[k], source[k].to(torch.bfloat16)) for k in got)
+
+
 def _t(name: str, nbytes: int) -> Transfer:
     return Transfer(name, 0, 0, nbytes // 4, 0, 0, 0, 0, nbytes)
 

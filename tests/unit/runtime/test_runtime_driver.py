@@ -49,7 +49,7 @@ class FakeMover:
         t = Transfer("w", 0, 0, 1, 0, 0, 0, 0, 4)  # contents do not matter to the DAG's shape
         n = len(dst.actors)
         sends = {r: {n + r: [t]} for r in range(min(len(src.actors), n))}
-        return Routes(f"{src.key}+{dst.key}", sends, {r: {r: [t]} for r in range(n)})
+        return Routes(f"{src.key}+{dst.key}", sends, {r: {r: [t]} for r in range(n)}, "fp32")
 
 
 def test_dag_nodes_take_their_sources_head_ranks_and_keep_each_actor_in_order():
