@@ -22,6 +22,10 @@ from rayhf.checks.parity import FAMILY_SHAPES, _model, layouts
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import model_spec
 
+# the harness runs every family, layout and precision in one subprocess (the module fixture):
+# minutes alone on 2 cores, more when the machine is shared
+pytestmark = pytest.mark.timeout(1500)
+
 LR = 1e-4  # the harness's AdamW learning rate: a first step moves each weight by about this
 
 
