@@ -10,6 +10,10 @@ reduction over the data-parallel ranks, clipping and the optimizer step:
     stage 3   + parameters split: each dp rank keeps a flat 1/dp slice of every parameter
               (``param.ds_tensor``); forward and backward gather them for the moment they run
 
+At bf16 DeepSpeed runs its bf16 mode (the rank's weights in bf16, its fp32 master copy in the
+optimizer: what OpenRLHF runs, and what verl's FSDP gathers), so ZeRO-3 gathers and gradient
+reductions move bf16; the torch engine instead keeps fp32 weights under autocast.
+
 The role group's process group is the dp group (DeepSpeed takes torch.distributed's world), gloo
 on CPU and NCCL on GPU. Weights leave a ZeRO-3 group as its flat slices: reallocation plans from
 that layout (``rayhf.realloc.plan``, ``src_flat``), so no rank ever gathers the whole model to send.
@@ -98,16 +102,21 @@ def check_deepspeed(
         raise RayhfError(f"{field}.engine: DeepSpeed is not installed: {DEEPSPEED_EXTRA}")
 
 
-def ds_config(optim: OptimizerConfig, zero_stage: int, offload: bool) -> dict[str, Any]:
-    """DeepSpeed's config for one train call: fp32 weights and optimizer (at bf16 the forward
-    runs under autocast, inside rayhf's model), one micro-batch per step (rayhf cuts the
-    minibatches itself), AdamW from torch (no CPU-Adam build), ZeRO ``zero_stage``."""
+def ds_config(
+    optim: OptimizerConfig, zero_stage: int, offload: bool, bf16: bool = False
+) -> dict[str, Any]:
+    """DeepSpeed's config for one train call: fp32, or ``bf16`` (DeepSpeed's bf16 mode: bf16
+    weights, gathers and gradients, an fp32 master copy in the optimizer), one micro-batch per
+    step (rayhf cuts the minibatches itself), AdamW from torch (no CPU-Adam build), ZeRO
+    ``zero_stage``."""
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         if zero_stage == 3:
             zero["offload_param"] = {"device": "cpu"}
+    precision = {"bf16": {"enabled": True}} if bf16 else {}
     return {
+        **precision,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": optim.grad_clip,
@@ -139,7 +148,8 @@ class DeepSpeedTrainer:
         self.comm = DataParallel(model.groups.dp_group)
         deepspeed = import_deepspeed()
         _join_world(model.device.type == "cpu", model.groups.dp)
-        config = ds_config(cfg, engine.zero_stage, engine.offload)
+        bf16 = model.numerics.compute == torch.bfloat16
+        config = ds_config(cfg, engine.zero_stage, engine.offload, bf16)
         params = list(model.module.parameters())
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model.module, model_parameters=params, config=config

@@ -133,20 +133,20 @@ VLLM_KV_BYTES = 2**30  # the KV cache a vLLM engine reserves (VLLM_CPU_KVCACHE_S
 
 @functools.lru_cache(maxsize=4096)
 def _resident(
-    spec: ModelSpec, tp: int, pp: int, dp: int, trainable: bool, b: int, zero: int, offload: bool
-) -> float:
-    """Weights (+ gradients and AdamW state) on the fullest device, frozen weights at ``b``
-    bytes each; ZeRO stage ``zero`` splits
-    the optimizer state (1), the gradients (2) and the weights (3) over the ``dp`` ranks, and
-    ``offload`` keeps the optimizer state in host memory."""
+    spec: ModelSpec, tp: int, pp: int, dp: int, trainable: bool, b: int, zero: int, offload: bool,
+    wb: int = 4,
+) -> float:  # fmt: skip
+    """Weights (+ gradients and AdamW state) on the fullest device: frozen weights at ``b``
+    bytes each, trained weights and gradients at ``wb`` (4: fp32, AdamW's 2 moments beside
+    them; 2: DeepSpeed's bf16, its fp32 master copy in the optimizer too). ZeRO stage ``zero``
+    splits the optimizer state (1), the gradients (2) and the weights (3) over the ``dp``
+    ranks, and ``offload`` keeps the optimizer state in host memory."""
     shard = max_shard_params(spec, tp, pp)
     if not trainable:
         return float(shard * b)
-    # fp32 weights, gradients and AdamW moments at every precision (bf16/fp16 run the forward
-    # under autocast over the fp32 weights: rayhf.models.precision)
-    optimizer = 8 * shard
-    weights = shard * 4 / (dp if zero >= 3 else 1)
-    grads = shard * 4 / (dp if zero >= 2 else 1)
+    optimizer = (8 if wb == 4 else 12) * shard
+    weights = shard * wb / (dp if zero >= 3 else 1)
+    grads = shard * wb / (dp if zero >= 2 else 1)
     return weights + grads + (0.0 if offload else optimizer / (dp if zero >= 1 else 1))
 
 
@@ -291,18 +291,20 @@ class AnalyticCost:
             per_minibatch = math.ceil(n_seqs / work.n_minibatches)
             passes = self.forward_seconds(spec, layout, per_minibatch, seq, True, work)
             if work.zero_stage >= 3:  # two gathers and a reduce-scatter, under the compute
-                passes = max(passes, 3 * self._gather_seconds(spec, layout))
+                passes = max(passes, 3 * self._gather_seconds(spec, layout, work))
             parts["forward_backward"] = work.n_minibatches * passes
             parts["optimizer"] = work.n_minibatches * self._optimizer_seconds(
-                spec, layout, work.zero_stage
+                spec, layout, work.zero_stage, work
             )
         return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
 
-    def _optimizer_seconds(self, spec: ModelSpec, layout: Layout, zero: int = 0) -> float:
+    def _optimizer_seconds(
+        self, spec: ModelSpec, layout: Layout, zero: int = 0, work: Workload | None = None
+    ) -> float:
         """Gradient all-reduce over dp (ZeRO-3: reduce-scattered in the backward) plus one AdamW
         pass over this device's part of the optimizer state (all of its shard at stage 0)."""
         shard = max_shard_params(spec, layout.tp, layout.pp)
-        grads = shard * 4  # fp32 at every precision
+        grads = shard * self.train_bytes(spec, work)
         dp_devices = layout.mesh[:: layout.tp * layout.pp]
         reduce = _allreduce(
             grads, layout.dp, self.cluster.bandwidth(dp_devices), self.cluster.link_latency
@@ -310,10 +312,12 @@ class AnalyticCost:
         owned = shard / (layout.dp if zero >= 1 else 1)
         return (0.0 if zero >= 3 else reduce) + 2 * 16 * owned / self._bytes_rate()
 
-    def _gather_seconds(self, spec: ModelSpec, layout: Layout) -> float:
+    def _gather_seconds(
+        self, spec: ModelSpec, layout: Layout, work: Workload | None = None
+    ) -> float:
         """ZeRO-3: one all-gather of the weights over dp (or reduce-scatter of the gradients),
         layer by layer."""
-        shard = max_shard_params(spec, layout.tp, layout.pp) * 4  # the fp32 weights
+        shard = max_shard_params(spec, layout.tp, layout.pp) * self.train_bytes(spec, work)
         dp = layout.dp
         bandwidth = self.cluster.bandwidth(layout.mesh[:: layout.tp * layout.pp])
         return (dp - 1) / dp * shard / bandwidth + spec.n_layers * self.cluster.link_latency
@@ -325,7 +329,16 @@ class AnalyticCost:
         train call's, for how the optimizer shards its state)."""
         zero, offload = (work.zero_stage, work.offload) if work is not None else (0, False)
         return _resident(spec, layout.tp, layout.pp, layout.dp, trainable,
-                         self.weight_bytes(spec), zero, offload)  # fmt: skip
+                         self.weight_bytes(spec), zero, offload,
+                         self.train_bytes(spec, work))  # fmt: skip
+
+    def train_bytes(self, spec: ModelSpec, work: Workload | None) -> int:
+        """Bytes per trained weight and gradient: fp32 on rayhf's torch engine at every
+        precision (autocast over fp32 weights), the compute dtype on DeepSpeed at bf16 (its
+        bf16 mode: bf16 weights, gathers and gradients, an fp32 master copy in the optimizer,
+        as OpenRLHF and verl's FSDP gather bf16)."""
+        b = self.dtype_bytes(spec)
+        return b if work is not None and work.engine == "deepspeed" and b == 2 else 4
 
     def dtype_bytes(self, spec: ModelSpec) -> int:
         """Bytes per element of the role's compute dtype (activations, caches, frozen copies)."""

@@ -190,12 +190,19 @@ class Session:
         )
 
     def numerics(self, role: str, layout: Layout) -> Numerics:
-        """How a role's copy on ``layout`` computes: fp32 master weights where it trains (its
-        home layout) or blends (a moving-average role), the low dtype elsewhere."""
-        rc, assets = self.cfg.models[role], self.assets
-        device = "cuda" if self.cfg.cluster.device == "cuda" else "cpu"
-        home = assets.plan.home_layouts(assets.graph)[role] == layout
-        master = (role in assets.trainable and home) or rc.ema is not None
+        """How a role's copy on ``layout`` computes: fp32 master weights where it trains on the
+        torch engine (its home layout) or blends (a moving-average role), the low dtype
+        elsewhere; DeepSpeed keeps its fp32 master copy in its optimizer."""
+        rc, assets, cfg = self.cfg.models[role], self.assets, self.cfg
+        device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
+        trains = role in assets.trainable and assets.plan.home_layouts(assets.graph)[role] == layout
+        deepspeed = any(
+            c.role == role
+            and c.kind == "train"
+            and cfg.engine_of(c.name, c.kind).engine == "deepspeed"
+            for c in assets.graph.calls
+        )
+        master = (trains and not deepspeed) or rc.ema is not None
         return Numerics(resolve(rc.precision, device), master)
 
     def _weights_source(self, role: str) -> tuple[str | None, str | None]:
