@@ -2,10 +2,12 @@
 
 Parameters keep their Hugging Face names (``model.layers.3.mlp.up_proj.weight``) and hold the
 slice ``rayhf.models.sharding`` assigns to this rank, so checkpoints and reallocation need no
-renaming. The forward pass is written once for the four families; it mirrors the Hugging Face
-modules operation by operation, so fp32 results match a single-process Hugging Face model to
-rounding. Stage 0 maps token ids to hidden states; the last stage maps hidden states to logits
-(or, with a value head, one value per token); the stages between map hidden to hidden.
+renaming. The forward pass is written once for every family (GPT-2's blocks, and the Llama-style
+blocks with their per-family switches from ``ModelSpec``); it mirrors the Hugging Face modules
+operation by operation, so results match a single-process Hugging Face model in the same
+precision to rounding (``rayhf.checks.parity``). Stage 0 maps token ids to hidden states; the last
+stage maps hidden states to logits (or, with a value head, one value per token); the stages
+between map hidden to hidden.
 """
 
 from __future__ import annotations
