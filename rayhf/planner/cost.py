@@ -196,7 +196,8 @@ class AnalyticCost:
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
         n_bytes = (passes * matmul * b / spec.n_layers + (2 if backward else 1) * acts) / layout.tp
         gpu = max(flops / layout.tp / self._flops_rate(spec), n_bytes / self._bytes_rate())
-        host = (passes if backward else 1) * self.eff.ops_per_layer * self.eff.op_seconds
+        issued = (2 if backward else 1) + (1 if backward and recompute else 0)  # op passes
+        host = issued * self.eff.ops_per_layer * self.eff.op_seconds
         reduce = _allreduce(
             tokens * spec.hidden_size * b, layout.tp, self._tp_bandwidth(layout),
             self.cluster.link_latency,
