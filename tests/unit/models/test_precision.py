@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rayhf.checks.common import Tok, tiny_model
@@ -36,3 +37,18 @@ def test_logits_leave_in_fp32_and_weights_stay_in_their_dtype_through_release():
         model.receive_buffers()
         assert {p.dtype for p in model.module.parameters()} == {want}
         assert model.local_bytes() == sum(p.numel() for p in hf.parameters()) * want.itemsize
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma2"])
+def test_fp16_copies_match_hugging_face_s_fp16_model(case):
+    """A frozen fp16 copy against Hugging Face's model cast to fp16 (one process; the layouts
+    are the parity harness's, in fp32 and bf16): fp16's 10-bit mantissa gives about 1e-3."""
+    from rayhf.checks.parity import _model, _rel
+
+    ids, mask = _batch()
+    keep = mask.bool()
+    ref = _model(case, False).to(torch.float16)
+    model = RankModel.from_hf(_model(case, False), Tok(), False, numerics=Numerics("fp16"))
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits.float()
+        assert _rel(model.forward(ids, mask)[keep], want[keep]) < 5e-3
