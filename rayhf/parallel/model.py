@@ -176,18 +176,11 @@ class ShardedModel(torch.nn.Module):
     def _scaled(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` times ``weight``: Llama-style (normalize in fp32, cast, times the
         weight) or Gemma's (times 1 + weight in fp32, then cast)."""
-        if not self.spec.gemma:
-            return weight * self._rms(x)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
-        return (h * (1.0 + weight.float())).to(x.dtype)
-
-    def _rms(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` over its root mean square, computed in fp32, back in ``x``'s dtype (as Hugging
-        Face's RMSNorm does before its weight)."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
-        return h.to(x.dtype)
+        if self.spec.gemma:
+            return (h * (1.0 + weight.float())).to(x.dtype)
+        return weight * h.to(x.dtype)
 
     def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """RMSNorm over each head of this rank's heads. Its weight is shared by every head, on
