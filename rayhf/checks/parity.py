@@ -1,7 +1,8 @@
 """Parity check of every small layout against the single-process Hugging Face model.
 
-``python -m rayhf.checks.parity OUT.json [--world 4] [--precision fp32 bf16]`` starts
-``world`` processes (gloo, one thread each, as emulated devices) and, for each precision, each
+``python -m rayhf.checks.parity OUT.json [--world 4] [--precision fp32 bf16] [--device cuda]``
+starts ``world`` processes (gloo, one thread each, as emulated devices; NCCL and one GPU each
+with ``--device cuda``) and, for each precision, each
 family and each ``dp x tp x pp`` layout that fits, compares with a single-process Hugging Face
 model built from the same seed, in the same precision:
 
@@ -71,10 +72,10 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
     return [(d, t, p) for d in sizes for t in sizes for p in sizes if d * t * p <= world]
 
 
-def _model(case: str, value_head: bool):
+def _model(case: str, value_head: bool, device: str = "cpu"):
     """The tiny model of a ``FAMILY_SHAPES`` case (its key is the family unless it names one)."""
     shape = dict(FAMILY_SHAPES[case])
-    return tiny_model(shape.pop("family", case), shape, value_head, seed=7)
+    return tiny_model(shape.pop("family", case), shape, value_head, seed=7).to(device)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,26 +132,28 @@ def _share_off(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: floa
 
 
 def _value_error(
-    family: str, groups, ids: torch.Tensor, mask: torch.Tensor, precision: str
+    family: str, groups, ids: torch.Tensor, mask: torch.Tensor, precision: str, device: str
 ) -> float:
     """A frozen critic's per-token values against the Hugging Face model's, on this rank's
     rows, both in ``precision``."""
     from rayhf.engines.build import standalone_engine
     from rayhf.models.hf import per_token_values
 
-    critic_ref = _model(family, True).to(DTYPES[precision])
-    critic = standalone_engine(_model(family, True), Tok(), True, None, groups, precision=precision)
+    critic_ref = _model(family, True, device).to(DTYPES[precision])
+    critic = standalone_engine(
+        _model(family, True), Tok(), True, None, groups, device=device, precision=precision
+    )
     keep = mask.bool()
     with torch.no_grad():
         want = per_token_values(critic_ref, ids, mask).float()
         return _rel(critic.forward(ids, mask)[keep], want[keep])
 
 
-def _autocast(precision: str):
+def _autocast(precision: str, device: str):
     """Hugging Face's reference under the autocast a trained copy runs in (none in fp32)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=DTYPES[precision])
+    return torch.autocast(torch.device(device).type, dtype=DTYPES[precision])
 
 
 def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
@@ -161,7 +164,7 @@ def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def _check(
-    family: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32"
+    family: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32", device: str = "cpu"
 ) -> dict[str, Any] | None:
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
@@ -172,31 +175,35 @@ def _check(
     groups = build_groups(dp, tp, pp, rank)
     if groups.coords.dp_rank < 0:
         return None
-    ids, mask = _batch()
+    ids, mask = (t.to(device) for t in _batch())
     rows = slice(groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
     my_ids, my_mask, keep = ids[rows], mask[rows], mask[rows].bool()
     opt = OptimizerConfig()  # lr 1e-4, AdamW, clip at norm 1
     low = DTYPES[precision]
-    frozen_ref = _model(family, False).to(low)
-    frozen = engine_of(_model(family, False), Tok(), False, None, groups, precision=precision)
+    frozen_ref = _model(family, False, device).to(low)
+    frozen = engine_of(
+        _model(family, False), Tok(), False, None, groups, device=device, precision=precision
+    )
     with torch.no_grad():
         want = frozen_ref(input_ids=my_ids, attention_mask=my_mask).logits.float()
         logit_err = _rel(frozen.forward(my_ids, my_mask)[keep], want[keep])
-    value_err = _value_error(family, groups, my_ids, my_mask, precision)
+    value_err = _value_error(family, groups, my_ids, my_mask, precision, device)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
     same_tokens = _same_share(
         frozen.generate(prompts, greedy, 0).tokens,
         hf_generate(frozen_ref, prompts, greedy, EOS, PAD).tokens,
     )
-    ref = _model(family, False)
-    engine = engine_of(_model(family, False), Tok(), False, opt, groups, precision=precision)
+    ref = _model(family, False, device)
+    engine = engine_of(
+        _model(family, False), Tok(), False, opt, groups, device=device, precision=precision
+    )
     model = engine.model
     assert model is not None
     # One optimizer step: the engine on its rows; the reference on all rows (dp averages).
     _train_step(engine, my_ids, my_mask)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    with _autocast(precision):
+    with _autocast(precision, device):
         ref_logits = ref(input_ids=ids, attention_mask=mask).logits.float()
     _loss(ref_logits, ids, mask).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
@@ -210,13 +217,16 @@ def _check(
     zero1_err = None
     if dp > 1 and family == "llama":  # ZeRO-1: optimizer state sharded over the replicas
         zero1 = OptimizerConfig(zero1=True)
-        zero = engine_of(_model(family, False), Tok(), False, zero1, groups, precision=precision)
+        zero = engine_of(
+            _model(family, False), Tok(), False, zero1, groups, device=device, precision=precision
+        )
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
-    before = _model(family, False).state_dict()
+    before = _model(family, False, device).state_dict()
     moved = _max_diff(full, before)
     return {
         "precision": precision,
+        "device": device,
         "family": family,
         "dp": dp,
         "tp": tp,
@@ -235,17 +245,23 @@ def _check(
     }
 
 
-def _worker(rank: int, world: int, address: str, out: str, precisions: list[str]) -> None:
+def _worker(
+    rank: int, world: int, address: str, out: str, precisions: list[str], device: str
+) -> None:
     torch.set_num_threads(1)
     from rayhf.models.hf import quiet_transformers
 
     quiet_transformers()
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world)
     rows = []
     for precision in precisions:
         for family in FAMILY_SHAPES:
             for dp, tp, pp in layouts(world):
-                row = _check(family, dp, tp, pp, rank, precision)
+                row = _check(family, dp, tp, pp, rank, precision, device)
                 if row is not None:
                     rows.append(row)
                 dist.barrier()
@@ -262,10 +278,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    if args.device == "cuda" and args.world > torch.cuda.device_count():
+        parser.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} seen")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     address = free_address()
-    spawn_args = (args.world, address, args.out, args.precision)
+    spawn_args = (args.world, address, args.out, args.precision, args.device)
     mp.spawn(_worker, args=spawn_args, nprocs=args.world, join=True)
 
 

@@ -50,7 +50,8 @@ class ModelInit(BaseModel):
     rope_parameters: dict[str, Any] | None = None
     sliding_window: int | None = None  # keys further back are masked (Mistral, Phi-3, Gemma)
     tied: bool = False  # the LM head is the token embedding
-    # Any other Hugging Face config fields, e.g. Gemma 2's {final_logit_softcapping: 30.0}
+    # Any other Hugging Face config fields, e.g. Gemma 2's {final_logit_softcapping: 30.0}, or
+    # vocab_size to pad the vocabulary past the tokenizer's (Qwen2 pads 151,646 tokens to 151,936)
     config: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
 
@@ -64,7 +65,16 @@ def quiet_transformers() -> None:
 
 
 def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
-    """The Hugging Face config for ``init`` with the tokenizer's vocabulary and special ids."""
+    """The Hugging Face config for ``init`` with the tokenizer's vocabulary (or a padded one)
+    and special ids."""
+    fields = dict(init.config)
+    padded = int(fields.pop("vocab_size", vocab_size))
+    if padded < vocab_size:
+        raise RayhfError(
+            f"init.config.vocab_size={padded} is below the tokenizer's {vocab_size} tokens; "
+            "raise it or leave it out"
+        )
+    vocab_size = padded
     if init.family == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size,
@@ -109,7 +119,7 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
         pad_token_id=pad_id,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
-        **init.config,
+        **fields,
     )
 
 

@@ -92,9 +92,10 @@ class TransferGroupMover:
                 offsets[g.key] = len(actors)
                 actors.extend(g.actors)
             address = ray.get(actors[0].rendezvous_address.remote())
+            shared = bool(set(a.layout.mesh) & set(b.layout.mesh))
             ray.get(
                 [
-                    actor.join_transfer_group.remote(name, address, rank, len(actors))
+                    actor.join_transfer_group.remote(name, address, rank, len(actors), shared)
                     for rank, actor in enumerate(actors)
                 ]
             )

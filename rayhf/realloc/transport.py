@@ -3,7 +3,9 @@ involved, bucketed, inside each actor. No Ray here; the driver side is ``mover.p
 
 A ``TransferGroup`` is an independent torch process group (gloo for CPU tensors, NCCL for GPU
 tensors) over one set of actors, made from its own TCP store, so an actor can belong to its role
-group's dp/tp/pp world and to any number of transfer groups at once. (Ray's
+group's dp/tp/pp world and to any number of transfer groups at once. NCCL refuses a communicator
+with two ranks on one GPU ("Duplicate GPU detected"), which is what role groups colocated on the
+same GPUs are: their groups run gloo, each GPU slice staged through host memory. (Ray's
 ``ray.util.collective`` gloo groups reuse the process's default torch world, which our actors
 already own for their layout; see docs/decisions.md.)
 
@@ -50,23 +52,43 @@ DIRECT_BYTES = 2**20  # a slice this large travels alone, straight from/into the
 class TransferGroup:
     """A process group over ``size`` actors; rank 0 hosts the store at ``address``."""
 
-    def __init__(self, address: str, rank: int, size: int, device: str = "cpu") -> None:
+    def __init__(
+        self, address: str, rank: int, size: int, device: str = "cpu", shared_gpus: bool = False
+    ) -> None:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         timeout = datetime.timedelta(seconds=300)
         store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
         self.rank, self.size = rank, size
         self.pg: Any
-        if device.startswith("cuda"):
+        # GPU tensors through host memory: the members share GPUs, so NCCL cannot join them
+        self.staged = device.startswith("cuda") and shared_gpus
+        if device.startswith("cuda") and not shared_gpus:
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009 (CUDA builds only)
             self.pg = nccl(store, rank, size)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def isend(self, t: torch.Tensor, peer: int, tag: int):
+        if self.staged and t.is_cuda:
+            t = t.cpu()  # gloo's work keeps the host copy alive until it is sent
         return self.pg.send([t], peer, tag)
 
     def irecv(self, t: torch.Tensor, peer: int, tag: int):
-        return self.pg.recv([t], peer, tag)
+        if not (self.staged and t.is_cuda):
+            return self.pg.recv([t], peer, tag)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return _Staged(self.pg.recv([host], peer, tag), host, t)
+
+
+class _Staged:
+    """A receive into host memory that lands in its GPU tensor when waited for."""
+
+    def __init__(self, work: Any, host: torch.Tensor, target: torch.Tensor) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.target.copy_(self.host)
 
 
 def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list[list[Transfer]]:

@@ -208,9 +208,14 @@ class RoleWorker:
         self._weights_loaded()
         return kept
 
-    def join_transfer_group(self, name: str, address: str, rank: int, size: int) -> None:
-        """Join the reallocation transfer group ``name`` (made once per pair of role groups)."""
-        self.transfer_groups[name] = TransferGroup(address, rank, size, self.spec.device)
+    def join_transfer_group(
+        self, name: str, address: str, rank: int, size: int, shared_devices: bool = False
+    ) -> None:
+        """Join the reallocation transfer group ``name`` (made once per pair of role groups;
+        ``shared_devices``: the two groups have devices in common)."""
+        self.transfer_groups[name] = TransferGroup(
+            address, rank, size, self.spec.device, shared_devices
+        )
 
     def realloc_send(
         self, group: str, by_peer: dict[int, list[Transfer]], dtype: str = "fp32"

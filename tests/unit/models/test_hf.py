@@ -46,3 +46,15 @@ def test_same_seed_same_weights_other_seed_differs():
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(RayhfError, match=r"models\.actor\.path: .* is not a model directory"):
         load_model(tmp_path, False, "models.actor.path")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_vocabulary_padded_past_the_tokenizer(family):
+    """Qwen-shaped models pad their vocabulary (151,936 rows for 151,646 tokens)."""
+    padded = {"vocab_size": 50}
+    init = ModelInit(family=family, hidden_size=32, n_layers=1, n_heads=4, config=padded)
+    cfg = hf_config(init, 16, 0, 1, 2)
+    assert cfg.vocab_size == 50
+    assert build_model(cfg, False).get_input_embeddings().weight.shape == (50, 32)
+    with pytest.raises(RayhfError, match=r"init\.config\.vocab_size=8 is below .* 16 tokens"):
+        hf_config(init.model_copy(update={"config": {"vocab_size": 8}}), 16, 0, 1, 2)

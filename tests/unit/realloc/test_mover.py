@@ -68,6 +68,14 @@ def _groups(log: list[tuple]) -> tuple[FakeGroup, FakeGroup]:
     return src, dst
 
 
+def test_role_groups_sharing_a_device_are_told_so(log):
+    """NCCL cannot hold two ranks on one GPU: colocated groups' transfer group stages on host."""
+    src = FakeGroup("actor.b", Layout((0, 1), 2), [FakeActor(f"s{r}", log) for r in range(2)])
+    dst = FakeGroup("ref.a", Layout((1,), 1), [FakeActor("d0", log)])
+    TransferGroupMover().routes(src, dst, _spec())
+    assert [e[6] for e in log if e[0] == "join"] == [True, True, True]
+
+
 def test_one_transfer_group_per_pair_numbers_both_sides(log):
     src, dst = _groups(log)
     m = TransferGroupMover()
@@ -79,6 +87,7 @@ def test_one_transfer_group_per_pair_numbers_both_sides(log):
     assert [(e[1], e[4], e[5]) for e in joins] == [("d0", 0, 4), ("d1", 1, 4), ("s0", 2, 4),
                                                    ("s1", 3, 4)]  # fmt: skip
     assert {e[2] for e in joins} == {routes.group} and {e[3] for e in joins} == {"tcp://d0:1"}
+    assert {e[6] for e in joins} == {False}, "disjoint meshes: NCCL may join them on GPUs"
     plan = m.plan(spec, src.layout, dst.layout)
     for r, by_peer in routes.sends.items():
         assert by_peer == {p: [t for t in plan.for_src(r) if t.dst == p] for p in by_peer}

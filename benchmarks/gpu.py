@@ -1,0 +1,403 @@
+"""rayhf on one GPU: a PPO run of a Qwen2-0.5B-shaped model, its generator against Hugging Face
+``generate``, and its train step against a plain Hugging Face step.
+
+    source scripts/gpu_env.sh install   # on a bare GPU machine: Ray, pydantic, ...
+    python benchmarks/gpu.py [--steps 4] [--batch 64] [--new-tokens 256] [--commit HASH]
+
+The model has Qwen2-0.5B's shape (24 layers, 896 wide, 14 query and 2 key/value heads, MLP 4864,
+tied embedding, vocabulary padded to 151,936 rows) and random weights; prompts are the demo task's
+(``rayhf.tasks.demo``, under 24 tokens) and every response is exactly ``--new-tokens`` long
+(``min_new_tokens``), so each step does the same work. All in bf16 as ``precision: auto`` gives
+on a GPU: trained copies keep fp32 master weights and AdamW moments and compute under autocast,
+frozen copies store bf16.
+
+- PPO (``examples/ppo_tiny.yaml`` with this model as actor and critic, the reference initialised
+  from the actor, 4 minibatches, all roles on the one GPU): seconds per step, tokens/s, the peak
+  GPU memory in use (``nvidia-smi``, every role actor's CUDA context included), and the model FLOP
+  utilisation of the train calls (6 x matmul parameters + attention, per token, over bf16 peak).
+- Generation: rayhf's native generator (a bf16 copy) and Hugging Face ``generate`` (bf16, SDPA
+  attention, its KV cache) on the same model and prompts, tokens/s.
+- Train step: one AdamW step of rayhf's torch trainer and of a plain Hugging Face
+  forward/backward/AdamW step (fp32 weights under bf16 autocast, SDPA) on the same batch.
+
+Writes docs/benchmarks/gpu.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import git_commit, write_results
+
+import rayhf
+from rayhf.models.hf import ModelInit, build_model, hf_config
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN2_05B = {"family": "qwen2", "hidden_size": 896, "n_layers": 24, "n_heads": 14,
+             "n_kv_heads": 2, "intermediate_size": 4864, "tied": True, "max_positions": 1024,
+             "config": {"vocab_size": 151936}}  # fmt: skip
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
+TIMED = 5  # timed repetitions of each micro-benchmark, after one warm-up
+
+
+def peak_flops() -> float | None:
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in BF16_PEAK.items() if k in name), None)
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters a token multiplies by: the 2-D weights except the embedding lookup, plus the
+    LM head when it is the tied embedding."""
+    named = model.named_parameters()
+    n = sum(p.numel() for name, p in named if p.dim() == 2 and "embed" not in name)
+    config = model.config
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        n += config.vocab_size * config.hidden_size
+    return n
+
+
+def train_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+    """Forward and backward: 6 x matmul parameters, plus 12 x layers x width x sequence for the
+    attention scores and their weighted sums."""
+    c = model.config
+    return 6 * matmul_params(model) + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+
+
+class GpuMemory:
+    """The most GPU memory in use, sampled by ``nvidia-smi`` every 100 ms while it runs."""
+
+    def __init__(self) -> None:
+        self.peak_mib = 0
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> GpuMemory:
+        query = ["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "100"]
+        cmd = ["nvidia-smi", *query]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.strip().isdigit():
+                self.peak_mib = max(self.peak_mib, int(line))
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc is not None
+        self._proc.terminate()
+        self._proc.wait()
+
+
+def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").with_overrides(
+            {
+                "run_dir": f"{tmp}/run",
+                "dataset.path": f"{tmp}/data.parquet",
+                "steps": steps + warmup,
+                "batch_size": batch,
+                "save_every": 0,
+                "generation.max_new_tokens": new_tokens,
+                "generation.min_new_tokens": new_tokens,
+                "models.actor.init": QWEN2_05B,
+                "models.actor.optimizer": {"lr": 1e-6},
+                "models.critic.init": {**QWEN2_05B, "seed": 7},
+                "models.critic.optimizer": {"lr": 1e-6},
+                "cluster.device": "cuda",
+                "cluster.n_devices": 1,
+                "metrics.console": False,
+                "metrics.plot": False,
+                "metrics.ray_metrics": False,
+            }
+        )
+        start = time.perf_counter()
+        with GpuMemory() as memory:
+            result = rayhf.run(cfg)
+        wall = time.perf_counter() - start
+        from transformers import AutoModelForCausalLM
+
+        actor = AutoModelForCausalLM.from_pretrained(result.run_dir / "init" / "actor")
+    rows = result.metrics[warmup:]
+    keys = [k for k in rows[0] if k.startswith("seconds/")] + ["step_seconds", "tokens_per_s"]
+    mean = {k: statistics.mean(r[k] for r in rows) for k in keys}
+    tokens = mean["tokens_per_s"] * mean["step_seconds"]  # prompt + response tokens per step
+    seq = tokens / batch
+    flops = train_flops_per_token(actor, seq) * tokens  # the critic is the same shape, less head
+    head = 6 * actor.config.vocab_size * actor.config.hidden_size
+    critic_flops = (train_flops_per_token(actor, seq) - head) * tokens
+    peak = peak_flops()
+    mfu = {
+        "actor_train": flops / mean["seconds/actor_train"] / peak if peak else None,
+        "critic_train": critic_flops / mean["seconds/critic_train"] / peak if peak else None,
+    }
+    return {
+        "params": sum(p.numel() for p in actor.parameters()),
+        "steps": len(rows),
+        "warmup": warmup,
+        "wall_seconds": wall,
+        "mean": mean,
+        "median_step_seconds": statistics.median(r["step_seconds"] for r in rows),
+        "tokens_per_step": tokens,
+        "gen_tokens_per_s": batch * new_tokens / mean["step_seconds"],
+        "peak_gpu_mib": memory.peak_mib,
+        "train_mfu": mfu,
+        "reward": [r.get("task_reward") for r in result.metrics],
+    }
+
+
+def _timed(fn) -> list[float]:
+    fn()  # warm-up (kernels chosen, caches sized)
+    times = []
+    for _ in range(TIMED):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _model(tok) -> Any:
+    init = ModelInit(**QWEN2_05B)
+    config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    model = build_model(config, value_head=False, seed=0)
+    model.config._attn_implementation = "sdpa"  # Hugging Face's default on GPUs
+    return model
+
+
+def generation(batch: int, new_tokens: int) -> dict[str, Any]:
+    from rayhf.engines.build import standalone_engine
+    from rayhf.models.tokenizer import build_char_tokenizer
+    from rayhf.sampling import GenerationConfig
+    from rayhf.tasks.demo import ALPHABET
+
+    tok = build_char_tokenizer(ALPHABET)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, len(tok), (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 24, (batch,), generator=gen)]  # fmt: skip
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    def native_times() -> list[float]:
+        engine = standalone_engine(_model(tok), tok, False, device="cuda", precision="bf16")
+        out = engine.generate(prompts, cfg, 0)
+        assert all(len(t) == new_tokens for t in out.tokens), "every row runs to --new-tokens"
+        return _timed(lambda: engine.generate(prompts, cfg, 0))
+
+    native = native_times()
+    torch.cuda.empty_cache()
+    hf_times = _hf_generate(_model(tok), tok, prompts, new_tokens)
+    torch.cuda.empty_cache()
+    n = batch * new_tokens
+    return {
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "native_seconds": native,
+        "hf_seconds": hf_times,
+        "native_tokens_per_s": n / statistics.median(native),
+        "hf_tokens_per_s": n / statistics.median(hf_times),
+    }
+
+
+def _hf_generate(model: Any, tok: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    hf = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left-padded, as generate wants
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def hf_generate() -> torch.Tensor:
+        with torch.no_grad():
+            return hf.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            )  # fmt: skip
+
+    assert hf_generate().shape[1] == width + new_tokens
+    return _timed(hf_generate)
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the real tokens (the parity check's loss)."""
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:].float()
+    return -(logp * m).sum() / m.sum()
+
+
+def train_step(rows: int, seq: int) -> dict[str, Any]:
+    from rayhf.data.batch import PackedBatch
+    from rayhf.engines.build import standalone_engine
+    from rayhf.engines.torch_trainer import OptimizerConfig
+    from rayhf.models.tokenizer import build_char_tokenizer
+    from rayhf.tasks.demo import ALPHABET
+
+    tok = build_char_tokenizer(ALPHABET)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, len(tok), (rows, seq), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    opt = OptimizerConfig(lr=1e-6)
+
+    def rayhf_times() -> list[float]:
+        engine = standalone_engine(_model(tok), tok, False, opt, device="cuda", precision="bf16")
+        one = [PackedBatch(list(range(rows)))]
+
+        def loss(_: Any) -> tuple[torch.Tensor, dict[str, float]]:
+            return _loss(engine.forward(ids, mask), ids, mask), {}
+
+        return _timed(lambda: engine.train(one, loss))
+
+    torch.cuda.reset_peak_memory_stats()
+    ours = rayhf_times()
+    rayhf_mib = torch.cuda.max_memory_allocated() / 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = _model(tok)
+    flops = train_flops_per_token(model, seq) * rows * seq
+    hf_times = _hf_train(model, ids, mask, opt)
+    hf_mib = torch.cuda.max_memory_allocated() / 2**20
+    torch.cuda.empty_cache()
+    peak = peak_flops()
+    r, h = statistics.median(ours), statistics.median(hf_times)
+    return {
+        "rows": rows,
+        "seq": seq,
+        "rayhf_seconds": ours,
+        "hf_seconds": hf_times,
+        "rayhf_peak_mib": rayhf_mib,
+        "hf_peak_mib": hf_mib,
+        "rayhf_mfu": flops / r / peak if peak else None,
+        "hf_mfu": flops / h / peak if peak else None,
+        "overhead": r / h - 1,
+    }
+
+
+def _hf_train(model: Any, ids: torch.Tensor, mask: torch.Tensor, opt: Any) -> list[float]:
+    """A plain step: forward under bf16 autocast, backward, clipping, fused AdamW."""
+    hf = model.cuda().train()
+    adamw = torch.optim.AdamW(hf.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True)
+
+    def hf_step() -> None:
+        adamw.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = hf(input_ids=ids, attention_mask=mask).logits
+        _loss(logits.float(), ids, mask).backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), opt.grad_clip)
+        adamw.step()
+
+    return _timed(hf_step)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def report(res: dict[str, Any]) -> str:
+    p, g, t = res["ppo"], res["generation"], res["train_step"]
+    m = p["mean"]
+    lines = [
+        f"# rayhf on one GPU ({res['device']})",
+        "",
+        f"Command: `python benchmarks/gpu.py --steps {p['steps']} --batch {res['batch']} "
+        f"--new-tokens {res['new_tokens']}` after `source scripts/gpu_env.sh install`, on the lent "
+        f"machine ({res['device']}, torch {res['torch']}); commit {res['commit']}. Model: "
+        f"Qwen2-0.5B's shape, {p['params'] / 1e6:.0f}M parameters, random weights; bf16 "
+        "(fp32 master weights under autocast where a role trains).",
+        "",
+        f"## PPO, all four roles on the one GPU ({p['steps']} steps after {p['warmup']} warm-up)",
+        "",
+        f"{res['batch']} prompts x {res['new_tokens']} new tokens a step, 4 minibatches; "
+        "actor and critic of this shape, the reference from the actor, the demo task's reward.",
+        "",
+        "| figure | value |",
+        "| --- | ---: |",
+        f"| seconds per step (mean; median) | {m['step_seconds']:.2f}; "
+        f"{p['median_step_seconds']:.2f} |",
+        f"| tokens/s (prompt + response) | {m['tokens_per_s']:.0f} |",
+        f"| generated tokens/s | {p['gen_tokens_per_s']:.0f} |",
+        f"| peak GPU memory in use (nvidia-smi) | {p['peak_gpu_mib'] / 1024:.1f} GiB |",
+        f"| train-call MFU: actor; critic | {_pct(p['train_mfu']['actor_train'])}; "
+        f"{_pct(p['train_mfu']['critic_train'])} |",
+    ]
+    for k, v in m.items():
+        if k.startswith("seconds/"):
+            call = k.removeprefix("seconds/")
+            lines.append(f"| {call} seconds (compute in the actor) | {v:.2f} |")
+    lines += [
+        "",
+        f"## Generation: {g['batch']} prompts x {g['new_tokens']} new tokens, bf16, sampled",
+        "",
+        "| generator | median seconds | tokens/s |",
+        "| --- | ---: | ---: |",
+        f"| rayhf native | {statistics.median(g['native_seconds']):.2f} | "
+        f"{g['native_tokens_per_s']:.0f} |",
+        f"| Hugging Face `generate` | {statistics.median(g['hf_seconds']):.2f} | "
+        f"{g['hf_tokens_per_s']:.0f} |",
+        "",
+        f"## One train step: {t['rows']} rows x {t['seq']} tokens, AdamW, bf16 autocast",
+        "",
+        "| step | median seconds | MFU | peak allocated |",
+        "| --- | ---: | ---: | ---: |",
+        f"| rayhf torch trainer | {statistics.median(t['rayhf_seconds']):.3f} | "
+        f"{_pct(t['rayhf_mfu'])} | {t['rayhf_peak_mib'] / 1024:.1f} GiB |",
+        f"| plain Hugging Face (fused AdamW) | {statistics.median(t['hf_seconds']):.3f} | "
+        f"{_pct(t['hf_mfu'])} | {t['hf_peak_mib'] / 1024:.1f} GiB |",
+        "",
+        f"rayhf's engine overhead over the plain step: {t['overhead']:+.1%}. Times are medians of "
+        f"{TIMED} after one warm-up.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--train-rows", type=int, default=16)
+    ap.add_argument("--commit", default=None, help="the commit measured (no .git on the machine)")
+    ap.add_argument("--skip-ppo", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA device")
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "commit": args.commit or git_commit(),
+    }
+    if not args.skip_ppo:
+        try:
+            res["ppo"] = ppo(args.steps, args.warmup, args.batch, args.new_tokens)
+            print(res["ppo"], flush=True)
+        except Exception:  # the other parts still measure; nothing is written
+            traceback.print_exc()
+    res["generation"] = generation(args.batch, args.new_tokens)
+    print(res["generation"], flush=True)
+    res["train_step"] = train_step(args.train_rows, 24 + args.new_tokens)
+    print(res["train_step"], flush=True)
+    if "ppo" in res:
+        text = report(res)
+        print(text)
+        write_results("gpu", text, res, res["commit"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The CUDA paths on a real GPU (marked ``gpu``; skipped where torch sees none, as in CI).
+
+Run on a lent GPU machine with ``source scripts/gpu_env.sh install; pytest -m gpu
+tests/integration/test_gpu.py``. One GPU: NCCL groups are groups of one (NCCL refuses two ranks
+on one GPU), and role groups colocated on it move weights over gloo through host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rayhf.checks.common import free_address
+from rayhf.checks.parity import FAMILY_SHAPES
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(900),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+# The CPU harness's bounds (tests/integration/test_parallel_parity.py), on CUDA kernels:
+# (logits, values, grads, steps off, greedy tokens equal)
+TOLERANCES = {"fp32": (1e-5, 1e-5, 1e-5, 0.0, 1.0), "bf16": (3e-2, 6e-2, 4e-2, 0.01, 0.8)}
+
+
+def test_every_family_matches_hugging_face_on_cuda_in_fp32_and_bf16(tmp_path):
+    """The sharded model (NCCL group of one) against Hugging Face's on the GPU: logits, critic
+    values, gradients, one AdamW step and greedy generation, in fp32 and bf16."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "rayhf.checks.parity", str(out), "--world", "1"]
+    subprocess.run([*cmd, "--device", "cuda"], check=True, timeout=900)
+    rows = json.loads(out.read_text())
+    assert {(r["family"], r["precision"]) for r in rows} == {
+        (f, p) for f in FAMILY_SHAPES for p in TOLERANCES
+    }
+    for r in rows:
+        logits, values, grads, off, same = TOLERANCES[r["precision"]]
+        assert r["device"] == "cuda:0"
+        assert r["logits"] <= logits and r["values"] <= values, r
+        assert r["grads"] <= grads and r["step_off"] <= off, r
+        assert r["generate"] >= same, r
+        assert r["moved"] > 0, "the step changed no weight"
+
+
+def _staged_pair(rank: int, address: str, errors) -> None:
+    from rayhf.realloc.transport import TransferGroup
+
+    torch.cuda.set_device(0)  # both ranks on the one GPU
+    try:
+        group = TransferGroup(address, rank, 2, "cuda", shared_gpus=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            want = torch.arange(3 * 2**20, device="cuda").to(dtype) / 7
+            if rank == 0:
+                group.isend(want, 1, 0).wait()
+            else:
+                got = torch.zeros_like(want)
+                group.irecv(got, 0, 0).wait()
+                assert got.is_cuda and torch.equal(got, want), f"{dtype} slice changed on the way"
+    except Exception as e:  # reported to the parent, which fails the test
+        errors.put(f"rank {rank}: {e!r}")
+
+
+def test_role_groups_on_one_gpu_move_weights_through_host_memory():
+    """Two processes on the same GPU: NCCL would refuse them; the staged gloo group moves fp32
+    and bf16 GPU tensors bit-exactly."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    address = free_address()
+    procs = [ctx.Process(target=_staged_pair, args=(r, address, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.parametrize("executor", ["plain", "compiled"])
+def test_ppo_on_one_gpu(tmp_path, executor):
+    """`rayhf run` with cluster.device=cuda: every role on the one GPU in bf16 (auto), the
+    reference initialised by a move from the actor, the plain (overlapped steps) or compiled
+    executor; the actor trains and every metric is finite."""
+    run = tmp_path / "run"
+    words = [
+        "examples/ppo_tiny.yaml", f"run_dir={run}", f"dataset.path={tmp_path}/data.parquet",
+        "steps=3", "batch_size=8", "save_every=3", "generation.max_new_tokens=8",
+        "cluster.device=cuda", "cluster.n_devices=1", "metrics.console=false",
+        "metrics.plot=false", "metrics.ray_metrics=false", f"driver.executor={executor}",
+    ]  # fmt: skip
+    if executor == "compiled":
+        words.append("driver.overlap_steps=false")
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayhf", "run", *words],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for stats in history:
+        numbers = [v for v in stats.values() if isinstance(v, float)]
+        assert numbers and all(math.isfinite(v) for v in numbers), stats
+    from transformers import AutoModelForCausalLM
+
+    init = AutoModelForCausalLM.from_pretrained(run / "init" / "actor").state_dict()
+    final = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000003" / "actor")
+    trained = final.state_dict()
+    assert {t.dtype for t in trained.values()} == {torch.float32}, "fp32 master weights saved"
+    assert not all(torch.equal(init[k], trained[k]) for k in init), "the actor did not train"
