@@ -46,15 +46,19 @@ def response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float
     """``(logprobs or values [B, R], logits [B, R, V] or None, mask [B, R])``.
 
     An LM gives the log-probs of the response tokens (and their logits); a value-head model
-    gives the value of the state before each response token.
+    gives the value of the state before each response token. The log-probs, values and mask
+    are on the CPU, with the batch's other fields; the logits stay on the model's device (the
+    step's largest tensor: a GPU computes over them where they are).
     """
     ids, attn = padded_inputs(batch, engine.pad_id)
     positions, mask = response_index(batch)
-    out = engine.forward(ids, attn).cpu()
+    out = engine.forward(ids, attn)
+    at = positions.to(out.device)
     if out.dim() == 2:
-        return gather_positions(out, positions), None, mask
-    logits = gather_positions(out, positions)
-    return token_logprobs(logits, response_labels(ids, positions), temperature), logits, mask
+        return gather_positions(out, at).cpu(), None, mask
+    logits = gather_positions(out, at)
+    logp = token_logprobs(logits, response_labels(ids.to(out.device), at), temperature)
+    return logp.cpu(), logits, mask
 
 
 def padded(batch: PackedBatch, key: str) -> torch.Tensor:

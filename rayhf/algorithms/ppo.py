@@ -252,7 +252,8 @@ def make_kl_controller(cfg: PPOConfig) -> KLController:
 def _global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Whiten ``x`` over the valid entries of every dp rank's batch."""
     v = x[mask].double()
-    sums = engine.all_reduce_sum(torch.stack([v.sum(), (v * v).sum(), torch.tensor(v.numel())]))
+    count = torch.tensor(v.numel(), dtype=v.dtype, device=v.device)
+    sums = engine.all_reduce_sum(torch.stack([v.sum(), (v * v).sum(), count]))
     n = max(float(sums[2]), 1.0)
     mean = sums[0] / n
     var = (sums[1] / n - mean * mean).clamp(min=0.0)
@@ -332,7 +333,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
             loss, s = ppo_policy_loss(
                 logp, padded(mb, "logprobs"), padded(mb, "advantages"), mask, self.cfg.eps_clip
             )
-            entropy = masked_mean(entropy_from_logits(logits), mask)
+            entropy = masked_mean(entropy_from_logits(logits).cpu(), mask)
             if self.cfg.entropy_coef:
                 loss = loss - self.cfg.entropy_coef * entropy
             return loss, {"policy_loss": loss.item(), "entropy": entropy.item(), **s}

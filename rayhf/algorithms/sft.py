@@ -60,4 +60,5 @@ class SFTInterface(OfflineInterface):
         _, logits, mask = response_forward(engine, mb)
         ids, _ = padded_inputs(mb, engine.pad_id)
         positions, _ = response_index(mb)
-        return sft_loss(logits, response_labels(ids, positions), mask)
+        labels = response_labels(ids, positions).to(logits.device)
+        return sft_loss(logits, labels, mask.to(logits.device))

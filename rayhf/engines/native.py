@@ -20,6 +20,6 @@ class NativeGenerator:
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
     ) -> GenerateOutput:
-        gen = torch.Generator().manual_seed(seed)
         m = self.model
+        gen = torch.Generator(device=m.device).manual_seed(seed)  # where multinomial samples
         return generate(m.pipe, prompts, cfg, m.eos_id, m.pad_id, gen)

@@ -186,8 +186,8 @@ class TorchTrainer:
         A tp-replicated parameter has the same gradient on every tp rank, so it is counted once.
         """
         module = self.model.module
-        sharded = torch.zeros((), dtype=torch.float32)
-        replicated = torch.zeros((), dtype=torch.float32)
+        sharded = torch.zeros((), dtype=torch.float32, device=self.model.device)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.model.device)
         params = module.local_state()
         for name, p in params.items():
             if p.grad is None or (module.tied_copy and name == embedding_name(module.spec)):
