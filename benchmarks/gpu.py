@@ -115,6 +115,14 @@ def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
                 "models.actor.optimizer": {"lr": 1e-6},
                 "models.critic.init": {**QWEN2_05B, "seed": 7},
                 "models.critic.optimizer": {"lr": 1e-6},
+                # inference and train forwards over at most 16 full rows (their logits: 2.5 GB)
+                "engines": {
+                    call: {
+                        "engine": "torch",
+                        "max_tokens_per_microbatch": 16 * 24 + 16 * new_tokens,
+                    }
+                    for call in ("ref_inf", "critic_inf", "actor_train", "critic_train")
+                },
                 "cluster.device": "cuda",
                 "cluster.n_devices": 1,
                 "metrics.console": False,
@@ -157,8 +165,10 @@ def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
     }
 
 
-def _timed(fn) -> list[float]:
-    fn()  # warm-up (kernels chosen, caches sized)
+def _timed(fn, check=None) -> list[float]:
+    out = fn()  # warm-up (kernels chosen, caches sized)
+    if check is not None:
+        check(out)
     times = []
     for _ in range(TIMED):
         torch.cuda.synchronize()
@@ -191,9 +201,11 @@ def generation(batch: int, new_tokens: int) -> dict[str, Any]:
 
     def native_times() -> list[float]:
         engine = standalone_engine(_model(tok), tok, False, device="cuda", precision="bf16")
-        out = engine.generate(prompts, cfg, 0)
-        assert all(len(t) == new_tokens for t in out.tokens), "every row runs to --new-tokens"
-        return _timed(lambda: engine.generate(prompts, cfg, 0))
+
+        def check(out: Any) -> None:
+            assert all(len(t) == new_tokens for t in out.tokens), "every row runs to the cap"
+
+        return _timed(lambda: engine.generate(prompts, cfg, 0), check)
 
     native = native_times()
     torch.cuda.empty_cache()
@@ -229,8 +241,10 @@ def _hf_generate(model: Any, tok: Any, prompts: list[list[int]], new_tokens: int
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
             )  # fmt: skip
 
-    assert hf_generate().shape[1] == width + new_tokens
-    return _timed(hf_generate)
+    def check(out: torch.Tensor) -> None:
+        assert out.shape[1] == width + new_tokens, "every row runs to the cap"
+
+    return _timed(hf_generate, check)
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -122,12 +122,12 @@ def _train_step(engine, ids: torch.Tensor, mask: torch.Tensor) -> None:
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - v).abs().max()) for k, v in b.items())
+    return max(float((a[k].to(v.device) - v).abs().max()) for k, v in b.items())
 
 
 def _share_off(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float) -> float:
     """The share of parameter elements that differ by more than ``tol``."""
-    off = sum(int(((a[k] - v).abs() > tol).sum()) for k, v in b.items())
+    off = sum(int(((a[k].to(v.device) - v).abs() > tol).sum()) for k, v in b.items())
     return off / sum(v.numel() for v in b.values())
 
 

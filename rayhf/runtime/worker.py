@@ -153,6 +153,10 @@ class RoleWorker:
             stats = interface.evaluate(engine, req.batch, ctx)
         else:
             stats = interface.train_step(engine, req.batch, ctx)
+        if self.model is not None and self.model.device.type == "cuda":
+            # role groups colocated on a GPU are separate processes, each with its own caching
+            # allocator: a call hands back what it cached, for the next call in another process
+            torch.cuda.empty_cache()
         seconds = time.perf_counter() - start
         return CallResult(req.call, self.spec.rank, batch, stats, seconds, engine.name)
 
