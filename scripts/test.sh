@@ -9,7 +9,7 @@ ruff check rayhf tests examples benchmarks
 ruff format --check rayhf tests examples benchmarks
 mypy
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then
