@@ -3,7 +3,7 @@
 # but no Ray or pydantic, and no network (the lent H100/H200 machines: docs/benchmarks/gpu.md).
 #
 #   here (with network):  bash scripts/gpu_env.sh pack
-#       writes .gpuenv/ (ignored by git, about 39 MB): Ray 2.60's unpacked tree without ray/jars
+#       writes .gpuenv/ (ignored by git, about 37 MB): Ray 2.60's unpacked tree without ray/jars
 #       and ray/rllib as one tar.xz (the wheel itself, 79 MB, is over what a call can carry) and
 #       the wheels of the other missing packages, for CPython 3.12 on x86-64.
 #   there (.gpuenv carried beside the checkout):  source scripts/gpu_env.sh install

@@ -53,7 +53,7 @@ class TransferGroup:
     """A process group over ``size`` actors; rank 0 hosts the store at ``address``."""
 
     def __init__(
-        self, address: str, rank: int, size: int, device: str = "cpu", shared_gpus: bool = False
+        self, address: str, rank: int, size: int, device: str = "cpu", shared_devices: bool = False
     ) -> None:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         timeout = datetime.timedelta(seconds=300)
@@ -61,8 +61,8 @@ class TransferGroup:
         self.rank, self.size = rank, size
         self.pg: Any
         # GPU tensors through host memory: the members share GPUs, so NCCL cannot join them
-        self.staged = device.startswith("cuda") and shared_gpus
-        if device.startswith("cuda") and not shared_gpus:
+        self.staged = device.startswith("cuda") and shared_devices
+        if device.startswith("cuda") and not shared_devices:
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009 (CUDA builds only)
             self.pg = nccl(store, rank, size)
         else:

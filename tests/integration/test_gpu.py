@@ -57,7 +57,7 @@ def _staged_pair(rank: int, address: str, errors) -> None:
 
     torch.cuda.set_device(0)  # both ranks on the one GPU
     try:
-        group = TransferGroup(address, rank, 2, "cuda", shared_gpus=True)
+        group = TransferGroup(address, rank, 2, "cuda", shared_devices=True)
         for dtype in (torch.float32, torch.bfloat16):
             want = torch.arange(3 * 2**20, device="cuda").to(dtype) / 7
             if rank == 0:
