@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
+from parity_support import TOLERANCES
 
 from rayhf.checks.parity import FAMILY_SHAPES, _model, layouts
 from rayhf.models.sharding import param_shards
@@ -29,21 +29,6 @@ pytestmark = pytest.mark.timeout(1500)
 LR = 1e-4  # the harness's AdamW learning rate: a first step moves each weight by about this
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    logits: float  # max abs error over max abs reference, logits and critic values
-    values: float
-    grads: float
-    step_off: float  # share of weights whose first step went another way than the reference's
-    same_tokens: float  # least mean share of greedy tokens equal to Hugging Face's
-
-
-TOLERANCES = {
-    "fp32": Tolerance(1e-5, 1e-5, 1e-5, 0.0, 1.0),
-    # measured, the largest over layouts: logits 1.2e-2 (Gemma 3: 1.9e-2), values 1.8e-2 (Gemma
-    # 3: 4.8e-2), grads 1.1e-2 (Gemma 2: 3.1e-2), steps off 0.6%, greedy tokens 95% (Mistral)
-    "bf16": Tolerance(3e-2, 6e-2, 4e-2, 0.01, 0.8),
-}
 TOL = 1e-5
 
 
