@@ -1,13 +1,14 @@
-"""Bit-exactness check of reallocation over random layout pairs, with real processes.
+"""Bit-exactness check of reallocation over sampled layout pairs, with real processes.
 
-``python -m rayhf.checks.reallocation OUT.json [--pairs 24] [--seed 0]`` starts 8 gloo processes:
+``python -m rayhf.checks.reallocation OUT.json [--pairs 50] [--seed 0]`` starts 8 gloo processes:
 ranks 0-3 hold a source layout, ranks 4-7 a destination layout (separate processes, as role
-groups are). For each family and each sampled (source, destination) pair of layouts over meshes
-of 1-4 devices (equal, overlapping and disjoint meshes, every valid dp x tp x pp), the source
-holds a randomly initialized model, the planned slices move over a transfer group, and rank 4
-reports whether the gathered destination weights equal the originals bit for bit and how far
-the destination's logits are from the source's.
-``tests/integration/test_realloc_exec.py`` asserts on it.
+groups are). For each family and each sampled (source, destination) pair over meshes of 1-4
+devices, the source holds a randomly initialized model (as tp/pp shards, or as ZeRO-3's flat
+slices), the planned streams move over a transfer group (relays included), and every rank of
+every destination replica reports whether its shards equal the originals' bit for bit; each
+replica's logits are compared with the whole model's. The pairs are drawn class by class so
+every class is covered: expand, shrink, equal, overlapping and disjoint meshes, tp <-> pp, and a
+ZeRO-3 flat source. ``tests/integration/test_realloc_exec.py`` asserts on it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayhf.checks.common import Tok, free_address, tiny_model
-from rayhf.models.sharding import check_layout
+from rayhf.models.sharding import check_layout, param_shards, take_shard
 from rayhf.parallel.layout import Layout
 
-N_DEVICES, POOL = 4, 8
+N_DEVICES, POOL, DST0 = 4, 8, 4  # destination ranks are DST0..POOL-1
 FAMILIES = {"llama": {"n_heads": 4, "n_kv_heads": 2}, "gpt2": {"n_heads": 4}}
+CLASSES = ("expand", "shrink", "equal", "overlapping", "disjoint", "tp<->pp", "zero3 flat", "relay")
 
 
 def all_layouts(n_devices: int = N_DEVICES) -> list[Layout]:
@@ -51,17 +53,37 @@ def mesh_relation(a: Layout, b: Layout) -> str:
     return "overlapping" if shared else "disjoint"
 
 
-def sample_pairs(spec, n: int, seed: int) -> list[tuple[Layout, Layout]]:
-    """``n`` pairs, a third each with equal, overlapping and disjoint meshes."""
+def pair_classes(spec, src: Layout, dst: Layout, flat: bool) -> set[str]:
+    """What kind of move a pair is (a pair is of several kinds; ``relay``: replicas forward)."""
+    from rayhf.realloc.plan import plan_realloc
+
+    out = {mesh_relation(src, dst)}
+    if plan_realloc(spec, src, dst, src_flat=flat).depth > 1:
+        out.add("relay")
+    if dst.world_size != src.world_size:
+        out.add("expand" if dst.world_size > src.world_size else "shrink")
+    if (src.tp > 1 and dst.pp > 1) or (src.pp > 1 and dst.tp > 1):
+        out.add("tp<->pp")
+    if flat:
+        out.add("zero3 flat")
+    return out
+
+
+def sample_pairs(spec, n: int, seed: int) -> list[tuple[Layout, Layout, bool]]:
+    """``n`` distinct (source, destination, flat source) pairs drawn class by class in turn."""
     valid = [lay for lay in all_layouts() if check_layout(spec, lay.tp, lay.pp) is None]
-    rng = random.Random(seed)
-    by_kind: dict[str, list[tuple[Layout, Layout]]] = {}
-    for a, b in itertools.product(valid, valid):
-        by_kind.setdefault(mesh_relation(a, b), []).append((a, b))
-    pairs = []
-    for i, kind in enumerate(("equal", "overlapping", "disjoint")):
-        count = n // 3 + (1 if i < n % 3 else 0)
-        pairs += rng.sample(by_kind[kind], min(count, len(by_kind[kind])))
+    flat_sources = [lay for lay in valid if lay.tp == lay.pp == 1]
+    candidates = [(a, b, False) for a, b in itertools.product(valid, valid)]
+    candidates += [(a, b, True) for a, b in itertools.product(flat_sources, valid)]
+    random.Random(seed).shuffle(candidates)
+    kinds = {p: pair_classes(spec, *p) for p in candidates[: 40 * n]}
+    pairs: list[tuple[Layout, Layout, bool]] = []
+    for c in itertools.islice(itertools.cycle(CLASSES), 100 * n):
+        if len(pairs) == n:
+            break
+        pick = next((p for p, k in kinds.items() if c in k and p not in pairs), None)
+        if pick is not None:
+            pairs.append(pick)
     return pairs
 
 
@@ -69,7 +91,24 @@ def _model(family: str):
     return tiny_model(family, FAMILIES[family])
 
 
-def _one_pair(family: str, src: Layout, dst: Layout, rank: int, group) -> dict[str, Any] | None:
+class _FlatSource:
+    """A ZeRO-3 rank's slices: elements ``[r * ceil(n/dp), (r+1) * ceil(n/dp))`` of every
+    flattened parameter, the last padded."""
+
+    def __init__(self, full: dict[str, torch.Tensor], dp: int, rank: int) -> None:
+        self.shards = {}
+        for name, t in full.items():
+            part = -(-t.numel() // dp)
+            padded = torch.cat([t.reshape(-1), t.new_zeros(part * dp - t.numel())])
+            self.shards[name] = padded[rank * part : (rank + 1) * part].clone()
+
+    def source_shards(self) -> dict[str, torch.Tensor]:
+        return self.shards
+
+
+def _one_pair(
+    family: str, src: Layout, dst: Layout, flat: bool, rank: int, group
+) -> dict[str, Any] | None:
     from rayhf.engines.rank_model import RankModel
     from rayhf.models.spec import model_spec
     from rayhf.parallel.groups import build_groups
@@ -77,49 +116,74 @@ def _one_pair(family: str, src: Layout, dst: Layout, rank: int, group) -> dict[s
     from rayhf.realloc.transport import receive_into, send_from
 
     src_groups = build_groups(src.dp, src.tp, src.pp, rank, base=0)
-    dst_groups = build_groups(dst.dp, dst.tp, dst.pp, rank, base=4)
-    full = _model(family)
-    spec = model_spec(full.config, value_head=False)
-    plan = plan_realloc(spec, src, dst)
+    dst_groups = build_groups(dst.dp, dst.tp, dst.pp, rank, base=DST0)
+    whole = _model(family)
+    spec = model_spec(whole.config, value_head=False)
+    full = {k: v.detach() for k, v in whole.state_dict().items()}
+    plan = plan_realloc(spec, src, dst, src_flat=flat)
     ids = torch.randint(3, 37, (2, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    logits = gathered = None
+    mine: dict[str, Any] = {}
     if rank < src.world_size:
-        model = RankModel.from_hf(full, Tok(), False, groups=src_groups)
-        by_peer: dict[int, list] = {}
-        for t in plan.for_src(rank):
-            by_peer.setdefault(4 + t.dst, []).append(t)
-        send_from(group, model, by_peer)
+        source: Any = (
+            _FlatSource(full, src.dp, rank)
+            if flat
+            else RankModel.from_hf(whole, Tok(), False, groups=src_groups)
+        )
+        send_from(group, source, _by_peer(plan.for_src(rank), lambda t: DST0 + t.dst))
+    elif DST0 <= rank < DST0 + dst.world_size:
+        r = rank - DST0
+        model = RankModel(whole.config, None, Tok(), False, groups=dst_groups)
+        incoming = _by_peer(plan.for_dst(r), lambda t: (DST0 if t.relay else 0) + t.src)
+        forward = _by_peer(plan.relays_from(r), lambda t: DST0 + t.dst)
+        receive_into(group, model, incoming, forward=forward)
+        mine["exact"] = _shards_exact(model, spec, full, dst, r)
         with torch.no_grad():
             logits = model.forward(ids, mask)
-    elif 4 <= rank < 4 + dst.world_size:
-        model = RankModel(full.config, None, Tok(), False, groups=dst_groups)
-        by_peer = {}
-        for t in plan.for_dst(rank - 4):
-            by_peer.setdefault(t.src, []).append(t)
-        receive_into(group, model, by_peer)
-        gathered = model.full_state() if dst_groups.coords.dp_rank == 0 else None
-        with torch.no_grad():
-            logits = model.forward(ids, mask)
+        mine["logits"] = logits if dst_groups.is_head else None
     results: list[Any] = [None] * POOL
-    dist.all_gather_object(results, (logits, gathered if rank == 4 else None))
-    if rank != 4:
+    dist.all_gather_object(results, mine)
+    if rank != DST0:
         return None
-    want = full.state_dict()
-    got = results[4][1]
-    exact = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    src_logits, dst_logits = results[0][0], results[4][0]
-    err = float((dst_logits - src_logits).abs().max() / src_logits.abs().max())
+    with torch.no_grad():
+        want = RankModel.from_hf(whole, Tok(), False).forward(ids, mask)
+    ranks = results[DST0 : DST0 + dst.world_size]
+    heads = [x["logits"] for x in ranks if x["logits"] is not None]
     return {
         "family": family,
         "src": [list(src.mesh), src.dp, src.tp, src.pp],
         "dst": [list(dst.mesh), dst.dp, dst.tp, dst.pp],
-        "meshes": mesh_relation(src, dst),
-        "bit_exact": exact,
-        "logits": err,
+        "flat": flat,
+        "classes": sorted(pair_classes(spec, src, dst, flat)),
+        "ranks_checked": len(ranks),
+        "replicas_checked": len(heads),
+        "bit_exact": all(x["exact"] for x in ranks),
+        "logits": max(float((h - want).abs().max() / want.abs().max()) for h in heads),
         "bytes": plan.total_bytes,
-        "max_sent": max(plan.sent.values()),
+        "relayed": any(t.relay for t in plan.transfers),
+        "max_sent": plan.max_sent,
+        "max_received": plan.max_received,
     }
+
+
+def _shards_exact(model, spec, full: dict[str, torch.Tensor], dst: Layout, r: int) -> bool:
+    """Whether every shard this destination rank holds equals the original's, bit for bit."""
+    from rayhf.parallel.layout import coords_of
+
+    tp_rank = coords_of(r, dst.pp, dst.tp).tp_rank
+    shards = {p.name: p for p in param_shards(spec)}
+    held = model.receive_buffers()
+    return bool(held) and all(
+        torch.equal(t, take_shard(full[name], shards[name], dst.tp, tp_rank))
+        for name, t in held.items()
+    )
+
+
+def _by_peer(transfers: list, peer_of) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for t in transfers:
+        out.setdefault(peer_of(t), []).append(t)
+    return out
 
 
 def _worker(rank: int, address: str, store_address: str, pairs: list, out: str) -> None:
@@ -131,11 +195,11 @@ def _worker(rank: int, address: str, store_address: str, pairs: list, out: str) 
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=POOL)
     group = TransferGroup(store_address, rank, POOL)
     rows = []
-    for family, src, dst in pairs:
-        row = _one_pair(family, src, dst, rank, group)
+    for family, src, dst, flat in pairs:
+        row = _one_pair(family, src, dst, flat, rank, group)
         if row is not None:
             rows.append(row)
-    if rank == 4:
+    if rank == DST0:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
     dist.barrier()
@@ -147,14 +211,14 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
-    parser.add_argument("--pairs", type=int, default=24, help="per family")
+    parser.add_argument("--pairs", type=int, default=50, help="per family")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     jobs = []
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
-        jobs += [(family, a, b) for a, b in sample_pairs(spec, args.pairs, args.seed)]
+        jobs += [(family, *pair) for pair in sample_pairs(spec, args.pairs, args.seed)]
     mp.spawn(_worker, args=(free_address(), free_address(), jobs, args.out), nprocs=POOL)
 
 

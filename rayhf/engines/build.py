@@ -31,12 +31,15 @@ def make_generators(
     also trains, so a vLLM engine sleeps between its calls."""
     out: dict[str, Generator] = {}
     vllm: Generator | None = None
+    # the vLLM calls share one engine, so one sync serves them all: it is checked when any of
+    # them asks to, and the error names each that does (all must say false to skip the check)
+    checked_by = tuple(c for c, e in engines.items() if e.engine == "vllm" and e.check_sync)
     for call, engine in engines.items():
         if engine.engine == "vllm":
             if vllm is None:
                 from rayhf.engines.vllm_generator import VllmGenerator
 
-                vllm = VllmGenerator(model, seed, sleeps)
+                vllm = VllmGenerator(model, seed, sleeps, checked_by)
             out[call] = vllm
         else:
             out[call] = NativeGenerator(model)

@@ -22,7 +22,9 @@ class EngineConfig(BaseModel):
     calls, ``torch`` for inference calls. ``max_tokens_per_microbatch`` cuts a torch train or
     inference call's batches into micro-batches of at most that many tokens (the gradients of
     a minibatch's micro-batches accumulate into one optimizer step), so long responses do not
-    run out of memory; None runs each minibatch whole."""
+    run out of memory; None runs each minibatch whole. ``check_sync`` (vLLM) compares, after
+    every weight sync into vLLM, a checksum of each of vLLM's parameters with the rank's
+    weights, and stops the run naming any that differs."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -30,6 +32,7 @@ class EngineConfig(BaseModel):
     zero_stage: Literal[1, 2, 3] = 2
     offload: bool = False
     max_tokens_per_microbatch: int | None = Field(None, gt=0)
+    check_sync: bool = True  # vLLM: check every weight sync by checksums (false: skip)
 
     @model_validator(mode="after")
     def _deepspeed_only(self) -> EngineConfig:
@@ -38,6 +41,8 @@ class EngineConfig(BaseModel):
             raise ValueError("zero_stage and offload are settings of engine 'deepspeed'")
         if self.engine != "torch" and self.max_tokens_per_microbatch is not None:
             raise ValueError("max_tokens_per_microbatch is a setting of engine 'torch'")
+        if self.engine != "vllm" and not self.check_sync:
+            raise ValueError("check_sync is a setting of engine 'vllm'")
         return self
 
     @classmethod

@@ -2,6 +2,7 @@
 
     rank's model weights --(when its version changed: a train step or a reallocation)-->
       [wake_up] reload_weights(in-memory tensors) into vLLM's model  (no disk; the last hop)
+      -> checked: vLLM's parameters' checksums == the sent tensors' (``check_sync``)
     prompts (token ids) -> [wake_up] LLM.generate -> response tokens (EOS included) [-> sleep]
       -> log-probs from the rank's own model forward (the training forward, so PPO's ratio
          starts at exactly 1 whatever vLLM's kernels round differently)
@@ -24,11 +25,13 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from rayhf.engines.rank_model import RankModel
+from rayhf.engines.vllm_sync_check import HeldWeights, held_after, sent_checksums, verify
 from rayhf.errors import RayhfError
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
@@ -67,9 +70,20 @@ def check_vllm(call: str, role: str, layout: Layout, head_dim: int, device: str)
         )
 
 
-def _reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside vLLM's worker (``collective_rpc``): load in-memory weights into the model."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+def _reload(
+    worker: Any, weights: list[tuple[str, torch.Tensor]], check: bool, skip: frozenset[str]
+) -> HeldWeights | None:
+    """Runs inside vLLM's worker (``collective_rpc``): load in-memory weights into the model;
+    with ``check``, report what the model holds of them afterwards (``skip``: need not hold)."""
+
+    def reload() -> None:
+        worker.model_runner.reload_weights(weights_iterator=iter(weights))
+
+    if not check:
+        reload()
+        return None
+    sent = {name: tuple(t.shape) for name, t in weights}
+    return held_after(worker.model_runner.get_model(), reload, sent, skip)
 
 
 class VllmEngine:
@@ -82,6 +96,7 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         self.sleeps = sleeps  # sleep after each generate: its rank trains next
+        self.dtype = DTYPES[dtype]  # what vLLM holds the weights in
         self._dir = tempfile.TemporaryDirectory(prefix="rayhf-vllm-")
         hf_config.save_pretrained(self._dir.name)  # the shape only: weights come by reload
         self.llm = vllm.LLM(
@@ -96,10 +111,17 @@ class VllmEngine:
         )  # the device is vLLM's platform: the CPU build runs on CPU, the GPU build on CUDA
         self._vllm = vllm
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the model's weights by ``weights`` (Hugging Face names, whole tensors)."""
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        check: bool = False,
+        skip: frozenset[str] = frozenset(),
+    ) -> HeldWeights | None:
+        """Replace the model's weights by ``weights`` (Hugging Face names, whole tensors); with
+        ``check``, what vLLM holds of them afterwards (``skip``: tensors it need not hold)."""
         self._wake()
-        self.llm.collective_rpc(_reload, args=(list(weights),))
+        (held,) = self.llm.collective_rpc(_reload, args=(list(weights), check, skip))
+        return held
 
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, eos_token_id: int, seed: int
@@ -137,26 +159,47 @@ class VllmEngine:
 
 class VllmGenerator:
     """A generate call on vLLM: vLLM samples, the rank's model scores (``engine: vllm``).
-    ``sleeps``: the rank also trains, so vLLM sleeps between generate calls."""
+    ``sleeps``: the rank also trains, so vLLM sleeps between generate calls; ``checked_by``: the
+    calls whose ``check_sync`` asks to check every weight sync (none: unchecked)."""
 
     name = "vllm"
 
-    def __init__(self, model: RankModel, seed: int, sleeps: bool) -> None:
+    def __init__(
+        self, model: RankModel, seed: int, sleeps: bool, checked_by: tuple[str, ...] = ()
+    ) -> None:
         assert model.groups.tp == 1 and model.groups.pp == 1, "vLLM ranks hold whole models"
         self.model = model
         max_len = int(getattr(model.hf_config, "max_position_embeddings", 2048))
         precision = model.numerics.precision
         self.vllm = VllmEngine(model.hf_config, max_len, seed, sleeps, precision)
+        self.checked_by = checked_by
+        # full_state sends a tied head as its own tensor; vLLM holds only the embedding
+        self._tied = frozenset({"lm_head.weight"} if model.spec.tied else ())
         self._version = -1  # the model version vLLM holds
 
     def sync(self) -> float:
-        """Reload vLLM's weights from the rank's model if they changed; returns seconds."""
+        """Reload vLLM's weights from the rank's model if they changed, then check what vLLM
+        holds (``checked_by``); returns seconds."""
         if self._version == self.model.version:
             return 0.0
         began = time.perf_counter()
-        self.vllm.load_weights(self.model.full_state().items())
+        weights = self.model.full_state()
+        if self.checked_by:
+            self._load_and_check(weights)
+        else:
+            self.vllm.load_weights(weights.items())
         self._version = self.model.version
         return time.perf_counter() - began
+
+    def _load_and_check(self, weights: dict[str, torch.Tensor]) -> None:
+        # the rank's checksums are taken on a thread while vLLM loads, off the sync's path
+        # where a core is free (docs/decisions.md has what the check costs)
+        with ThreadPoolExecutor(1) as pool:
+            sums = pool.submit(sent_checksums, weights, self.vllm.dtype)
+            held = self.vllm.load_weights(weights.items(), check=True, skip=self._tied)
+        assert held is not None
+        fields = " and ".join(f"engines.{call}.check_sync" for call in self.checked_by)
+        verify(held, weights, f"set {fields}: false to skip this check", sums.result())
 
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int

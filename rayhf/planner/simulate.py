@@ -31,9 +31,10 @@ import numpy as np
 from rayhf.graph import Graph
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import AnalyticCost, Workload, max_shard_params
+from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.step import StepOptions, Unit, carried, plan_step
+from rayhf.realloc.plan import CHUNK_BYTES, move_load
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,18 @@ class Simulation:
 
 
 @functools.lru_cache(maxsize=16384)
-def realloc_seconds(cost: AnalyticCost, spec: ModelSpec, src: Layout, dst: Layout) -> float:
-    """Moving ``spec`` from ``src`` to ``dst``: every destination device receives its shard,
-    the senders share the work (``rayhf.realloc.plan``'s spreading), in the destination's weight
-    dtype (``rayhf.realloc.mover``: a bf16 copy receives bf16)."""
-    b = cost.weight_bytes(spec)
-    shard = max_shard_params(spec, dst.tp, dst.pp) * b
-    total = shard * dst.world_size
-    senders = max(1, len(set(src.mesh)))
+def realloc_seconds(
+    cost: AnalyticCost, spec: ModelSpec, src: Layout, dst: Layout, flat: bool = False
+) -> float:
+    """Moving ``spec`` from ``src`` to ``dst`` as ``rayhf.realloc.plan`` routes it (``flat``: a
+    ZeRO-3 source), in the destination's weight dtype (``rayhf.realloc.mover``: a bf16 copy
+    receives bf16): the busiest device's bytes (what it sends or receives across devices,
+    whichever is more, plus what it copies between its own processes) at the link bandwidth,
+    the relays' pipeline fill (a message per hop past the first) and a latency per hop."""
+    load = move_load(spec, src, dst, cost.weight_bytes(spec), flat)
+    fill = max(0, load.depth - 1) * CHUNK_BYTES
     bandwidth = cost.cluster.bandwidth(tuple(sorted(set(src.mesh) | set(dst.mesh))))
-    return max(shard, total / senders) / bandwidth + cost.cluster.link_latency
+    return (load.busiest + fill) / bandwidth + max(1, load.depth) * cost.cluster.link_latency
 
 
 def simulate(
@@ -93,7 +96,8 @@ def simulate(
     units = plan_step(graph, plan.layouts, homes, step.followers)
     overlap = step.overlap
     before = carried(units)
-    seconds = _price(units, specs, works, cost, moved)
+    flat = {c.role for c in graph.calls if c.kind == "train" and works[c.name].zero_stage == 3}
+    seconds = _price(units, specs, works, cost, moved, {r: homes[r] for r in flat})
     cores = cost.cluster.host_cores
     if concurrent and 0 < cores < _n_devices(plan, cost):
         procs = {u.name: len(u.devices) if u.role in specs else 0 for u in units}
@@ -250,10 +254,12 @@ def _price(
     works: dict[str, Workload],
     cost: AnalyticCost,
     moved: Callable[[str, Layout, Layout], float] | None,
+    flat: dict[str, Layout],
 ) -> dict[str, float]:
     """Seconds of each unit: a call's cost on its layout (a function-valued role, such as a
-    reward function, costs only the driver's overhead), a move's transfer, each plus the
-    driver's cost of a unit."""
+    reward function, costs only the driver's overhead), a move's transfer (from a ZeRO-3
+    group's slices where ``flat`` names the role's home), each plus the driver's cost of a
+    unit."""
     overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
     out: dict[str, float] = {}
     for u in units:
@@ -262,7 +268,9 @@ def _price(
             if moved is not None:
                 out[u.name] = moved(u.role, src, dst) + overhead
             else:
-                out[u.name] = realloc_seconds(cost, specs[u.role], src, dst) + overhead
+                from_slices = flat.get(u.reads or u.role) == src
+                seconds = realloc_seconds(cost, specs[u.role], src, dst, from_slices)
+                out[u.name] = seconds + overhead
         elif u.role in specs:
             out[u.name] = cost.call(specs[u.role], u.layouts[0], works[u.name]).seconds
         else:

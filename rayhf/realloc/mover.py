@@ -4,15 +4,16 @@ actors exchange their slices over a transfer group made lazily per pair of role 
     move(src group, dst group)
       -> plan_realloc(spec, src.layout, dst.layout)         (cached per layout pair)
       -> transfer group over src actors + dst actors          (created once, cached)
-      -> every source actor: realloc_send(its slices, by peer)      } concurrently
-         every destination actor: realloc_recv(its slices, by peer) }
+      -> every source actor: realloc_send(its slices, by peer)                   } concurrently
+         every destination actor: realloc_recv(its slices, by peer,             }
+                                               what it relays, by peer)         }
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import ray
@@ -37,6 +38,7 @@ class Routes:
     sends: dict[int, dict[int, list[Transfer]]]  # source rank -> transfer-group peer -> slices
     recvs: dict[int, dict[int, list[Transfer]]]  # destination rank -> peer -> slices
     dtype: str  # what the slices travel in: the destination's weight dtype
+    forwards: dict[int, dict[int, list[Transfer]]] = field(default_factory=dict)  # relays
 
 
 class GroupRef(Protocol):
@@ -66,9 +68,11 @@ def _by_peer(transfers: list[Transfer], peer_of: Any) -> dict[int, list[Transfer
 
 
 class TransferGroupMover:
-    """Slices move directly between the actors that hold and need them."""
+    """Slices move directly between the actors that hold and need them, relayed from replica to
+    replica (``relay=False``: every replica gets its slices from a source rank)."""
 
-    def __init__(self) -> None:
+    def __init__(self, relay: bool = True) -> None:
+        self.relay = relay
         self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
@@ -77,7 +81,7 @@ class TransferGroupMover:
     ) -> ReallocPlan:
         key = (spec, src, dst, flat, itemsize)
         if key not in self._plans:
-            self._plans[key] = plan_realloc(spec, src, dst, itemsize, src_flat=flat)
+            self._plans[key] = plan_realloc(spec, src, dst, itemsize, flat, self.relay)
         return self._plans[key]
 
     def _group(self, a: GroupRef, b: GroupRef) -> tuple[str, dict[str, int]]:
@@ -116,8 +120,16 @@ class TransferGroupMover:
             for r in range(len(src.actors))
             if plan.for_src(r)
         }
-        recvs = {r: _by_peer(plan.for_dst(r), lambda t: s0 + t.src) for r in range(len(dst.actors))}
-        return Routes(name, sends, recvs, dst.dtype)
+        recvs = {
+            r: _by_peer(plan.for_dst(r), lambda t: (d0 if t.relay else s0) + t.src)
+            for r in range(len(dst.actors))
+        }
+        forwards = {
+            r: _by_peer(plan.relays_from(r), lambda t: d0 + t.dst)
+            for r in range(len(dst.actors))
+            if plan.relays_from(r)
+        }
+        return Routes(name, sends, recvs, dst.dtype, forwards)
 
     def move(
         self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
@@ -129,7 +141,9 @@ class TransferGroupMover:
             for r, by_peer in routes.sends.items()
         ]
         recvs = [
-            dst.actors[r].realloc_recv.remote(routes.group, by_peer, eta)
+            dst.actors[r].realloc_recv.remote(
+                routes.group, by_peer, eta, routes.forwards.get(r, {})
+            )
             for r, by_peer in routes.recvs.items()
         ]
         received = ray.get(recvs)

@@ -1,42 +1,54 @@
-"""Reallocation planning: which slices of which parameters move from which source rank to which
-destination rank when a role's weights go from layout A to layout B. Pure index arithmetic over
-``rayhf.models.sharding``; no Ray, no processes.
+"""Reallocation planning: which slices of which parameters move from which rank to which when a
+role's weights go from layout A to layout B, and down which path. Pure: no Ray, no processes.
 
-Every parameter is cut along one dim: its tp dim, or dim 0 for a parameter every tp rank holds
-whole. A destination rank needs, per parameter of its stage, the ranges its tp rank holds; each
-range is intersected with the ranges of the source tp ranks of the stage that holds the
-parameter. Every source data-parallel replica (and, for a tp-replicated parameter, every tp rank)
-holds the intersection, so the piece is cut into one part per holder and each part is sent by the
-holder that has sent the least so far: the sending load spreads over all replicas.
+    what each destination rank needs, and who holds it       (rayhf.realloc.needs: contents)
+      -> a needer on a device that holds it: a local copy    (no bytes cross devices)
+      -> the other needers of the same slices: one stream per holder, each carrying a share
+         of the slices (every source replica sends), down a chain of the needers:
+             holder -> needer 1 -> needer 2 -> ... -> needer k
+         each needer forwards what it received to the next (``relay``), message by message
+         (``CHUNK_BYTES``), so the holder sends every byte once however many replicas need it
 
-A flat source (``src_flat``: DeepSpeed ZeRO-3, tp = pp = 1) holds no rows: each dp rank keeps the
-contiguous range ``[r * ceil(n/dp), (r+1) * ceil(n/dp))`` of every parameter's flattened elements.
-A destination's rows then come from one or two ranks, cut where the ranges end, which can be
-mid-row: such a transfer is a rectangle (``cross``: its extent along the other dim of a 2-D
-parameter) read from the flat slice as a strided view (``src_view``).
+A move lasts at least as long as the busiest device takes to receive what it lacks; with relays
+no device sends more than that either, except where a source alone holds slices that more
+devices need than it has bytes for (a tp=4 source to a tp=8 destination on other devices:
+each source byte goes to one destination, so each source sends twice what a destination gets).
+``ReallocPlan`` reports both per device (bytes that cross devices); tests/unit/realloc holds the
+property over every layout pair. Chains are ordered so the device that already sends the most
+comes last (it forwards nothing); ``relay=False`` sends every needer its slices straight from a
+holder (the point-to-point plan, kept to measure against).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rayhf.errors import RayhfError
-from rayhf.models.sharding import (
-    ParamShard,
-    embedding_name,
-    param_shards,
-    shard_ranges,
-    stage_layers,
-)
+from rayhf.models.sharding import param_shards
 from rayhf.models.spec import ModelSpec
-from rayhf.parallel.layout import Layout, coords_of, layout_rank
+from rayhf.parallel.layout import Layout
+from rayhf.realloc.balance import balanced_routes
+from rayhf.realloc.needs import Content, View, contents
+from rayhf.realloc.route import (
+    SENDER,
+    Hops,
+    Route,
+    greedy_routes,
+    send_floor,
+    split_local,
+)
+
+CHUNK_BYTES = 4 * 2**20  # a message: what a relay forwards as soon as it has arrived
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """Rows ``[start, stop)`` along ``dim`` of parameter ``name`` from ``src`` to ``dst`` (layout
-    ranks); ``src_offset``/``dst_offset`` locate the rows inside each side's local shard."""
+    """Rows ``[start, stop)`` along ``dim`` of parameter ``name`` from ``src`` to ``dst``;
+    ``src_offset``/``dst_offset`` locate the rows inside each side's local shard. ``src`` is a
+    source layout rank, or with ``relay`` a destination rank forwarding what it received."""
 
     name: str
     dim: int
@@ -48,49 +60,124 @@ class Transfer:
     dst_offset: int
     nbytes: int
     cross: tuple[int, int] | None = None  # 2-D: the range along the other dim (None: all)
-    src_view: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # flat source: size, stride
+    src_view: View | None = None  # flat source: size, stride
+    stream: int = 0  # every hop of a stream carries the same slices in the same order
+    relay: bool = False
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Slices that ``sender`` (a source rank) sends down a tree of destination ranks: each hop
+    ``(a, b)`` goes from ``a`` (``SENDER``: the sender; else a destination rank forwarding what
+    it received on an earlier hop) to destination rank ``b``."""
+
+    index: int
+    sender: int
+    hops: Hops
+    contents: tuple[Content, ...]
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return sum(c.total_bytes for c in self.contents)
+
+    @property
+    def receivers(self) -> tuple[int, ...]:
+        return tuple(b for _, b in self.hops)
+
+    @property
+    def depth(self) -> int:
+        """The most hops between the sender and a receiver."""
+        level = {SENDER: 0}
+        for a, b in self.hops:
+            level[b] = level[a] + 1
+        return max(level.values())
 
 
 @dataclass
 class ReallocPlan:
-    """The transfers of one A -> B reallocation, and what each device sends and receives."""
+    """The streams of one A -> B reallocation, and what each device sends and receives to and
+    from other devices (``local``: what it copies between the processes it hosts)."""
 
     src: Layout
     dst: Layout
-    transfers: list[Transfer] = field(default_factory=list)
-    sent: dict[int, int] = field(default_factory=dict)  # source device -> bytes
-    received: dict[int, int] = field(default_factory=dict)  # destination device -> bytes
+    streams: list[Stream] = field(default_factory=list)
+    sent: dict[int, int] = field(default_factory=dict)  # device -> bytes to other devices
+    received: dict[int, int] = field(default_factory=dict)  # device -> bytes from other devices
+    local: dict[int, int] = field(default_factory=dict)  # device -> bytes between its processes
+    # the least the busiest device must send: what only some devices hold, shared among them
+    # (where the greedy routing misses that, the least any routing through the devices that
+    # hold or need each slice achieves: rayhf.realloc.balance)
+    send_floor: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+        """What the destination ranks receive, summed (local copies included)."""
+        return sum(s.nbytes * len(s.hops) for s in self.streams)
+
+    @property
+    def max_sent(self) -> int:
+        return max(self.sent.values(), default=0)
+
+    @property
+    def max_received(self) -> int:
+        return max(self.received.values(), default=0)
+
+    @property
+    def bound(self) -> int:
+        """The fewest bytes the busiest device must send or receive: a move's lower bound."""
+        return max(self.max_received, self.send_floor)
+
+    @property
+    def depth(self) -> int:
+        """The most hops between devices any slice takes (0: nothing crosses devices)."""
+        return max((s.depth for s in self.streams if not self.is_local(s)), default=0)
+
+    def is_local(self, s: Stream) -> bool:
+        """A copy between two processes on one device."""
+        return len(s.hops) == 1 and self.src.mesh[s.sender] == self.dst.mesh[s.hops[0][1]]
+
+    @functools.cached_property
+    def transfers(self) -> list[Transfer]:
+        """Every hop of every stream, one transfer per parameter slice, stream by stream."""
+        out = []
+        for s in self.streams:
+            for a, b in s.hops:
+                out += [_transfer(s, c, name, a, b) for c in s.contents for name in c.names]
+        return out
+
+    @functools.cached_property
+    def _index(self) -> dict[tuple[str, int], list[Transfer]]:
+        out: dict[tuple[str, int], list[Transfer]] = defaultdict(list)
+        for t in self.transfers:
+            out["relay" if t.relay else "src", t.src].append(t)
+            out["dst", t.dst].append(t)
+        return out
 
     def for_src(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.src == rank]
+        """What source rank ``rank`` sends."""
+        return self._index.get(("src", rank), [])
 
     def for_dst(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.dst == rank]
+        """What destination rank ``rank`` receives (from source ranks and relays)."""
+        return self._index.get(("dst", rank), [])
+
+    def relays_from(self, rank: int) -> list[Transfer]:
+        """What destination rank ``rank`` forwards to the next ranks of its chains."""
+        return self._index.get(("relay", rank), [])
 
 
-def split_dim(p: ParamShard) -> int:
-    return 0 if p.tp_dim is None else p.tp_dim
-
-
-def held_ranges(p: ParamShard, tp: int, tp_rank: int) -> list[tuple[int, int]]:
-    """The full-parameter rows (along ``split_dim``) that a tp rank holds, in local order."""
-    if p.tp_dim is None or tp == 1:
-        return [(0, p.shape[split_dim(p)])]
-    return shard_ranges(p, tp, tp_rank)
-
-
-def local_offset(ranges: list[tuple[int, int]], row: int) -> int:
-    """Where full-parameter ``row`` sits in a shard made of ``ranges`` concatenated."""
-    offset = 0
-    for lo, hi in ranges:
-        if lo <= row < hi:
-            return offset + row - lo
-        offset += hi - lo
-    raise AssertionError(f"row {row} not in {ranges}")
+def _transfer(s: Stream, c: Content, name: str, a: int, b: int) -> Transfer:
+    """Hop ``(a, b)`` of ``s`` for ``name``'s slice of ``c``: from the sender's shard, or from
+    what the forwarding rank received (laid out as in its own shard)."""
+    if a == SENDER:
+        return Transfer(
+            name, c.dim, c.start, c.stop, s.sender, b, c.src_offset, c.dst_offset, c.nbytes,
+            c.cross, c.src_view, s.index,
+        )  # fmt: skip
+    return Transfer(
+        name, c.dim, c.start, c.stop, a, b, c.dst_offset, c.dst_offset, c.nbytes, c.cross,
+        None, s.index, relay=True,
+    )  # fmt: skip
 
 
 def check_compatible(src: ModelSpec, dst: ModelSpec, what: str) -> None:
@@ -106,171 +193,77 @@ def check_compatible(src: ModelSpec, dst: ModelSpec, what: str) -> None:
             )
 
 
-def _stage_of_unit(spec: ModelSpec, pp: int) -> dict[int, int]:
-    out = {0: 0, spec.n_layers + 1: pp - 1}
-    for stage, layers in enumerate(stage_layers(spec, pp)):
-        for i in layers:
-            out[i + 1] = stage
-    return out
-
-
-def _parts(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
-    n = max(1, min(n, hi - lo))
-    base, extra = divmod(hi - lo, n)
-    out, start = [], lo
-    for i in range(n):
-        size = base + (1 if i < extra else 0)
-        out.append((start, start + size))
-        start += size
-    return out
-
-
 def plan_realloc(
-    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int = 4, src_flat: bool = False
+    spec: ModelSpec,
+    src: Layout,
+    dst: Layout,
+    itemsize: int = 4,
+    src_flat: bool = False,
+    relay: bool = True,
 ) -> ReallocPlan:
-    """Every transfer that turns ``spec``'s weights in layout ``src`` into layout ``dst``
-    (``src_flat``: the source's dp ranks hold flat slices, ZeRO-3)."""
-    assert not src_flat or (src.tp == 1 and src.pp == 1), "a flat source is dp-only"
-    plan = ReallocPlan(src, dst)
-    src_stage, dst_stage = _stage_of_unit(spec, src.pp), _stage_of_unit(spec, dst.pp)
-    tied = embedding_name(spec) if spec.tied else None  # also on the last stage (its copy)
-    sent_by_rank: dict[int, int] = defaultdict(int)
-    for d_rank in range(dst.world_size):
-        c = coords_of(d_rank, dst.pp, dst.tp)
-        for p in param_shards(spec):
-            copy = p.name == tied and c.pp_rank == dst.pp - 1
-            if dst_stage[p.unit] != c.pp_rank and not copy:
-                continue
-            wanted = held_ranges(p, dst.tp, c.tp_rank)
-            if src_flat:
-                plan.transfers.extend(_flat_transfers(p, src.dp, wanted, d_rank, itemsize))
-                continue
-            for piece in _pieces(p, src, src_stage[p.unit], wanted):
-                plan.transfers.append(_assign(p, piece, src, d_rank, sent_by_rank, itemsize))
-    for t in plan.transfers:
-        s_dev, d_dev = src.mesh[t.src], dst.mesh[t.dst]
-        plan.sent[s_dev] = plan.sent.get(s_dev, 0) + t.nbytes
-        plan.received[d_dev] = plan.received.get(d_dev, 0) + t.nbytes
+    """The streams that turn ``spec``'s weights in layout ``src`` into layout ``dst``
+    (``src_flat``: the source's dp ranks hold flat slices, ZeRO-3; ``relay``: needers forward
+    to each other, else every needer gets its slices from a holder)."""
+    copies, groups = split_local(contents(spec, src, dst, itemsize, src_flat), src, dst)
+    floor = send_floor(groups, src)
+    plan = _plan(src, dst, copies + greedy_routes(groups, src, dst, relay), floor)
+    if relay and groups and plan.max_sent > plan.bound:  # the greedy routing missed it
+        routes, least = balanced_routes(groups, src, dst)
+        floor = max(floor, math.ceil(least))
+        exact = _plan(src, dst, copies + routes, floor)
+        plan.send_floor = floor
+        if exact.max_sent < plan.max_sent:
+            return exact
     return plan
 
 
 @dataclass(frozen=True)
-class _Piece:
-    start: int
-    stop: int
-    holders: tuple[int, ...]  # source layout ranks that hold these rows
-    dst_offset: int
+class MoveLoad:
+    """What prices a move: the bytes the busiest device moves (what it sends or receives across
+    devices, whichever is more, plus what it copies between its own processes) and the most
+    hops a slice takes (a relay pipeline's depth)."""
+
+    busiest: int
+    depth: int
 
 
-def _pieces(p: ParamShard, src: Layout, stage: int, wanted: list[tuple[int, int]]) -> list[_Piece]:
-    """The destination's ``wanted`` rows cut where source shards change, one part per holder."""
-    out = []
-    for a, b in wanted:
-        src_tps = range(1) if p.tp_dim is None else range(src.tp)  # replicated: any tp rank
-        for src_tp in src_tps:
-            for lo, hi in held_ranges(p, src.tp, src_tp):
-                x, y = max(a, lo), min(b, hi)
-                if x >= y:
-                    continue
-                holders = tuple(
-                    layout_rank(r, stage, tt, src.pp, src.tp)
-                    for r in range(src.dp)
-                    for tt in (range(src.tp) if p.tp_dim is None else [src_tp])
-                )
-                for u, v in _parts(x, y, len(holders)):
-                    out.append(_Piece(u, v, holders, local_offset(wanted, u)))
-    return out
+def move_load(
+    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int = 4, src_flat: bool = False
+) -> MoveLoad:
+    """``plan_realloc``'s load, cached on the pair's shape: renumbering the devices in order
+    changes no routing decision (they compare devices only for equality and order)."""
+    order = {d: i for i, d in enumerate(sorted(set(src.mesh) | set(dst.mesh)))}
+    a = replace(src, mesh=tuple(order[d] for d in src.mesh))
+    b = replace(dst, mesh=tuple(order[d] for d in dst.mesh))
+    return _load(spec, a, b, itemsize, src_flat)
 
 
-def _assign(
-    p: ParamShard,
-    piece: _Piece,
-    src: Layout,
-    d_rank: int,
-    sent_by_rank: dict[int, int],
-    itemsize: int,
-) -> Transfer:
-    """Give ``piece`` to the holder that has sent the fewest bytes so far."""
-    sender = min(piece.holders, key=lambda h: (sent_by_rank[h], h))
-    nbytes = (piece.stop - piece.start) * (p.numel // p.shape[split_dim(p)]) * itemsize
-    sent_by_rank[sender] += nbytes
-    src_ranges = held_ranges(p, src.tp, coords_of(sender, src.pp, src.tp).tp_rank)
-    return Transfer(
-        p.name,
-        split_dim(p),
-        piece.start,
-        piece.stop,
-        sender,
-        d_rank,
-        local_offset(src_ranges, piece.start),
-        piece.dst_offset,
-        nbytes,
+@functools.lru_cache(maxsize=65536)
+def _load(spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool) -> MoveLoad:
+    plan = plan_realloc(spec, src, dst, itemsize, src_flat)
+    devices = set(plan.sent) | set(plan.received) | set(plan.local)
+    busiest = max(
+        (max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0) for d in devices),
+        default=0,
     )
+    return MoveLoad(busiest, plan.depth)
 
 
-def _flat_transfers(
-    p: ParamShard, dp: int, wanted: list[tuple[int, int]], d_rank: int, itemsize: int
-) -> list[Transfer]:
-    """The destination's ``wanted`` ranges of ``p``, each from the flat source rank(s) holding
-    it, as rectangles of the parameter seen as ``[rows, cols]`` (a 1-D one as one row)."""
-    assert len(p.shape) in (1, 2), f"{p.name}: reallocation handles 1-D and 2-D parameters"
-    dim = split_dim(p)
-    rows, cols = (1, p.shape[0]) if len(p.shape) == 1 else p.shape
-    part = -(-p.numel // dp)  # ceil: every rank's slice has this length (the last padded)
-    out = []
-    for a, b in wanted:
-        box = (0, rows, a, b) if len(p.shape) == 1 or dim == 1 else (a, b, 0, cols)
-        for rank in range(dp):
-            for r0, r1, c0, c1 in _rectangles(box, rank * part, (rank + 1) * part, cols):
-                cross: tuple[int, int] | None = None
-                if len(p.shape) == 1:
-                    start, stop = c0, c1
-                elif dim == 1:
-                    start, stop, cross = c0, c1, (r0, r1)
-                else:
-                    start, stop = r0, r1
-                    cross = None if (c0, c1) == (0, cols) else (c0, c1)
-                out.append(
-                    Transfer(
-                        p.name,
-                        dim,
-                        start,
-                        stop,
-                        rank,
-                        d_rank,
-                        r0 * cols + c0 - rank * part,
-                        local_offset(wanted, start),
-                        (r1 - r0) * (c1 - c0) * itemsize,
-                        cross,
-                        (((c1 - c0),), (1,))
-                        if len(p.shape) == 1
-                        else ((r1 - r0, c1 - c0), (cols, 1)),
-                    )
-                )
-    return out
-
-
-def _rectangles(
-    box: tuple[int, int, int, int], lo: int, hi: int, cols: int
-) -> list[tuple[int, int, int, int]]:
-    """``box`` (rows r0..r1, cols c0..c1 of a row-major ``[*, cols]`` array) cut to the flat
-    elements ``[lo, hi)``: at most three rectangles (a partial first row, whole rows, a partial
-    last row)."""
-    r0, r1, c0, c1 = box
-    first, last = max(r0, lo // cols), min(r1, -(-hi // cols)) - 1
-
-    def covered(row: int) -> tuple[int, int]:
-        return max(c0, lo - row * cols), min(c1, hi - row * cols)
-
-    out = []
-    for row in sorted({first, last}):
-        if row in (first, last) and first <= row <= last:
-            x, y = covered(row)
-            if x < y and (x, y) != (c0, c1):
-                out.append((row, row + 1, x, y))
-    whole = [row for row in (first, last) if first <= row <= last and covered(row) == (c0, c1)]
-    m0 = first if first in whole else first + 1
-    m1 = last + 1 if last in whole else last
-    if m0 < m1:
-        out.append((m0, m1, c0, c1))
-    return out
+def _plan(src: Layout, dst: Layout, routes: list[Route], floor: int) -> ReallocPlan:
+    """The plan of ``routes``, with what each device sends and receives."""
+    plan = ReallocPlan(src, dst, send_floor=floor)
+    sent: dict[int, int] = defaultdict(int)
+    received: dict[int, int] = defaultdict(int)
+    local: dict[int, int] = defaultdict(int)
+    for i, (sender, hops, cs) in enumerate(routes):
+        s = Stream(i, sender, hops, tuple(cs))
+        plan.streams.append(s)
+        for a, b in hops:
+            here = src.mesh[sender] if a == SENDER else dst.mesh[a]
+            if here == dst.mesh[b]:
+                local[here] += s.nbytes
+            else:
+                sent[here] += s.nbytes
+                received[dst.mesh[b]] += s.nbytes
+    plan.sent, plan.received, plan.local = dict(sent), dict(received), dict(local)
+    return plan

@@ -9,20 +9,23 @@ same GPUs are: their groups run gloo, each GPU slice staged through host memory.
 ``ray.util.collective`` gloo groups reuse the process's default torch world, which our actors
 already own for their layout; see docs/decisions.md.)
 
-Both sides walk the same transfer list in the same order, so they cut the same buckets: every
-(sender, receiver) pair exchanges one message per bucket of at most ``bucket_bytes``.
+Both sides of a hop walk the same transfers of a stream in the same order, so they cut the same
+buckets (at most ``bucket_bytes``) and the same messages (at most ``CHUNK_BYTES`` of a bucket);
+every hop of a stream carries the same slices, so a rank that relays forwards each message it
+received, unchanged, to the stream's next ranks as soon as it has arrived (a pipeline).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from rayhf.realloc.plan import Transfer
+from rayhf.realloc.plan import CHUNK_BYTES, Transfer
 
 
 class ShardSource(Protocol):
@@ -109,6 +112,26 @@ def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list
     return out
 
 
+def chunks(n_bytes: int, itemsize: int) -> list[tuple[int, int]]:
+    """A bucket of ``n_bytes`` as the element ranges of its messages, each at most
+    ``CHUNK_BYTES``: a relay forwards a message as soon as it has arrived."""
+    n, step = n_bytes // itemsize, max(1, CHUNK_BYTES // itemsize)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def by_stream(transfers: list[Transfer]) -> dict[int, list[Transfer]]:
+    out: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        out.setdefault(t.stream, []).append(t)
+    return out
+
+
+def tag(stream: int, message: int) -> int:
+    """The message's tag on its pair of ranks: the same on every hop of its stream."""
+    assert stream < 2**15 and message < 2**16, "too many streams or messages for a tag"
+    return stream << 16 | message
+
+
 def _region(shard: torch.Tensor, t: Transfer, offset: int) -> torch.Tensor:
     piece = shard.narrow(t.dim, offset, t.stop - t.start)
     if t.cross is not None:
@@ -130,6 +153,18 @@ def dst_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
     return _region(shards[t.name], t, t.dst_offset)
 
 
+def _pack(
+    shards: Mapping[str, torch.Tensor], bucket: list[Transfer], dtype: torch.dtype | None
+) -> torch.Tensor:
+    """A source bucket as one flat tensor (the shard's own memory when it can be)."""
+    pieces = [src_piece(shards, t) for t in bucket]
+    if dtype is not None and pieces[0].dtype != dtype:
+        pieces = [piece.to(dtype) for piece in pieces]
+    if len(pieces) == 1 and pieces[0].is_contiguous():
+        return pieces[0].reshape(-1)  # no packing copy
+    return torch.cat([piece.reshape(-1) for piece in pieces])
+
+
 def send_all(
     group: TransferGroup,
     shards: Mapping[str, torch.Tensor],
@@ -137,21 +172,19 @@ def send_all(
     bucket_bytes: int = BUCKET_BYTES,
     dtype: torch.dtype | None = None,
 ) -> int:
-    """Send this rank's source slices to each peer (cast to ``dtype``: the receivers'); returns
-    bytes sent."""
+    """Send this rank's source slices to each peer (cast to ``dtype``: the receivers'), stream
+    by stream, message by message; returns bytes sent."""
     works, sent = [], 0
     with torch.no_grad():
         for peer, transfers in sorted(by_peer.items()):
-            for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
-                pieces = [src_piece(shards, t) for t in bucket]
-                if dtype is not None and pieces[0].dtype != dtype:
-                    pieces = [piece.to(dtype) for piece in pieces]
-                if len(pieces) == 1 and pieces[0].is_contiguous():
-                    flat = pieces[0]  # no packing copy
-                else:
-                    flat = torch.cat([piece.reshape(-1) for piece in pieces])
-                works.append(group.isend(flat, peer, tag))
-                sent += flat.numel() * flat.element_size()
+            for stream, mine in sorted(by_stream(transfers).items()):
+                m = 0
+                for bucket in buckets(mine, bucket_bytes):
+                    flat = _pack(shards, bucket, dtype)
+                    for lo, hi in chunks(flat.numel() * flat.element_size(), flat.element_size()):
+                        works.append(group.isend(flat[lo:hi], peer, tag(stream, m)))
+                        m += 1
+                    sent += flat.numel() * flat.element_size()
     for w in works:
         w.wait()
     return sent
@@ -173,37 +206,77 @@ def ema_into(eta: float) -> Blend:
     return blend
 
 
+@dataclass
+class _Bucket:
+    """One incoming bucket: where it lands, what is in it, and its messages still to come."""
+
+    flat: torch.Tensor  # the received bytes (the shard region itself when direct)
+    transfers: list[Transfer]  # empty when received straight into the shard
+    left: int
+
+
 def recv_all(
     group: TransferGroup,
     shards: Mapping[str, torch.Tensor],
     by_peer: Mapping[int, list[Transfer]],
     blend: Blend = copy_into,
     bucket_bytes: int = BUCKET_BYTES,
+    forward: Mapping[int, list[Transfer]] | None = None,
 ) -> int:
-    """Receive this rank's destination slices from each peer into ``shards``; returns bytes."""
-    pending: list[tuple[Any, torch.Tensor, list[Transfer]]] = []
-    direct_ok = blend is copy_into
+    """Receive this rank's destination slices from each peer into ``shards`` and forward each
+    message of a relayed stream to the next ranks (``forward``: peer -> the relay transfers,
+    the same slices in the same order) as soon as it arrives; returns bytes received.
+
+    Every rank takes its messages in one global order, (message, stream), and forwards each
+    when it arrives, so no rank waits on a message whose sending waits on it."""
+    downstream: dict[int, list[int]] = {}
+    for peer, transfers in sorted((forward or {}).items()):
+        for stream in by_stream(transfers):
+            downstream.setdefault(stream, []).append(peer)
+    incoming: list[tuple[tuple[int, int], int, torch.Tensor, _Bucket]] = []
     for peer, transfers in sorted(by_peer.items()):
-        for tag, bucket in enumerate(buckets(transfers, bucket_bytes)):
-            first = dst_piece(shards, bucket[0])
-            if direct_ok and len(bucket) == 1 and first.is_contiguous():
-                # Straight into the shard's memory: nothing left to do after the wait.
-                pending.append((group.irecv(first.detach(), peer, tag), first, []))
-                continue
-            n = sum(dst_piece(shards, t).numel() for t in bucket)
-            flat = torch.empty(n, dtype=first.dtype, device=first.device)
-            pending.append((group.irecv(flat, peer, tag), flat, bucket))
-    received = 0
+        for stream, mine in by_stream(transfers).items():
+            m = 0
+            for bucket in buckets(mine, bucket_bytes):
+                landing = _landing(shards, bucket, blend is copy_into)
+                pieces = chunks(landing.flat.numel() * landing.flat.element_size(),
+                                landing.flat.element_size())  # fmt: skip
+                landing.left = len(pieces)
+                for lo, hi in pieces:
+                    view = landing.flat[lo:hi]
+                    incoming.append(((m, stream), peer, view, landing))
+                    m += 1
+    pending = [(key, group.irecv(view, peer, tag(key[1], key[0])), view, b)
+               for key, peer, view, b in incoming]  # fmt: skip
+    pending.sort(key=lambda p: p[0])
+    sends, received = [], 0
     with torch.no_grad():
-        for work, flat, bucket in pending:
+        for (m, stream), work, view, landing in pending:
             work.wait()
-            received += flat.numel() * flat.element_size()
-            offset = 0
-            for t in bucket:
-                dst = dst_piece(shards, t)
-                blend(dst, flat[offset : offset + dst.numel()].view_as(dst))
-                offset += dst.numel()
+            sends += [group.isend(view, p, tag(stream, m)) for p in downstream.get(stream, [])]
+            received += view.numel() * view.element_size()
+            landing.left -= 1
+            if landing.left == 0:
+                _unpack(shards, landing, blend)
+        for w in sends:
+            w.wait()
     return received
+
+
+def _landing(shards: Mapping[str, torch.Tensor], bucket: list[Transfer], direct: bool) -> _Bucket:
+    first = dst_piece(shards, bucket[0])
+    if direct and len(bucket) == 1 and first.is_contiguous():
+        return _Bucket(first.detach().reshape(-1), [], 0)  # straight into the shard's memory
+    n = sum(dst_piece(shards, t).numel() for t in bucket)
+    return _Bucket(torch.empty(n, dtype=first.dtype, device=first.device), bucket, 0)
+
+
+def _unpack(shards: Mapping[str, torch.Tensor], landing: _Bucket, blend: Blend) -> None:
+    offset = 0
+    for t in landing.transfers:
+        dst = dst_piece(shards, t)
+        blend(dst, landing.flat[offset : offset + dst.numel()].view_as(dst))
+        offset += dst.numel()
 
 
 def send_from(
@@ -221,8 +294,10 @@ def receive_into(
     sink: ShardSink,
     by_peer: Mapping[int, list[Transfer]],
     blend: Blend = copy_into,
+    forward: Mapping[int, list[Transfer]] | None = None,
 ) -> int:
-    """A rank's receiving side of a move (copy, or ``blend``); returns bytes received."""
-    received = recv_all(group, sink.receive_buffers(), by_peer, blend)
+    """A rank's receiving side of a move (copy, or ``blend``; relaying what ``forward``
+    names); returns bytes received."""
+    received = recv_all(group, sink.receive_buffers(), by_peer, blend, forward=forward)
     sink.received()
     return received

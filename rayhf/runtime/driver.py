@@ -171,7 +171,8 @@ class StepDag:
             move = MoveNode(unit.name, routes.group, by_peer, dtype=routes.dtype)
             yield NodeInfo(unit, src, rank), "dag_send", move
         for rank, by_peer in routes.recvs.items():
-            move = MoveNode(unit.name, routes.group, by_peer, unit.eta)
+            forward = routes.forwards.get(rank, {})
+            move = MoveNode(unit.name, routes.group, by_peer, unit.eta, forward=forward)
             yield NodeInfo(unit, dst, rank), "dag_recv", move
 
     def outcome(self, base: PackedBatch, results: list[Any]) -> StepOutcome:

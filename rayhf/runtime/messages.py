@@ -102,6 +102,7 @@ class MoveNode:
     by_peer: dict[int, list[Transfer]]
     eta: float | None = None  # receive: blend instead of copy
     dtype: str = "fp32"  # send: what the slices travel in (the receivers' weight dtype)
+    forward: dict[int, list[Transfer]] = field(default_factory=dict)  # receive: what it relays
 
 
 @dataclass

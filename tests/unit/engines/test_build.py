@@ -28,8 +28,8 @@ class FakeVllm:
 
     made: ClassVar[list[FakeVllm]] = []
 
-    def __init__(self, model, seed, sleeps) -> None:
-        self.model, self.seed, self.sleeps = model, seed, sleeps
+    def __init__(self, model, seed, sleeps, checked_by) -> None:
+        self.model, self.seed, self.sleeps, self.checked_by = model, seed, sleeps, checked_by
         FakeVllm.made.append(self)
 
 
@@ -54,9 +54,17 @@ def test_vllm_calls_share_one_engine_beside_native_ones(model, fake_vllm):
     assert len(fake_vllm) == 1
     (vllm,) = fake_vllm
     assert (vllm.model, vllm.seed, vllm.sleeps) == (model, 5, True)
+    assert vllm.checked_by == ("gen", "eval_gen")  # check_sync is on by default
     assert gens["gen"] is vllm and gens["eval_gen"] is vllm
     assert isinstance(gens["greedy_gen"], NativeGenerator)
     assert build.make_generators(model, {}, 0, False) == {}
+
+
+def test_the_shared_vllm_engine_checks_its_syncs_when_any_of_its_calls_asks(model, fake_vllm):
+    unchecked = EngineConfig(engine="vllm", check_sync=False)
+    build.make_generators(model, {"gen": VLLM, "eval_gen": unchecked, "g": NATIVE}, 0, False)
+    build.make_generators(model, {"gen": unchecked, "eval_gen": unchecked}, 0, False)
+    assert [v.checked_by for v in fake_vllm] == [("gen",), ()]
 
 
 def test_make_trainer_follows_the_train_call_s_engine(model, monkeypatch):

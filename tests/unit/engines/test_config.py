@@ -33,6 +33,17 @@ def test_deepspeed_settings_belong_to_deepspeed_only():
         EngineConfig(engine="vllm", max_tokens_per_microbatch=64)
 
 
+def test_check_sync_is_a_vllm_setting_on_by_default():
+    assert EngineConfig(engine="vllm").check_sync
+    assert not EngineConfig(engine="vllm", check_sync=False).check_sync
+    for engine in ("native", "torch", "deepspeed"):
+        with pytest.raises(ValidationError, match="check_sync is a setting of engine 'vllm'"):
+            EngineConfig(engine=engine, check_sync=False)
+        # compared by value: a dump holds the default, and validates again as the same config
+        cfg = EngineConfig(engine=engine)
+        assert EngineConfig.model_validate(cfg.model_dump()) == cfg
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"engine": "jax"}, {"engine": "deepspeed", "zero_stage": 0}, {"engine": "torch", "x": 1}],

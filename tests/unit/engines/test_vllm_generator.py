@@ -14,8 +14,10 @@ import torch
 
 from rayhf.checks.common import EOS, Tok, tiny_model
 from rayhf.engines import vllm_generator as vg
+from rayhf.engines import vllm_sync_check as sc
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
+from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerationConfig
 
@@ -98,13 +100,20 @@ class FakeLLM:
     def __init__(self, **kwargs) -> None:
         self.kwargs, self.log, self.sleeping = kwargs, [], False
         self.llm_engine = types.SimpleNamespace(is_sleeping=lambda: self.sleeping)
+        self.model = torch.nn.Module()  # the worker's model: reloads copy into its parameters
 
     def collective_rpc(self, fn, args):
-        runner = types.SimpleNamespace(reload_weights=self._reload)
-        fn(types.SimpleNamespace(model_runner=runner), *args)
+        runner = types.SimpleNamespace(reload_weights=self._reload, get_model=lambda: self.model)
+        return [fn(types.SimpleNamespace(model_runner=runner), *args)]  # one worker's answer
 
     def _reload(self, weights_iterator):
-        self.log.append(("reload", list(weights_iterator)))
+        weights = list(weights_iterator)
+        self.log.append(("reload", weights))
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                if name in params:
+                    params[name].copy_(t)
 
     def generate(self, requests, params, use_tqdm):
         self.log.append(("generate", requests, params))
@@ -150,6 +159,7 @@ def test_vllm_engine_asks_for_a_dummy_float32_model_of_the_role_s_shape(fake_vll
     assert not no_sleep.llm.kwargs["enable_sleep_mode"]
     low = vg.VllmEngine(hf.config, max_model_len=64, seed=3, sleeps=False, dtype="bf16")
     assert low.llm.kwargs["dtype"] == "bfloat16"  # the role's precision
+    assert (engine.dtype, low.dtype) == (torch.float32, torch.bfloat16)  # what checks cast to
     no_sleep.generate([[3]], GenerationConfig(), eos_token_id=EOS, seed=0)
     assert [e[0] for e in no_sleep.llm.log] == ["generate"]  # a rank that does not train
 
@@ -174,8 +184,19 @@ def test_vllm_engine_sampling_params_and_sleep_between_calls(fake_vllm, hf):
     assert (params[0]["temperature"], params[0]["top_k"]) == (0.0, 4)
     assert engine.llm.log[4] == ("sleep", 1)
     weights = [("w", torch.ones(1))]
-    engine.load_weights(weights)
+    assert engine.load_weights(weights) is None  # unchecked
     assert engine.llm.log[5:] == [("wake",), ("reload", weights)]  # woken to take weights
+
+
+def test_a_checked_load_reports_what_the_worker_s_model_holds(fake_vllm, hf):
+    engine = vg.VllmEngine(hf.config, max_model_len=64, seed=0, sleeps=False)
+    engine.llm.model.w = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    weights = [("w", torch.tensor([1.0, 2.0, 3.0])), ("tied", torch.ones(1)), ("x", torch.ones(1))]
+    held = engine.load_weights(weights, check=True, skip=frozenset({"tied"}))
+    assert held == sc.HeldWeights(
+        "Module", (sc.Held(sc.Group("w", ("w",)), torch.float32, sc.checksum(weights[0][1])),),
+        unused=("x",),
+    )  # fmt: skip
 
 
 # ----- VllmGenerator ------------------------------------------------------------------------
@@ -186,11 +207,16 @@ class FakeEngine:
 
     def __init__(self, hf_config, max_model_len, seed, sleeps, dtype) -> None:
         self.args = (max_model_len, seed, sleeps)
-        self.dtype = dtype
+        self.dtype = DTYPES[dtype]  # as VllmEngine keeps it
         self.loads: list[dict[str, torch.Tensor]] = []
 
-    def load_weights(self, weights):
+        self.held: sc.HeldWeights | None = None  # what a checked load reports
+        self.checks: list[tuple[bool, frozenset[str]]] = []
+
+    def load_weights(self, weights, check=False, skip=frozenset()):
         self.loads.append(dict(weights))
+        self.checks.append((check, skip))
+        return self.held if check else None
 
     def generate(self, prompts, cfg, eos_token_id, seed):
         return [[8, eos_token_id] if len(p) % 2 else [8, 9] for p in prompts]
@@ -221,3 +247,43 @@ def test_vllm_generator_needs_a_whole_model_rank(monkeypatch, hf):
     model.groups.tp = 2  # as a tp rank would report
     with pytest.raises(AssertionError, match="whole models"):
         vg.VllmGenerator(model, seed=0, sleeps=False)
+
+
+def test_a_sync_is_checked_when_a_call_asks_and_its_error_names_the_calls(monkeypatch, hf):
+    monkeypatch.setattr(vg, "VllmEngine", FakeEngine)
+    model = RankModel.from_hf(hf, Tok(), False)
+    unchecked = vg.VllmGenerator(model, seed=0, sleeps=False)  # check_sync: false everywhere
+    unchecked.vllm.held = _differing(model)
+    unchecked.sync()
+    assert unchecked.vllm.checks == [(False, frozenset())]
+    gen = vg.VllmGenerator(model, seed=0, sleeps=False, checked_by=("gen", "eval_gen"))
+    gen.vllm.held = _differing(model)
+    with pytest.raises(RayhfError) as info:
+        gen.sync()
+    assert gen.vllm.checks == [(True, frozenset())]  # an untied head: vLLM must hold it
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("vLLM weight sync: model.norm.weight differs")
+    assert msg.endswith(
+        "; set engines.gen.check_sync and engines.eval_gen.check_sync: false to skip this check"
+    )
+    gen.vllm.held = sc.HeldWeights("LlamaForCausalLM", (), ())
+    assert gen.sync() > 0  # a failed sync is not taken for done: the next one loads again
+    assert len(gen.vllm.loads) == 2 and gen.sync() == 0.0
+
+
+def test_a_tied_head_need_not_be_held_by_vllm(monkeypatch):
+    monkeypatch.setattr(vg, "VllmEngine", FakeEngine)
+    model = RankModel.from_hf(tiny_model("llama", {"n_heads": 4, "tied": True}), Tok(), False)
+    gen = vg.VllmGenerator(model, seed=0, sleeps=False, checked_by=("gen",))
+    gen.vllm.held = sc.HeldWeights("LlamaForCausalLM", (), ())
+    gen.sync()
+    assert gen.vllm.checks == [(True, frozenset({"lm_head.weight"}))]
+
+
+def _differing(model: RankModel) -> sc.HeldWeights:
+    """vLLM's report of a sync whose norm weight came out one value off."""
+    norm = model.full_state()["model.norm.weight"].clone()
+    norm[0] += 1
+    held = sc.Held(sc.Group("model.norm.weight", ("model.norm.weight",)), norm.dtype,
+                   sc.checksum(norm))  # fmt: skip
+    return sc.HeldWeights("LlamaForCausalLM", (held,), ())

@@ -12,7 +12,7 @@ from rayhf.parallel.layout import Layout, coords_of
 
 def _spec(family: str, **kw):
     shape = {"n_heads": 4, "n_kv_heads": 2} if family == "llama" else {"n_heads": 4}
-    init = ModelInit(family=family, n_layers=4, **{"hidden_size": 32, **shape, **kw})
+    init = ModelInit(family=family, **{"n_layers": 4, "hidden_size": 32, **shape, **kw})
     return model_spec(hf_config(init, 37, 0, 2, 1), value_head=False)
 
 

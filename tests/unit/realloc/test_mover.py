@@ -41,7 +41,9 @@ class FakeActor:
             lambda group, by_peer, dtype: log.append(("send", name, by_peer, dtype))
         )
         self.realloc_recv = _Method(
-            lambda group, by_peer, eta: sum(t.nbytes for ts in by_peer.values() for t in ts)
+            lambda group, by_peer, eta, forward: sum(
+                t.nbytes for ts in by_peer.values() for t in ts
+            )
         )
         self.get_weights = _Method(lambda: {"from": name})
         self.set_weights = _Method(lambda weights: log.append(("set", name, weights)) or 10)
@@ -91,10 +93,18 @@ def test_one_transfer_group_per_pair_numbers_both_sides(log):
     plan = m.plan(spec, src.layout, dst.layout)
     for r, by_peer in routes.sends.items():
         assert by_peer == {p: [t for t in plan.for_src(r) if t.dst == p] for p in by_peer}
+
+    def peer(t):  # a relay comes from a destination rank (0-1), a slice from a source (2-3)
+        return t.src if t.relay else t.src + 2
+
     for r, by_peer in routes.recvs.items():
-        assert by_peer == {p: [t for t in plan.for_dst(r) if t.src == p - 2] for p in by_peer}
+        assert by_peer == {p: [t for t in plan.for_dst(r) if peer(t) == p] for p in by_peer}
     moved = [t for by_peer in routes.recvs.values() for ts in by_peer.values() for t in ts]
     assert len(moved) == len(plan.transfers)
+    relayed = [t for by_peer in routes.forwards.values() for ts in by_peer.values() for t in ts]
+    assert relayed and relayed == [t for t in plan.transfers if t.relay]
+    for r, by_peer in routes.forwards.items():
+        assert all(t.src == r and t.dst == p for p, ts in by_peer.items() for t in ts)
     back = m.routes(dst, src, spec)  # the other direction reuses the group
     assert back.group == routes.group and len([e for e in log if e[0] == "join"]) == 4
     assert m.plan(spec, src.layout, dst.layout) is plan, "plans are cached per layout pair"

@@ -3,6 +3,9 @@ group in one process: buckets, views of the shards, copies and blends."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from realloc_support import _shards, _spec
@@ -23,7 +26,6 @@ class _Mailbox:
         return self
 
     def irecv(self, t, peer, tag):
-        self.pending = (t, peer, tag)
         t.copy_(self.sent[(0, tag)].view_as(t))
         return self
 
@@ -31,28 +33,127 @@ class _Mailbox:
         pass
 
 
+class _Net:
+    """A fake network between ranks of this process (one thread each): a message is keyed by
+    (from, to, tag); a receive blocks until it has been sent."""
+
+    def __init__(self) -> None:
+        self.messages: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.log: list[tuple[int, int, int, int]] = []
+        self.cv = threading.Condition()
+
+    def port(self, rank: int) -> _Port:
+        return _Port(self, rank)
+
+
+class _Port:
+    def __init__(self, net: _Net, rank: int) -> None:
+        self.net, self.rank = net, rank
+
+    def isend(self, t, peer, tag):
+        with self.net.cv:
+            key = (self.rank, peer, tag)
+            assert key not in self.net.messages, "a tag is used once per pair"
+            self.net.messages[key] = t.clone()
+            self.net.log.append((*key, t.numel() * t.element_size()))
+            self.net.cv.notify_all()
+        return self
+
+    def irecv(self, t, peer, tag):
+        return _Read(self.net, (peer, self.rank, tag), t)
+
+    def wait(self) -> None:
+        pass
+
+
+class _Read:
+    def __init__(self, net: _Net, key: tuple, target: torch.Tensor) -> None:
+        self.net, self.key, self.target = net, key, target
+
+    def wait(self) -> None:
+        with self.net.cv:
+            assert self.net.cv.wait_for(lambda: self.key in self.net.messages, timeout=30)
+            self.target.copy_(self.net.messages.pop(self.key).view_as(self.target))
+
+
+def _run(plan, sources, want, s0: int, d0: int, blend=None, bucket=4096):
+    """Every rank's side of ``plan`` at once, a thread each, over a fake network (sources as
+    ranks ``s0 + r``, destinations ``d0 + r``): what each destination got and received."""
+    import rayhf.realloc.transport as transport
+
+    net = _Net()
+    got = {r: {k: torch.zeros_like(v) for k, v in w.items()} for r, w in want.items()}
+    received: dict[int, int] = {}
+
+    def source(r: int) -> None:
+        by_peer = _group(plan.for_src(r), lambda t: d0 + t.dst)
+        transport.send_all(net.port(s0 + r), sources[r], by_peer, bucket)  # type: ignore[arg-type]
+
+    def destination(r: int) -> None:
+        ins = _group(plan.for_dst(r), lambda t: (d0 if t.relay else s0) + t.src)
+        outs = _group(plan.relays_from(r), lambda t: d0 + t.dst)
+        blended = blend or transport.copy_into
+        port = net.port(d0 + r)
+        received[r] = transport.recv_all(port, got[r], ins, blended, bucket, outs)  # type: ignore[arg-type]
+
+    with ThreadPoolExecutor(len(want) + len(sources)) as pool:
+        jobs = [pool.submit(destination, r) for r in want]
+        jobs += [pool.submit(source, r) for r in sources]
+        for job in jobs:
+            job.result()
+    assert not net.messages, "every message was received"
+    return got, received, net.log
+
+
+def _group(transfers, peer_of):
+    out: dict[int, list] = {}
+    for t in transfers:
+        out.setdefault(peer_of(t), []).append(t)
+    return out
+
+
 @pytest.mark.parametrize("direct_bytes", [64, 2**30])
-def test_bucketed_send_and_receive_rebuild_the_shards(monkeypatch, direct_bytes):
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (Layout((0,), 1), Layout((1, 2), 1, 2, 1)),  # tp split: each its own slices
+        (Layout((0,), 1), Layout((1, 2, 3), 3)),  # one source, three replicas: a relay chain
+        (Layout((0, 1), 1, 2), Layout((0, 1, 2, 3), 4)),  # local copies, relays, two senders
+    ],
+)
+def test_streams_rebuild_every_destination_through_relays(monkeypatch, direct_bytes, src, dst):
     import rayhf.realloc.transport as transport
 
     monkeypatch.setattr(transport, "DIRECT_BYTES", direct_bytes)
+    monkeypatch.setattr(transport, "CHUNK_BYTES", 1024)  # several messages per bucket
     spec = _spec("gpt2")
     full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
-    src, dst = Layout((0,), 1), Layout((1, 2), 1, 2, 1)
     plan = plan_realloc(spec, src, dst)
-    source = _shards(spec, full, src)[0]
-    for d_rank, want in _shards(spec, full, dst).items():
-        box = _Mailbox()
-        mine = [t for t in plan.for_src(0) if t.dst == d_rank]
-        transport.send_all(box, source, {0: mine}, bucket_bytes=4096)  # type: ignore[arg-type]
-        got = {k: torch.zeros_like(v) for k, v in want.items()}
-        n = transport.recv_all(box, got, {0: mine}, bucket_bytes=4096)  # type: ignore[arg-type]
-        assert n == sum(t.nbytes for t in mine)
-        assert all(torch.equal(got[k], want[k]) for k in want)
-        # Blending: received slices are mixed into what is there.
-        mixed = {k: torch.ones_like(v) for k, v in want.items()}
-        transport.recv_all(box, mixed, {0: mine}, transport.ema_into(0.5), 4096)  # type: ignore[arg-type]
-        assert all(torch.allclose(mixed[k], 0.5 * want[k] + 0.5) for k in want)
+    want = _shards(spec, full, dst)
+    got, received, log = _run(plan, _shards(spec, full, src), want, 0, src.world_size)
+    for r in want:
+        assert all(torch.equal(got[r][k], want[r][k]) for k in want[r]), r
+        assert received[r] == sum(t.nbytes for t in plan.for_dst(r))
+    assert max(size for *_, size in log) <= max(1024, 4)
+    # Blending: received slices are mixed into what is there; relays forward what they got.
+    ones = {r: {k: torch.ones_like(v) for k, v in w.items()} for r, w in want.items()}
+    mixed, _, _ = _run(plan, _shards(spec, full, src), ones, 0, 8, transport.ema_into(0.5))
+    for r in want:
+        assert all(torch.allclose(mixed[r][k], 0.5 * want[r][k]) for k in want[r]), r
+
+
+def test_a_relay_forwards_the_source_s_bytes_once_down_the_chain():
+    spec = _spec("llama")
+    full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
+    src, dst = Layout((0,), 1), Layout((1, 2, 3, 4), 4)
+    plan = plan_realloc(spec, src, dst)
+    _, _, log = _run(plan, _shards(spec, full, src), _shards(spec, full, dst), 0, 1)
+    sent: dict[int, int] = {}
+    for a, _, _, size in log:
+        sent[a] = sent.get(a, 0) + size
+    model = 4 * sum(v.numel() for v in full.values())
+    assert sent[0] == model, "the source sends the model once"
+    assert sorted(sent.values()) == [model] * 4, "three replicas forward it once each"
 
 
 def test_slices_are_cast_to_the_dtype_they_travel_in():

@@ -1,0 +1,231 @@
+"""What every destination rank needs when a role's weights go from layout A to layout B, and
+which source ranks hold it: pure index arithmetic over ``rayhf.models.sharding``.
+
+Every parameter is cut along one dim: its tp dim, or dim 0 for a parameter every tp rank holds
+whole. A destination rank needs, per parameter of its stage, the ranges its tp rank holds; each
+range is intersected with the ranges of the source tp ranks of the stage that holds the
+parameter. Every source data-parallel replica (and, for a tp-replicated parameter, every tp rank)
+holds the intersection: those ranks are its holders.
+
+A flat source (``src_flat``: DeepSpeed ZeRO-3, tp = pp = 1) holds no rows: each dp rank keeps the
+contiguous range ``[r * ceil(n/dp), (r+1) * ceil(n/dp))`` of every parameter's flattened elements.
+A destination's rows then come from one or two ranks, cut where the ranges end, which can be
+mid-row: such a slice is a rectangle (``cross``: its extent along the other dim of a 2-D
+parameter) read from the flat slice as a strided view (``src_view``).
+
+Parameters that differ only by name (the same shape, split and stages: every layer's q_proj in
+one stage) have the same slices, so a ``Content`` stands for all of them at once: planning costs
+the same for 2 layers as for 80.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from rayhf.models.sharding import (
+    ParamShard,
+    embedding_name,
+    param_shards,
+    shard_ranges,
+    stage_layers,
+)
+from rayhf.models.spec import ModelSpec
+from rayhf.parallel.layout import Layout, layout_rank
+
+View = tuple[tuple[int, ...], tuple[int, ...]]  # a strided view: size, stride
+
+
+@dataclass(frozen=True)
+class Content:
+    """Rows ``[start, stop)`` along ``dim`` of each parameter in ``names`` (the same rows of
+    parameters of one shape): where they sit in a holder's shard (``src_offset``, or a strided
+    ``src_view`` of a flat slice) and in a needer's (``dst_offset``)."""
+
+    names: tuple[str, ...]
+    dim: int
+    start: int
+    stop: int
+    src_offset: int
+    dst_offset: int
+    nbytes: int  # of one parameter's slice
+    holders: tuple[int, ...]  # source ranks that hold these rows
+    needers: tuple[int, ...]  # destination ranks that need them
+    cross: tuple[int, int] | None = None  # 2-D: the range along the other dim (None: all)
+    src_view: View | None = None
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        return self.nbytes * len(self.names)
+
+    def rows(self, lo: int, hi: int) -> Content:
+        """Rows ``[lo, hi)`` of these (a row-major slice: offsets move with the start)."""
+        assert self.src_view is None and self.start <= lo < hi <= self.stop
+        shift, per_row = lo - self.start, self.nbytes // (self.stop - self.start)
+        return Content(
+            self.names, self.dim, lo, hi, self.src_offset + shift, self.dst_offset + shift,
+            per_row * (hi - lo), self.holders, self.needers, self.cross,
+        )  # fmt: skip
+
+
+def split_dim(p: ParamShard) -> int:
+    return 0 if p.tp_dim is None else p.tp_dim
+
+
+def held_ranges(p: ParamShard, tp: int, tp_rank: int) -> list[tuple[int, int]]:
+    """The full-parameter rows (along ``split_dim``) that a tp rank holds, in local order."""
+    if p.tp_dim is None or tp == 1:
+        return [(0, p.shape[split_dim(p)])]
+    return shard_ranges(p, tp, tp_rank)
+
+
+def local_offset(ranges: list[tuple[int, int]], row: int) -> int:
+    """Where full-parameter ``row`` sits in a shard made of ``ranges`` concatenated."""
+    offset = 0
+    for lo, hi in ranges:
+        if lo <= row < hi:
+            return offset + row - lo
+        offset += hi - lo
+    raise AssertionError(f"row {row} not in {ranges}")
+
+
+def stage_of_unit(spec: ModelSpec, pp: int) -> dict[int, int]:
+    out = {0: 0, spec.n_layers + 1: pp - 1}
+    for stage, layers in enumerate(stage_layers(spec, pp)):
+        for i in layers:
+            out[i + 1] = stage
+    return out
+
+
+def contents(
+    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool = False
+) -> list[Content]:
+    """Every slice some destination rank needs, once, with its holders and all its needers
+    (a tp-replicated parameter's rows are needed by every tp rank of its stage, a tied
+    embedding's by its first and its last stage). Ranks only: the meshes do not matter."""
+    assert not src_flat or (src.tp == 1 and src.pp == 1), "a flat source is dp-only"
+    return _contents(spec, _ranks_only(src), _ranks_only(dst), itemsize, src_flat)
+
+
+def _ranks_only(layout: Layout) -> Layout:
+    return Layout(tuple(range(layout.world_size)), layout.dp, layout.tp, layout.pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contents(
+    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool
+) -> list[Content]:
+    needed: dict[Content, list[int]] = {}  # content (needers not yet known) -> needers
+    for (s_stage, stages), p, names in _classes(spec, src.pp, dst.pp):
+        for d_stage in stages:
+            for tp_rank in range(dst.tp):
+                wanted = held_ranges(p, dst.tp, tp_rank)
+                if src_flat:
+                    found = _flat_slices(p, names, src.dp, wanted, itemsize)
+                else:
+                    found = _row_slices(p, names, src, s_stage, wanted, itemsize)
+                ranks = [layout_rank(r, d_stage, tp_rank, dst.pp, dst.tp) for r in range(dst.dp)]
+                for c in found:
+                    needed.setdefault(c, []).extend(ranks)
+    return [replace(c, needers=tuple(sorted(set(ranks)))) for c, ranks in needed.items()]
+
+
+@functools.lru_cache(maxsize=1024)
+def _classes(spec: ModelSpec, src_pp: int, dst_pp: int) -> list[tuple[tuple, ParamShard, tuple]]:
+    """Parameters that move alike: ((source stage, destination stages), one of them, all their
+    names) per shape, split and stages (a tied embedding is needed by the last stage too)."""
+    src_stage, dst_stage = stage_of_unit(spec, src_pp), stage_of_unit(spec, dst_pp)
+    tied = embedding_name(spec) if spec.tied else None
+    classes: dict[tuple, list[ParamShard]] = {}
+    for p in param_shards(spec):
+        stages = (dst_stage[p.unit],) + ((dst_pp - 1,) if p.name == tied and dst_pp > 1 else ())
+        classes.setdefault((p.shape, p.tp_dim, p.blocks, src_stage[p.unit], stages), []).append(p)
+    return [(key[3:], ps[0], tuple(q.name for q in ps)) for key, ps in classes.items()]
+
+
+def _row_slices(
+    p: ParamShard,
+    names: tuple[str, ...],
+    src: Layout,
+    stage: int,
+    wanted: list[tuple[int, int]],
+    itemsize: int,
+) -> list[Content]:
+    """The ``wanted`` rows cut where the source's tp shards change."""
+    dim, out = split_dim(p), []
+    row_bytes = p.numel // p.shape[dim] * itemsize
+    for a, b in wanted:
+        src_tps = range(1) if p.tp_dim is None else range(src.tp)  # replicated: any tp rank
+        for src_tp in src_tps:
+            ranges = held_ranges(p, src.tp, src_tp)
+            for lo, hi in ranges:
+                x, y = max(a, lo), min(b, hi)
+                if x >= y:
+                    continue
+                holders = tuple(
+                    layout_rank(r, stage, tt, src.pp, src.tp)
+                    for r in range(src.dp)
+                    for tt in (range(src.tp) if p.tp_dim is None else [src_tp])
+                )
+                src_off, dst_off = local_offset(ranges, x), local_offset(wanted, x)
+                nbytes = (y - x) * row_bytes
+                out.append(Content(names, dim, x, y, src_off, dst_off, nbytes, holders, ()))
+    return out
+
+
+def _flat_slices(
+    p: ParamShard, names: tuple[str, ...], dp: int, wanted: list[tuple[int, int]], itemsize: int
+) -> list[Content]:
+    """The ``wanted`` ranges of ``p``, each from the flat source rank(s) holding it, as
+    rectangles of the parameter seen as ``[rows, cols]`` (a 1-D one as one row)."""
+    assert len(p.shape) in (1, 2), f"{p.name}: reallocation handles 1-D and 2-D parameters"
+    dim = split_dim(p)
+    rows, cols = (1, p.shape[0]) if len(p.shape) == 1 else p.shape
+    part = -(-p.numel // dp)  # ceil: every rank's slice has this length (the last padded)
+    out = []
+    for a, b in wanted:
+        box = (0, rows, a, b) if len(p.shape) == 1 or dim == 1 else (a, b, 0, cols)
+        for rank in range(dp):
+            for r0, r1, c0, c1 in rectangles(box, rank * part, (rank + 1) * part, cols):
+                cross: tuple[int, int] | None = None
+                if len(p.shape) == 1:
+                    start, stop = c0, c1
+                elif dim == 1:
+                    start, stop, cross = c0, c1, (r0, r1)
+                else:
+                    start, stop = r0, r1
+                    cross = None if (c0, c1) == (0, cols) else (c0, c1)
+                view = ((c1 - c0,), (1,)) if len(p.shape) == 1 else ((r1 - r0, c1 - c0), (cols, 1))
+                src_off, dst_off = r0 * cols + c0 - rank * part, local_offset(wanted, start)
+                nbytes = (r1 - r0) * (c1 - c0) * itemsize
+                out.append(
+                    Content(names, dim, start, stop, src_off, dst_off, nbytes, (rank,), (),
+                            cross, view)
+                )  # fmt: skip
+    return out
+
+
+def rectangles(
+    box: tuple[int, int, int, int], lo: int, hi: int, cols: int
+) -> list[tuple[int, int, int, int]]:
+    """``box`` (rows r0..r1, cols c0..c1 of a row-major ``[*, cols]`` array) cut to the flat
+    elements ``[lo, hi)``: at most three rectangles (a partial first row, whole rows, a partial
+    last row)."""
+    r0, r1, c0, c1 = box
+    first, last = max(r0, lo // cols), min(r1, -(-hi // cols)) - 1
+
+    def covered(row: int) -> tuple[int, int]:
+        return max(c0, lo - row * cols), min(c1, hi - row * cols)
+
+    out = []
+    for row in sorted({first, last}):
+        if row in (first, last) and first <= row <= last:
+            x, y = covered(row)
+            if x < y and (x, y) != (c0, c1):
+                out.append((row, row + 1, x, y))
+    whole = [row for row in (first, last) if first <= row <= last and covered(row) == (c0, c1)]
+    m0 = first if first in whole else first + 1
+    m1 = last + 1 if last in whole else last
+    if m0 < m1:
+        out.append((m0, m1, c0, c1))
+    return out
