@@ -1,15 +1,19 @@
-"""Reallocation throughput on a ~100M-parameter Llama: collective slices vs the naive path.
+"""Reallocation throughput on a ~100M-parameter Llama: rayhf's streams vs the fair naive path.
 
     python benchmarks/realloc_throughput.py [--layers 12] [--reps 3]
 
 For each (source layout -> destination layout) pair, two role groups of real rayhf actors on
 emulated devices hold the model; the same bytes (the destination shards) are moved by
-  collective: rayhf's planned slices over a transfer group (``TransferGroupMover``),
-  naive:      the source gathers the whole state dict into one actor, puts it in the Ray object
-              store, every destination actor fetches all of it and keeps its shards
-              (``ObjectStoreCopy``),
-and compared with a single-process memory copy of the same number of bytes (the physical limit
-on this machine). Writes docs/benchmarks/realloc_throughput.{md,json}.
+  rayhf:    the planned streams over a transfer group, replicas relaying what they receive
+            (``TransferGroupMover``),
+  p2p:      the same slices, every replica getting its own from a source rank (``relay=False``),
+  naive:    what a user would write: the source replica gathers its shards as tensors into its
+            head actor, which puts the whole state dict in the Ray object store once; every
+            destination actor fetches it and keeps its shards (``ObjectStoreCopy``),
+and compared with a single-process memory copy of the same number of bytes, measured in the
+same run (this machine's copy speed). A second table times moving one buffer from one process
+to three over gloo, by its broadcast and by rayhf's relayed messages. Writes
+docs/benchmarks/realloc_throughput.{md,json}.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from _common import write_results
 
 PAIRS = [  # (name, source layout, destination layout) as (mesh, dp, tp, pp)
     ("1 device -> 1 other device", ((0,), 1, 1, 1), ((1,), 1, 1, 1)),
+    ("1 device -> 3 replicas on others", ((0,), 1, 1, 1), ((1, 2, 3), 3, 1, 1)),
+    ("train tp2 -> generate dp4", ((0, 1), 1, 2, 1), ((0, 1, 2, 3), 4, 1, 1)),
     ("train tp2 -> generate dp2", ((0, 1), 1, 2, 1), ((0, 1), 2, 1, 1)),
     ("pp2 -> tp2", ((0, 1), 1, 1, 2), ((0, 1), 1, 2, 1)),
     ("dp2 -> tp2 on other devices", ((0, 1), 2, 1, 1), ((2, 3), 1, 2, 1)),
@@ -81,6 +87,11 @@ def _memcpy_seconds(n_bytes: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+def _moves(mover, src, dst, spec, reps: int) -> float:
+    mover.move(src, dst, spec)  # warm-up: creates the transfer group
+    return statistics.median(mover.move(src, dst, spec).seconds for _ in range(reps))
+
+
 def bench(layers: int, reps: int) -> dict:
     from transformers import AutoConfig
 
@@ -94,21 +105,29 @@ def bench(layers: int, reps: int) -> dict:
         ray, devices, group = _groups(Path(tmp), layers)
         spec = model_spec(AutoConfig.from_pretrained(Path(tmp) / "model"), value_head=False)
         params = sum(p.numel for p in param_shards(spec))
-        collective, naive = TransferGroupMover(), ObjectStoreCopy()
+        relayed, direct, naive = (
+            TransferGroupMover(),
+            TransferGroupMover(relay=False),
+            ObjectStoreCopy(),
+        )
         try:
             for i, (name, a, b) in enumerate(PAIRS):
                 src, dst = group(f"src{i}", a), group(f"dst{i}", b)
-                moved = collective.plan(spec, src.layout, dst.layout).total_bytes
-                collective.move(src, dst, spec)  # warm-up: creates the transfer group
-                fast = [collective.move(src, dst, spec).seconds for _ in range(reps)]
-                slow = [naive.move(src, dst, spec).seconds for _ in range(reps)]
+                plan = relayed.plan(spec, src.layout, dst.layout)
+                p2p = direct.plan(spec, src.layout, dst.layout)
                 rows.append(
                     {
                         "pair": name,
-                        "bytes": moved,
-                        "collective_s": statistics.median(fast),
-                        "naive_s": statistics.median(slow),
-                        "memcpy_s": _memcpy_seconds(moved, reps),
+                        "bytes": plan.total_bytes,
+                        "max_sent": plan.max_sent,
+                        "max_received": plan.max_received,
+                        "p2p_max_sent": p2p.max_sent,
+                        "rayhf_s": _moves(relayed, src, dst, spec, reps),
+                        "p2p_s": _moves(direct, src, dst, spec, reps),
+                        "naive_s": statistics.median(
+                            naive.move(src, dst, spec).seconds for _ in range(reps)
+                        ),
+                        "memcpy_s": _memcpy_seconds(plan.total_bytes, reps),
                     }
                 )
                 print(rows[-1], flush=True)
@@ -120,26 +139,91 @@ def bench(layers: int, reps: int) -> dict:
     return {"params": params, "layers": layers, "reps": reps, "rows": rows}
 
 
+def _chain_worker(rank: int, address: str, n_bytes: int, reps: int, out: str) -> None:
+    """Rank 0 has a buffer; ranks 1-3 get it by gloo's broadcast, then by relayed messages."""
+    import json
+
+    from rayhf.realloc.plan import Transfer
+    from rayhf.realloc.transport import TransferGroup, recv_all, send_all
+
+    torch.set_num_threads(1)
+    group = TransferGroup(address, rank, 4)
+    n = n_bytes // 4
+    buf = {"w": torch.arange(n, dtype=torch.float32) if rank == 0 else torch.zeros(n)}
+    hop = [Transfer("w", 0, 0, n, 0, 0, 0, 0, n_bytes, stream=0)]  # one stream, a chain
+    times: dict[str, list[float]] = {"broadcast": [], "relay": []}
+    for _ in range(reps + 1):
+        for how in times:
+            group.pg.barrier().wait()
+            start = time.perf_counter()
+            if how == "broadcast":
+                group.pg.broadcast([buf["w"]]).wait()
+            elif rank == 0:
+                send_all(group, buf, {1: hop})
+            else:
+                recv_all(group, buf, {rank - 1: hop}, forward={rank + 1: hop} if rank < 3 else {})
+            group.pg.barrier().wait()
+            times[how].append(time.perf_counter() - start)
+    assert torch.equal(buf["w"], torch.arange(n, dtype=torch.float32))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({k: statistics.median(v[1:]) for k, v in times.items()}, f)
+
+
+def chain(n_bytes: int, reps: int) -> dict:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from rayhf.checks.common import free_address
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "chain.json")
+        mp.spawn(_chain_worker, args=(free_address(), n_bytes, reps, out), nprocs=4)
+        return {"bytes": n_bytes, **json.loads(Path(out).read_text())}
+
+
 def report(res: dict) -> str:
+    gb = [r["bytes"] / 1e9 for r in res["rows"]]
     lines = [
         f"# Reallocation throughput, {res['params'] / 1e6:.0f}M-parameter Llama "
         f"({res['layers']} layers, hidden 768, vocab 8192, fp32)",
         "",
         f"Command: `python benchmarks/realloc_throughput.py --layers {res['layers']} "
-        f"--reps {res['reps']}` on {os.cpu_count()} CPU cores (4 emulated devices). Median of "
-        f"{res['reps']} moves each; bytes = the destination shards.",
+        f"--reps {res['reps']}` on {os.cpu_count()} CPU cores (4 emulated devices, gloo over "
+        f"TCP loopback). Median of {res['reps']} moves each. MB = what the destination ranks "
+        "receive, summed; GB/s = that over the move's seconds; `of copy` = rayhf's GB/s over "
+        "a one-process memory copy of the same bytes measured in the same run; busiest send = "
+        "the most one device sends to others (rayhf / point to point), beside the most one "
+        "receives.",
         "",
-        "| layout pair | MB moved | collective GB/s | naive GB/s | speed-up | memcpy GB/s | "
-        "of memcpy |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layout pair | MB | rayhf GB/s | p2p GB/s | naive GB/s | rayhf / naive | copy GB/s "
+        "| of copy | busiest send MB (rayhf / p2p) | busiest receive MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in res["rows"]:
-        gb = r["bytes"] / 1e9
+    for r, g in zip(res["rows"], gb, strict=True):
         lines.append(
-            f"| {r['pair']} | {r['bytes'] / 1e6:.0f} | {gb / r['collective_s']:.2f} | "
-            f"{gb / r['naive_s']:.2f} | {r['naive_s'] / r['collective_s']:.1f}x | "
-            f"{gb / r['memcpy_s']:.2f} | {r['memcpy_s'] / r['collective_s']:.0%} |"
+            f"| {r['pair']} | {r['bytes'] / 1e6:.0f} | {g / r['rayhf_s']:.2f} | "
+            f"{g / r['p2p_s']:.2f} | {g / r['naive_s']:.2f} | {r['naive_s'] / r['rayhf_s']:.1f}x "
+            f"| {g / r['memcpy_s']:.2f} | {r['memcpy_s'] / r['rayhf_s']:.0%} | "
+            f"{r['max_sent'] / 1e6:.0f} / {r['p2p_max_sent'] / 1e6:.0f} | "
+            f"{r['max_received'] / 1e6:.0f} |"
         )
+    speedups = [r["naive_s"] / r["rayhf_s"] for r in res["rows"]]
+    geo = statistics.geometric_mean(speedups)
+    largest = max(res["rows"], key=lambda r: r["bytes"])
+    c = res["chain"]
+    lines += [
+        "",
+        f"rayhf over the naive path: geometric mean {geo:.1f}x, median "
+        f"{statistics.median(speedups):.1f}x, range {min(speedups):.1f}-{max(speedups):.1f}x. "
+        f"The largest move ({largest['pair']}) runs at "
+        f"{largest['memcpy_s'] / largest['rayhf_s']:.0%} of this machine's copy speed.",
+        "",
+        f"One buffer of {c['bytes'] / 1e6:.0f} MB from one process to three over gloo (median "
+        f"of {res['reps']}): its broadcast {c['broadcast']:.3f} s, rayhf's relayed messages "
+        f"{c['relay']:.3f} s ({c['broadcast'] / c['relay']:.2f}x).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +233,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     res = bench(args.layers, args.reps)
+    res["chain"] = chain(max(r["bytes"] for r in res["rows"]) // 4, args.reps)
     text = report(res)
     print(text)
     write_results("realloc_throughput", text, res)

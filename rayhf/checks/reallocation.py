@@ -5,8 +5,9 @@ ranks 0-3 hold a source layout, ranks 4-7 a destination layout (separate process
 groups are). For each family and each sampled (source, destination) pair over meshes of 1-4
 devices, the source holds a randomly initialized model (as tp/pp shards, or as ZeRO-3's flat
 slices), the planned streams move over a transfer group (relays included), and every rank of
-every destination replica reports whether its shards equal the originals' bit for bit; each
-replica's logits are compared with the whole model's. The pairs are drawn class by class so
+every destination replica reports whether its shards equal the originals' bit for bit, and
+whether the whole model it gathers back (``RankModel.full_state``) does; each replica's logits
+are compared with the whole model's. The pairs are drawn class by class so
 every class is covered: expand, shrink, equal, overlapping and disjoint meshes, tp <-> pp, and a
 ZeRO-3 flat source. ``tests/integration/test_realloc_exec.py`` asserts on it.
 """
@@ -138,6 +139,10 @@ def _one_pair(
         forward = _by_peer(plan.relays_from(r), lambda t: DST0 + t.dst)
         receive_into(group, model, incoming, forward=forward)
         mine["exact"] = _shards_exact(model, spec, full, dst, r)
+        gathered = model.full_state()  # the whole model, gathered over the replica as tensors
+        mine["whole"] = gathered.keys() == full.keys() and all(
+            torch.equal(gathered[k], full[k]) for k in full
+        )
         with torch.no_grad():
             logits = model.forward(ids, mask)
         mine["logits"] = logits if dst_groups.is_head else None
@@ -158,6 +163,7 @@ def _one_pair(
         "ranks_checked": len(ranks),
         "replicas_checked": len(heads),
         "bit_exact": all(x["exact"] for x in ranks),
+        "gathered_exact": all(x["whole"] for x in ranks),
         "logits": max(float((h - want).abs().max() / want.abs().max()) for h in heads),
         "bytes": plan.total_bytes,
         "relayed": any(t.relay for t in plan.transfers),

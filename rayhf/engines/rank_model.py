@@ -3,7 +3,7 @@ can be done with them without an optimizer.
 
     Hugging Face state dict --take this rank's shards--> ShardedModel (+ Pipeline over pp)
       forward:   right-padded rows -> packed -> pipeline -> logits/values, padded again
-      weights:   full_state (gathered over tp and pp), load_full_state, save_pretrained
+      weights:   full_state (tensors gathered over tp and pp), load_full_state, save_pretrained
       moves:     source_shards / receive_buffers / received  (rayhf.realloc's ShardSource and
                  ShardSink: what reallocation reads and fills)
 
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rayhf.models.precision import Numerics
-from rayhf.models.sharding import embedding_name, join_shards, take_shard
+from rayhf.models.sharding import embedding_name, param_shards, take_shard
 from rayhf.models.spec import model_spec
+from rayhf.parallel.gather import gather_whole
 from rayhf.parallel.groups import ParallelGroups, single
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.pipeline import Pipeline
@@ -113,19 +113,12 @@ class RankModel:
         return float(sum(p.detach().abs().sum() for p in self.module.parameters()))
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's Hugging Face state dict, gathered over this replica's tp and pp
-        ranks (a collective: every rank of the replica calls it)."""
-        local = {k: v.detach().cpu() for k, v in self.module.local_state().items()}
-        stage, shards = local, self.module.shards
-        if self.groups.tp_group is not None:
-            parts: list = [None] * self.groups.tp
-            dist.all_gather_object(parts, local, group=self.groups.tp_group)
-            stage = {k: join_shards([p[k] for p in parts], shards[k]) for k in local}
-        full = dict(stage)
-        if self.groups.pp_group is not None:
-            stages: list = [None] * self.groups.pp
-            dist.all_gather_object(stages, stage, group=self.groups.pp_group)
-            full = {k: v for s in stages for k, v in s.items()}
+        """The whole model's Hugging Face state dict on the CPU, gathered as tensors over this
+        replica's tp and pp ranks (a collective: every rank of the replica calls it)."""
+        local = {k: v.detach() for k, v in self.module.local_state().items()}
+        every = {p.name: p for p in param_shards(self.spec)}
+        whole = gather_whole(local, every, self.groups)
+        full = {k: v.cpu() for k, v in whole.items()}
         if self.spec.tied:
             full["lm_head.weight"] = full[embedding_name(self.spec)]
         return full

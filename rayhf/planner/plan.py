@@ -148,9 +148,11 @@ def format_reallocations(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) 
     rows = ["  reallocations per step (role's home layout -> call's layout, before the call):"]
     for name, home, lay in moves:
         moved = plan_realloc(specs[graph.by_name[name].role], home, lay)
-        busiest = max(moved.sent.values(), default=0)
+        relays = f", relayed {moved.depth} hops deep" if moved.depth > 1 else ""
         rows.append(
             f"    {name:<14}{home.name} -> {lay.name}: {moved.total_bytes / 2**20:.2f} MiB in "
-            f"{len(moved.transfers)} slices, busiest sending device {busiest / 2**20:.2f} MiB"
+            f"{len(moved.streams)} streams; the busiest device sends "
+            f"{moved.max_sent / 2**20:.2f} MiB, receives {moved.max_received / 2**20:.2f} MiB"
+            f"{relays}"
         )
     return "\n".join(rows)

@@ -172,9 +172,10 @@ def send_all(
     bucket_bytes: int = BUCKET_BYTES,
     dtype: torch.dtype | None = None,
 ) -> int:
-    """Send this rank's source slices to each peer (cast to ``dtype``: the receivers'), stream
-    by stream, message by message; returns bytes sent."""
-    works, sent = [], 0
+    """Send this rank's source slices to each peer (cast to ``dtype``: the receivers'), message
+    by message in the global order (message, stream); returns bytes sent."""
+    outgoing: list[tuple[tuple[int, int], int, torch.Tensor]] = []
+    sent = 0
     with torch.no_grad():
         for peer, transfers in sorted(by_peer.items()):
             for stream, mine in sorted(by_stream(transfers).items()):
@@ -182,9 +183,11 @@ def send_all(
                 for bucket in buckets(mine, bucket_bytes):
                     flat = _pack(shards, bucket, dtype)
                     for lo, hi in chunks(flat.numel() * flat.element_size(), flat.element_size()):
-                        works.append(group.isend(flat[lo:hi], peer, tag(stream, m)))
+                        outgoing.append(((m, stream), peer, flat[lo:hi]))
                         m += 1
                     sent += flat.numel() * flat.element_size()
+    outgoing.sort(key=lambda o: o[0])  # the global order: (message, stream)
+    works = [group.isend(t, peer, tag(stream, m)) for (m, stream), peer, t in outgoing]
     for w in works:
         w.wait()
     return sent
@@ -227,8 +230,10 @@ def recv_all(
     message of a relayed stream to the next ranks (``forward``: peer -> the relay transfers,
     the same slices in the same order) as soon as it arrives; returns bytes received.
 
-    Every rank takes its messages in one global order, (message, stream), and forwards each
-    when it arrives, so no rank waits on a message whose sending waits on it."""
+    Every rank posts, takes and sends its messages in one global order, (message, stream), and
+    forwards each when it arrives, so no rank waits on a message whose sending waits on it, and
+    every pair of ranks sees its messages in the same order on both sides (NCCL matches
+    point-to-point messages by order, not by tag)."""
     downstream: dict[int, list[int]] = {}
     for peer, transfers in sorted((forward or {}).items()):
         for stream in by_stream(transfers):
@@ -246,9 +251,9 @@ def recv_all(
                     view = landing.flat[lo:hi]
                     incoming.append(((m, stream), peer, view, landing))
                     m += 1
+    incoming.sort(key=lambda i: i[0])  # posted in the order they are sent: NCCL has no tags
     pending = [(key, group.irecv(view, peer, tag(key[1], key[0])), view, b)
                for key, peer, view, b in incoming]  # fmt: skip
-    pending.sort(key=lambda p: p[0])
     sends, received = [], 0
     with torch.no_grad():
         for (m, stream), work, view, landing in pending:

@@ -36,6 +36,7 @@ def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
     for r in mine:
         pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']})"
         assert r["bit_exact"], f"{pair}: a destination rank's weights differ"
+        assert r["gathered_exact"], f"{pair}: the model gathered from a replica differs"
         assert r["ranks_checked"] == r["dst"][1] * r["dst"][2] * r["dst"][3], pair
         assert r["replicas_checked"] == r["dst"][1], pair
         assert r["logits"] < 1e-5, f"{pair}: logits off by {r['logits']:.2e}"

@@ -41,8 +41,10 @@ def test_plan_lists_the_reallocations_it_implies():
     moves = plan.reallocations(graph)
     assert [m[0] for m in moves] == ["actor_gen"]
     text = format_reallocations(plan, graph, specs)
-    total = plan_realloc(specs["actor"], moves[0][1], moves[0][2]).total_bytes
-    assert "actor_gen" in text and f"{total / 2**20:.2f} MiB" in text
+    moved = plan_realloc(specs["actor"], moves[0][1], moves[0][2])
+    assert "actor_gen" in text and f"{moved.total_bytes / 2**20:.2f} MiB in" in text
+    assert f"sends {moved.max_sent / 2**20:.2f} MiB" in text
+    assert f"receives {moved.max_received / 2**20:.2f} MiB" in text
 
 
 def test_a_saved_plan_is_accepted_back_as_a_manual_plan(tmp_path):

@@ -35,12 +35,14 @@ class _Mailbox:
 
 class _Net:
     """A fake network between ranks of this process (one thread each): a message is keyed by
-    (from, to, tag); a receive blocks until it has been sent."""
+    (from, to, tag); a receive blocks until it has been sent. ``in_order``: as NCCL, which
+    matches a pair's messages by order, not by tag: a receive must be of the pair's oldest."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_order: bool = False) -> None:
         self.messages: dict[tuple[int, int, int], torch.Tensor] = {}
         self.log: list[tuple[int, int, int, int]] = []
         self.cv = threading.Condition()
+        self.in_order = in_order
 
     def port(self, rank: int) -> _Port:
         return _Port(self, rank)
@@ -73,15 +75,18 @@ class _Read:
     def wait(self) -> None:
         with self.net.cv:
             assert self.net.cv.wait_for(lambda: self.key in self.net.messages, timeout=30)
+            if self.net.in_order:
+                pair = [k for k in self.net.messages if k[:2] == self.key[:2]]
+                assert pair[0] == self.key, f"{self.key} taken before {pair[0]} was"
             self.target.copy_(self.net.messages.pop(self.key).view_as(self.target))
 
 
-def _run(plan, sources, want, s0: int, d0: int, blend=None, bucket=4096):
+def _run(plan, sources, want, s0: int, d0: int, blend=None, bucket=4096, in_order=False):
     """Every rank's side of ``plan`` at once, a thread each, over a fake network (sources as
     ranks ``s0 + r``, destinations ``d0 + r``): what each destination got and received."""
     import rayhf.realloc.transport as transport
 
-    net = _Net()
+    net = _Net(in_order)
     got = {r: {k: torch.zeros_like(v) for k, v in w.items()} for r, w in want.items()}
     received: dict[int, int] = {}
 
@@ -130,7 +135,8 @@ def test_streams_rebuild_every_destination_through_relays(monkeypatch, direct_by
     full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
     plan = plan_realloc(spec, src, dst)
     want = _shards(spec, full, dst)
-    got, received, log = _run(plan, _shards(spec, full, src), want, 0, src.world_size)
+    sources = _shards(spec, full, src)
+    got, received, log = _run(plan, sources, want, 0, src.world_size, in_order=True)
     for r in want:
         assert all(torch.equal(got[r][k], want[r][k]) for k in want[r]), r
         assert received[r] == sum(t.nbytes for t in plan.for_dst(r))
