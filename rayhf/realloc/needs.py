@@ -21,7 +21,8 @@ the same for 2 layers as for 80.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from rayhf.models.sharding import (
     ParamShard,
@@ -53,10 +54,10 @@ class Content:
     needers: tuple[int, ...]  # destination ranks that need them
     cross: tuple[int, int] | None = None  # 2-D: the range along the other dim (None: all)
     src_view: View | None = None
+    total_bytes: int = field(init=False, compare=False)  # of every parameter's slice
 
-    @functools.cached_property
-    def total_bytes(self) -> int:
-        return self.nbytes * len(self.names)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", self.nbytes * len(self.names))
 
     def rows(self, lo: int, hi: int) -> Content:
         """Rows ``[lo, hi)`` of these (a row-major slice: offsets move with the start)."""
@@ -79,7 +80,7 @@ def held_ranges(p: ParamShard, tp: int, tp_rank: int) -> list[tuple[int, int]]:
     return shard_ranges(p, tp, tp_rank)
 
 
-def local_offset(ranges: list[tuple[int, int]], row: int) -> int:
+def local_offset(ranges: Sequence[tuple[int, int]], row: int) -> int:
     """Where full-parameter ``row`` sits in a shard made of ``ranges`` concatenated."""
     offset = 0
     for lo, hi in ranges:
@@ -119,7 +120,7 @@ def _contents(
     for (s_stage, stages), p, names in _classes(spec, src.pp, dst.pp):
         for d_stage in stages:
             for tp_rank in range(dst.tp):
-                wanted = held_ranges(p, dst.tp, tp_rank)
+                wanted = tuple(held_ranges(p, dst.tp, tp_rank))
                 if src_flat:
                     found = _flat_slices(p, names, src.dp, wanted, itemsize)
                 else:
@@ -143,15 +144,17 @@ def _classes(spec: ModelSpec, src_pp: int, dst_pp: int) -> list[tuple[tuple, Par
     return [(key[3:], ps[0], tuple(q.name for q in ps)) for key, ps in classes.items()]
 
 
+@functools.lru_cache(maxsize=16384)
 def _row_slices(
     p: ParamShard,
     names: tuple[str, ...],
     src: Layout,
     stage: int,
-    wanted: list[tuple[int, int]],
+    wanted: tuple[tuple[int, int], ...],
     itemsize: int,
 ) -> list[Content]:
-    """The ``wanted`` rows cut where the source's tp shards change."""
+    """The ``wanted`` rows cut where the source's tp shards change (cached: they depend on
+    the parameter's shape and the ranks, not on which layers)."""
     dim, out = split_dim(p), []
     row_bytes = p.numel // p.shape[dim] * itemsize
     for a, b in wanted:
@@ -173,8 +176,13 @@ def _row_slices(
     return out
 
 
+@functools.lru_cache(maxsize=16384)
 def _flat_slices(
-    p: ParamShard, names: tuple[str, ...], dp: int, wanted: list[tuple[int, int]], itemsize: int
+    p: ParamShard,
+    names: tuple[str, ...],
+    dp: int,
+    wanted: tuple[tuple[int, int], ...],
+    itemsize: int,
 ) -> list[Content]:
     """The ``wanted`` ranges of ``p``, each from the flat source rank(s) holding it, as
     rectangles of the parameter seen as ``[rows, cols]`` (a 1-D one as one row)."""

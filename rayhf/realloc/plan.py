@@ -75,10 +75,10 @@ class Stream:
     sender: int
     hops: Hops
     contents: tuple[Content, ...]
+    nbytes: int = field(init=False, compare=False)  # of every slice, once
 
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return sum(c.total_bytes for c in self.contents)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(c.total_bytes for c in self.contents))
 
     @property
     def receivers(self) -> tuple[int, ...]:
@@ -87,10 +87,7 @@ class Stream:
     @property
     def depth(self) -> int:
         """The most hops between the sender and a receiver."""
-        level = {SENDER: 0}
-        for a, b in self.hops:
-            level[b] = level[a] + 1
-        return max(level.values())
+        return _depth(self.hops)
 
 
 @dataclass
@@ -100,7 +97,7 @@ class ReallocPlan:
 
     src: Layout
     dst: Layout
-    streams: list[Stream] = field(default_factory=list)
+    routes: list[Route] = field(default_factory=list)  # (sender, hops, slices) per stream
     sent: dict[int, int] = field(default_factory=dict)  # device -> bytes to other devices
     received: dict[int, int] = field(default_factory=dict)  # device -> bytes from other devices
     local: dict[int, int] = field(default_factory=dict)  # device -> bytes between its processes
@@ -108,6 +105,11 @@ class ReallocPlan:
     # (where the greedy routing misses that, the least any routing through the devices that
     # hold or need each slice achieves: rayhf.realloc.balance)
     send_floor: int = 0
+    depth: int = 0  # the most hops between devices any slice takes (0: none crosses devices)
+
+    @functools.cached_property
+    def streams(self) -> list[Stream]:
+        return [Stream(i, h, hops, tuple(cs)) for i, (h, hops, cs) in enumerate(self.routes)]
 
     @property
     def total_bytes(self) -> int:
@@ -127,10 +129,6 @@ class ReallocPlan:
         """The fewest bytes the busiest device must send or receive: a move's lower bound."""
         return max(self.max_received, self.send_floor)
 
-    @property
-    def depth(self) -> int:
-        """The most hops between devices any slice takes (0: nothing crosses devices)."""
-        return max((s.depth for s in self.streams if not self.is_local(s)), default=0)
 
     def is_local(self, s: Stream) -> bool:
         """A copy between two processes on one device."""
@@ -251,19 +249,28 @@ def _load(spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bo
 
 def _plan(src: Layout, dst: Layout, routes: list[Route], floor: int) -> ReallocPlan:
     """The plan of ``routes``, with what each device sends and receives."""
-    plan = ReallocPlan(src, dst, send_floor=floor)
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
     local: dict[int, int] = defaultdict(int)
-    for i, (sender, hops, cs) in enumerate(routes):
-        s = Stream(i, sender, hops, tuple(cs))
-        plan.streams.append(s)
+    depth = 0
+    for sender, hops, cs in routes:
+        nbytes = sum(c.total_bytes for c in cs)
+        crossed = False
         for a, b in hops:
-            here = src.mesh[sender] if a == SENDER else dst.mesh[a]
-            if here == dst.mesh[b]:
-                local[here] += s.nbytes
+            here, there = src.mesh[sender] if a == SENDER else dst.mesh[a], dst.mesh[b]
+            if here == there:
+                local[here] += nbytes
             else:
-                sent[here] += s.nbytes
-                received[dst.mesh[b]] += s.nbytes
-    plan.sent, plan.received, plan.local = dict(sent), dict(received), dict(local)
-    return plan
+                sent[here] += nbytes
+                received[there] += nbytes
+                crossed = True
+        if crossed:
+            depth = max(depth, _depth(hops))
+    return ReallocPlan(src, dst, routes, dict(sent), dict(received), dict(local), floor, depth)
+
+
+def _depth(hops: Hops) -> int:
+    level = {SENDER: 0}
+    for a, b in hops:
+        level[b] = level[a] + 1
+    return max(level.values())

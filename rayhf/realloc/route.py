@@ -32,20 +32,23 @@ def chain(*ranks: int) -> Hops:
 def split_local(found: list[Content], src: Layout, dst: Layout) -> tuple[list[Route], list[Group]]:
     """Local copies (a needer on a device that holds the slices gets them from the holder
     there, by (holder, needer)), and the groups the other needers form."""
+    alike: dict[tuple, list[Content]] = defaultdict(list)  # slices with the same ranks
+    for c in found:
+        alike[c.holders, c.needers].append(c)
     local: dict[tuple[int, int], list[Content]] = defaultdict(list)
     remote: dict[tuple, list[Content]] = defaultdict(list)
-    for c in found:
-        on_device = {src.mesh[h]: h for h in reversed(c.holders)}  # the first holder there
+    for (holders, needers), cs in alike.items():
+        on_device = {src.mesh[h]: h for h in reversed(holders)}  # the first holder there
         far = []
-        for n in c.needers:
+        for n in needers:
             h = on_device.get(dst.mesh[n])
             if h is None:
                 far.append(n)
             else:
-                local[h, n].append(c)
+                local[h, n] += cs
         if far:
-            remote[c.holders, tuple(far)].append(c)
-    copies = [(h, chain(n), cs) for (h, n), cs in local.items()]
+            remote[holders, tuple(far)] += cs
+    copies: list[Route] = [(h, ((SENDER, n),), cs) for (h, n), cs in local.items()]
     return copies, [(holders, needers, cs) for (holders, needers), cs in remote.items()]
 
 
@@ -92,6 +95,10 @@ def _shares(
     # slices with fewer holders first: the rest then even out what those forced
     for holders, needers, cs in sorted(groups, key=lambda g: len(g[0])):
         copies = 1 if relay else len(needers)
+        if len(holders) == 1:  # nothing to even out
+            out[holders[0], needers] += cs
+            load[src.mesh[holders[0]]] += total_bytes(cs) * copies
+            continue
         for c in sorted(cs, key=lambda c: -c.total_bytes):  # the small ones even out the rest
             for h, part in _fill(c, holders, src, load, copies):
                 load[src.mesh[h]] += part.total_bytes * copies

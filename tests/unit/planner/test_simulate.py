@@ -15,8 +15,9 @@ from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.hardware import cpu_cluster, parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.search import energy
-from rayhf.planner.simulate import simulate
+from rayhf.planner.simulate import realloc_seconds, simulate
 from rayhf.planner.step import StepOptions
+from rayhf.realloc.plan import CHUNK_BYTES, plan_realloc
 
 
 def _plan(layout_of) -> Plan:
@@ -51,6 +52,28 @@ def test_reallocation_appears_when_a_role_changes_layout():
     sim = simulate(GRAPH, plan, SPECS, WORKS, cost, n_iterations=2)
     moves = [s for s in sim.spans if s.name == "realloc:actor_gen"]
     assert len(moves) == 2 and all(m.end > m.start for m in moves)
+
+
+def test_a_move_is_priced_as_the_plan_routes_it():
+    """The busiest device's bytes at the link bandwidth, the relays' pipeline fill and a
+    latency per hop: one device to eight replicas costs one copy of the model, not seven."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec = public_shape("llama2-7b")
+    one, eight = Layout((0,), 1), Layout(tuple(range(8)), 8)
+    plan = plan_realloc(spec, one, eight, cost.weight_bytes(spec))
+    assert plan.max_sent == plan.max_received and plan.depth == 7
+    bw, hop = cost.cluster.bandwidth(tuple(range(8))), cost.cluster.link_latency
+    local = plan.local[0]  # device 0 also copies the model into its own replica
+    want = (plan.max_sent + local + 6 * CHUNK_BYTES) / bw + 7 * hop
+    assert realloc_seconds(cost, spec, one, eight) == pytest.approx(want)
+    assert realloc_seconds(cost, spec, one, eight) < 3 * plan.max_received / bw  # not 7 + 1
+    # from ZeRO-3's flat slices on the eight devices (each holds an eighth of every tensor)
+    tp2 = Layout((0, 1), 1, 2)
+    plan = plan_realloc(spec, eight, tp2, cost.weight_bytes(spec), src_flat=True)
+    busiest = max(max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0)
+                  for d in range(8))  # fmt: skip
+    want = (busiest + max(0, plan.depth - 1) * CHUNK_BYTES) / bw + max(1, plan.depth) * hop
+    assert realloc_seconds(cost, spec, eight, tp2, True) == pytest.approx(want)
 
 
 def test_a_plan_over_memory_is_infeasible():
