@@ -70,8 +70,9 @@ def _wait_idle(limit_s: float = 600.0) -> None:
 def run(mode: str, args: argparse.Namespace) -> dict:
     """One fresh process in ``mode``: its syncs' seconds and the CPU-seconds others took."""
     _wait_idle()
-    cmd = [sys.executable, __file__, "--child", mode, "--syncs", str(args.syncs),
-           "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab)]  # fmt: skip
+    sizes = {"--syncs": args.syncs, "--hidden": args.hidden, "--layers": args.layers,
+             "--vocab": args.vocab}  # fmt: skip
+    cmd = [sys.executable, __file__, "--child", mode, *(str(x) for kv in sizes.items() for x in kv)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     busy, before = _busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout

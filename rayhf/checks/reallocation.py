@@ -1,6 +1,7 @@
 """Bit-exactness check of reallocation over sampled layout pairs, with real processes.
 
-``python -m rayhf.checks.reallocation OUT.json [--pairs 50] [--seed 0]`` starts 8 gloo processes:
+``python -m rayhf.checks.reallocation OUT.json [--pairs 50] [--seed 0] [--device cpu]`` starts 8
+gloo processes:
 ranks 0-3 hold a source layout, ranks 4-7 a destination layout (separate processes, as role
 groups are). For each family and each sampled (source, destination) pair over meshes of 1-4
 devices, the source holds a randomly initialized model (as tp/pp shards, or as ZeRO-3's flat
@@ -9,7 +10,9 @@ every destination replica reports whether its shards equal the originals' bit fo
 whether the whole model it gathers back (``RankModel.full_state``) does; each replica's logits
 are compared with the whole model's. The pairs are drawn class by class so
 every class is covered: expand, shrink, equal, overlapping and disjoint meshes, tp <-> pp, and a
-ZeRO-3 flat source. ``tests/integration/test_realloc_exec.py`` asserts on it.
+ZeRO-3 flat source. ``tests/integration/test_realloc_exec.py`` asserts on it; with ``--device
+cuda`` the models live on the one GPU all processes share, and the transfer group stages GPU
+tensors through host memory (``tests/integration/test_gpu.py``).
 """
 
 from __future__ import annotations
@@ -96,19 +99,19 @@ class _FlatSource:
     """A ZeRO-3 rank's slices: elements ``[r * ceil(n/dp), (r+1) * ceil(n/dp))`` of every
     flattened parameter, the last padded."""
 
-    def __init__(self, full: dict[str, torch.Tensor], dp: int, rank: int) -> None:
+    def __init__(self, full: dict[str, torch.Tensor], dp: int, rank: int, device: str) -> None:
         self.shards = {}
         for name, t in full.items():
             part = -(-t.numel() // dp)
             padded = torch.cat([t.reshape(-1), t.new_zeros(part * dp - t.numel())])
-            self.shards[name] = padded[rank * part : (rank + 1) * part].clone()
+            self.shards[name] = padded[rank * part : (rank + 1) * part].to(device, copy=True)
 
     def source_shards(self) -> dict[str, torch.Tensor]:
         return self.shards
 
 
 def _one_pair(
-    family: str, src: Layout, dst: Layout, flat: bool, rank: int, group
+    family: str, src: Layout, dst: Layout, flat: bool, rank: int, group, device: str
 ) -> dict[str, Any] | None:
     from rayhf.engines.rank_model import RankModel
     from rayhf.models.spec import model_spec
@@ -127,35 +130,36 @@ def _one_pair(
     mine: dict[str, Any] = {}
     if rank < src.world_size:
         source: Any = (
-            _FlatSource(full, src.dp, rank)
+            _FlatSource(full, src.dp, rank, device)
             if flat
-            else RankModel.from_hf(whole, Tok(), False, groups=src_groups)
+            else RankModel.from_hf(whole, Tok(), False, groups=src_groups, device=device)
         )
         send_from(group, source, _by_peer(plan.for_src(rank), lambda t: DST0 + t.dst))
     elif DST0 <= rank < DST0 + dst.world_size:
         r = rank - DST0
-        model = RankModel(whole.config, None, Tok(), False, groups=dst_groups)
+        model = RankModel(whole.config, None, Tok(), False, groups=dst_groups, device=device)
         incoming = _by_peer(plan.for_dst(r), lambda t: (DST0 if t.relay else 0) + t.src)
         forward = _by_peer(plan.relays_from(r), lambda t: DST0 + t.dst)
         receive_into(group, model, incoming, forward=forward)
         mine["exact"] = _shards_exact(model, spec, full, dst, r)
         gathered = model.full_state()  # the whole model, gathered over the replica as tensors
         mine["whole"] = gathered.keys() == full.keys() and all(
-            torch.equal(gathered[k], full[k]) for k in full
+            torch.equal(gathered[k].cpu(), full[k]) for k in full
         )
         with torch.no_grad():
             logits = model.forward(ids, mask)
-        mine["logits"] = logits if dst_groups.is_head else None
+        mine["logits"] = logits.cpu() if dst_groups.is_head else None
     results: list[Any] = [None] * POOL
     dist.all_gather_object(results, mine)
     if rank != DST0:
         return None
     with torch.no_grad():
-        want = RankModel.from_hf(whole, Tok(), False).forward(ids, mask)
+        want = RankModel.from_hf(whole, Tok(), False, device=device).forward(ids, mask).cpu()
     ranks = results[DST0 : DST0 + dst.world_size]
     heads = [x["logits"] for x in ranks if x["logits"] is not None]
     return {
         "family": family,
+        "device": device,
         "src": [list(src.mesh), src.dp, src.tp, src.pp],
         "dst": [list(dst.mesh), dst.dp, dst.tp, dst.pp],
         "flat": flat,
@@ -180,7 +184,7 @@ def _shards_exact(model, spec, full: dict[str, torch.Tensor], dst: Layout, r: in
     shards = {p.name: p for p in param_shards(spec)}
     held = model.receive_buffers()
     return bool(held) and all(
-        torch.equal(t, take_shard(full[name], shards[name], dst.tp, tp_rank))
+        torch.equal(t.cpu(), take_shard(full[name], shards[name], dst.tp, tp_rank))
         for name, t in held.items()
     )
 
@@ -192,17 +196,19 @@ def _by_peer(transfers: list, peer_of) -> dict[int, list]:
     return out
 
 
-def _worker(rank: int, address: str, store_address: str, pairs: list, out: str) -> None:
+def _worker(
+    rank: int, address: str, store_address: str, pairs: list, out: str, device: str
+) -> None:
     from rayhf.models.hf import quiet_transformers
     from rayhf.realloc.transport import TransferGroup
 
     torch.set_num_threads(1)
     quiet_transformers()
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=POOL)
-    group = TransferGroup(store_address, rank, POOL)
+    group = TransferGroup(store_address, rank, POOL, device, shared_devices=True)
     rows = []
     for family, src, dst, flat in pairs:
-        row = _one_pair(family, src, dst, flat, rank, group)
+        row = _one_pair(family, src, dst, flat, rank, group, device)
         if row is not None:
             rows.append(row)
     if rank == DST0:
@@ -219,13 +225,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out")
     parser.add_argument("--pairs", type=int, default=50, help="per family")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: every process on GPU 0")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     jobs = []
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
         jobs += [(family, *pair) for pair in sample_pairs(spec, args.pairs, args.seed)]
-    mp.spawn(_worker, args=(free_address(), free_address(), jobs, args.out), nprocs=POOL)
+    addresses = (free_address(), free_address())
+    mp.spawn(_worker, args=(*addresses, jobs, args.out, args.device), nprocs=POOL)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import contextmanager
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from math import prod
 from typing import Any
 

@@ -83,6 +83,23 @@ def test_role_groups_on_one_gpu_move_weights_through_host_memory():
     assert [p.exitcode for p in procs] == [0, 0]
 
 
+def test_relayed_reallocation_of_gpu_tensors_is_bit_exact_on_every_rank(tmp_path):
+    """The reallocation harness with every model on the GPU: 8 processes share it, so the
+    transfer group stages each message through host memory, relays forwarding what they got;
+    every destination rank's shards and gathered model equal the source's bit for bit."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "rayhf.checks.reallocation", str(out), "--pairs", "16"]
+    subprocess.run([*cmd, "--device", "cuda"], check=True, timeout=600)
+    rows = json.loads(out.read_text())
+    assert len(rows) == 32 and {r["device"] for r in rows} == {"cuda"}
+    assert any(r["relayed"] for r in rows) and any(r["flat"] for r in rows)
+    for r in rows:
+        pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']})"
+        assert r["bit_exact"] and r["gathered_exact"], pair
+        assert r["ranks_checked"] == r["dst"][1] * r["dst"][2] * r["dst"][3], pair
+        assert r["logits"] < 1e-5, f"{pair}: logits off by {r['logits']:.2e}"
+
+
 @pytest.mark.parametrize("executor", ["plain", "compiled"])
 def test_ppo_on_one_gpu(tmp_path, executor):
     """`rayhf run` with cluster.device=cuda: every role on the one GPU in bf16 (auto), the
