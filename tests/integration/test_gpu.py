@@ -97,7 +97,6 @@ def test_relayed_reallocation_of_gpu_tensors_is_bit_exact_on_every_rank(tmp_path
         pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']})"
         assert r["bit_exact"] and r["gathered_exact"], pair
         assert r["ranks_checked"] == r["dst"][1] * r["dst"][2] * r["dst"][3], pair
-        assert r["logits"] < 1e-5, f"{pair}: logits off by {r['logits']:.2e}"
 
 
 @pytest.mark.parametrize("executor", ["plain", "compiled"])
