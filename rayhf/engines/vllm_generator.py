@@ -25,7 +25,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -71,15 +71,10 @@ def check_vllm(call: str, role: str, layout: Layout, head_dim: int, device: str)
 
 
 def _reload(
-    worker: Any,
-    weights: list[tuple[str, torch.Tensor]],
-    check: bool,
-    skip: frozenset[str],
-    pool: Executor | None = None,
+    worker: Any, weights: list[tuple[str, torch.Tensor]], check: bool, skip: frozenset[str]
 ) -> HeldWeights | None:
     """Runs inside vLLM's worker (``collective_rpc``): load in-memory weights into the model;
-    with ``check``, report what the model holds of them afterwards (``skip``: need not hold;
-    ``pool``: the rank's thread for the checksums, when the worker runs in the rank's process)."""
+    with ``check``, report what the model holds of them afterwards (``skip``: need not hold)."""
 
     def reload() -> None:
         worker.model_runner.reload_weights(weights_iterator=iter(weights))
@@ -88,11 +83,7 @@ def _reload(
         reload()
         return None
     sent = {name: tuple(t.shape) for name, t in weights}
-    return held_after(worker.model_runner.get_model(), reload, sent, skip, pool)
-
-
-def _pid(worker: Any) -> int:
-    return os.getpid()
+    return held_after(worker.model_runner.get_model(), reload, sent, skip)
 
 
 class VllmEngine:
@@ -119,22 +110,17 @@ class VllmEngine:
             enable_sleep_mode=sleeps and not current_platform.is_cpu(),  # CPU: not needed
         )  # the device is vLLM's platform: the CPU build runs on CPU, the GPU build on CUDA
         self._vllm = vllm
-        # vLLM's worker runs in this process unless VLLM_ENABLE_V1_MULTIPROCESSING=1
-        self.in_process = self.llm.collective_rpc(_pid, args=()) == [os.getpid()]
 
     def load_weights(
         self,
         weights: Iterable[tuple[str, torch.Tensor]],
         check: bool = False,
         skip: frozenset[str] = frozenset(),
-        pool: Executor | None = None,
     ) -> HeldWeights | None:
         """Replace the model's weights by ``weights`` (Hugging Face names, whole tensors); with
-        ``check``, what vLLM holds of them afterwards (``skip``: tensors it need not hold;
-        ``pool``: a thread to checksum on, used when vLLM's worker runs in this process)."""
+        ``check``, what vLLM holds of them afterwards (``skip``: tensors it need not hold)."""
         self._wake()
-        pool = pool if self.in_process else None  # a thread cannot cross to another process
-        (held,) = self.llm.collective_rpc(_reload, args=(list(weights), check, skip, pool))
+        (held,) = self.llm.collective_rpc(_reload, args=(list(weights), check, skip))
         return held
 
     def generate(
@@ -206,12 +192,11 @@ class VllmGenerator:
         return time.perf_counter() - began
 
     def _load_and_check(self, weights: dict[str, torch.Tensor]) -> None:
-        # one thread takes the checksums while vLLM loads: the rank's first, then each of
-        # vLLM's repacked parameters as vLLM's worker (when in this process) hands it over;
-        # off the sync's path where a core is free (docs/decisions.md has what this costs)
-        with ThreadPoolExecutor(1, thread_name_prefix="rayhf-sync-check") as pool:
+        # the rank's checksums are taken on a thread while vLLM loads, off the sync's path
+        # where a core is free (docs/decisions.md has what the check costs)
+        with ThreadPoolExecutor(1) as pool:
             sums = pool.submit(sent_checksums, weights, self.vllm.dtype)
-            held = self.vllm.load_weights(weights.items(), True, self._tied, pool)
+            held = self.vllm.load_weights(weights.items(), check=True, skip=self._tied)
         assert held is not None
         fields = " and ".join(f"engines.{call}.check_sync" for call in self.checked_by)
         verify(held, weights, f"set {fields}: false to skip this check", sums.result())

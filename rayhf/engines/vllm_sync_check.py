@@ -18,10 +18,8 @@ widen, to int32: a sum wrapping at 2**16 would miss too many multi-value changes
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from math import prod
 from typing import Any
 
@@ -40,8 +38,6 @@ def modulus(dtype: torch.dtype) -> int:
 
 def checksum(t: torch.Tensor) -> int:
     """The sum of ``t``'s values' bit patterns as integers, modulo ``modulus(t.dtype)``."""
-    # as few torch calls as can be: each hands the GIL over, which the thread that vLLM loads
-    # on waits for when these run beside it
     bits = (t if t.is_contiguous() else t.contiguous()).view(_INT_OF_SIZE[t.element_size()])
     acc = torch.int64 if t.element_size() == 8 else torch.int32  # int32 wraps in place
     return bits.sum(dtype=acc).item() % modulus(t.dtype)
@@ -156,41 +152,35 @@ def held_after(
     reload: Callable[[], None],
     sent: Mapping[str, Sequence[int]],
     skip: Collection[str],
-    pool: Executor | None = None,
 ) -> HeldWeights:
     """Run ``reload`` and report what ``model`` (vLLM's) holds of the ``sent`` tensors (name ->
     shape) afterwards; ``skip``: sent tensors vLLM need not hold (a head tied to the embedding).
-    Runs inside vLLM's worker. ``pool``: a thread of this process that sums each repacked
-    parameter while vLLM loads the next (None: summed here, as it is repacked)."""
+    Runs inside vLLM's worker."""
     packed = getattr(model, "packed_modules_mapping", None) or {}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     rename = getattr(mapper, "map_name", None)
     names = [name for name, _ in model.named_parameters()]
     parts, unused = targets(names, packed, sent, rename)
 
-    def held(name: str, p: torch.Tensor, pool: Executor | None = None) -> Callable[[], Held]:
+    def held(name: str, p: torch.Tensor) -> Held:
         group = group_of(name, p.shape, parts.get(name, ()), sent)
         if group.problem:
-            return partial(Held, group, p.dtype, None)
-        values = p[: group.rows] if group.rows else p
-        if pool is None:
-            return partial(Held, group, p.dtype, checksum(values))
-        summed = pool.submit(checksum, values)  # which keeps ``values`` until summed
-        return lambda: Held(group, p.dtype, summed.result())
+            return Held(group, p.dtype, None)
+        return Held(group, p.dtype, checksum(p[: group.rows] if group.rows else p))
 
-    repacked: dict[str, Callable[[], Held]] = {}
+    repacked: dict[str, Held] = {}
 
     def take(name: str, loaded: torch.Tensor) -> None:
-        repacked[name] = held(name, loaded, pool)
+        repacked[name] = held(name, loaded)
 
     with _on_repacking(model, take):
         reload()
     params = []
     for name, p in model.named_parameters():
         if p.numel() > 0:
-            params.append(held(name, p)())
+            params.append(held(name, p))
         elif name in repacked:  # what was loaded is what its kernel holds
-            params.append(repacked[name]())
+            params.append(repacked[name])
         else:  # emptied by an earlier load and not loaded again by this one
             params.append(Held(_unloaded(name, parts.get(name, ())), p.dtype, None))
     unused = tuple(n for n in unused if n not in skip)

@@ -97,21 +97,21 @@ def test_a_broken_sync_is_named_in_one_line(tmp_path, vllm_here, monkeypatch):
     reload, held_after = vg._reload, vg.held_after
     k = "model.layers.1.self_attn.k_proj.weight"
 
-    def flip_one_sent_value(worker, weights, *rest):  # after the rank's copy, before vLLM
+    def flip_one_sent_value(worker, weights, check, skip):  # after the rank's copy, before vLLM
         weights = [(n, _flipped(t) if n == k else t) for n, t in weights]
-        return reload(worker, weights, *rest)
+        return reload(worker, weights, check, skip)
 
-    def flip_one_held_value(model, load, *rest):  # in vLLM, after it loaded
+    def flip_one_held_value(model, load, sent, skip):  # in vLLM, after it loaded
         def load_and_flip():
             load()
             with torch.no_grad():
                 model.model.norm.weight[3] += 1.0
 
-        return held_after(model, load_and_flip, *rest)
+        return held_after(model, load_and_flip, sent, skip)
 
-    def drop(worker, weights, *rest):
+    def drop(worker, weights, check, skip):
         weights = [(n, t) for n, t in weights if "layers.0.mlp.down_proj" not in n]
-        return reload(worker, weights, *rest)
+        return reload(worker, weights, check, skip)
 
     qkv = "model.layers.1.self_attn.qkv_proj.weight"
     fused = f"{qkv} (from {k.replace('k_proj', 'q_proj')}, {k}, {k.replace('k_proj', 'v_proj')})"

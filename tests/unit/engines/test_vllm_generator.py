@@ -213,7 +213,7 @@ class FakeEngine:
         self.held: sc.HeldWeights | None = None  # what a checked load reports
         self.checks: list[tuple[bool, frozenset[str]]] = []
 
-    def load_weights(self, weights, check=False, skip=frozenset(), pool=None):
+    def load_weights(self, weights, check=False, skip=frozenset()):
         self.loads.append(dict(weights))
         self.checks.append((check, skip))
         return self.held if check else None

@@ -4,9 +4,6 @@ reload (its CPU kernels' repacking included), and the one-line error naming the 
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 from torch import nn
@@ -168,25 +165,6 @@ def test_a_good_reload_is_reported_and_passes():
     unskipped = sc.held_after(model, lambda: model.load(weights), shapes, ())
     with pytest.raises(RayhfError, match=r"lm_head\.weight is sent but no parameter of VllmLike"):
         sc.verify(unskipped, weights, HINT)
-
-
-def test_a_pool_sums_the_repacked_parameters_while_the_reload_goes_on(monkeypatch):
-    model, weights = VllmLike(), sent_weights()
-    summed_on: dict[tuple[int, ...], str] = {}
-    checksum = sc.checksum
-
-    def recorded(t):
-        summed_on[tuple(t.shape)] = threading.current_thread().name
-        return checksum(t)
-
-    monkeypatch.setattr(sc, "checksum", recorded)
-    shapes = {n: tuple(t.shape) for n, t in weights.items()}
-    with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
-        held = sc.held_after(model, lambda: model.load(weights), shapes, {HEAD}, pool)
-    assert summed_on[(8, 4)].startswith("pool")  # the repacked qkv, emptied before the report
-    assert summed_on[(4,)] == threading.current_thread().name  # kept: read after the reload
-    assert held == held_after(VllmLike(), weights)  # the same report as summed inline
-    sc.verify(held, weights, HINT)
 
 
 def test_bf16_vllm_weights_compare_with_the_sent_tensors_cast_to_bf16():
