@@ -40,7 +40,7 @@ def checksum(t: torch.Tensor) -> int:
     """The sum of ``t``'s values' bit patterns as integers, modulo ``modulus(t.dtype)``."""
     bits = (t if t.is_contiguous() else t.contiguous()).view(_INT_OF_SIZE[t.element_size()])
     acc = torch.int64 if t.element_size() == 8 else torch.int32  # int32 wraps in place
-    return bits.sum(dtype=acc).item() % modulus(t.dtype)
+    return int(bits.sum(dtype=acc).item()) % modulus(t.dtype)
 
 
 Rename = Callable[[str], str | None]  # a sent name -> vLLM's (None: vLLM drops the tensor)

@@ -34,7 +34,7 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.step import StepOptions, Unit, carried, plan_step
-from rayhf.realloc.plan import CHUNK_BYTES, move_load
+from rayhf.realloc.plan import move_load
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,11 @@ def realloc_seconds(
     ZeRO-3 source), in the destination's weight dtype (``rayhf.realloc.mover``: a bf16 copy
     receives bf16): the busiest device's bytes (what it sends or receives across devices,
     whichever is more, plus what it copies between its own processes) at the link bandwidth,
-    the relays' pipeline fill (a message per hop past the first) and a latency per hop."""
+    the relays' pipeline fill (a stream's first message, up to 4 MiB, per hop past the first)
+    and a latency per hop."""
     load = move_load(spec, src, dst, cost.weight_bytes(spec), flat)
-    fill = max(0, load.depth - 1) * CHUNK_BYTES
     bandwidth = cost.cluster.bandwidth(tuple(sorted(set(src.mesh) | set(dst.mesh))))
-    return (load.busiest + fill) / bandwidth + max(1, load.depth) * cost.cluster.link_latency
+    return (load.busiest + load.fill) / bandwidth + max(1, load.depth) * cost.cluster.link_latency
 
 
 def simulate(

@@ -217,11 +217,13 @@ def plan_realloc(
 @dataclass(frozen=True)
 class MoveLoad:
     """What prices a move: the bytes the busiest device moves (what it sends or receives across
-    devices, whichever is more, plus what it copies between its own processes) and the most
-    hops a slice takes (a relay pipeline's depth)."""
+    devices, whichever is more, plus what it copies between its own processes), the most hops a
+    slice takes (a relay pipeline's depth) and the pipeline's fill: the most bytes a stream's
+    last hop waits for, its first message (up to ``CHUNK_BYTES``) once per hop before it."""
 
     busiest: int
     depth: int
+    fill: int
 
 
 def move_load(
@@ -243,7 +245,23 @@ def _load(spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bo
         (max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0) for d in devices),
         default=0,
     )
-    return MoveLoad(busiest, plan.depth)
+    return MoveLoad(busiest, plan.depth, _fill(plan))
+
+
+def _fill(plan: ReallocPlan) -> int:
+    """The most bytes a relayed stream's last receiver waits for before its stream flows: the
+    first message, up to ``CHUNK_BYTES``, once per hop before the last."""
+    fill = 0
+    for sender, hops, cs in plan.routes:
+        if _crosses(plan.src, plan.dst, sender, hops):
+            first = min(CHUNK_BYTES, sum(c.total_bytes for c in cs))
+            fill = max(fill, (_depth(hops) - 1) * first)
+    return fill
+
+
+def _crosses(src: Layout, dst: Layout, sender: int, hops: Hops) -> bool:
+    """Whether any hop of a route goes from one device to another."""
+    return any((src.mesh[sender] if a == SENDER else dst.mesh[a]) != dst.mesh[b] for a, b in hops)
 
 
 def _plan(src: Layout, dst: Layout, routes: list[Route], floor: int) -> ReallocPlan:

@@ -9,7 +9,9 @@ import itertools
 import pytest
 from planner_support import GRAPH, SPECS, WORKS
 
+from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.shapes import public_shape
+from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.hardware import cpu_cluster, parse_cluster
@@ -72,8 +74,33 @@ def test_a_move_is_priced_as_the_plan_routes_it():
     plan = plan_realloc(spec, eight, tp2, cost.weight_bytes(spec), src_flat=True)
     busiest = max(max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0)
                   for d in range(8))  # fmt: skip
-    want = (busiest + max(0, plan.depth - 1) * CHUNK_BYTES) / bw + max(1, plan.depth) * hop
+    fill = max(_hops_before_last(s) * min(CHUNK_BYTES, s.nbytes) for s in plan.streams)
+    want = (busiest + fill) / bw + max(1, plan.depth) * hop
     assert realloc_seconds(cost, spec, eight, tp2, True) == pytest.approx(want)
+
+
+def test_a_small_relayed_stream_fills_the_pipeline_with_itself_not_a_whole_message():
+    """A stream smaller than a message is its own first message: the relays wait for it, not
+    for 4 MiB, once per hop before the last."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    one, eight = Layout((0,), 1), Layout(tuple(range(8)), 8)
+    init = ModelInit(family="llama", n_layers=2, hidden_size=32, n_heads=4, n_kv_heads=2)
+    spec = model_spec(hf_config(init, 37, 0, 2, 1), value_head=False)
+    plan = plan_realloc(spec, one, eight, cost.weight_bytes(spec))
+    assert plan.depth == 7 and max(s.nbytes for s in plan.streams) < CHUNK_BYTES
+    fill = max(_hops_before_last(s) * s.nbytes for s in plan.streams if not plan.is_local(s))
+    bw, hop = cost.cluster.bandwidth(tuple(range(8))), cost.cluster.link_latency
+    want = (plan.max_sent + plan.local[0] + fill) / bw + 7 * hop
+    assert realloc_seconds(cost, spec, one, eight) == pytest.approx(want)
+    assert fill < 6 * CHUNK_BYTES
+
+
+def _hops_before_last(s) -> int:
+    """A stream's depth (its hops form a tree from the sender, -1) less one."""
+    level = {-1: 0}
+    for a, b in s.hops:
+        level[b] = level[a] + 1
+    return max(level.values()) - 1
 
 
 def test_a_plan_over_memory_is_infeasible():
