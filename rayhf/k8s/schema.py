@@ -22,6 +22,8 @@ import copy
 import functools
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -81,8 +83,12 @@ class CRDSet:
 
     @classmethod
     def load(cls, directory: str | Path | None = None) -> CRDSet:
-        """Read every CustomResourceDefinition in ``directory`` (*.yaml); cached per path."""
+        """Read every CustomResourceDefinition in ``directory`` (*.yaml; cached per path); with
+        none given and none in ``default_crd_dir()``, KubeRay's CRDs from the cluster that
+        kubectl's current context points at."""
         path = Path(directory) if directory is not None else default_crd_dir()
+        if directory is None and not any(path.glob("*.yaml")) and shutil.which("kubectl"):
+            return _crds_from_cluster()
         return _load_crds(str(path.resolve()))
 
     def schema_for(self, api_version: str, kind: str) -> dict[str, Any] | None:
@@ -90,21 +96,53 @@ class CRDSet:
         return self.schemas.get((api_version, kind))
 
 
+KUBERAY_CRDS = ("rayclusters.ray.io", "rayjobs.ray.io", "rayservices.ray.io")
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 4 MB of CRDs: 2 s in C, 30 s not
+
+
 @functools.lru_cache(maxsize=4)
 def _load_crds(directory: str) -> CRDSet:
     files = sorted(Path(directory).glob("*.yaml")) if Path(directory).is_dir() else []
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 4 MB of CRDs: 2 s in C, 30 s not
-    schemas: dict[tuple[str, str], dict[str, Any]] = {}
-    for file in files:
-        for doc in yaml.load_all(file.read_text(), Loader=loader):
-            if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition":
-                schemas.update(_served_schemas(doc))
+    schemas = _schemas(doc for file in files for doc in yaml.load_all(file.read_text(), _LOADER))
     if not schemas:
         raise RayhfError(
             f"no CustomResourceDefinitions in {directory}: pass --crds DIR with KubeRay's CRD "
-            f"files (ray-operator/config/crd/bases in a KubeRay {KUBERAY_VERSION} checkout)"
+            f"files (ray-operator/config/crd/bases in a KubeRay {KUBERAY_VERSION} checkout), "
+            "or install kubectl with a kubeconfig for a cluster that runs KubeRay"
         )
     return CRDSet(schemas=schemas, source=directory)
+
+
+@functools.lru_cache(maxsize=1)
+def _crds_from_cluster() -> CRDSet:
+    """KubeRay's CRDs as the API server serves them (``kubectl get crd ... -o yaml``)."""
+    cmd = ["kubectl", "get", "crd", *KUBERAY_CRDS, "-o", "yaml"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess(cmd, 1, "", "no answer in 60 s")
+    said = (done.stderr.strip().splitlines() or ["no CRDs"])[-1]
+    docs = yaml.load_all(done.stdout, _LOADER) if done.returncode == 0 else iter(())
+    schemas = _schemas(item for doc in docs if isinstance(doc, dict) for item in _items(doc))
+    if not schemas:
+        raise RayhfError(
+            f"`{' '.join(cmd)}` gave no KubeRay CRDs ({said}): pass --crds DIR with KubeRay's "
+            f"CRD files (ray-operator/config/crd/bases in a KubeRay {KUBERAY_VERSION} checkout)"
+        )
+    return CRDSet(schemas=schemas, source="kubectl get crd")
+
+
+def _items(doc: dict[str, Any]) -> list[Any]:
+    """A ``kind: List``'s items, or the document itself."""
+    return doc.get("items") or [] if doc.get("kind") == "List" else [doc]
+
+
+def _schemas(docs: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    schemas: dict[tuple[str, str], dict[str, Any]] = {}
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition":
+            schemas.update(_served_schemas(doc))
+    return schemas
 
 
 def _served_schemas(crd: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:

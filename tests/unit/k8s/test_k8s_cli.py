@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import yaml
@@ -39,3 +40,59 @@ def test_cli_validate_reports_errors_and_exit_code(job: dict, tmp_path: Path) ->
         app, ["validate", str(tmp_path / "missing.yaml"), "--crds", str(CRD_DIR)]
     )
     assert isinstance(result.exception, RayhfError) and "no such file" in str(result.exception)
+
+
+def _user_without_crds(tmp_path: Path, monkeypatch, kubectl: str | None) -> None:
+    """No CRD directory anywhere; ``kubectl`` (a script body) the only one on PATH, or none."""
+    from rayhf.k8s import schema
+
+    monkeypatch.delenv("RAYHF_KUBERAY_CRDS", raising=False)
+    monkeypatch.setenv("RAYHF_SHARED_DIR", str(tmp_path / "no-shared"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    if kubectl is not None:
+        (bin_dir / "kubectl").write_text(f"#!/bin/sh\n{kubectl}\n")
+        (bin_dir / "kubectl").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    schema._crds_from_cluster.cache_clear()
+
+
+def test_validate_reads_kuberays_crds_from_the_cluster_through_kubectl(
+    job: dict, tmp_path: Path, monkeypatch
+) -> None:
+    """A user without the CRD files: ``kubectl get crd ... -o yaml`` (here a script printing
+    KubeRay's CRDs as the List the API server returns) gives the schemas, and a bad field is
+    still found."""
+    crds = [d for f in sorted(CRD_DIR.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
+    listing = tmp_path / "list.yaml"
+    listing.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": crds}))
+    args = tmp_path / "args"
+    cat = shutil.which("cat")  # PATH will hold the fake kubectl alone
+    _user_without_crds(tmp_path, monkeypatch, f'echo "$@" > {args}; {cat} {listing}')
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump(job))
+    _worker(job)["replicas"] = "two"
+    bad.write_text(yaml.safe_dump(job))
+    result = CliRunner().invoke(app, ["validate", str(good), str(bad)])
+    assert result.exit_code == 1, result.output
+    assert f"{good}: OK (1 validated)" in result.output
+    assert f"{bad}: RayJob ppo-tiny: {WORKER}.replicas: must be an integer" in result.output
+    want = "get crd rayclusters.ray.io rayjobs.ray.io rayservices.ray.io -o yaml"
+    assert args.read_text().strip() == want
+
+
+def test_validate_without_crds_says_in_one_line_how_to_get_them(
+    tmp_path: Path, monkeypatch
+) -> None:
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("kind: ConfigMap\napiVersion: v1\n")
+    _user_without_crds(tmp_path, monkeypatch, kubectl=None)
+    result = CliRunner().invoke(app, ["validate", str(manifest)])
+    assert isinstance(result.exception, RayhfError), result.output
+    said = str(result.exception)
+    assert "\n" not in said and "--crds DIR" in said and "kubectl" in said
+    _user_without_crds(tmp_path / "k", monkeypatch, 'echo "error: no context" >&2; exit 1')
+    result = CliRunner().invoke(app, ["validate", str(manifest)])
+    assert isinstance(result.exception, RayhfError), result.output
+    said = str(result.exception)
+    assert "\n" not in said and "error: no context" in said and "--crds DIR" in said
