@@ -70,8 +70,12 @@ def reserve_devices(
         bundle = {DEVICE_RESOURCE: 1.0, "CPU": cpus}
     if have < cluster.n_devices:
         kind = "GPUs" if gpu else f"'{DEVICE_RESOURCE}' resources"
+        how = "" if gpu or started_ray else (
+            f" (start each node of an existing cluster with `ray start ... --resources="
+            f"'{{\"{DEVICE_RESOURCE}\": N}}'`, N its emulated devices)"
+        )  # fmt: skip
         raise RayhfError(
-            f"cluster.n_devices={cluster.n_devices} but the Ray cluster has {have:g} {kind}"
+            f"cluster.n_devices={cluster.n_devices} but the Ray cluster has {have:g} {kind}{how}"
         )
     pg = placement_group([dict(bundle) for _ in range(cluster.n_devices)], strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)

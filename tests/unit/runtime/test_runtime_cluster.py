@@ -93,6 +93,17 @@ def test_too_few_devices_is_a_clear_error(fake, config, resources, message):
         reserve_devices(config, started_ray=False)
 
 
+def test_an_existing_cluster_short_of_emulated_devices_is_told_the_ray_start_flag(fake):
+    fake[0].resources = {"CPU": 8.0}
+    with pytest.raises(RayhfError) as err:
+        reserve_devices(ClusterConfig(n_devices=2, address="auto"), started_ray=False)
+    assert """`ray start ... --resources='{"rayhf_device": N}'`""" in str(err.value)
+    fake[0].resources = {"CPU": 8.0, "rayhf_device": 1.0}  # a cluster this run started
+    with pytest.raises(RayhfError) as err:
+        reserve_devices(ClusterConfig(n_devices=2), started_ray=True)
+    assert "ray start" not in str(err.value)
+
+
 def test_devices_ray_cannot_reserve_in_time_are_given_back(fake):
     ray, removed = fake
     ray.ready = False
