@@ -106,6 +106,9 @@ class ReallocPlan:
     # hold or need each slice achieves: rayhf.realloc.balance)
     send_floor: int = 0
     depth: int = 0  # the most hops between devices any slice takes (0: none crosses devices)
+    # the relay pipeline's fill: the most bytes a stream's last receiver waits for before its
+    # stream flows, the first message (up to CHUNK_BYTES) once per hop before the last
+    fill: int = 0
 
     @functools.cached_property
     def streams(self) -> list[Stream]:
@@ -245,23 +248,7 @@ def _load(spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bo
         (max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0) for d in devices),
         default=0,
     )
-    return MoveLoad(busiest, plan.depth, _fill(plan))
-
-
-def _fill(plan: ReallocPlan) -> int:
-    """The most bytes a relayed stream's last receiver waits for before its stream flows: the
-    first message, up to ``CHUNK_BYTES``, once per hop before the last."""
-    fill = 0
-    for sender, hops, cs in plan.routes:
-        if _crosses(plan.src, plan.dst, sender, hops):
-            first = min(CHUNK_BYTES, sum(c.total_bytes for c in cs))
-            fill = max(fill, (_depth(hops) - 1) * first)
-    return fill
-
-
-def _crosses(src: Layout, dst: Layout, sender: int, hops: Hops) -> bool:
-    """Whether any hop of a route goes from one device to another."""
-    return any((src.mesh[sender] if a == SENDER else dst.mesh[a]) != dst.mesh[b] for a, b in hops)
+    return MoveLoad(busiest, plan.depth, plan.fill)
 
 
 def _plan(src: Layout, dst: Layout, routes: list[Route], floor: int) -> ReallocPlan:
@@ -269,7 +256,7 @@ def _plan(src: Layout, dst: Layout, routes: list[Route], floor: int) -> ReallocP
     sent: dict[int, int] = defaultdict(int)
     received: dict[int, int] = defaultdict(int)
     local: dict[int, int] = defaultdict(int)
-    depth = 0
+    depth = fill = 0
     for sender, hops, cs in routes:
         nbytes = sum(c.total_bytes for c in cs)
         crossed = False
@@ -282,8 +269,12 @@ def _plan(src: Layout, dst: Layout, routes: list[Route], floor: int) -> ReallocP
                 received[there] += nbytes
                 crossed = True
         if crossed:
-            depth = max(depth, _depth(hops))
-    return ReallocPlan(src, dst, routes, dict(sent), dict(received), dict(local), floor, depth)
+            hops_deep = _depth(hops)
+            depth = max(depth, hops_deep)
+            fill = max(fill, (hops_deep - 1) * min(CHUNK_BYTES, nbytes))
+    return ReallocPlan(
+        src, dst, routes, dict(sent), dict(received), dict(local), floor, depth, fill
+    )
 
 
 def _depth(hops: Hops) -> int:
