@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from rayhf.errors import RayhfError, RunFailed, RunInterrupted
+from rayhf.errors import RayhfError, RunFailed, RunInterrupted, RunPreempted
 from rayhf.k8s.cli import app as k8s_app
 from rayhf.serve.cli import serve as serve_command
 
@@ -210,6 +210,9 @@ def main() -> None:
     except RunFailed as e:
         typer.echo(f"rayhf: run stopped: {e}", err=True)
         sys.exit(1)
+    except RunPreempted as e:
+        typer.echo(f"rayhf: {e}", err=True)
+        sys.exit(143)
     except RunInterrupted as e:
         typer.echo(f"rayhf: {e}", err=True)
         sys.exit(130)

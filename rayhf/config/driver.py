@@ -14,7 +14,9 @@ class DriverConfig(BaseModel):
 
     # auto: plain calls; compiled (Ray Compiled Graphs) on GPU when steps do not overlap
     executor: Literal["auto", "plain", "compiled"] = "auto"
-    call_timeout_s: float = Field(3600.0, gt=0)  # a compiled step's longest wait (generate, train)
+    # the longest any wait on the actors may take (a step, a checkpoint write, start-up, a weight
+    # move); past it the run fails naming the actor that has not answered
+    call_timeout_s: float = Field(3600.0, gt=0)
     # submit step i+1 while step i runs (each unit waits only for what its dataflow needs:
     # rayhf.planner.step.carried); false: one step at a time. Same results either way.
     overlap_steps: bool = True

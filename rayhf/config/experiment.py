@@ -9,7 +9,7 @@ field. Unknown keys are rejected everywhere.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -29,6 +29,7 @@ from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rm import RMConfig
 from rayhf.algorithms.sft import SFTConfig
 from rayhf.config.driver import DriverConfig
+from rayhf.config.faults import FaultToleranceConfig
 from rayhf.data.datasets import DatasetConfig
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
@@ -130,6 +131,20 @@ class ExperimentConfig(BaseModel):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     driver: DriverConfig = Field(default_factory=DriverConfig)  # how each step's DAG runs
     engines: dict[str, EngineConfig] = Field(default_factory=dict)  # call -> its backend
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    # auto: a run directory holding a complete checkpoint continues from it (a retried RayJob
+    # resumes by itself); never: such a directory is an error that names --resume
+    resume: Literal["never", "auto"] = "never"
+
+    @model_validator(mode="after")
+    def _injected_role_exists(self) -> ExperimentConfig:
+        inject = self.fault_tolerance.inject
+        if inject is not None and inject.role not in self.models:
+            raise ValueError(
+                f"fault_tolerance.inject.role '{inject.role}' is not a role of models "
+                f"({', '.join(self.models)})"
+            )
+        return self
 
     def engine_of(self, call: str, kind: str) -> EngineConfig:
         """A call's backend: its ``engines`` entry or its kind's default."""

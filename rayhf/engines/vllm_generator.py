@@ -177,6 +177,11 @@ class VllmGenerator:
         self._tied = frozenset({"lm_head.weight"} if model.spec.tied else ())
         self._version = -1  # the model version vLLM holds
 
+    @property
+    def stale(self) -> bool:
+        """Whether the next generate loads new weights first (the model changed)."""
+        return self._version != self.model.version
+
     def sync(self) -> float:
         """Reload vLLM's weights from the rank's model if they changed, then check what vLLM
         holds (``checked_by``); returns seconds."""

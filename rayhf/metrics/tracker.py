@@ -173,14 +173,15 @@ def make_tracker(
     cfg: MetricsConfig, run_dir: Path, run_name: str, total: int, start: int,
     roles: dict[str, str] | None = None,
 ) -> Tracker:  # fmt: skip
-    """The sinks ``cfg`` asks for; ``start`` > 0 means a resumed run; ``roles``: call -> role
+    """The sinks ``cfg`` asks for; ``start``: the last step done (a resumed or recovered run:
+    rows of later steps, from an attempt that failed, are dropped); ``roles``: call -> role
     (tags of the per-call Ray metrics)."""
     sinks: list[Sink] = []
     show_bar = cfg.progress if cfg.progress is not None else sys.stdout.isatty()
     if cfg.console:
         sinks.append(ConsoleSink(total, write=_bar_safe_print if show_bar else print))
     if cfg.jsonl:
-        sinks.append(JsonlSink(run_dir / METRICS_FILE, truncate_after=start if start else None))
+        sinks.append(JsonlSink(run_dir / METRICS_FILE, truncate_after=start if start else -1))
     if show_bar:
         sinks.append(ProgressSink(total, start))
     if cfg.ray_metrics:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +52,16 @@ class GroupRef(Protocol):
     dtype: str  # what its ranks keep the weights in: fp32, bf16, fp16
 
 
+# How the mover waits for its actor calls: (group, rank, object ref) each, and what they do;
+# returns their results in order. The runtime passes its one failure path (``runtime.waits``).
+Wait = Callable[[Sequence[tuple[GroupRef, int, Any]], str], list[Any]]
+
+
+def ray_get_all(calls: Sequence[tuple[GroupRef, int, Any]], doing: str) -> list[Any]:
+    """The plain wait: ``ray.get`` of every ref (benchmarks and tests)."""
+    return ray.get([ref for _, _, ref in calls])
+
+
 class WeightMover(Protocol):
     def move(
         self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
@@ -71,8 +82,8 @@ class TransferGroupMover:
     """Slices move directly between the actors that hold and need them, relayed from replica to
     replica (``relay=False``: every replica gets its slices from a source rank)."""
 
-    def __init__(self, relay: bool = True) -> None:
-        self.relay = relay
+    def __init__(self, relay: bool = True, wait: Wait = ray_get_all) -> None:
+        self.relay, self.wait = relay, wait
         self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
@@ -91,18 +102,19 @@ class TransferGroupMover:
         if members not in self._groups:
             ordered = sorted((a, b), key=lambda g: g.key)
             offsets: dict[str, int] = {}
-            actors: list[Any] = []
+            ranks: list[tuple[GroupRef, int]] = []  # transfer-group rank -> (group, its rank)
             for g in ordered:
-                offsets[g.key] = len(actors)
-                actors.extend(g.actors)
-            address = ray.get(actors[0].rendezvous_address.remote())
+                offsets[g.key] = len(ranks)
+                ranks.extend((g, r) for r in range(len(g.actors)))
+            doing = f"joining transfer group {name}"
+            head = ordered[0]
+            (address,) = self.wait([(head, 0, head.actors[0].rendezvous_address.remote())], doing)
             shared = bool(set(a.layout.mesh) & set(b.layout.mesh))
-            ray.get(
-                [
-                    actor.join_transfer_group.remote(name, address, rank, len(actors), shared)
-                    for rank, actor in enumerate(actors)
-                ]
-            )
+            joins = [
+                (g, r, g.actors[r].join_transfer_group.remote(name, address, i, len(ranks), shared))
+                for i, (g, r) in enumerate(ranks)
+            ]
+            self.wait(joins, doing)
             self._groups[members] = offsets
         return name, self._groups[members]
 
@@ -136,19 +148,18 @@ class TransferGroupMover:
     ) -> ReallocStats:
         start = time.perf_counter()
         routes = self.routes(src, dst, spec)
+        recvs = [
+            (dst, r, dst.actors[r].realloc_recv.remote(
+                routes.group, by_peer, eta, routes.forwards.get(r, {})
+            ))
+            for r, by_peer in routes.recvs.items()
+        ]  # fmt: skip
         sends = [
-            src.actors[r].realloc_send.remote(routes.group, by_peer, routes.dtype)
+            (src, r, src.actors[r].realloc_send.remote(routes.group, by_peer, routes.dtype))
             for r, by_peer in routes.sends.items()
         ]
-        recvs = [
-            dst.actors[r].realloc_recv.remote(
-                routes.group, by_peer, eta, routes.forwards.get(r, {})
-            )
-            for r, by_peer in routes.recvs.items()
-        ]
-        received = ray.get(recvs)
-        ray.get(sends)
-        return ReallocStats(time.perf_counter() - start, sum(received))
+        results = self.wait([*recvs, *sends], f"weight move {src.key} -> {dst.key}")
+        return ReallocStats(time.perf_counter() - start, sum(results[: len(recvs)]))
 
 
 class ObjectStoreCopy:

@@ -40,6 +40,7 @@ from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
 from rayhf.runtime.role_group import RoleGroup
+from rayhf.runtime.waits import Pending, died, gather, pending
 
 
 @dataclass
@@ -87,6 +88,12 @@ class NodeInfo:
     @property
     def is_head(self) -> bool:
         return self.rank % self.group.ranks_per_replica == 0
+
+    @property
+    def doing(self) -> str:
+        """What this node does, for a failure's message."""
+        kind = "call" if self.unit.kind == "call" else "weight move"
+        return f"{kind} '{self.unit.name}'"
 
 
 @dataclass(frozen=True)
@@ -227,27 +234,18 @@ class StepDag:
             )
         )
 
-    def failure(self, error: ray.exceptions.RayActorError, done: set[int]) -> RunFailed:
-        """A run-stopping error naming the dead actor, its role and the unit it was running."""
-        dead = [i for i, n in enumerate(self.nodes) if _actor_id(n.info) == error.actor_id]
-        pending = [i for i in dead if i not in done] or dead
-        if not pending:
-            return RunFailed(f"an actor died during the step ({_first_line(error)})")
-        info = self.nodes[pending[0]].info
-        what = f"call '{info.unit.name}'" if info.unit.kind == "call" else info.unit.name
-        return RunFailed(
-            f"role '{info.group.role}': actor {info.actor_name} died during {what} "
-            f"({_first_line(error)})"
-        )
+    def pending(self, refs: list[Any]) -> list[Pending]:
+        """Each node's ref with its actor and unit, for ``waits.gather``."""
+        phase = "eval " if self.evaluate else ""
+        return [
+            pending(ref, n.info.actor, n.info.group.role, n.info.actor_name, phase + n.info.doing)
+            for ref, n in zip(refs, self.nodes, strict=True)
+        ]
 
-
-def _actor_id(info: NodeInfo) -> str:
-    return info.actor._actor_id.hex()
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    def failure(self, error: ray.exceptions.RayActorError) -> RunFailed:
+        """A run-stopping error naming the dead actor, its role and the unit it was running
+        (the compiled executor's one result)."""
+        return died(error, self.pending([None] * len(self.nodes)), set())
 
 
 @dataclass
@@ -305,29 +303,19 @@ class DagExecutor:
             try:
                 results = ray.get(submitted.refs[0], timeout=self.timeout_s)
             except ray.exceptions.RayActorError as e:
-                raise dag.failure(e, set()) from e
+                raise dag.failure(e) from e
+            except ray.exceptions.GetTimeoutError as e:
+                raise RunFailed(
+                    f"step {submitted.step} did not finish within {self.timeout_s:g} s "
+                    f"(driver.call_timeout_s)"
+                ) from e
         else:
-            results = self._wait(dag, submitted.refs)
+            results = gather(dag.pending(submitted.refs), self.timeout_s)
         return dag.outcome(submitted.batch, results)
 
     def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
         """One iteration, submitted and collected."""
         return self.collect(self.submit(step, batch, evaluate))
-
-    def _wait(self, dag: StepDag, refs: list[ray.ObjectRef]) -> list[Any]:
-        """Every node's result; the first dead actor stops the wait at once (its peers may be
-        blocked in a collective with it and never return)."""
-        index = {ref: i for i, ref in enumerate(refs)}
-        results: dict[int, Any] = {}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            i = index[ready[0]]
-            try:
-                results[i] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as e:
-                raise dag.failure(e, set(results)) from e
-        return [results[i] for i in range(len(refs))]
 
     def _execute_compiled(self, dag: StepDag, step_input: StepInput) -> Any:
         if self._live is not None and self._live[0] != dag.evaluate:
@@ -338,7 +326,7 @@ class DagExecutor:
         try:
             return self._live[1].execute(step_input)
         except ray.exceptions.RayActorError as e:
-            raise dag.failure(e, set()) from e
+            raise dag.failure(e) from e
 
     def close(self) -> None:
         """Tear down the compiled graph (the actors take plain calls again); the next step

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayhf.algorithms.interface import InterfaceSettings
+from rayhf.config.faults import FaultInjection
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
@@ -50,6 +51,7 @@ class WorkerSpec:
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     # the precision, and whether it keeps fp32 master weights (trains or blends them)
     numerics: Numerics = field(default_factory=Numerics)
+    fault: FaultInjection | None = None  # this rank dies where the fault fires (drills, tests)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rayhf.parallel.layout import Layout
 from rayhf.runtime.cluster import DEVICE_RESOURCE, DeviceCluster
 from rayhf.runtime.messages import WorkerSpec
+from rayhf.runtime.waits import Pending, gather, pending
 from rayhf.runtime.worker import RoleWorker
 
 RemoteWorker = ray.remote(RoleWorker)
@@ -32,11 +33,14 @@ class RoleGroup:
         namespace: str,
         flat: bool = False,
         dtype: str = "fp32",
+        timeout_s: float = 3600,
     ) -> None:
         """Start one actor per mesh device; ``share`` is the fraction of a device each takes.
         ``flat``: the ranks will hold flat slices of the weights (DeepSpeed ZeRO-3); ``dtype``:
-        what they keep the weights in (fp32, bf16, fp16)."""
+        what they keep the weights in (fp32, bf16, fp16); ``timeout_s``: the longest a call on
+        every actor (``call_all``) may take."""
         self.role, self.layout, self.flat, self.dtype = role, layout, flat, dtype
+        self.timeout_s = timeout_s
         self.key = f"{role}.{layout.name}"  # unique per run: names its actors and transfer groups
         self.actors: list[Any] = []  # ActorHandle[RoleWorker]
         for rank, device in enumerate(layout.mesh):
@@ -64,10 +68,19 @@ class RoleGroup:
         n = self.ranks_per_replica
         return self.actors[dp_rank * n : (dp_rank + 1) * n]
 
+    def pending(self, rank: int, ref: Any, doing: str) -> Pending:
+        return pending(ref, self.actors[rank], self.role, self.actor_name(rank), doing)
+
+    def call_all(self, doing: str, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every actor, waited for through the one failure path."""
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return gather([self.pending(r, ref, doing) for r, ref in enumerate(refs)], self.timeout_s)
+
     def setup(self) -> None:
         """Wait for the actors, join their process groups, shard the model."""
-        address = ray.get(self.actors[0].rendezvous_address.remote())
-        ray.get([a.setup.remote(address) for a in self.actors])
+        ref = self.actors[0].rendezvous_address.remote()
+        (address,) = gather([self.pending(0, ref, "start-up")], self.timeout_s)
+        self.call_all("start-up", "setup", address)
 
     def kill(self) -> None:
         for a in self.actors:

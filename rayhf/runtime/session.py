@@ -18,6 +18,7 @@ import ray
 
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
+from rayhf.config.faults import FaultInjection
 from rayhf.models.precision import Numerics, resolve
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
@@ -27,6 +28,7 @@ from rayhf.runtime.driver import Placement
 from rayhf.runtime.messages import CallSpec, WorkerSpec
 from rayhf.runtime.planning import step_options
 from rayhf.runtime.role_group import RoleGroup
+from rayhf.runtime.waits import group_wait
 
 
 @contextlib.contextmanager
@@ -42,11 +44,23 @@ def _no_interrupts() -> Iterator[None]:
 
 
 class Session:
-    def __init__(self, cfg: ExperimentConfig, assets: RunAssets, resume: Path | None) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        assets: RunAssets,
+        resume: Path | None,
+        inject: FaultInjection | None = None,
+        devices_timeout_s: float | None = None,
+    ) -> None:
+        """``resume``: the checkpoint the role groups load; ``inject``: a fault their actors
+        carry; ``devices_timeout_s``: wait this long for the cluster to have the devices (a
+        recovery: a node may be on its way back) instead of failing at once."""
         self.cfg, self.assets, self.resume = cfg, assets, resume
+        self.inject, self.devices_timeout_s = inject, devices_timeout_s
         self.groups: dict[str, RoleGroup] = {}  # role -> its home group (weights, optimizer)
         self.copies: dict[str, RoleGroup] = {}  # group key -> a role's group in another layout
-        self.mover = TransferGroupMover()
+        self.timeout_s = cfg.driver.call_timeout_s  # the longest any wait on the actors takes
+        self.mover = TransferGroupMover(wait=group_wait(self.timeout_s))
         self.devices: DeviceCluster | None = None
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
         self.init_realloc: ReallocStats | None = None
@@ -54,15 +68,15 @@ class Session:
     def __enter__(self) -> Session:
         try:
             started = connect(self.cfg.cluster)
-            self.devices = reserve_devices(self.cfg.cluster, started)
+            self.devices = reserve_devices(self.cfg.cluster, started, self.devices_timeout_s)
             self._start_groups()
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(graceful=kind is None)
 
     def all_groups(self) -> list[RoleGroup]:
         return [*self.groups.values(), *self.copies.values()]
@@ -78,16 +92,19 @@ class Session:
             dict(step_options(self.cfg).followers),
         )
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         """Kill the actors, free the devices, stop an embedded cluster; a second Ctrl-C waits
-        until this is done (it would leave processes behind)."""
+        until this is done (it would leave processes behind). ``graceful``: let the actors
+        leave their process groups first (after a failure they may be stuck in a collective
+        with a dead peer: they are killed at once)."""
         with _no_interrupts():
-            self._close()
+            self._close(graceful)
 
-    def _close(self) -> None:
+    def _close(self, graceful: bool) -> None:
         for group in self.all_groups():
-            with contextlib.suppress(Exception):  # a dead actor must not stop the cleanup
-                ray.get([a.shutdown.remote() for a in group.actors], timeout=10)
+            if graceful:
+                with contextlib.suppress(Exception):  # a dead actor must not stop the cleanup
+                    ray.get([a.shutdown.remote() for a in group.actors], timeout=10)
             group.kill()
         self.groups, self.copies = {}, {}
         if self.devices is not None:
@@ -116,6 +133,7 @@ class Session:
                     self.namespace,
                     flat=self._zero3(role, layout),
                     dtype=self.numerics(role, layout).storage_name,
+                    timeout_s=self.timeout_s,
                 )
                 self.groups.setdefault(role, group)
                 if group is not self.groups[role]:
@@ -126,7 +144,7 @@ class Session:
         if self.resume is not None:
             for role in sorted(self.assets.trainable):
                 path = str(self.resume / "optim")
-                ray.get([a.load_optimizer.remote(path) for a in self.groups[role].actors])
+                self.groups[role].call_all("checkpoint restore", "load_optimizer", path)
 
     def _init_copies(self) -> None:
         """A fresh run's ``init_from`` roles get their weights by reallocation from the source."""
@@ -187,7 +205,13 @@ class Session:
             seed=cfg.seed,
             threads=threads,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",
+            fault=self._fault(role, rank),
         )
+
+    def _fault(self, role: str, rank: int) -> FaultInjection | None:
+        """The injected fault, for the rank it names in each of its role's groups."""
+        inject = self.inject
+        return inject if inject is not None and (inject.role, inject.rank) == (role, rank) else None
 
     def numerics(self, role: str, layout: Layout) -> Numerics:
         """How a role's copy on ``layout`` computes: fp32 master weights where it trains on the

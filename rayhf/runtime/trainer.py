@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Collection
@@ -26,21 +27,23 @@ from rayhf.algorithms import INTERFACES
 from rayhf.config import ExperimentConfig, dump_config, load_config
 from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
-from rayhf.errors import RayhfError, RunFailed, RunInterrupted
+from rayhf.errors import RayhfError, RunFailed, RunInterrupted, RunPreempted
 from rayhf.graph import Graph
 from rayhf.metrics import make_tracker, plot_run, read_metrics
-from rayhf.metrics.trace import TRACE_FILE, TraceWriter
+from rayhf.metrics.trace import TRACE_FILE, TraceSpan, TraceWriter
 from rayhf.models.hf import quiet_transformers
 from rayhf.rewards.passk import pass_at_k_metrics
 from rayhf.runtime.assets import RunAssets, prepare_run
 from rayhf.runtime.checkpoint import (
-    latest_checkpoint,
     list_checkpoints,
     read_state,
+    usable_checkpoint,
     write_checkpoint,
 )
 from rayhf.runtime.driver import DagExecutor, StepOutcome, Submitted
+from rayhf.runtime.preemption import Preemption
 from rayhf.runtime.session import Session
+from rayhf.runtime.waits import gather
 
 CONFIG_FILE = "config.yaml"
 
@@ -112,24 +115,27 @@ def step_metrics(
 
 
 def _open_run(cfg: ExperimentConfig | None, resume: str | Path | None):
-    """(config, run_dir, checkpoint to resume from or None)."""
-    if resume is not None:
-        run_dir = Path(resume)
-        if not (run_dir / CONFIG_FILE).is_file():
-            raise RayhfError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
-        saved = load_config(run_dir / CONFIG_FILE)
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise RayhfError(f"--resume {run_dir}: no complete checkpoint to resume from")
-        return saved, run_dir, ckpt
-    assert cfg is not None
-    run_dir = cfg.resolved_run_dir()
-    if list_checkpoints(run_dir):
-        raise RayhfError(
-            f"run_dir {run_dir} already holds a run; continue it with --resume {run_dir} "
-            f"or set run_dir (or name) to a new directory"
-        )
-    return cfg, run_dir, None
+    """(config, run_dir, checkpoint to resume from or None). A run directory is continued with
+    ``--resume DIR``, or by a config with ``resume: auto`` that names it."""
+    if resume is None:
+        assert cfg is not None
+        run_dir = cfg.resolved_run_dir()
+        if not list_checkpoints(run_dir):
+            return cfg, run_dir, None
+        if cfg.resume != "auto":
+            raise RayhfError(
+                f"run_dir {run_dir} already holds a run; continue it with --resume {run_dir} "
+                f"(or resume: auto), or set run_dir (or name) to a new directory"
+            )
+        resume = run_dir
+    run_dir = Path(resume)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise RayhfError(f"--resume {run_dir}: not a run directory (no {CONFIG_FILE})")
+    saved = load_config(run_dir / CONFIG_FILE)
+    ckpt = usable_checkpoint(run_dir, _say)
+    if ckpt is None:
+        raise RayhfError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    return saved, run_dir, ckpt
 
 
 class Trainer:
@@ -151,9 +157,13 @@ class Trainer:
 
         def fill(tmp: Path) -> None:
             tmp = tmp.resolve()  # actors may run in another working directory
-            roles = sorted(self.assets.trainable)
             optim = str(tmp / "optim")
-            ray.get([a.save.remote(str(tmp / r), optim) for r in roles for a in groups[r].actors])
+            calls = [
+                g.pending(rank, a.save.remote(str(tmp / g.role), optim, step), "checkpoint write")
+                for g in (groups[role] for role in sorted(self.assets.trainable))
+                for rank, a in enumerate(g.actors)
+            ]
+            gather(calls, self.session.timeout_s)
 
         return write_checkpoint(
             self.assets.run_dir, step, fill, {"dataset": self.assets.dataset.state_dict()}
@@ -202,7 +212,10 @@ class Trainer:
             self.checkpoint(step)
         return metrics
 
-    def loop(self, start: int) -> None:
+    def loop(self, start: int, recovered: Recovery | None = None) -> None:
+        """Steps ``start + 1 ..``; ``recovered``: the recovery this attempt follows (its metrics
+        go in the first step's row, its span in the trace). SIGTERM stops it at a step boundary
+        with a checkpoint (``RunPreempted``)."""
         cfg = self.cfg
         roles = {c.name: c.role for c in self.assets.graph.calls}
         tracker = make_tracker(
@@ -210,24 +223,29 @@ class Trainer:
         )  # fmt: skip
         trace = TraceWriter(self.assets.run_dir / TRACE_FILE)
         began = time.time()
+        extra = recovered.metrics() if recovered is not None else {}
+        if recovered is not None:
+            trace.write(start, [recovered.span()], "recovery")
         running: deque[tuple[Submitted, float]] = deque()  # (step, when it was submitted)
+        last = start
         try:
-            if cfg.eval_every and start == 0:
-                tracker.log(0, self.evaluate(0, trace))  # the held-out baseline before updates
-            ended = 0.0
-            for step in range(start + 1, cfg.steps + 1):
-                batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
-                running.append((self.executor.submit(step, batch), time.perf_counter()))
-                keep = 1 if self.executor.overlap and not self.drains(step) else 0
-                while len(running) > keep:
-                    done, submitted = running.popleft()
-                    tracker.log(done.step, self.finish(done, max(submitted, ended), trace))
-                    ended = time.perf_counter()
-        except RunFailed as e:
-            where = self.assets.run_dir
-            raise RunFailed(
-                f"{e}; continue from the last checkpoint: rayhf run --resume {where}"
-            ) from e
+            with Preemption(cfg.fault_tolerance.preempt_grace_s) as preemption:
+                if cfg.eval_every and start == 0:
+                    tracker.log(0, self.evaluate(0, trace))  # the held-out baseline
+                ended = 0.0
+                for step in range(start + 1, cfg.steps + 1):
+                    if preemption.requested:
+                        break
+                    batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
+                    running.append((self.executor.submit(step, batch), time.perf_counter()))
+                    keep = 1 if self.executor.overlap and not self.drains(step) else 0
+                    while len(running) > (0 if preemption.requested else keep):
+                        done, submitted = running.popleft()
+                        metrics = self.finish(done, max(submitted, ended), trace)
+                        tracker.log(done.step, {**metrics, **extra})
+                        extra, last, ended = {}, done.step, time.perf_counter()
+                if preemption.requested:
+                    self._preempted(last)
         except KeyboardInterrupt:
             where = self.assets.run_dir
             raise RunInterrupted(
@@ -238,6 +256,38 @@ class Trainer:
             tracker.close()
             _add_ray_timeline(trace, began)
             trace.close()
+
+    def _preempted(self, step: int) -> None:
+        """SIGTERM came: checkpoint ``step`` (the last one done) unless it just was, then stop."""
+        if not self.saves(step):
+            self.checkpoint(step)
+        raise RunPreempted(
+            f"stopped by SIGTERM after step {step}, checkpoint written; continue with "
+            f"rayhf run --resume {self.assets.run_dir} (or resume: auto in the config)"
+        )
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery: what failed, when, and the step the run continues after."""
+
+    count: int  # 1 for the first recovery of the run
+    reason: str
+    failed_at: float  # time.time() of the failure
+    restarted_at: float  # time.time() when the role groups were up again
+    from_step: int
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "recovery/count": float(self.count),
+            "recovery/seconds": self.restarted_at - self.failed_at,
+        }
+
+    def span(self) -> TraceSpan:
+        args = {"count": self.count, "reason": self.reason, "from_step": self.from_step}
+        return TraceSpan(
+            "recovery", "recovery", "", "", "recovery", self.failed_at, self.restarted_at, args
+        )
 
 
 def _add_ray_timeline(trace: TraceWriter, since: float) -> None:
@@ -254,25 +304,67 @@ def _add_ray_timeline(trace: TraceWriter, since: float) -> None:
 
 
 def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -> RunResult:
-    """Run (or with ``resume``, continue) an experiment to its last step."""
+    """Run (or with ``resume``, continue) an experiment to its last step, recovering from
+    failures by itself (``fault_tolerance.max_restarts``)."""
     quiet_transformers()
     cfg, run_dir, ckpt = _open_run(cfg, resume)
     assets = prepare_run(cfg, run_dir)
-    start = 0
-    if ckpt is not None:
-        state = read_state(ckpt)
-        assets.dataset.load_state_dict(state["dataset"])
-        start = int(state["step"])
-    else:
+    if ckpt is None:
         dump_config(cfg, run_dir / CONFIG_FILE)
-    info: dict[str, float] = {"start_step": float(start)}
-    if start < cfg.steps:
-        with Session(cfg, assets, ckpt) as session:
-            if session.init_realloc is not None:
-                info["init_realloc_seconds"] = session.init_realloc.seconds
-                info["init_realloc_bytes"] = float(session.init_realloc.bytes)
-            Trainer(cfg, assets, session).loop(start)
+    info = _attempts(cfg, assets, ckpt)
     rows = read_metrics(run_dir)
     plot = plot_run(rows, run_dir / "reward_kl.png", cfg.name) if cfg.metrics.plot else None
     policy = assets.graph.policy_role
     return RunResult(run_dir, rows, list_checkpoints(run_dir), plot, policy, info)
+
+
+def _attempts(cfg: ExperimentConfig, assets: RunAssets, ckpt: Path | None) -> dict[str, float]:
+    """Run from ``ckpt`` (None: the start); after a recoverable failure, up to ``max_restarts``
+    times: tear everything down, wait for the devices, restore the newest usable checkpoint
+    (models, optimizers, interface state, dataset cursor; sampling is seeded by step) and go
+    on. Returns the run's info (start step, initial reallocation, recoveries)."""
+    ft, run_dir = cfg.fault_tolerance, assets.run_dir
+    fresh = assets.dataset.state_dict()  # where a run with no checkpoint yet starts again
+    info: dict[str, float] = {"start_step": float(_restore(assets, ckpt, fresh))}
+    recovered: Recovery | None = None
+    while True:
+        start = _restore(assets, ckpt, fresh)
+        if start >= cfg.steps:
+            return info
+        count = recovered.count if recovered else 0
+        inject = ft.inject if count == 0 else None
+        wait_s = ft.resources_timeout_s if count else None
+        try:
+            with Session(cfg, assets, ckpt, inject, wait_s) as session:
+                if session.init_realloc is not None:
+                    info["init_realloc_seconds"] = session.init_realloc.seconds
+                    info["init_realloc_bytes"] = float(session.init_realloc.bytes)
+                if recovered is not None:
+                    recovered = dataclasses.replace(recovered, restarted_at=time.time())
+                Trainer(cfg, assets, session).loop(start, recovered)
+            return info
+        except RunFailed as e:
+            if not e.recoverable or count >= ft.max_restarts:
+                how = f"rayhf run --resume {run_dir}"
+                raise RunFailed(f"{e}; continue from the last checkpoint: {how}", False) from e
+            ckpt = usable_checkpoint(run_dir, _say)
+            step = int(read_state(ckpt)["step"]) if ckpt is not None else 0
+            recovered = Recovery(count + 1, str(e), time.time(), time.time(), step)
+            info["recoveries"] = float(count + 1)
+            _say(f"recovering ({count + 1} of {ft.max_restarts}) from: {e}; continuing after "
+                 f"step {step}")  # fmt: skip
+
+
+def _restore(assets: RunAssets, ckpt: Path | None, fresh: dict) -> int:
+    """Put the dataset cursor where ``ckpt`` left it (None: ``fresh``); the step it ends."""
+    if ckpt is None:
+        assets.dataset.load_state_dict(fresh)
+        return 0
+    state = read_state(ckpt)
+    assets.dataset.load_state_dict(state["dataset"])
+    return int(state["step"])
+
+
+def _say(line: str) -> None:
+    """One line to stderr, as the CLI reports (``rayhf: ...``)."""
+    print(f"rayhf: {line}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ stats are already all-reduced over the replicas.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from typing import Any
@@ -101,10 +102,17 @@ class RoleWorker:
             port = s.getsockname()[1]
         return f"tcp://{ip}:{port}"
 
+    def _fault(self, site: str, step: int = 0) -> None:
+        """Die at once (SIGKILL, no cleanup) if the injected fault names this site and step."""
+        fault = self.spec.fault
+        if fault is not None and fault.site == site and (site == "startup" or fault.step == step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def setup(self, init_method: str) -> None:
         """Join the role group's dp, tp and pp groups (gloo on CPU, NCCL on GPU), then keep
         this rank's shards of the model."""
         spec = self.spec
+        self._fault("startup")
         world = spec.dp_size * spec.tp_size * spec.pp_size
         if world > 1:
             backend = "nccl" if spec.device.startswith("cuda") else "gloo"
@@ -141,6 +149,10 @@ class RoleWorker:
         dp_rank = self.groups.coords.dp_rank
         ctx = CallContext(req.step, dp_rank, self.spec.dp_size, self.spec.seed, call.args)
         engine = self._engine_for(req.call)
+        site = "eval" if req.evaluate else "call"
+        if call.kind == "generate" and getattr(engine.generator, "stale", False):
+            site = "sync"  # its generator loads new weights before it samples
+        self._fault(site, req.step)
         start = time.perf_counter()
         batch, stats = None, {}
         if call.kind != "train" and req.batch.n_samples == 0:
@@ -191,12 +203,14 @@ class RoleWorker:
     def dag_send(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
         """A weight move's sending side as a node of the step's DAG."""
         began = time.time()
+        self._fault("move", step.step)
         self.realloc_send(move.group, move.by_peer, move.dtype)
         return MoveResult(move.unit, self.spec.rank, 0, began, time.time())
 
     def dag_recv(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
         """A weight move's receiving side as a node of the step's DAG."""
         began = time.time()
+        self._fault("move", step.step)
         received = self.realloc_recv(move.group, move.by_peer, move.eta, move.forward)
         return MoveResult(move.unit, self.spec.rank, received, began, time.time())
 
@@ -248,10 +262,11 @@ class RoleWorker:
         n_bytes = sum(t.numel() * t.element_size() for t in held)
         return WeightsSummary(n_bytes, self._model().digest())
 
-    def save(self, model_dir: str, optim_dir: str) -> None:
+    def save(self, model_dir: str, optim_dir: str, step: int = 0) -> None:
         """Every rank calls: replica 0 gathers and its head writes the model (Hugging Face
         format) to ``model_dir``; each rank writes its optimizer + interface state to
         ``optim_dir/{role}.rank{r}.pt`` (ranks hold different shards of the optimizer)."""
+        self._fault("checkpoint", step)
         over_dp = self.trainer is not None and self.trainer.gathers_over_dp
         if self.groups.coords.dp_rank == 0 or over_dp:
             self._model().save_pretrained(model_dir, self._full_state())

@@ -34,7 +34,7 @@ def test_a_dead_actor_stops_the_run_naming_its_role(ray_cluster, tiny_config):
     message = str(failed.value)
     print(f"stopped {waited:.1f} s after the kill: {message}")
     assert "role 'critic'" in message and "critic.d0-1.dp1tp1pp2[1]" in message
-    assert "during call 'critic_inf'" in message and "--resume" in message
+    assert "during call 'critic_inf'" in message
     assert waited < 60, f"the run took {waited:.0f} s to notice"
     left = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
     assert not [a for a in left if a.name and a.name.split(".")[0] in cfg.models]

@@ -153,5 +153,6 @@ def test_make_tracker_on_resume_truncates_metrics(tmp_path):
     cfg = MetricsConfig(console=False, ray_metrics=False, progress=False)
     make_tracker(cfg, tmp_path, "run", 10, start=1).close()
     assert read_metrics(tmp_path) == [{"step": 1}]
-    make_tracker(cfg, tmp_path, "run", 10, start=0).close()  # a fresh start keeps the file
-    assert read_metrics(tmp_path) == [{"step": 1}]
+    # a run starting over (a recovery before the first checkpoint) logs every step again
+    make_tracker(cfg, tmp_path, "run", 10, start=0).close()
+    assert read_metrics(tmp_path) == []

@@ -83,8 +83,21 @@ def test_setup_shares_rank_0_s_address_and_kill_stops_every_actor(remote, monkey
         get=lambda refs: refs, kill=lambda a, no_restart: killed.append(a.name)
     )
     monkeypatch.setattr(role_group, "ray", fake_ray)
+    waited: list[str] = []  # what each wait through the one failure path was doing
+
+    def gather(calls, timeout_s):
+        waited.extend(c.doing for c in calls)
+        return [c.ref for c in calls]
+
+    monkeypatch.setattr(role_group, "gather", gather)
+    monkeypatch.setattr(
+        role_group,
+        "pending",
+        lambda ref, handle, role, name, doing: SimpleNamespace(ref=ref, doing=doing),
+    )
     group = RoleGroup("ref", Layout((0, 1), 2), str, _devices(False), 1.0, "ns")
     group.setup()
+    assert waited == ["start-up"] * 3, "rank 0's address, then every rank's setup"
     assert remote.setups == [(group.actor_name(0), "tcp://1"), (group.actor_name(1), "tcp://1")]
     group.kill()
     assert killed == [group.actor_name(0), group.actor_name(1)]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import rayhf.runtime.cluster as cluster
-from rayhf.errors import RayhfError
+from rayhf.errors import RayhfError, RunFailed
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
 
@@ -118,3 +118,20 @@ def test_closing_frees_the_devices_and_stops_only_a_cluster_it_started(fake):
     assert removed == ["pg"] and not ray.stopped
     DeviceCluster("pg2", 2, 1.0, False, started_ray=True).close()  # type: ignore[arg-type]
     assert removed == ["pg", "pg2"] and ray.stopped
+
+
+def test_a_recovery_waits_for_a_replaced_node_and_fails_in_one_line_without_it(fake, monkeypatch):
+    ray, _ = fake
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
+    polls = iter([{"CPU": 4.0, "rayhf_device": 2.0}] * 3 + [{"CPU": 8.0, "rayhf_device": 4.0}])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: next(polls))
+    devices = reserve_devices(ClusterConfig(n_devices=4), started_ray=False, wait_s=30)
+    assert devices.n_devices == 4 and devices.cpus_per_device == 2.0
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0, "rayhf_device": 2.0})
+    with pytest.raises(RunFailed) as failed:
+        reserve_devices(ClusterConfig(n_devices=4), started_ray=False, wait_s=0.01)
+    assert (
+        "has 2 'rayhf_device' resources after waiting 0.01 s (fault_tolerance.resources_timeout_s)"
+        in str(failed.value)
+    )
+    assert not failed.value.recoverable

@@ -17,6 +17,7 @@ from rayhf.realloc.mover import Routes
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.driver import DagExecutor, Placement, StepDag
 from rayhf.runtime.messages import CallResult, MoveResult
+from rayhf.runtime.waits import died
 
 
 @dataclass
@@ -157,6 +158,7 @@ class _Died(Exception):
     def __init__(self, actor_id: str) -> None:
         super().__init__("The actor died unexpectedly before finishing this task.\n  details")
         self.actor_id = actor_id
+        self.actor_init_failed = False
 
 
 def test_a_dead_actor_is_named_with_its_role_and_the_unit_it_was_running():
@@ -168,11 +170,13 @@ def test_a_dead_actor_is_named_with_its_role_and_the_unit_it_was_running():
     name = victim.info.group.actors[1].name
     ran = {i for i, n in enumerate(dag.nodes) if n.info.unit.name == "critic_inf"}
     reason = "(The actor died unexpectedly before finishing this task.)"
-    assert str(dag.failure(_Died(name), ran)) == (  # type: ignore[arg-type]
+    calls = dag.pending([None] * len(dag.nodes))
+    assert str(died(_Died(name), calls, ran)) == (  # type: ignore[arg-type]
         f"role 'critic': actor {name} died during call 'critic_train' {reason}"
     )
     everything = set(range(len(dag.nodes)))
-    assert "during call 'critic_inf'" in str(dag.failure(_Died(name), everything))  # type: ignore[arg-type]
-    assert str(dag.failure(_Died("elsewhere"), set())) == (  # type: ignore[arg-type]
-        f"an actor died during the step {reason}"
-    )
+    assert "during call 'critic_inf'" in str(died(_Died(name), calls, everything))  # type: ignore[arg-type]
+    assert str(died(_Died("elsewhere"), calls, set())) == f"an actor died {reason}"  # type: ignore[arg-type]
+    ev = StepDag(PPO, placement, evaluate=True)
+    evaluating = ev.pending([None] * len(ev.nodes))
+    assert "during eval call 'critic_inf'" in str(died(_Died(name), evaluating, set()))  # type: ignore[arg-type]

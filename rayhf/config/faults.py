@@ -1,0 +1,39 @@
+"""Fault tolerance settings (``fault_tolerance:`` in the experiment config): how many times a
+run recovers by itself, how long it waits for the cluster and for a preempted step, and a
+fault to inject (drills and tests)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Where an injected fault kills its actor: a call of a train step, a weight move inside a step,
+# a checkpoint write, start-up (joining the role group), an evaluation call, a vLLM weight sync.
+FaultSite = Literal["call", "move", "checkpoint", "startup", "eval", "sync"]
+
+
+class FaultInjection(BaseModel):
+    """Kill one actor (SIGKILL, as the kernel's OOM killer or a lost node would) where it
+    reaches ``site`` at ``step``; only in a run's first attempt, so a recovery gets past it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    site: FaultSite
+    step: int = Field(1, ge=0)  # the step it fires in (eval: the evaluation after that step)
+    role: str  # whose actor dies
+    rank: int = Field(0, ge=0)  # which rank (of each of the role's groups: the first to get there)
+
+
+class FaultToleranceConfig(BaseModel):
+    """How a run survives a dead actor, a lost node and SIGTERM."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # recoveries per run (tear down, wait for the devices, restore the last complete checkpoint,
+    # continue); 0: the first failure stops the run with the command that resumes it
+    max_restarts: int = Field(3, ge=0)
+    resources_timeout_s: float = Field(300.0, gt=0)  # a recovery's wait for the devices
+    # after SIGTERM the run checkpoints at the next step boundary; past this it stops without
+    preempt_grace_s: float = Field(60.0, gt=0)
+    inject: FaultInjection | None = None  # a fault to inject (drills and tests)

