@@ -1,5 +1,6 @@
-"""`rayhf run` leaves no process behind: when it ends, on Ctrl-C, and when an actor dies (the
-run stops naming the role; --resume continues it).
+"""`rayhf run` leaves no process behind: when it ends, on Ctrl-C, on SIGTERM (after a
+checkpoint; `resume: auto` continues it), and when an actor dies (with no restarts the run stops
+naming the role and --resume continues it; by default it recovers by itself).
 
 Each run is a `rayhf run` subprocess with its own embedded Ray cluster. While it runs, the test
 records every process descended from it (Ray's services, the role-group workers) with its start
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -136,7 +138,8 @@ def test_ctrl_c_stops_the_run_and_leaves_no_process(tmp_path):
 
 
 def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_path):
-    run = Run(tmp_path, *_args(tmp_path, steps=10))  # a tiny step takes under a second: leave
+    args = _args(tmp_path, steps=10, **{"fault_tolerance.max_restarts": 0})
+    run = Run(tmp_path, *args)  # a tiny step takes under a second: leave
     run.watch_until(lambda: run.steps_logged() >= 2)  # enough of them that the kill lands mid-run
     workers = run.workers()
     assert workers, "no role-group worker was running"
@@ -156,3 +159,67 @@ def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_p
     assert resumed.returncode == 0, resumed.stderr
     steps = [json.loads(line)["step"] for line in (run.run_dir / "metrics.jsonl").open()]
     assert steps[-1] == 10 and steps == sorted(set(steps)), steps
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+
+
+def _recovered(run_dir: Path) -> int:
+    """Recoveries so far: each puts its metrics in the first step's row after it."""
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count("recovery/seconds") if path.exists() else 0
+
+
+def _a_worker(run: Run, rng: random.Random) -> int:
+    """A random role-group worker of the run, once there is one (a recovery restarts them)."""
+    picked: list[int] = []
+
+    def found() -> bool:
+        workers = run.workers()
+        picked.extend([rng.choice(workers)] if workers else [])
+        return bool(picked)
+
+    run.watch_until(found)
+    assert picked and run.proc.poll() is None, f"no worker to kill: {run.finish()}"
+    return picked[0]
+
+
+def test_two_killed_workers_are_recovered_and_every_step_is_logged_once(tmp_path):
+    run = Run(tmp_path, *_args(tmp_path, steps=40, save_every=1))
+    rng = random.Random(0)
+    for n, at in enumerate((8, 24), 1):
+        run.watch_until(lambda at=at: run.steps_logged() >= at)
+        os.kill(_a_worker(run, rng), signal.SIGKILL)
+        run.watch_until(lambda n=n: _recovered(run.run_dir) == n)
+    run.watch_until(lambda: False, timeout=400)
+    code, err = run.finish()
+    recoveries = [line for line in err.splitlines() if line.startswith("rayhf: recovering")]
+    assert code == 0 and len(recoveries) == 2, err
+    assert _steps(run.run_dir) == list(range(1, 41)), "steps 1..40 each logged once"
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").open()]
+    lost = [(r["step"], round(r["recovery/seconds"], 1)) for r in rows if "recovery/seconds" in r]
+    print(f"(first step after a recovery, seconds from the failure to the groups up again): {lost}")
+    assert len(lost) == 2
+    assert not run.left_behind()
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_resume_auto_continues(tmp_path):
+    args = _args(tmp_path, steps=12, save_every=0, resume="auto")
+    run = Run(tmp_path, *args)
+    run.watch_until(lambda: run.steps_logged() >= 2)
+    os.kill(run.proc.pid, signal.SIGTERM)  # what a pod's eviction sends its main process
+    termed = time.monotonic()
+    code, err = run.finish(timeout=120)
+    line = _one_line(err)
+    print(f"stopped {time.monotonic() - termed:.1f} s after SIGTERM: {line}")
+    assert code == 143 and "SIGTERM" in line and "resume: auto" in line, err
+    ckpts = sorted((run.run_dir / "checkpoints").glob("step_*"))
+    done = _steps(run.run_dir)
+    assert [c.name for c in ckpts] == [f"step_{done[-1]:06d}"] and done[-1] < 12
+    assert not run.left_behind()
+    again = Run(tmp_path, *args)  # the same command, as a retried RayJob runs it
+    again.watch_until(lambda: False)
+    code, err = again.finish()
+    assert code == 0, err
+    assert _steps(run.run_dir) == list(range(1, 13))
