@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_overrides
 
+from rayhf.runtime.checkpoint import damage
+
 pytestmark = pytest.mark.ray
 
 
@@ -56,3 +58,24 @@ def test_resume_of_a_finished_run_is_a_no_op(ray_cluster, tmp_path, tiny_config)
     again = rayhf.run(resume=str(first.run_dir))
     assert again.info["start_step"] == 1 and len(again.metrics) == 1
     assert Path(again.checkpoints[-1]) == first.checkpoints[-1]
+
+
+def test_a_corrupted_checkpoint_is_skipped_in_one_line_for_the_previous_one(
+    ray_cluster, tmp_path, tiny_config, capfd
+):
+    import rayhf
+
+    first = rayhf.run(tiny_config(steps=2))  # checkpoints after steps 1 and 2
+    optim = first.checkpoints[-1] / "optim" / "actor.rank0.pt"
+    whole = optim.stat().st_size
+    optim.write_bytes(optim.read_bytes()[:-100])  # a disk that lost the file's end
+    capfd.readouterr()
+    again = rayhf.run(resume=str(first.run_dir))
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("rayhf:")]
+    assert said == [
+        "rayhf: checkpoint step_000002 is damaged (optim/actor.rank0.pt has "
+        f"{whole - 100} bytes, the manifest says {whole}); "
+        "using step_000001"
+    ]
+    assert again.info["start_step"] == 1 and [m["step"] for m in again.metrics] == [1, 2]
+    assert damage(again.checkpoints[-1]) is None, "step 2 was written again, whole"
