@@ -45,7 +45,7 @@ needs_vllm = pytest.mark.skipif(
 
 
 def _config(tmp: Path, **extra: object) -> rayhf.ExperimentConfig:
-    (tmp / "data").mkdir(exist_ok=True)
+    (tmp / "data").mkdir(parents=True, exist_ok=True)
     ov = tiny_overrides(
         tmp / "run", steps=3, eval_every=1, plan=PLAN,
         **{"cluster.n_devices": 2, "dataset.eval_path": str(tmp / "data" / "eval.parquet")},
@@ -103,3 +103,20 @@ def test_with_no_restarts_a_dead_actor_at_each_site_stops_the_run_in_one_line(
     assert SITES[site] in message and f"rayhf run --resume {cfg.run_dir}" in message
     alive = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
     assert not [a.name for a in alive if a.name and a.name.split(".")[0] in cfg.models]
+
+
+@needs_vllm
+def test_a_dead_actor_in_a_vllm_weight_sync_is_recovered(ray_cluster, tmp_path):
+    vllm = {
+        "engines": {"actor_gen": {"engine": "vllm"}}, "steps": 2,
+        "models.actor.init.n_heads": 2, "models.actor.init.n_kv_heads": 1,  # vLLM: head_dim 32
+    }  # fmt: skip
+    cfg = _config(tmp_path, eval_every=0, **vllm, **_fault("sync"))
+    result = rayhf.run(cfg)
+    assert result.info["recoveries"] == 1
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    again = _config(tmp_path / "stop", eval_every=0, **vllm, **_fault("sync"))
+    with pytest.raises(
+        RunFailed, match=r"actor actor\.d1\.dp1tp1pp1\[0\] died during call 'actor_gen'"
+    ):
+        rayhf.run(again.with_overrides({"fault_tolerance.max_restarts": 0}))
