@@ -87,6 +87,10 @@ class RenderConfig(BaseModel):
     serve_cpu: str = "4"
     serve_memory: str = "16Gi"
     ttl_seconds_after_finished: int = Field(600, ge=0)  # keep the finished cluster for logs
+    # RayJob backoffLimit: a failed job runs again on a new cluster; with storage_claim the run
+    # directory survives and the retry resumes from its last checkpoint (resume=auto).
+    # None: 2 with storage_claim, else 0 (a retry would start the run over)
+    job_retries: int | None = Field(None, ge=0)
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,15 @@ def entrypoint(run: _Run) -> str:
     words = ["rayhf", "run", f"{CONFIG_DIR}/{run.config_file}", "cluster.address=auto"]
     words += ["cluster.device=cuda", f"cluster.n_devices={run.shape.n_devices}"]
     if run.cfg.storage_claim:
-        words.append(f"run_dir={STORAGE_DIR}/runs/{run.name}")
+        words += [f"run_dir={STORAGE_DIR}/runs/{run.name}", "resume=auto"]
     return shlex.join(words)
+
+
+def job_retries(cfg: RenderConfig) -> int:
+    """The RayJob's backoffLimit (``RenderConfig.job_retries``)."""
+    if cfg.job_retries is not None:
+        return cfg.job_retries
+    return 2 if cfg.storage_claim else 0
 
 
 def config_map(run: _Run, config_text: str) -> dict[str, Any]:
@@ -218,7 +229,7 @@ def rayjob(run: _Run) -> dict[str, Any]:
             "entrypoint": entrypoint(run),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": run.cfg.ttl_seconds_after_finished,
-            "backoffLimit": 0,
+            "backoffLimit": job_retries(run.cfg),
             "rayClusterSpec": {
                 "rayVersion": run.cfg.ray_version,
                 "headGroupSpec": head_group(run, "train"),

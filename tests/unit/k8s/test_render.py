@@ -55,7 +55,9 @@ def test_rayjob_runs_rayhf_on_every_gpu(rendered: list[dict]) -> None:
         "cluster.device=cuda",
         "cluster.n_devices=16",
         "run_dir=/mnt/rayhf/runs/ppo-tiny",
+        "resume=auto",  # a retry (backoffLimit) continues from the run's last checkpoint
     ]
+    assert job["spec"]["backoffLimit"] == 2
     config = next(d for d in rendered if d["kind"] == "ConfigMap")
     assert config["data"]["ppo_tiny.yaml"] == EXAMPLE.read_text()
     cluster = job["spec"]["rayClusterSpec"]
