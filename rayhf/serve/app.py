@@ -15,6 +15,8 @@ Serve and blocks, for the CLI. ``GET /v1/stats`` reports the replica's batch siz
 # No `from __future__ import annotations`: FastAPI must see the route annotations as classes,
 # which it cannot resolve from strings once Serve's ingress has rewritten the methods.
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections import Counter
@@ -343,22 +345,35 @@ def _vllm_app(cfg: ServeConfig) -> Application:
 def serve_checkpoint(
     checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, **args: Any
 ) -> None:
-    """Serve ``checkpoint`` over HTTP on ``host:port`` until Ctrl-C; ``args`` as ``build_app``.
+    """Serve ``checkpoint`` over HTTP on ``host:port`` until Ctrl-C or SIGTERM; ``args`` as
+    ``build_app``.
 
-    Joins the cluster named by ``RAY_ADDRESS`` if set, else starts a local one.
+    Joins the cluster named by ``RAY_ADDRESS`` if set, else starts a local one. Either signal
+    stops it at once: a local cluster is shut down with its replicas (Serve's own blocking
+    wait would drain them gracefully first, for 30 s and more); on a joined cluster the app is
+    deleted.
     """
     import ray
 
     app = build_app({"checkpoint": str(checkpoint), **args})  # fail on bad args before Ray
     started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init()
+    if started_ray:  # never a cluster a `ray start` left running, unless RAY_ADDRESS names it
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # ray.init installs its own
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        while True:
+            time.sleep(1.0)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        signal.signal(signal.SIGTERM, previous)
         if started_ray:
             ray.shutdown()
+        else:
+            serve.delete(APP_NAME, _blocking=False)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -96,6 +98,8 @@ def test_the_rendered_rayjob_entrypoint_runs_through_ray_job_submit(tmp_path):
     words += ["cluster.device=cpu", *_overrides(tmp_path, steps=2)]  # later overrides win
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env["RAY_AUTH_MODE"] = "disabled"  # a local test cluster: no token to hand the job client
+    # its own temp dir: the `ray start` cluster must not become the one a later ray.init() finds
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
     port, dashboard = _free_port(), _free_port()
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
@@ -116,5 +120,6 @@ def test_the_rendered_rayjob_entrypoint_runs_through_ray_job_submit(tmp_path):
     finally:
         os.killpg(head.pid, 15)
         head.wait(timeout=60)
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert steps == [1, 2]
