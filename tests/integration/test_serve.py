@@ -12,6 +12,7 @@ import importlib.util
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -372,3 +373,52 @@ def test_cli_rejects_a_non_model_directory(tmp_path):
     assert isinstance(result.exception, RayhfError)
     assert "no config.json" in str(result.exception)
     assert "\n" not in str(result.exception)
+
+
+def test_a_replica_killed_under_load_is_replaced_and_requests_after_it_succeed(server):
+    """Last in this module: it kills the module's one replica. Serve's controller starts a new
+    one; requests in flight at the kill may fail, every request after the new one is up must
+    not."""
+    import ray
+
+    def replicas() -> list[str]:
+        named = ray.util.list_named_actors(all_namespaces=True)
+        return [a["name"] for a in named if a["name"].startswith("SERVE_REPLICA::")]
+
+    (victim,) = replicas()
+    stop = threading.Event()
+    during: list[tuple[float, int]] = []  # (when it was sent, status; 0: no answer)
+    body = {"prompt": "1 2 =", "max_tokens": 4}
+
+    def load() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            try:
+                during.append((sent, post(server, "/v1/completions", body).status_code))
+            except requests.RequestException:
+                during.append((sent, 0))
+
+    def served_again() -> list[int]:
+        """Statuses of the requests sent since the first success sent after the kill."""
+        back = min((t for t, code in during if t > killed and code == 200), default=None)
+        return [code for t, code in during if back is not None and t >= back]
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    killed = time.monotonic()
+    while time.monotonic() < killed + 90 and len(served_again()) < 12:
+        time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(TIMEOUT)
+    again = served_again()
+    assert len(again) >= 12 and again == [200] * len(again), f"after the kill: {during[-20:]}"
+    after = [post(server, "/v1/completions", {"prompt": "3 =", "max_tokens": 2}) for _ in range(5)]
+    assert [r.status_code for r in after] == [200] * 5
+    (now,) = replicas()
+    assert now != victim, "Serve replaced the replica"
+    failed = sum(code != 200 for _, code in during)
+    print(f"{len(during)} requests under load, {failed} failed (in flight at the kill)")
