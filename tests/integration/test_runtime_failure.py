@@ -11,6 +11,7 @@ from rayhf.errors import RunFailed
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
 from rayhf.runtime.trainer import Trainer
+from rayhf.runtime.waits import gather, pending
 
 pytestmark = pytest.mark.ray
 
@@ -38,3 +39,31 @@ def test_a_dead_actor_stops_the_run_naming_its_role(ray_cluster, tiny_config):
     assert waited < 60, f"the run took {waited:.0f} s to notice"
     left = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
     assert not [a for a in left if a.name and a.name.split(".")[0] in cfg.models]
+
+
+def test_a_wait_past_its_timeout_fails_naming_the_actor_that_has_not_answered(ray_cluster):
+    import ray
+
+    class _Sleeper:  # defined here: pickled by value (workers cannot import the test module)
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    actors = [ray.remote(_Sleeper).options(num_cpus=0).remote() for _ in range(2)]
+    try:
+        calls = [
+            pending(a.nap.remote(s), a, "critic", f"critic.d0.dp1tp1pp1[{r}]", "checkpoint write")
+            for r, (a, s) in enumerate(zip(actors, (0.0, 60.0), strict=True))
+        ]
+        began = time.monotonic()
+        with pytest.raises(RunFailed) as failed:
+            gather(calls, timeout_s=2)
+        assert time.monotonic() - began < 10
+        assert str(failed.value) == (
+            "role 'critic': actor critic.d0.dp1tp1pp1[1] did not finish checkpoint write "
+            "within 2 s (driver.call_timeout_s)"
+        )
+        assert gather(calls[:1], timeout_s=2) == [0.0]
+    finally:
+        for a in actors:
+            ray.kill(a)

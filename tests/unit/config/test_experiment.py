@@ -25,6 +25,10 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         ("cluster.device=tpu", "config field cluster.device"),
         ("models.ref.path=/x", "config field models.ref"),
         ("plan=sometimes", "config field plan"),
+        ("fault_tolerance.max_restarts=-1", "config field fault_tolerance.max_restarts"),
+        ("fault_tolerance.inject={site: nowhere, role: actor}", "fault_tolerance.inject.site"),
+        ("fault_tolerance.inject={site: call, role: critc}", "inject.role 'critc' is not a role"),
+        ("resume=always", "config field resume"),
     ],
 )
 def test_bad_values_name_the_field(override, needle):
