@@ -132,3 +132,42 @@ def test_ppo_on_one_gpu(tmp_path, executor):
     trained = final.state_dict()
     assert {t.dtype for t in trained.values()} == {torch.float32}, "fp32 master weights saved"
     assert not all(torch.equal(init[k], trained[k]) for k in init), "the actor did not train"
+
+
+def _run_on_gpu(run: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    words = [
+        "examples/ppo_tiny.yaml", f"run_dir={run}", f"dataset.path={data}",
+        "steps=3", "batch_size=8", "save_every=1", "generation.max_new_tokens=8",
+        "cluster.device=cuda", "cluster.n_devices=1", "metrics.console=false",
+        "metrics.plot=false", "metrics.ray_metrics=false", *extra,
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "rayhf", "run", *words],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_a_dead_actor_on_a_gpu_is_recovered_to_the_uninterrupted_weights(tmp_path):
+    """The actor's rank SIGKILLs itself in step 2 on the GPU; the run recovers from step 1's
+    checkpoint by itself and ends with the weights of a run that was never interrupted."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "data.parquet"
+    plain = _run_on_gpu(tmp_path / "plain", data)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    fault = "fault_tolerance.inject={site: call, step: 2, role: actor}"
+    healed = _run_on_gpu(tmp_path / "healed", data, fault)
+    assert healed.returncode == 0, healed.stderr[-3000:]
+    assert healed.stderr.count("rayhf: recovering (1 of 3)") == 1, healed.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "healed" / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3]
+    final = "checkpoints/step_000003/actor/model.safetensors"
+    a, b = load_file(tmp_path / "plain" / final), load_file(tmp_path / "healed" / final)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    worst = max(((a[k] - b[k]).abs().max().item() for k in differ), default=0.0)
+    print(f"{len(differ)} of {len(a)} tensors differ after the recovery (largest {worst:.3g})")
+    assert not differ
