@@ -108,14 +108,19 @@ def test_with_no_restarts_a_dead_actor_at_each_site_stops_the_run_in_one_line(
 @needs_vllm
 def test_a_dead_actor_in_a_vllm_weight_sync_is_recovered(ray_cluster, tmp_path):
     vllm = {
-        "engines": {"actor_gen": {"engine": "vllm"}}, "steps": 2,
+        "engines": {"actor_gen": {"engine": "vllm"}}, "steps": 2, "eval_every": 0,
         "models.actor.init.n_heads": 2, "models.actor.init.n_kv_heads": 1,  # vLLM: head_dim 32
     }  # fmt: skip
-    cfg = _config(tmp_path, eval_every=0, **vllm, **_fault("sync"))
-    result = rayhf.run(cfg)
+    result = rayhf.run(_config(tmp_path, **vllm, **_fault("sync")))
     assert result.info["recoveries"] == 1
     assert [m["step"] for m in result.metrics] == [1, 2]
-    again = _config(tmp_path / "stop", eval_every=0, **vllm, **_fault("sync"))
+    plain = rayhf.run(_config(tmp_path / "plain", **vllm))
+    final = "actor/model.safetensors"
+    assert result.final_checkpoint is not None and plain.final_checkpoint is not None
+    a = load_file(result.final_checkpoint / final)
+    b = load_file(plain.final_checkpoint / final)
+    assert all(torch.equal(a[k], b[k]) for k in a), "vLLM samples the same after a recovery"
+    again = _config(tmp_path / "stop", **vllm, **_fault("sync"))
     with pytest.raises(
         RunFailed, match=r"actor actor\.d1\.dp1tp1pp1\[0\] died during call 'actor_gen'"
     ):
