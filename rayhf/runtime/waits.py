@@ -66,7 +66,12 @@ def gather(calls: Sequence[Pending], timeout_s: float) -> list[Any]:
     left = [c.ref for c in calls]
     deadline = time.monotonic() + timeout_s
     while left:
-        ready, left = ray.wait(left, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+        # in slices of at most a second: the main thread handles signals between them (SIGTERM's
+        # grace period, Ctrl-C), which a wait of an hour inside Ray would hold back
+        remaining = deadline - time.monotonic()
+        ready, left = ray.wait(left, num_returns=1, timeout=max(min(remaining, 1.0), 0))
+        if not ready and remaining > 1.0:
+            continue
         if not ready:
             waiting = next(c for c in calls if c.ref in set(left))
             raise RunFailed(
