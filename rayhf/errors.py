@@ -5,6 +5,8 @@ SIGTERM (exit 143, after a checkpoint). Everything else is a bug
 and keeps its traceback.
 """
 
+import time
+
 
 class RayhfError(ValueError):
     """A user error whose message names what to change: a config field, a file or a value."""
@@ -13,11 +15,12 @@ class RayhfError(ValueError):
 class RunFailed(RuntimeError):
     """A run stopped because part of the cluster failed; the message names the role and how to
     continue (``--resume``). ``recoverable``: whether a restart may get past it (an actor whose
-    constructor raised would raise again)."""
+    constructor raised would raise again); ``at``: when it was found (``time.time()``)."""
 
     def __init__(self, message: str, recoverable: bool = True) -> None:
         super().__init__(message)
         self.recoverable = recoverable
+        self.at = time.time()
 
 
 class RunInterrupted(RuntimeError):

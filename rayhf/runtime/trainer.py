@@ -273,7 +273,7 @@ class Recovery:
 
     count: int  # 1 for the first recovery of the run
     reason: str
-    failed_at: float  # time.time() of the failure
+    failed_at: float  # time.time() when the failure was found
     restarted_at: float  # time.time() when the role groups were up again
     from_step: int
 
@@ -349,7 +349,8 @@ def _attempts(cfg: ExperimentConfig, assets: RunAssets, ckpt: Path | None) -> di
                 raise RunFailed(f"{e}; continue from the last checkpoint: {how}", False) from e
             ckpt = usable_checkpoint(run_dir, _say)
             step = int(read_state(ckpt)["step"]) if ckpt is not None else 0
-            recovered = Recovery(count + 1, str(e), time.time(), time.time(), step)
+            # its time runs from the failure: the teardown above counts as lost
+            recovered = Recovery(count + 1, str(e), e.at, time.time(), step)
             info["recoveries"] = float(count + 1)
             _say(f"recovering ({count + 1} of {ft.max_restarts}) from: {e}; continuing after "
                  f"step {step}")  # fmt: skip
