@@ -110,11 +110,15 @@ def test_the_rendered_rayjob_entrypoint_runs_through_ray_job_submit(tmp_path):
     )  # fmt: skip
     try:
         _wait_for_dashboard(dashboard)
-        submitted = subprocess.run(
-            ["ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}",
-             f"--working-dir={tmp_path}", "--", *words],
-            env=env, cwd=REPO, capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
+        for _ in range(30):  # the head's job agent starts after the dashboard answers
+            submitted = subprocess.run(
+                ["ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}",
+                 f"--working-dir={tmp_path}", "--", *words],
+                env=env, cwd=REPO, capture_output=True, text=True, timeout=400,
+            )  # fmt: skip
+            if "No available agent" not in submitted.stderr + submitted.stdout:
+                break
+            time.sleep(2)
         assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-2000:]
         assert "succeeded" in submitted.stdout, submitted.stdout[-3000:]
     finally:

@@ -121,7 +121,6 @@ def test_a_dead_actor_in_a_vllm_weight_sync_is_recovered(ray_cluster, tmp_path):
     b = load_file(plain.final_checkpoint / final)
     assert all(torch.equal(a[k], b[k]) for k in a), "vLLM samples the same after a recovery"
     again = _config(tmp_path / "stop", **vllm, **_fault("sync"))
-    with pytest.raises(
-        RunFailed, match=r"actor actor\.d1\.dp1tp1pp1\[0\] died during call 'actor_gen'"
-    ):
+    died = r"actor actor\.d1\.dp1tp1pp1\[0\] died during call 'actor_gen'"  # the sync's call
+    with pytest.raises(RunFailed, match=died):
         rayhf.run(again.with_overrides({"fault_tolerance.max_restarts": 0}))
