@@ -101,16 +101,22 @@ def test_the_rendered_rayjob_entrypoint_runs_through_ray_job_submit(tmp_path):
     # its own temp dir: the `ray start` cluster must not become the one a later ray.init() finds
     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
     port, dashboard = _free_port(), _free_port()
+    # every port its own: the suite's cluster already holds the defaults (the dashboard agent's
+    # 52365 above all: without it the job server has "No available agent")
+    ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+        "ray-client-server-port", "runtime-env-agent-port",
+    )]  # fmt: skip
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          f"--resources={json.dumps({'rayhf_device': 2})}", "--include-dashboard=true",
-         f"--dashboard-port={dashboard}", "--disable-usage-stats"],
+         f"--dashboard-port={dashboard}", "--disable-usage-stats", *ports],
         env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )  # fmt: skip
     try:
         _wait_for_dashboard(dashboard)
-        for _ in range(30):  # the head's job agent starts after the dashboard answers
+        for _ in range(15):  # the head's job agent starts after the dashboard answers
             submitted = subprocess.run(
                 ["ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}",
                  f"--working-dir={tmp_path}", "--", *words],
