@@ -227,12 +227,19 @@ class Trainer:
         if recovered is not None:
             trace.write(start, [recovered.span()], "recovery")
         running: deque[tuple[Submitted, float]] = deque()  # (step, when it was submitted)
-        last = start
+        last, ended = start, 0.0
+
+        def collect() -> None:
+            nonlocal extra, last, ended
+            done, submitted = running.popleft()
+            metrics = self.finish(done, max(submitted, ended), trace)
+            tracker.log(done.step, {**metrics, **extra})
+            extra, last, ended = {}, done.step, time.perf_counter()
+
         try:
             with Preemption(cfg.fault_tolerance.preempt_grace_s) as preemption:
                 if cfg.eval_every and start == 0:
                     tracker.log(0, self.evaluate(0, trace))  # the held-out baseline
-                ended = 0.0
                 for step in range(start + 1, cfg.steps + 1):
                     if preemption.requested:
                         break
@@ -240,11 +247,10 @@ class Trainer:
                     running.append((self.executor.submit(step, batch), time.perf_counter()))
                     keep = 1 if self.executor.overlap and not self.drains(step) else 0
                     while len(running) > (0 if preemption.requested else keep):
-                        done, submitted = running.popleft()
-                        metrics = self.finish(done, max(submitted, ended), trace)
-                        tracker.log(done.step, {**metrics, **extra})
-                        extra, last, ended = {}, done.step, time.perf_counter()
-                if preemption.requested:
+                        collect()
+                while running:  # a SIGTERM's break can leave a step in flight: finish it first
+                    collect()
+                if preemption.requested and last < cfg.steps:
                     self._preempted(last)
         except KeyboardInterrupt:
             where = self.assets.run_dir
@@ -325,10 +331,11 @@ def _attempts(cfg: ExperimentConfig, assets: RunAssets, ckpt: Path | None) -> di
     on. Returns the run's info (start step, initial reallocation, recoveries)."""
     ft, run_dir = cfg.fault_tolerance, assets.run_dir
     fresh = assets.dataset.state_dict()  # where a run with no checkpoint yet starts again
-    info: dict[str, float] = {"start_step": float(_restore(assets, ckpt, fresh))}
+    info: dict[str, float] = {}
     recovered: Recovery | None = None
     while True:
         start = _restore(assets, ckpt, fresh)
+        info.setdefault("start_step", float(start))
         if start >= cfg.steps:
             return info
         count = recovered.count if recovered else 0

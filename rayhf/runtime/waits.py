@@ -73,7 +73,8 @@ def gather(calls: Sequence[Pending], timeout_s: float) -> list[Any]:
         if not ready and remaining > 1.0:
             continue
         if not ready:
-            waiting = next(c for c in calls if c.ref in set(left))
+            unanswered = set(left)
+            waiting = next(c for c in calls if c.ref in unanswered)
             raise RunFailed(
                 f"role '{waiting.role}': actor {waiting.actor} did not finish {waiting.doing} "
                 f"within {timeout_s:g} s (driver.call_timeout_s)"
