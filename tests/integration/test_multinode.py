@@ -20,9 +20,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_overrides
+from conftest import REPO
 from ray.cluster_utils import Cluster
-from test_cli_processes import EXAMPLE, Run, _cmdline, _descendants
+from test_cli_processes import EXAMPLE, Run, _args, _cmdline, _descendants
 
 from rayhf.k8s.render import render
 
@@ -31,9 +31,8 @@ DEVICE = {"rayhf_device": 1.0}  # one emulated device per node: a 2-device run s
 
 
 def _overrides(tmp: Path, **extra: object) -> list[str]:
-    (tmp / "data").mkdir(exist_ok=True)
-    ov = tiny_overrides(tmp / "run", **{"cluster.n_devices": 2, **extra})
-    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in ov.items()]
+    """The tiny run's overrides (``test_cli_processes._args`` without the config), on 2 devices."""
+    return _args(tmp, **{"cluster.n_devices": 2, **extra})[1:]
 
 
 def _workers_under(pid: int) -> list[int]:
