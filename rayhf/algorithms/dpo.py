@@ -18,16 +18,17 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.lm import padded, response_forward
 from rayhf.algorithms.offline import OfflineInterface, as_seq
+from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.data.batch import PackedBatch
 
 
-class DPOConfig(BaseModel):
+class DPOConfig(OnPolicyConfig):
     """Hyper-parameters of the DPO loss."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Literal, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import CallContext, ModelEngine, register
@@ -34,14 +34,16 @@ from rayhf.algorithms.lm import (
     rollout_stats,
     sample_batch,
 )
+from rayhf.algorithms.offpolicy import OffPolicyConfig, PolicyReference, behaviour_weights
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.torch_trainer import response_tokens, samples
 from rayhf.errors import RayhfError
 
 
-class GRPOConfig(BaseModel):
-    """Hyper-parameters of the GRPO loss and its group-relative advantages."""
+class GRPOConfig(OffPolicyConfig):
+    """Hyper-parameters of the GRPO loss and its group-relative advantages (and, inherited,
+    how stale its samples may be)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -132,8 +134,10 @@ def grpo_loss(
     advantages: Tensor,
     mask: Tensor,
     cfg: GRPOConfig,
+    behaviour: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate plus ``kl_coef`` times k3 per token, aggregated over the batch.
+    """Clipped surrogate plus ``kl_coef`` times k3 per token, aggregated over the batch; with
+    ``behaviour`` log-probs the surrogate is decoupled PPO's (``ppo_policy_loss``).
 
     ``advantages`` is ``[B]``, one per sequence, shared by its tokens. GRPO averages over all
     valid tokens of the batch (verl's and DAPO's "token-mean"): every token weighs the same, so
@@ -148,13 +152,19 @@ def grpo_loss(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip)
     kl = k3_kl(logprobs, ref_logprobs, mask)
-    per_token = torch.maximum(loss_unclipped, loss_clipped) + cfg.kl_coef * kl
+    surrogate = torch.maximum(loss_unclipped, loss_clipped)
+    weight_stats: dict[str, float] = {}
+    if behaviour is not None:
+        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg.weight_cap)
+        surrogate = weights * surrogate
+    per_token = surrogate + cfg.kl_coef * kl
     loss = _aggregate(per_token, mask, cfg)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
             "kl": masked_mean(kl, mask).item(),
             "approx_kl": masked_mean(-log_ratio, mask).item(),
+            **weight_stats,
         }
     return loss, stats
 
@@ -189,15 +199,20 @@ class GRPOActorInterface(LMInterface):
         stats = rollout_stats(engine, batch)
         batch.add("advantages", self.advantages(engine, batch, ctx.dp_rank), [1] * batch.n_samples)
         temperature = self.temperature
+        reference = PolicyReference(engine, batch, temperature, self.cfg)
 
         def loss_fn(mb: PackedBatch):
             logp, _, mask = response_forward(engine, mb, temperature)
-            old, ref = padded(mb, "logprobs"), padded(mb, "ref_logprobs")
-            loss, s = grpo_loss(logp, old, ref, mb.tensors["advantages"], mask, self.cfg)
+            reference.observe(mb, logp, mask)
+            (old, behaviour), ref = reference.old(mb), padded(mb, "ref_logprobs")
+            adv = mb.tensors["advantages"]
+            loss, s = grpo_loss(logp, old, ref, adv, mask, self.cfg, behaviour)
             return loss, {"policy_loss": loss.item(), **s}
 
         weight = samples if self.cfg.dr_grpo else response_tokens  # what the loss averages over
-        for _ in range(self.cfg.ppo_epochs):
+        for epoch in range(self.cfg.ppo_epochs):
             minibatches = batch.split(self.cfg.n_minibatches, "seq")
+            reference.start_epoch(epoch, minibatches)
             stats.update(engine.train(minibatches, loss_fn, weight))
+        stats.update(reference.stats(engine))
         return stats

@@ -25,18 +25,20 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
 from rayhf.algorithms.lm import LMInterface, logprob_batch, padded, response_forward
+from rayhf.algorithms.offpolicy import OffPolicyConfig, PolicyReference, behaviour_weights
 from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 
 
-class PPOConfig(BaseModel):
-    """Hyper-parameters of the PPO loss, reward shaping and KL control."""
+class PPOConfig(OffPolicyConfig):
+    """Hyper-parameters of the PPO loss, reward shaping and KL control (and, inherited, how
+    stale its samples may be)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -154,23 +156,38 @@ def gae_advantages(
 
 
 def ppo_policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip: float,
+    behaviour: Tensor | None = None,
+    weight_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss, averaged over valid tokens; returns ``(loss, stats)``.
 
-    ``stats``: ``clip_frac`` (tokens where the clipped term is the larger loss),
-    ``approx_kl`` (mean of ``old - new`` log-probs) and ``ratio_mean``.
+    With ``behaviour`` log-probs it is decoupled PPO (``rayhf.algorithms.offpolicy``):
+    ``old_logprobs`` are the proximal policy's and each token's loss is weighted by
+    ``min(pi_old / pi_behaviour, weight_cap)``. ``stats``: ``clip_frac`` (tokens where the
+    clipped term is the larger loss), ``approx_kl`` (mean of ``old - new`` log-probs),
+    ``ratio_mean``, and with ``behaviour`` the weights' ``is_*`` stats.
     """
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    loss = masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    per_token = torch.maximum(loss_unclipped, loss_clipped)
+    weight_stats: dict[str, float] = {}
+    if behaviour is not None:
+        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, weight_cap)
+        per_token = weights * per_token
+    loss = masked_mean(per_token, mask)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
             "approx_kl": masked_mean(-log_ratio, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
+            **weight_stats,
         }
     return loss, stats
 
@@ -327,19 +344,27 @@ class PPOActorInterface(_PPOBase, LMInterface):
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = self.add_targets(engine, batch)
+        reference = PolicyReference(engine, batch, self.temperature, self.cfg)
+        cfg = self.cfg
 
         def loss_fn(mb: PackedBatch):
             logp, logits, mask = response_forward(engine, mb, self.temperature)
+            reference.observe(mb, logp, mask)
+            old, behaviour = reference.old(mb)
+            adv = padded(mb, "advantages")
             loss, s = ppo_policy_loss(
-                logp, padded(mb, "logprobs"), padded(mb, "advantages"), mask, self.cfg.eps_clip
-            )
+                logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap
+            )  # fmt: skip
             entropy = masked_mean(entropy_from_logits(logits).cpu(), mask)
-            if self.cfg.entropy_coef:
-                loss = loss - self.cfg.entropy_coef * entropy
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * entropy
             return loss, {"policy_loss": loss.item(), "entropy": entropy.item(), **s}
 
-        for _ in range(self.cfg.ppo_epochs):
-            stats.update(engine.train(self.minibatches(batch), loss_fn))
+        for epoch in range(cfg.ppo_epochs):
+            minibatches = self.minibatches(batch)
+            reference.start_epoch(epoch, minibatches)
+            stats.update(engine.train(minibatches, loss_fn))
+        stats.update(reference.stats(engine))
         self.kl_ctl.update(stats["kl"], n_steps=batch.n_samples * ctx.dp_size)
         return stats
 

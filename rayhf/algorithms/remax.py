@@ -19,17 +19,18 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import CallContext, ModelEngine, register
 from rayhf.algorithms.lm import LMInterface, padded, response_forward, rollout_stats
+from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.ppo import kl_shaped_rewards, masked_mean, masked_whiten
 from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
 
 
-class ReMaxConfig(BaseModel):
+class ReMaxConfig(OnPolicyConfig):
     """Hyper-parameters of the ReMax reward shaping and loss."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)

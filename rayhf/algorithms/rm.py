@@ -15,16 +15,17 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.offline import OfflineInterface, as_seq
+from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.seqs import padded_inputs
 from rayhf.data.batch import PackedBatch
 
 
-class RMConfig(BaseModel):
+class RMConfig(OnPolicyConfig):
     """Bradley-Terry reward-model training on preference pairs."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)

@@ -11,18 +11,19 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.lm import response_forward, token_logprobs
 from rayhf.algorithms.offline import OfflineInterface
+from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.algorithms.seqs import padded_inputs, response_index, response_labels
 from rayhf.data.batch import PackedBatch
 
 
-class SFTConfig(BaseModel):
+class SFTConfig(OnPolicyConfig):
     """Supervised fine-tuning on prompt/response pairs."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)

@@ -178,7 +178,7 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     from pathlib import Path
 
     from rayhf.planner import format_plan
-    from rayhf.planner.auto import auto_plan, format_auto, write_gantt
+    from rayhf.planner.auto import auto_plan, format_auto, step_estimates, write_gantt
     from rayhf.planner.hardware import parse_cluster
     from rayhf.runtime.assets import existing_dataset
     from rayhf.runtime.planning import planner_workloads, step_options
@@ -193,6 +193,8 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
         return
     typer.echo(format_plan(chosen, graph))
     typer.echo(format_auto(result))
+    ways = step_estimates(graph, specs, works, cluster, result, step, cfg.seed, seconds)
+    typer.echo("\n".join(ways))
     if gantt is not None:
         typer.echo(f"gantt chart: {write_gantt(result.chosen.simulation, Path(gantt))}")
 

@@ -137,6 +137,16 @@ class ExperimentConfig(BaseModel):
     resume: Literal["never", "auto"] = "never"
 
     @model_validator(mode="after")
+    def _stale_steps_overlap(self) -> ExperimentConfig:
+        k = getattr(self.algorithm, "max_staleness", 0)
+        if k and not self.driver.overlap_steps:
+            raise ValueError(
+                f"algorithm.max_staleness: {k} runs steps overlapped; set driver.overlap_steps: "
+                "true (the plain executor) or algorithm.max_staleness: 0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _injected_role_exists(self) -> ExperimentConfig:
         inject = self.fault_tolerance.inject
         if inject is not None and inject.role not in self.models:

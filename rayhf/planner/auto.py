@@ -177,6 +177,39 @@ def format_auto(result: AutoPlan) -> str:
     return "\n".join(rows)
 
 
+def step_estimates(
+    graph: Graph,
+    specs: dict[str, ModelSpec],
+    works: dict[str, Workload],
+    cluster: ClusterSpec,
+    chosen: AutoPlan,
+    step: StepOptions,
+    seed: int = 0,
+    time_limit: float = 20.0,
+) -> list[str]:
+    """The estimated seconds per step one at a time, overlapped, and with ``step.staleness``
+    asynchronous, each on the fastest plan the search finds for it (one step at a time: the
+    overlapped plan's steps in turn); ``chosen`` was searched with ``step``."""
+    k = step.staleness
+    on_policy = dataclasses.replace(step, overlap=True, staleness=0)
+    synced = auto_plan(graph, specs, works, cluster, seed, time_limit, on_policy) if k else chosen
+    cost, plan = AnalyticCost(cluster), synced.chosen.plan
+    one_by_one = dataclasses.replace(on_policy, overlap=False)
+    barrier = simulate(graph, plan, specs, open_stages(works), cost, step=one_by_one)
+    overlapped = synced.chosen.simulation.iteration_seconds
+    rows = [
+        ("one step at a time", barrier.iteration_seconds),
+        ("overlapped (on-policy)", overlapped),
+    ]
+    if k:
+        rows.append(
+            (f"asynchronous (max_staleness {k})", chosen.chosen.simulation.iteration_seconds)
+        )
+    lines = ["seconds per step, each way of running steps on its own best plan:"]
+    lines += [f"  {name:<32}{s:>9.2f} s  ({overlapped / s:.2f}x overlapped)" for name, s in rows]
+    return lines
+
+
 def write_gantt(sim: Simulation, out: Path, iteration: int = 1) -> Path:
     """A Gantt chart of one simulated iteration: a row per device, a bar per call."""
     import matplotlib

@@ -1,10 +1,11 @@
 """Simulator: price the step the driver runs (``rayhf.planner.step``) over a few iterations.
 
     units of one step (calls, weight moves, EMA blends, with their order) -> seconds of each
-    per iteration, each unit in order:
+    per iteration (a period of ``step.pipeline``: with ``max_staleness: k``, the policy's
+    generation of step i + k, then the rest of step i), each unit in order:
       start = when its ``after`` units of this iteration end, and
-              with ``overlap``: its ``carried`` units of the previous iteration (the driver
-                submits step i+1 while step i runs);
+              with ``overlap``: its units of earlier iterations (the driver submits step i+1
+                while step i runs: ``carried``, or the pipeline's cross-period order);
               without: every unit of the previous iteration (one step at a time)
 
 On emulated devices that share fewer cores than there are devices (``ClusterSpec.host_cores``),
@@ -33,7 +34,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
-from rayhf.planner.step import StepOptions, Unit, carried, plan_step
+from rayhf.planner.step import Slot, StepOptions, Unit, leading, pipeline, plan_step
 from rayhf.realloc.plan import move_load
 
 
@@ -94,27 +95,26 @@ def simulate(
     trained = {c.role for c in graph.calls if c.kind == "train"}
     works, stages = staged(graph, plan, specs, works, cost, homes, trained)
     units = plan_step(graph, plan.layouts, homes, step.followers)
-    overlap = step.overlap
-    before = carried(units)
+    slots = pipeline(units, leading(graph, units, step.staleness), step.staleness)
+    overlap = step.overlap or step.staleness > 0
+    if step.staleness:  # the pipeline fills for k periods: price the ones after
+        n_iterations = max(n_iterations, 2 * step.staleness + 3)
     flat = {c.role for c in graph.calls if c.kind == "train" and works[c.name].zero_stage == 3}
     seconds = _price(units, specs, works, cost, moved, {r: homes[r] for r in flat})
     cores = cost.cluster.host_cores
     if concurrent and 0 < cores < _n_devices(plan, cost):
         procs = {u.name: len(u.devices) if u.role in specs else 0 for u in units}
-        spans = _shared_cores(
-            units, before if overlap else None, seconds, procs, cores, n_iterations
-        )
+        spans = _shared_cores(slots, overlap, seconds, procs, cores, n_iterations)
     else:
-        spans = _one_by_one(units, before, seconds, n_iterations, overlap, concurrent)
-    sim = Simulation(_period(spans, n_iterations), spans, stages=stages)
+        spans = _one_by_one(slots, seconds, n_iterations, overlap, concurrent)
+    sim = Simulation(_period(spans, n_iterations, step.staleness), spans, stages=stages)
     sim.refused = _refused(graph, plan, works)
     sim.peak_memory, sim.over_memory = _memory(graph, plan, specs, works, cost, homes, trained)
     return sim
 
 
 def _one_by_one(
-    units: list[Unit],
-    before: dict[str, frozenset[str]],
+    slots: list[Slot],
     seconds: dict[str, float],
     n_iterations: int,
     overlap: bool,
@@ -122,25 +122,28 @@ def _one_by_one(
 ) -> list[SimSpan]:
     """Each unit as soon as what it runs after has ended, at full speed (every device its own)."""
     spans: list[SimSpan] = []
-    prev: dict[str, float] = {}
+    end: list[dict[str, float]] = []
     for it in range(n_iterations):
-        end: dict[str, float] = {}
-        last = max(prev.values(), default=0.0)
-        for u in units:
-            waits = [end[a] for a in u.after]
-            waits += [prev[a] for a in before[u.name]] if overlap and prev else [last]
+        end.append({})
+        last = max(end[it - 1].values(), default=0.0) if it else 0.0
+        for slot in slots:
+            u = slot.unit
+            waits = [
+                end[it - lag][a] for lag, a in slot.after if it >= lag and (overlap or lag == 0)
+            ]
+            if not overlap:
+                waits.append(last)
             if not concurrent:  # one unit at a time: after the one before it
                 waits.append(spans[-1].end if spans else 0.0)
-            start = max(waits)
-            end[u.name] = start + seconds[u.name]
-            spans.append(SimSpan(u.name, it, start, end[u.name], tuple(sorted(u.devices))))
-        prev = end
+            start = max(waits, default=0.0)
+            end[it][u.name] = start + seconds[u.name]
+            spans.append(SimSpan(u.name, it, start, end[it][u.name], tuple(sorted(u.devices))))
     return spans
 
 
 def _shared_cores(
-    units: list[Unit],
-    before: dict[str, frozenset[str]] | None,
+    slots: list[Slot],
+    overlap: bool,
     seconds: dict[str, float],
     procs: dict[str, int],
     cores: float,
@@ -148,18 +151,15 @@ def _shared_cores(
 ) -> list[SimSpan]:
     """As ``_one_by_one``, on emulated devices that share ``cores`` cores: while units run
     together, each of their ``procs`` (device processes; none for a function the driver runs)
-    gets an equal share of the cores, at most one (processor sharing). ``before``: the carried
-    dependencies when steps overlap, else None."""
+    gets an equal share of the cores, at most one (processor sharing)."""
     deps: dict[tuple[int, str], list[tuple[int, str]]] = {}
     for it in range(n_iterations):
-        for u in units:
-            mine = [(it, a) for a in u.after]
-            if it and before is not None:
-                mine += [(it - 1, a) for a in before[u.name]]
-            elif it:
-                mine += [(it - 1, v.name) for v in units]
-            deps[it, u.name] = mine
-    by_name = {u.name: u for u in units}
+        for slot in slots:
+            mine = [(it - lag, a) for lag, a in slot.after if it >= lag and (overlap or not lag)]
+            if it and not overlap:
+                mine += [(it - 1, s.unit.name) for s in slots]
+            deps[it, slot.unit.name] = mine
+    by_name = {s.unit.name: s.unit for s in slots}
     left = {key: seconds[key[1]] for key in deps}
     start: dict[tuple[int, str], float] = {}
     end: dict[tuple[int, str], float] = {}
@@ -292,15 +292,17 @@ def _refused(graph: Graph, plan: Plan, works: dict[str, Workload]) -> list[str]:
     ]
 
 
-def _period(spans: list[SimSpan], n_iterations: int) -> float:
+def _period(spans: list[SimSpan], n_iterations: int, settle: int = 0) -> float:
     """Seconds per iteration in steady state: how far apart the iterations finish (the first
-    one has nothing to overlap with, so a run of many iterations pays its fill only once)."""
+    one has nothing to overlap with, so a run of many iterations pays its fill only once);
+    ``settle``: iterations left out at the start (a pipeline k deep fills for k)."""
     ends = [0.0] * n_iterations
     for s in spans:
         ends[s.iteration] = max(ends[s.iteration], s.end)
     if n_iterations == 1:
         return ends[0]
-    return (ends[-1] - ends[0]) / (n_iterations - 1)
+    first = min(settle, n_iterations - 2)
+    return (ends[-1] - ends[first]) / (n_iterations - 1 - first)
 
 
 def _n_devices(plan: Plan, cost: AnalyticCost) -> int:

@@ -13,6 +13,12 @@ Units on disjoint devices with no path between them run at the same time. Betwee
 (``carried``): a unit of step i+1 runs after step i's last unit on each of its devices and after
 step i's last update of its role (a train call or a blend); a role nobody updates is no barrier.
 The dataset rows are the only other input, and they are ready before the step is submitted.
+
+With ``max_staleness: k >= 1`` (``pipeline``) the steps repeat as periods: period p runs the
+leading units (the policy's generate calls and their weight moves) of step p + k first, then the
+rest of step p. So on a device the generation of step p + k comes before the training of step p,
+and it waits only for the policy's update of step p - 1: it samples with weights at most k
+updates old, while step p trains on other devices.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from rayhf.errors import RayhfError
 from rayhf.graph import Graph
 from rayhf.parallel.layout import Layout
 
@@ -38,6 +45,7 @@ class StepOptions:
     followers: Mapping[str, list[tuple[str, float]]] = field(default_factory=dict)  # role ->
     # (role, eta) blended toward it after it trains
     overlap: bool = True
+    staleness: int = 0  # algorithm.max_staleness: how many steps ahead the generation may run
 
 
 @dataclass(frozen=True)
@@ -152,4 +160,78 @@ def waves(units: list[Unit]) -> list[list[str]]:
     out: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
     for u in units:
         out[depth[u.name]].append(u.name)
+    return out
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A unit in the repeating period of the pipeline: period p runs it for step p + ``lead``."""
+
+    unit: Unit
+    lead: int  # steps ahead of its period: the staleness for a leading unit, else 0
+    after: frozenset[tuple[int, str]]  # (periods back, unit) it runs after; 0 = this period
+
+    def offset(self, lag: int, other: Slot) -> int:
+        """How many steps after this slot's step is ``other``'s, in the period ``lag`` back."""
+        return other.lead - self.lead - lag
+
+
+def leading(graph: Graph, units: list[Unit], staleness: int) -> frozenset[str]:
+    """The units that run ``staleness`` steps ahead: each generate call of a role the graph
+    trains, with the weight move before it. None when ``staleness`` is 0. Each must depend on
+    nothing else of its step (it starts before the rest of the step has run)."""
+    if not staleness:
+        return frozenset()
+    trained = {c.role for c in graph.calls if c.kind == "train"}
+    lead = {
+        u.name
+        for u in units
+        if (c := graph.by_name.get(u.name.removeprefix("realloc:"))) is not None
+        and c.kind == "generate"
+        and c.role in trained
+    }
+    if not lead:
+        raise RayhfError(
+            f"algorithm.max_staleness: {staleness}: graph '{graph.name}' generates nothing with a "
+            "role it trains, so nothing can run ahead; set it to 0"
+        )
+    for u in units:
+        if u.name in lead and (behind := sorted(u.after - lead)):
+            raise RayhfError(
+                f"algorithm.max_staleness: graph '{graph.name}' runs '{u.name}' after "
+                f"'{behind[0]}' of its step, so it cannot run ahead; set max_staleness to 0"
+            )
+    return frozenset(lead)
+
+
+def pipeline(units: list[Unit], lead: frozenset[str], staleness: int) -> list[Slot]:
+    """The period of the pipelined steps, in the order the driver submits it: ``lead`` units
+    (of step p + ``staleness``) first, then the others (of step p). Each slot runs after its
+    units of the same step (``after``), the previous slot on each of its devices (this period or
+    the last), and the previous period's last update of each role it uses. With no ``lead``
+    this is the step itself with ``carried`` as the previous period's part."""
+    if not lead:
+        between = carried(units)
+        return [
+            Slot(u, 0, frozenset({(0, a) for a in u.after} | {(1, b) for b in between[u.name]}))
+            for u in units
+        ]
+    order = [u for u in units if u.name in lead] + [u for u in units if u.name not in lead]
+    ahead = {u.name: staleness if u.name in lead else 0 for u in units}
+    previous_on_device: dict[int, str] = {}
+    previous_update: dict[str, str] = {}
+    for u in order:
+        previous_on_device.update(dict.fromkeys(u.devices, u.name))
+        if u.updates:
+            previous_update[u.role] = u.name
+    on_device: dict[int, str] = {}
+    out: list[Slot] = []
+    for u in order:
+        deps = {(ahead[a] - ahead[u.name], a) for a in u.after}
+        for d in sorted(u.devices):
+            deps.add((0, on_device[d]) if d in on_device else (1, previous_on_device[d]))
+        roles = {u.role, u.reads or u.role}
+        deps.update((1, previous_update[r]) for r in roles if r in previous_update)
+        on_device.update(dict.fromkeys(u.devices, u.name))
+        out.append(Slot(u, ahead[u.name], frozenset(deps)))
     return out

@@ -30,7 +30,7 @@ from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.planner import Plan, make_plan
 from rayhf.planner.plan import check_plan_fits
 from rayhf.realloc.plan import check_compatible
-from rayhf.runtime.planning import auto_plan
+from rayhf.runtime.planning import auto_plan, check_staleness
 
 
 @dataclass
@@ -286,6 +286,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
         _check_batch(cfg, plan)
     check_plan_fits(plan, graph, specs)
     check_engines(cfg, graph, plan, specs)
+    check_staleness(cfg, graph, plan)
     for role, rc in cfg.models.items():
         if rc.init_from is not None and role in specs:
             check_compatible(specs[rc.init_from], specs[role], f"models.{role}.init_from")

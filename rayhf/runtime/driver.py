@@ -16,15 +16,17 @@ docs/decisions.md for which one is the default where.
 Steps overlap (plain calls, ``driver.overlap_steps``): step i+1 is submitted while step i runs,
 each of its nodes also taking the nodes of step i that ``planner.step.carried`` names (its
 devices' last units and its role's last update), so the actors run it as soon as the dataflow
-allows and every result is what one step at a time gives.
+allows and every result is what one step at a time gives. With ``max_staleness: k`` a step is
+submitted in two parts (``planner.step.pipeline``): its leading part (the policy's generation)
+k periods before the rest, and each node takes the nodes of other steps the pipeline names.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -35,7 +37,7 @@ from rayhf.graph import Graph
 from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.step import Unit, carried, plan_step
+from rayhf.planner.step import Unit, leading, pipeline, plan_step
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
@@ -104,18 +106,23 @@ class Node:
     method: str  # dag_call | dag_send | dag_recv
     const: CallNode | MoveNode
     args: tuple[int, ...]  # indices of earlier nodes whose results it takes
-    carried: tuple[int, ...] = ()  # indices of the previous step's nodes it runs after
+    # (steps later, index) of other steps' nodes it runs after (the previous step's, or with
+    # max_staleness the steps a period holds) and of its own step's it is ordered after
+    cross: tuple[tuple[int, int], ...] = ()
 
 
 class StepDag:
     """The units of one step (train or evaluate) as actor calls with their arguments; bound as
     a Ray DAG (``ray_dag``) for the compiled executor."""
 
-    def __init__(self, graph: Graph, placement: Placement, evaluate: bool) -> None:
+    def __init__(
+        self, graph: Graph, placement: Placement, evaluate: bool, staleness: int = 0
+    ) -> None:
         self.graph, self.placement, self.evaluate = graph, placement, evaluate
         self.units = plan_step(
             graph, placement.layouts, placement.homes, placement.followers, evaluate
         )
+        lead = leading(graph, self.units, 0 if evaluate else staleness)
         self.nodes: list[Node] = []
         of_unit: dict[str, list[int]] = {}
         last_on_actor: dict[str, int] = {}
@@ -129,11 +136,17 @@ class StepDag:
                 of_unit[unit.name].append(len(self.nodes))
                 last_on_actor[info.actor_name] = len(self.nodes)
                 self.nodes.append(Node(info, method, const, tuple(args)))
-        between = carried(self.units)  # the same nodes of the previous step, by index
+        slots = {s.unit.name: s for s in pipeline(self.units, lead, staleness)}
         for i, node in enumerate(self.nodes):
-            names = between[node.info.unit.name]
-            prev = {self._on_device(of_unit[a], node.info.device) for a in names}
-            self.nodes[i] = replace(node, carried=tuple(sorted(prev)))
+            slot = slots[node.info.unit.name]
+            cross = {
+                (slot.offset(lag, slots[a]), self._on_device(of_unit[a], node.info.device))
+                for lag, a in slot.after
+            }
+            cross -= {(0, j) for j in (*node.args, i)}
+            self.nodes[i] = replace(node, cross=tuple(sorted(cross)))
+        self.leading = [i for i, n in enumerate(self.nodes) if n.info.unit.name in lead]
+        self.lead_units = lead
 
     def _on_device(self, nodes: list[int], device: int) -> int:
         """The node among ``nodes`` (one unit's) on ``device`` that ends last, else the unit's
@@ -150,18 +163,27 @@ class StepDag:
             return MultiOutputNode(bound)
 
     def submit(
-        self, step_input: StepInput, previous: list[ray.ObjectRef] | None = None
-    ) -> list[ray.ObjectRef]:
-        """The same calls as plain ``.remote()`` calls, results passed as object refs;
-        ``previous``: the refs of the step still running before this one (this DAG's own), whose
-        carried nodes each node also waits for."""
+        self,
+        step_input: StepInput,
+        refs: list[Any],
+        which: list[int],
+        other: Callable[[int], list[Any] | None] = lambda step: None,
+    ) -> None:
+        """The nodes ``which`` (in order) as plain ``.remote()`` calls, results passed as object
+        refs, each into ``refs`` (this step's, one per node; None: not submitted yet). ``other``
+        gives another step's refs while it is in flight (None once collected): each node also
+        waits for the nodes of other steps it runs after."""
         input_ref = ray.put(step_input)
-        refs: list[ray.ObjectRef] = []
-        for node in self.nodes:
+        for i in which:
+            node = self.nodes[i]
             method = getattr(node.info.actor, node.method)
-            prior = [previous[i] for i in node.carried] if previous is not None else []
-            refs.append(method.remote(input_ref, node.const, *(refs[i] for i in node.args), *prior))
-        return refs
+            prior = []
+            for later, j in node.cross:
+                assert later != 0 or j < i, "a node runs after an earlier node of its step"
+                theirs = refs if later == 0 else other(step_input.step + later)
+                if theirs is not None and theirs[j] is not None:
+                    prior.append(theirs[j])
+            refs[i] = method.remote(input_ref, node.const, *(refs[j] for j in node.args), *prior)
 
     def _parts(self, unit: Unit) -> Iterator[tuple[NodeInfo, str, CallNode | MoveNode]]:
         """(node info, method name, its constant argument) for every actor of ``unit``."""
@@ -182,7 +204,7 @@ class StepDag:
             move = MoveNode(unit.name, routes.group, by_peer, unit.eta, forward=forward)
             yield NodeInfo(unit, dst, rank), "dag_recv", move
 
-    def outcome(self, base: PackedBatch, results: list[Any]) -> StepOutcome:
+    def outcome(self, step: int, base: PackedBatch, results: list[Any]) -> StepOutcome:
         """The step's batch, stats, timings and spans from every node's result."""
         by_unit: dict[str, list[tuple[NodeInfo, Any]]] = {u.name: [] for u in self.units}
         for node, result in zip(self.nodes, results, strict=True):
@@ -204,7 +226,29 @@ class StepDag:
                 self._report_call(out, unit, [r for _, r in parts], began, ended)
             else:
                 self._report_move(out, unit, [r for _, r in parts], began, ended)
+        if not self.evaluate:
+            self._report_versions(out, step, by_unit)
         return out
+
+    def _report_versions(
+        self, out: StepOutcome, step: int, by_unit: dict[str, list[tuple[NodeInfo, Any]]]
+    ) -> None:
+        """Each policy generation's weights version (the step whose update made them; what its
+        move's senders held, or its own ranks without a move) in its span and the stats:
+        ``async/staleness`` is how many updates they lag the on-policy version ``step - 1``."""
+        trained = {c.role for c in self.graph.calls if c.kind == "train"}
+        spans = {s.name: s for s in out.spans}
+        lags = []
+        for c in self.graph.calls:
+            if c.kind != "generate" or c.role not in trained:
+                continue
+            parts = by_unit.get(f"realloc:{c.name}") or by_unit[c.name]
+            version = min(r.version for i, r in parts if i.group.key == parts[0][0].group.key)
+            spans[c.name].args.update(version=version, staleness=step - 1 - version)
+            lags.append(step - 1 - version)
+        if lags:
+            out.stats["async/staleness"] = float(max(lags))
+            out.stats["async/policy_version"] = float(step - 1 - max(lags))
 
     def _report_call(
         self, out: StepOutcome, unit: Unit, results: list[CallResult], began: float, ended: float
@@ -261,7 +305,8 @@ class Submitted:
 class DagExecutor:
     """Runs each step's DAG with plain actor calls or as a Ray compiled graph; with
     ``overlap`` (plain calls only) a step may be submitted before the previous one is
-    collected, and runs as soon as its dataflow allows."""
+    collected, and runs as soon as its dataflow allows; with ``staleness`` k the leading part of
+    a step (``submit(..., part="lead")``) goes k periods before the rest."""
 
     def __init__(
         self,
@@ -270,31 +315,46 @@ class DagExecutor:
         compiled: bool = False,
         timeout_s: float = 3600,
         overlap: bool = False,
+        staleness: int = 0,
     ) -> None:
-        assert not (compiled and overlap), "a compiled graph runs one step at a time"
+        assert not (compiled and (overlap or staleness)), "a compiled graph runs one step at a time"
         self.graph, self.placement = graph, placement
         self.compiled, self.timeout_s, self.overlap = compiled, timeout_s, overlap
+        self.staleness = staleness
         self._dags: dict[bool, StepDag] = {}
         self._live: tuple[bool, Any] | None = None  # (evaluate, CompiledDAG)
-        self._last: Submitted | None = None  # the step the next one may follow without a barrier
+        self._open: dict[int, list[Any]] = {}  # step -> its node refs, until it is collected
 
     def dag(self, evaluate: bool) -> StepDag:
         if evaluate not in self._dags:
-            self._dags[evaluate] = StepDag(self.graph, self.placement, evaluate)
+            self._dags[evaluate] = StepDag(self.graph, self.placement, evaluate, self.staleness)
         return self._dags[evaluate]
 
-    def submit(self, step: int, batch: PackedBatch, evaluate: bool = False) -> Submitted:
+    def submit(
+        self,
+        step: int,
+        batch: PackedBatch,
+        evaluate: bool = False,
+        part: Literal["all", "lead"] = "all",
+    ) -> Submitted:
         """Hand one iteration to the actors; with ``evaluate`` train calls report metrics
-        instead of updating. Without ``overlap`` the previous step must be collected first."""
+        instead of updating. ``part="lead"`` submits only the step's leading units (the rest
+        follows with a later ``submit``: the one to collect). Without ``overlap`` the previous
+        step must be collected first."""
         dag = self.dag(evaluate)
         step_input = StepInput(step, batch)
+        if part == "lead" and not dag.leading:
+            return Submitted(step, batch, dag, [])  # nothing runs ahead (max_staleness: 0)
         if self.compiled:
             return Submitted(step, batch, dag, [self._execute_compiled(dag, step_input)])
-        last = self._last if self.overlap and not evaluate else None
-        refs = dag.submit(step_input, last.refs if last is not None and last.dag is dag else None)
-        out = Submitted(step, batch, dag, refs)
-        self._last = out if not evaluate else None
-        return out
+        if evaluate:
+            refs = [None] * len(dag.nodes)
+            dag.submit(step_input, refs, list(range(len(refs))))
+            return Submitted(step, batch, dag, refs)
+        refs = self._open.setdefault(step, [None] * len(dag.nodes))
+        which = dag.leading if part == "lead" else [i for i, r in enumerate(refs) if r is None]
+        dag.submit(step_input, refs, which, self._open.get)
+        return Submitted(step, batch, dag, refs)
 
     def collect(self, submitted: Submitted) -> StepOutcome:
         """Wait for a submitted step; its batch, stats, timings and spans."""
@@ -311,7 +371,9 @@ class DagExecutor:
                 ) from e
         else:
             results = gather(dag.pending(submitted.refs), self.timeout_s)
-        return dag.outcome(submitted.batch, results)
+            if not dag.evaluate:
+                self._open.pop(submitted.step, None)
+        return dag.outcome(submitted.step, submitted.batch, results)
 
     def run_step(self, step: int, batch: PackedBatch, evaluate: bool = False) -> StepOutcome:
         """One iteration, submitted and collected."""
@@ -331,7 +393,7 @@ class DagExecutor:
     def close(self) -> None:
         """Tear down the compiled graph (the actors take plain calls again); the next step
         follows no earlier one."""
-        self._last = None
+        self._open.clear()
         if self._live is not None:
             compiled, self._live = self._live[1], None
             with contextlib.suppress(Exception):  # a dead actor must not stop the teardown

@@ -52,6 +52,7 @@ class WorkerSpec:
     # the precision, and whether it keeps fp32 master weights (trains or blends them)
     numerics: Numerics = field(default_factory=Numerics)
     fault: FaultInjection | None = None  # this rank dies where the fault fires (drills, tests)
+    version: int = 0  # the step whose update made the weights it starts with (a resume's)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class CallResult:
     began: float = 0.0  # wall clock (time.time()) around the call, for the trace
     ended: float = 0.0
     step: int = 0  # the step it belongs to (a node may also wait on the previous step's)
+    version: int = 0  # the step whose update made this rank's weights when the call began
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class MoveResult:
     bytes: int  # received (0 for a sender)
     began: float
     ended: float
+    version: int = 0  # a sender: the step whose update made the weights it sent
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 config + graph (+ the dataset, when there is one) -> planner_workloads: each call's work
     per step, its engine and how its optimizer shards (one definition: ``rayhf run``,
     ``rayhf plan`` and ``plan: auto`` all call it)
+-> step_options: the step as the driver runs it (EMA blends, overlap, max_staleness)
 -> plan: auto: profile every role's model shape on this machine (cached), search, and keep
    the plan in the run directory so a resumed run keeps it
 """
@@ -21,7 +22,7 @@ from rayhf.graph import Graph
 from rayhf.planner.auto import plan_for_run, searches, workloads
 from rayhf.planner.cost import Workload
 from rayhf.planner.plan import Plan, plan_from_json
-from rayhf.planner.step import StepOptions
+from rayhf.planner.step import StepOptions, leading, plan_step
 from rayhf.runtime.profiling import profiles_for
 
 PLAN_FILE = "plan.json"
@@ -41,7 +42,21 @@ def step_options(cfg: ExperimentConfig, device: str | None = None) -> StepOption
             followers.setdefault(rc.init_from, []).append((role, rc.ema))
     device = device or cfg.cluster.device
     overlap = cfg.driver.overlap_steps and not cfg.driver.compiled(device)
-    return StepOptions(followers, overlap)
+    return StepOptions(followers, overlap, staleness(cfg))
+
+
+def staleness(cfg: ExperimentConfig) -> int:
+    """``algorithm.max_staleness`` (0 for an algorithm without it)."""
+    return int(getattr(cfg.algorithm, "max_staleness", 0))
+
+
+def check_staleness(cfg: ExperimentConfig, graph: Graph, plan: Plan) -> None:
+    """With ``max_staleness`` > 0 the policy's generation must be able to run ahead of the
+    rest of its step under ``plan`` (one RayhfError line naming the call otherwise)."""
+    if staleness(cfg):
+        homes = plan.home_layouts(graph)
+        units = plan_step(graph, plan.layouts, homes, step_options(cfg).followers)
+        leading(graph, units, staleness(cfg))
 
 
 def prompt_tokens(cfg: ExperimentConfig, dataset: PromptDataset | None) -> int:

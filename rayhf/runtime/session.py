@@ -23,6 +23,7 @@ from rayhf.models.precision import Numerics, resolve
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.assets import RunAssets
+from rayhf.runtime.checkpoint import read_state
 from rayhf.runtime.cluster import DeviceCluster, connect, reserve_devices
 from rayhf.runtime.driver import Placement
 from rayhf.runtime.messages import CallSpec, WorkerSpec
@@ -206,7 +207,13 @@ class Session:
             threads=threads,
             device="cuda" if cfg.cluster.device == "cuda" else "cpu",
             fault=self._fault(role, rank),
+            version=self.start_step,
         )
+
+    @functools.cached_property
+    def start_step(self) -> int:
+        """The step whose update made the weights the groups start with (a resume's)."""
+        return int(read_state(self.resume)["step"]) if self.resume is not None else 0
 
     def _fault(self, role: str, rank: int) -> FaultInjection | None:
         """The injected fault, for the rank it names in each of its role's groups."""

@@ -2,7 +2,8 @@
 
     config -> assets (files, graph, plan, dataset; no Ray yet) -> Session (Ray, role groups)
            -> per step: dataset rows -> executor.submit (step i+1 while step i runs, with
-              driver.overlap_steps) -> collect -> metrics -> eval and checkpoint on schedule
+              driver.overlap_steps; with max_staleness k, the generation of step i+k before the
+              rest of step i) -> collect -> metrics -> eval and checkpoint on schedule
               (those steps drain: nothing runs past them)
            -> final checkpoint, plot, teardown
 
@@ -147,7 +148,7 @@ class Trainer:
         compiled = driver.compiled(cfg.cluster.device)
         self.executor = DagExecutor(
             assets.graph, session.placement(), compiled, driver.call_timeout_s,
-            overlap=driver.overlap_steps,
+            overlap=driver.overlap_steps, staleness=getattr(cfg.algorithm, "max_staleness", 0),
         )  # fmt: skip
         self.token_keys = sequence_keys(assets.graph)
 
@@ -199,6 +200,18 @@ class Trainer:
         """Whether nothing may run past ``step``: it evaluates, checkpoints or ends the run."""
         return self.evaluates(step) or self.saves(step)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether a step is submitted before the previous one is collected."""
+        return self.executor.overlap or self.executor.staleness > 0
+
+    def _ahead_until(self, step: int) -> int:
+        """The last step whose leading part may go out before ``step``'s rest: up to
+        ``max_staleness`` ahead, never past a step that drains (its checkpoint and eval see
+        nothing of later steps: the dataset cursor included)."""
+        until = min(step + self.executor.staleness, self.cfg.steps)
+        return next((d for d in range(step, until) if self.drains(d)), until)
+
     def finish(self, done: Submitted, since: float, trace: TraceWriter) -> dict[str, float]:
         """Collect a submitted step: its metrics (its seconds run from ``since``: its submission,
         or the previous step's end when it overlapped that one), trace, eval and checkpoint."""
@@ -228,6 +241,8 @@ class Trainer:
             trace.write(start, [recovered.span()], "recovery")
         running: deque[tuple[Submitted, float]] = deque()  # (step, when it was submitted)
         last, ended = start, 0.0
+        batches: dict[int, PackedBatch] = {}  # a step's rows, from its leading part to the rest
+        ahead = start + 1  # the next step whose leading part (generation) goes out
 
         def collect() -> None:
             nonlocal extra, last, ended
@@ -241,11 +256,16 @@ class Trainer:
                 if cfg.eval_every and start == 0:
                     tracker.log(0, self.evaluate(0, trace))  # the held-out baseline
                 for step in range(start + 1, cfg.steps + 1):
-                    if preemption.requested:
-                        break
-                    batch = to_packed(self.assets.dataset.next_batch(cfg.batch_size, cfg.seed))
-                    running.append((self.executor.submit(step, batch), time.perf_counter()))
-                    keep = 1 if self.executor.overlap and not self.drains(step) else 0
+                    if preemption.requested and step >= ahead:
+                        break  # every step whose generation went out is finished first
+                    while ahead <= self._ahead_until(step) and not preemption.requested:
+                        rows = self.assets.dataset.next_batch(cfg.batch_size, cfg.seed)
+                        batches[ahead] = to_packed(rows)
+                        self.executor.submit(ahead, batches[ahead], part="lead")
+                        ahead += 1
+                    submitted = self.executor.submit(step, batches.pop(step))
+                    running.append((submitted, time.perf_counter()))
+                    keep = 1 if self.overlaps and not self.drains(step) else 0
                     while len(running) > (0 if preemption.requested else keep):
                         collect()
                 while running:  # a SIGTERM's break can leave a step in flight: finish it first

@@ -88,6 +88,7 @@ class RoleWorker:
         self.generators: dict[str, Generator] = {}
         self.transfer_groups: dict[str, TransferGroup] = {}
         self.calls = {c.name: c for c in spec.calls}
+        self.version = spec.version  # the step whose update made this rank's weights
         self.interfaces = {
             c.interface: make_interface(c.interface, spec.settings) for c in spec.calls
         }
@@ -177,7 +178,7 @@ class RoleWorker:
         source calls' results among ``upstream`` (the rest only order this node), take this
         replica's share, run, and return the outputs under graph key names (head ranks only);
         results of another step among ``upstream`` only order this node too."""
-        began = time.time()
+        began, version = time.time(), self.version
         call = self.calls[node.call]
         outputs: dict[str, dict[int, PackedBatch]] = {s: {} for s in node.sources}
         for r in upstream:
@@ -197,7 +198,10 @@ class RoleWorker:
             result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None
         if node.release:
             self._model().release()  # a copy: the next reallocation refills it
+        if call.kind == "train" and not node.evaluate:
+            self.version = step.step
         result.began, result.ended, result.step = began, time.time(), step.step
+        result.version = version
         return result
 
     def dag_send(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
@@ -205,7 +209,7 @@ class RoleWorker:
         began = time.time()
         self._fault("move", step.step)
         self.realloc_send(move.group, move.by_peer, move.dtype)
-        return MoveResult(move.unit, self.spec.rank, 0, began, time.time())
+        return MoveResult(move.unit, self.spec.rank, 0, began, time.time(), self.version)
 
     def dag_recv(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
         """A weight move's receiving side as a node of the step's DAG."""

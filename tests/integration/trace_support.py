@@ -32,7 +32,7 @@ def priced_units(cfg: ExperimentConfig, assets: RunAssets) -> list[str]:
         assets.graph, assets.plan, assets.specs, works, cost, n_iterations=1,
         step=step_options(cfg),
     )  # fmt: skip
-    return [s.name for s in sim.spans]
+    return [s.name for s in sim.spans if s.iteration == 0]
 
 
 def assert_trace_is_priced(cfg: ExperimentConfig, assets: RunAssets) -> None:

@@ -65,3 +65,16 @@ def test_results_name_the_commit_they_were_measured_on(monkeypatch, tmp_path):
     }  # fmt: skip
     common.write_results("y", "commit abc1234, 3 s\n", [1], commit="abc1234")
     assert (tmp_path / "docs/benchmarks/y.md").read_text() == "commit abc1234, 3 s\n"
+
+
+def test_async_rl_counts_samples_until_the_trailing_reward_reaches_the_target(monkeypatch):
+    bench = _load(BENCHMARKS_DIR / "async_rl.py", monkeypatch)
+    window = bench.WINDOW
+    rewards = [0.0] * window + [1.0] * window
+    case = {"trailing_reward": bench.trailing(rewards), "samples_per_step": 8}
+    assert case["trailing_reward"][window - 1] == 0.0 and case["trailing_reward"][-1] == 1.0
+    # the mean of the last `window` steps first reaches 0.5 once half of them score 1
+    assert bench.samples_to(0.5, case) == (window + window // 2) * 8
+    assert bench.samples_to(1.01, case) is None
+    early = {"trailing_reward": bench.trailing([1.0] * (2 * window)), "samples_per_step": 8}
+    assert bench.samples_to(1.0, early) == window * 8, "not before a whole window was seen"

@@ -5,6 +5,7 @@ a finished run. Nothing here starts Ray."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -119,13 +120,20 @@ def test_rayhf_plan_searches_a_cluster_and_compares_baselines(tmp_path):
     cmd = [sys.executable, "-m", "rayhf", "plan", str(REPO / "examples" / "ppo_tiny.yaml"),
            "--cluster", "2x8xH100", "--shape", "actor=llama2-7b", "--shape", "ref=llama2-7b",
            "--shape", "critic=llama2-7b", "--search-seconds", "3", "--gantt",
-           str(tmp_path / "g.png"), "batch_size=256"]  # fmt: skip
+           str(tmp_path / "g.png"), "batch_size=256", "algorithm.max_staleness=1"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "plan (search)" in proc.stdout and "estimated iteration" in proc.stdout
     for name in ("colocated", "disjoint", "realhf"):
         assert name in proc.stdout
     assert (tmp_path / "g.png").stat().st_size > 5000
+    # the asynchronous estimate beside the synchronous ones, each on its own best plan
+    ways = proc.stdout.split("each way of running steps on its own best plan:")[1]
+    seconds = dict(re.findall(r"^  (\S[^\n]*?)\s+([\d.]+) s ", ways, re.M))
+    assert set(seconds) == {
+        "one step at a time", "overlapped (on-policy)", "asynchronous (max_staleness 1)"
+    }  # fmt: skip
+    assert float(seconds["one step at a time"]) >= float(seconds["overlapped (on-policy)"]) > 0
 
 
 def test_rayhf_plan_shows_memory_per_device_with_the_engines(tmp_path):

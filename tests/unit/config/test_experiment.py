@@ -29,11 +29,24 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         ("fault_tolerance.inject={site: nowhere, role: actor}", "fault_tolerance.inject.site"),
         ("fault_tolerance.inject={site: call, role: critc}", "inject.role 'critc' is not a role"),
         ("resume=always", "config field resume"),
+        ("algorithm.max_staleness=-1", "config field algorithm.max_staleness"),
+        (
+            "algorithm={name: remax, max_staleness: 1}",
+            "remax has no off-policy correction; set algorithm.max_staleness: 0",
+        ),
+        (
+            "algorithm={name: dpo, max_staleness: 2}",
+            "dpo has no off-policy correction; set algorithm.max_staleness: 0",
+        ),
+        (
+            ("algorithm.max_staleness=1", "driver.overlap_steps=false"),
+            "max_staleness: 1 runs steps overlapped; set driver.overlap_steps: true",
+        ),
     ],
 )
 def test_bad_values_name_the_field(override, needle):
     with pytest.raises(RayhfError) as err:
-        load_config(EXAMPLE, [override])
+        load_config(EXAMPLE, [override] if isinstance(override, str) else list(override))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 

@@ -192,3 +192,34 @@ def test_emulated_devices_share_the_hosts_cores_among_units_that_run_together():
     split = {"actor": (0,), "ref": (1,), "critic": (2,), "reward": (3,)}
     apart = _plan(lambda c: Layout(split[c.role], 1))
     assert seconds(apart, own) < seconds(apart, shared) < 2 * seconds(apart, own)
+
+
+def test_staleness_lets_generation_run_beside_training_and_each_batch_lags_at_most_k():
+    """On a disjoint plan (generation on its own devices) k=1 runs step i+1's generation while
+    step i's other calls run, so a period costs the busier side's work instead of the sum; a
+    larger k adds nothing more; on a shared plan it gains nothing."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    gen_side = Layout((0, 1, 2, 3), 4)
+    disjoint = _plan(lambda c: gen_side if c.name == "actor_gen" else Layout((4, 5, 6, 7), 4))
+    sims = {
+        k: simulate(GRAPH, disjoint, SPECS, WORKS, cost, step=StepOptions(staleness=k))
+        for k in (0, 1, 2)
+    }
+    on, one, two = (sims[k].iteration_seconds for k in (0, 1, 2))
+    spans = sims[1].spans
+    rest_side = sum(s.end - s.start for s in spans if s.iteration == 4 and 4 in s.devices)
+    gen_seconds = next(s.end - s.start for s in spans if s.name == "actor_gen")
+    assert abs(one - rest_side) < 1e-6 * on, "the busier side sets the period"
+    assert abs(on - (one + gen_seconds)) < 1e-6 * on and abs(two - one) < 1e-6 * on
+    for it in range(2, 5):  # period it: the generation of step it + 1 beside the rest of step it
+        gen = next(s for s in spans if s.name == "actor_gen" and s.iteration == it)
+        rew = next(s for s in spans if s.name == "rew_inf" and s.iteration == it)
+        train_before = next(s for s in spans if s.name == "actor_train" and s.iteration == it - 1)
+        assert gen.start < rew.end and gen.end > rew.start, "they run side by side"
+        assert gen.start >= train_before.end, "it waits for the update of step it - 1"
+    shared = _plan(lambda c: Layout(tuple(range(8)), 8))
+    a, b = (
+        simulate(GRAPH, shared, SPECS, WORKS, cost, step=StepOptions(staleness=k)).iteration_seconds
+        for k in (0, 1)
+    )
+    assert abs(a - b) < 1e-6 * a, "on shared devices nothing can overlap"

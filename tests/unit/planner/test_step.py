@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from planner_support import GRAPH as PPO
+from planner_support import REPO
 
+from rayhf.errors import RayhfError
+from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
-from rayhf.planner.step import carried, group_key, plan_step, waves
+from rayhf.planner.step import carried, group_key, leading, pipeline, plan_step, waves
 
 ALL = Layout((0, 1, 2, 3), 4)
 
@@ -75,3 +79,50 @@ def test_between_steps_a_unit_waits_for_its_devices_and_its_role_s_last_update_o
     assert all(not u.startswith(("critic", "actor_train")) for u in before["rew_inf"])
     frozen = plan_step(PPO, layouts, _homes(layouts), {})
     assert not any(u.updates for u in frozen if u.role in ("ref", "reward"))
+
+
+def _disjoint() -> dict[str, Layout]:
+    """The actor generates on device 0 (a copy); everything else lives on device 1."""
+    one = Layout((1,), 1)
+    return {c.name: Layout((0,), 1) if c.name == "actor_gen" else one for c in PPO.calls}
+
+
+def test_without_staleness_the_pipeline_is_the_step_and_its_carried_units():
+    layouts = _disjoint()
+    units = plan_step(PPO, layouts, _homes(layouts), {"actor": [("ref", 0.1)]})
+    assert leading(PPO, units, 0) == frozenset()
+    slots = pipeline(units, frozenset(), 0)
+    before = carried(units)
+    assert [s.unit.name for s in slots] == [u.name for u in units]
+    for slot in slots:
+        u = slot.unit
+        assert slot.lead == 0
+        assert slot.after == {(0, a) for a in u.after} | {(1, b) for b in before[u.name]}
+
+
+def test_with_staleness_the_generation_of_step_i_plus_k_runs_before_the_training_of_step_i():
+    layouts = _disjoint()
+    units = plan_step(PPO, layouts, _homes(layouts), {})
+    lead = leading(PPO, units, 1)
+    assert lead == {"realloc:actor_gen", "actor_gen"}
+    slots = {s.unit.name: s for s in pipeline(units, lead, 1)}
+    assert list(slots)[:2] == ["realloc:actor_gen", "actor_gen"], "the leading units go first"
+    move, gen, train = slots["realloc:actor_gen"], slots["actor_gen"], slots["actor_train"]
+    assert (move.lead, gen.lead, train.lead) == (1, 1, 0)
+    # the move of step p+1 waits for the actor's update one period back (step p-1), not for
+    # this period's (step p): the generation samples one update behind
+    assert (1, "actor_train") in move.after and (0, "actor_train") not in move.after
+    assert all(lag == 1 for lag, _ in move.after)
+    # the training of step p reads step p's samples, made one period back; on device 1 it
+    # follows this period's move (which reads the weights it is about to change)
+    assert (1, "actor_gen") in train.after
+    assert train.offset(1, gen) == 0 and train.offset(0, move) == 1
+    assert (0, "realloc:actor_gen") in slots["rew_inf"].after  # device 1's first rest unit
+
+
+def test_a_graph_that_generates_nothing_it_trains_cannot_run_ahead():
+    dpo = load_graph(REPO / "graphs" / "dpo.yaml")
+    layouts = {c.name: Layout((0,), 1) for c in dpo.calls}
+    units = plan_step(dpo, layouts, Plan(layouts, "manual").home_layouts(dpo), {})
+    with pytest.raises(RayhfError, match="max_staleness: 1: graph 'dpo' generates nothing"):
+        leading(dpo, units, 1)

@@ -34,7 +34,7 @@ def _run(dag, batch):
     for node in dag.nodes:
         method = getattr(node.info.actor, node.method)
         results.append(method(StepInput(1, batch), node.const, *(results[i] for i in node.args)))
-    return dag.outcome(batch, results)
+    return dag.outcome(1, batch, results)
 
 
 def test_a_chain_of_probe_calls_reads_each_previous_call(killed):

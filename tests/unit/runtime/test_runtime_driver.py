@@ -105,7 +105,7 @@ def _results(dag: StepDag, seq: PackedBatch) -> list:
         elif node.method == "dag_recv":
             out.append(MoveResult(name, rank, 4, 0.5, 3.0))
         else:
-            out.append(MoveResult(name, rank, 0, 0.0, 10.0))
+            out.append(MoveResult(name, rank, 0, 0.0, 10.0, version=7))  # the weights it sent
     return out
 
 
@@ -114,9 +114,15 @@ def test_the_outcome_reports_every_call_and_move_of_the_step():
     assert [u.name for u in dag.units if u.kind == "realloc"] == ["realloc:actor_gen", "ema:ref"]
     base = PackedBatch([0, 1], {"prompts": torch.arange(4)}, {"prompts": [2, 2]})
     seq = PackedBatch([0, 1], {"seq": torch.arange(6)}, {"seq": [3, 3]})
-    out = dag.outcome(base, _results(dag, seq))
+    out = dag.outcome(9, base, _results(dag, seq))
     assert out.batch.keys() == ["prompts", "seq"] and out.batch.sample_ids == [0, 1]
-    assert out.stats == {"actor_train/loss": 0.0, "critic_train/loss": 0.0}  # a rank's stats
+    assert out.stats == {
+        "actor_train/loss": 0.0, "critic_train/loss": 0.0,  # a rank's stats
+        # step 9 sampled with the weights of step 7's update (its move's senders held them)
+        "async/staleness": 1.0, "async/policy_version": 7.0,
+    }  # fmt: skip
+    gen = next(s for s in out.spans if s.name == "actor_gen")
+    assert gen.args == {"engine": "torch", "version": 7, "staleness": 1}
     assert out.compute_seconds == {c.name: 2.0 for c in PPO.calls}, "the slowest rank"
     assert out.wall_seconds == {c.name: 5.0 for c in PPO.calls}, "first start to last end"
     moves = {k: (s.seconds, s.bytes) for k, s in out.reallocs.items()}

@@ -72,9 +72,14 @@ def test_where_each_role_s_first_weights_come_from(tmp_path: Path):
     reward = fresh._spec("reward", ONE, 0, threads=1)
     assert (reward.model_dir, reward.config_dir) == (None, None)
     assert reward.settings.function == "rayhf.tasks.demo:reward"
+    assert actor.version == 0, "fresh weights come from no update"
     ckpt = tmp_path / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text('{"step": 4}')
     resumed = _session(tmp_path, ckpt)
-    assert resumed._spec("actor", HOME, 0, threads=1).model_dir == str((ckpt / "actor").resolve())
+    actor = resumed._spec("actor", HOME, 0, threads=1)
+    assert actor.model_dir == str((ckpt / "actor").resolve())
+    assert actor.version == 4, "a resume's weights come from the checkpoint step's update"
     assert resumed._spec("critic", TWO, 0, threads=1).model_dir == str((ckpt / "critic").resolve())
     ref = resumed._spec("ref", ONE, 0, threads=1)
     assert (ref.model_dir, ref.config_dir) == (str((init / "actor").resolve()), None)

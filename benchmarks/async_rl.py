@@ -1,0 +1,173 @@
+"""Asynchronous RL (``algorithm.max_staleness: k``) vs on-policy, measured on this machine.
+
+    python benchmarks/async_rl.py [--steps 200] [--ks 0 1 2] [--algos ppo grpo]
+
+PPO (examples/ppo_tiny.yaml) and GRPO (examples/grpo_tiny.yaml) on the demo task ("echo the
+digits"), 2 emulated CPU devices, a disjoint plan: the actor generates on device 0, every other
+call runs on device 1, so with k >= 1 step i+1's generation runs while step i trains. The same
+devices, seed and dataset for every k. Reported per (algorithm, k): steps/s and samples/s over
+the steps after warm-up, the staleness of the batches, the mean importance weight, the
+generator/trainer log-prob mismatch, and the reward per sample seen: how many samples each k
+needs until its 20-step trailing mean reward reaches the one k=0 ends with. Writes
+docs/benchmarks/async_rl.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from _common import git_commit, write_results
+
+import rayhf
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = {"ppo": "ppo_tiny.yaml", "grpo": "grpo_tiny.yaml"}
+CALLS = {
+    "ppo": ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"),
+    "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_train"),
+}
+WINDOW = 20  # steps in the trailing mean of the reward
+WARMUP = 3  # steps left out of the speed (actors warming up, the pipeline filling)
+
+
+def one_run(tmp: str, algo: str, k: int, steps: int) -> list[dict]:
+    plan = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
+    cfg = rayhf.load_config(REPO / "examples" / EXAMPLES[algo]).with_overrides(
+        {
+            "run_dir": f"{tmp}/{algo}_k{k}",
+            "dataset.path": f"{tmp}/echo.parquet",
+            "steps": steps,
+            "save_every": 0,
+            "plan": plan,
+            "algorithm.max_staleness": k,
+            "metrics.console": False,
+            "metrics.plot": False,
+            "metrics.ray_metrics": False,
+        }
+    )
+    return rayhf.run(cfg).metrics
+
+
+def samples_per_step(algo: str) -> int:
+    cfg = rayhf.load_config(REPO / "examples" / EXAMPLES[algo])
+    return cfg.batch_size * getattr(cfg.algorithm, "group_size", 1)
+
+
+def trailing(values: list[float], window: int = WINDOW) -> list[float]:
+    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
+
+
+def summarize(algo: str, k: int, rows: list[dict]) -> dict:
+    per_step = samples_per_step(algo)
+    timed = [r["step_seconds"] for r in rows if r["step"] > WARMUP]
+    rewards = [r["task_reward"] for r in rows]
+    staleness = [int(r["async/staleness"]) for r in rows]
+    return {
+        "steps_per_s": len(timed) / sum(timed),
+        "samples_per_s": per_step * len(timed) / sum(timed),
+        "samples_per_step": per_step,
+        "reward": rewards,
+        "trailing_reward": trailing(rewards),
+        "staleness": {str(s): staleness.count(s) for s in sorted(set(staleness))},
+        "is_weight_mean": statistics.fmean(r.get("is_weight_mean", 1.0) for r in rows),
+        "is_weight_max": max(r.get("is_weight_max", 1.0) for r in rows),
+        "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in rows),
+    }
+
+
+def samples_to(target: float, case: dict) -> int | None:
+    """Samples seen when the trailing mean reward first reaches ``target`` (None: never)."""
+    for i, r in enumerate(case["trailing_reward"]):
+        if i + 1 >= WINDOW and r >= target:
+            return (i + 1) * case["samples_per_step"]
+    return None
+
+
+def bench(steps: int, ks: list[int], algos: list[str]) -> dict:
+    out: dict = {"steps": steps, "warmup": WARMUP, "window": WINDOW, "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for algo in algos:
+            cases = {k: summarize(algo, k, one_run(tmp, algo, k, steps)) for k in ks}
+            target = cases[ks[0]]["trailing_reward"][-1]
+            for case in cases.values():
+                case["target_reward"] = target
+                case["samples_to_target"] = samples_to(target, case)
+                case["speedup"] = case["samples_per_s"] / cases[ks[0]]["samples_per_s"]
+            out["cases"][algo] = {str(k): c for k, c in cases.items()}
+    return out
+
+
+def report(res: dict, commit: str) -> str:
+    lines = [
+        "# Asynchronous RL: max_staleness k vs on-policy (measured)",
+        "",
+        f"The demo task on 2 emulated CPU devices, the actor generating on device 0 and every "
+        f"other call on device 1; {res['steps']} steps per run, speed over the steps after "
+        f"{res['warmup']}; reward: the {res['window']}-step trailing mean, and the samples each k "
+        f"needs to reach the one k=0 ends with. Command: `python benchmarks/async_rl.py`; "
+        f"commit {commit}.",
+        "",
+        "| algorithm | k | steps/s | samples/s | vs k=0 | batches by staleness | IS weight "
+        "mean / max | log-prob mismatch | final reward | samples to k=0's final reward |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for algo, cases in res["cases"].items():
+        base = cases[min(cases, key=int)]["samples_to_target"]
+        for k, c in cases.items():
+            reached = c["samples_to_target"]
+            to = "not reached" if reached is None else f"{reached}"
+            if reached is not None and base:
+                to += f" ({reached / base:.2f}x k=0)"
+            stale = ", ".join(f"{s}: {n}" for s, n in c["staleness"].items())
+            lines.append(
+                f"| {algo} | {k} | {c['steps_per_s']:.2f} | {c['samples_per_s']:.1f} | "
+                f"{c['speedup']:.2f}x | {stale} | {c['is_weight_mean']:.3f} / "
+                f"{c['is_weight_max']:.2f} | {c['logprob_mismatch']:.2e} | "
+                f"{c['trailing_reward'][-1]:.3f} | {to} |"
+            )
+    lines += ["", "![reward per sample seen](async_rl.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    algos = list(res["cases"])
+    fig, axes = plt.subplots(1, len(algos), figsize=(6 * len(algos), 4), squeeze=False)
+    for ax, algo in zip(axes[0], algos, strict=True):
+        for k, c in res["cases"][algo].items():
+            seen = [(i + 1) * c["samples_per_step"] for i in range(len(c["trailing_reward"]))]
+            label = f"k={k} ({c['samples_per_s']:.0f} samples/s)"
+            ax.plot(seen, c["trailing_reward"], label=label)
+        ax.set_title(f"{algo}: reward per sample seen")
+        ax.set_xlabel("samples seen")
+        ax.set_ylabel(f"task reward ({res['window']}-step trailing mean)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"], choices=sorted(EXAMPLES))
+    args = ap.parse_args()
+    commit = git_commit()
+    res = bench(args.steps, args.ks, args.algos)
+    res["commit"] = commit
+    text = report(res, commit)
+    print(text)
+    write_results("async_rl", text, res, commit)
+    plot(res, REPO / "docs" / "benchmarks" / "async_rl.png")
+
+
+if __name__ == "__main__":
+    main()
