@@ -3,13 +3,14 @@
     python benchmarks/async_rl.py [--steps 200] [--ks 0 1 2] [--algos ppo grpo]
 
 PPO (examples/ppo_tiny.yaml) and GRPO (examples/grpo_tiny.yaml) on the demo task ("echo the
-digits"), 2 emulated CPU devices, a disjoint plan: the actor generates on device 0, every other
-call runs on device 1, so with k >= 1 step i+1's generation runs while step i trains. The same
-devices, seed and dataset for every k. Reported per (algorithm, k): steps/s and samples/s over
-the steps after warm-up, the staleness of the batches, the mean importance weight, the
-generator/trainer log-prob mismatch, and the reward per sample seen: how many samples each k
-needs until its 20-step trailing mean reward reaches the one k=0 ends with. Writes
-docs/benchmarks/async_rl.{md,json,png}.
+digits"), 2 emulated CPU devices, unchanged but for the plan: "disjoint", the actor generating on
+device 0 and every other call on device 1 (with k >= 1 step i+1's generation runs while step i
+trains), and "auto", the plan the planner searches for each k (each k on its own best plan).
+The same devices, seed and dataset for every k. Reported per (algorithm, plan, k): steps/s and
+samples/s over the steps after warm-up, the batches by staleness, the mean and largest
+importance weight, the generator/trainer log-prob mismatch, and the reward per sample seen: the
+samples each k needs until its 20-step trailing mean reward reaches the one k=0 ends with.
+Writes docs/benchmarks/async_rl.{md,json,png}.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ WINDOW = 20  # steps in the trailing mean of the reward
 WARMUP = 3  # steps left out of the speed (actors warming up, the pipeline filling)
 
 
-def one_run(tmp: str, algo: str, k: int, steps: int) -> list[dict]:
-    plan = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
+PLANS = ("disjoint", "auto")
+
+
+def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int) -> list[dict]:
+    disjoint = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
+    plan = disjoint if plan_name == "disjoint" else "auto"
     cfg = rayhf.load_config(REPO / "examples" / EXAMPLES[algo]).with_overrides(
         {
-            "run_dir": f"{tmp}/{algo}_k{k}",
+            "run_dir": f"{tmp}/{algo}_{plan_name}_k{k}",
             "dataset.path": f"{tmp}/echo.parquet",
             "steps": steps,
             "save_every": 0,
@@ -89,14 +94,14 @@ def samples_to(target: float, case: dict) -> int | None:
 def bench(steps: int, ks: list[int], algos: list[str]) -> dict:
     out: dict = {"steps": steps, "warmup": WARMUP, "window": WINDOW, "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for algo in algos:
-            cases = {k: summarize(algo, k, one_run(tmp, algo, k, steps)) for k in ks}
+        for algo, plan in ((a, p) for p in PLANS for a in algos):
+            cases = {k: summarize(algo, k, one_run(tmp, algo, plan, k, steps)) for k in ks}
             target = cases[ks[0]]["trailing_reward"][-1]
             for case in cases.values():
                 case["target_reward"] = target
                 case["samples_to_target"] = samples_to(target, case)
                 case["speedup"] = case["samples_per_s"] / cases[ks[0]]["samples_per_s"]
-            out["cases"][algo] = {str(k): c for k, c in cases.items()}
+            out["cases"][f"{algo}, {plan}"] = {str(k): c for k, c in cases.items()}
     return out
 
 
@@ -110,8 +115,8 @@ def report(res: dict, commit: str) -> str:
         f"needs to reach the one k=0 ends with. Command: `python benchmarks/async_rl.py`; "
         f"commit {commit}.",
         "",
-        "| algorithm | k | steps/s | samples/s | vs k=0 | batches by staleness | IS weight "
-        "mean / max | log-prob mismatch | final reward | samples to k=0's final reward |",
+        "| algorithm, plan | k | steps/s | samples/s | vs k=0 | batches by staleness | IS "
+        "weight mean / max | log-prob mismatch | final reward | samples to k=0's final reward |",
         "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
     ]
     for algo, cases in res["cases"].items():
@@ -128,6 +133,25 @@ def report(res: dict, commit: str) -> str:
                 f"{c['is_weight_max']:.2f} | {c['logprob_mismatch']:.2e} | "
                 f"{c['trailing_reward'][-1]:.3f} | {to} |"
             )
+    for k in sorted({k for cases in res["cases"].values() for k in cases}, key=int)[1:]:
+        gains = [cases[k]["speedup"] for cases in res["cases"].values() if k in cases]
+        mean, median = statistics.geometric_mean(gains), statistics.median(gains)
+        lines.append(
+            f"\nk={k} over k=0 in samples/s: geometric mean {mean:.2f}x, median {median:.2f}x, "
+            f"range {min(gains):.2f}-{max(gains):.2f}x."
+        )
+    for case, cases in res["cases"].items():
+        if case.endswith("disjoint") and "1" in cases:
+            c = cases["1"]
+            met = c["speedup"] >= 1.4
+            base = cases["0"]["samples_to_target"]
+            reached = c["samples_to_target"]
+            learned = reached is not None and base is not None and reached <= 1.2 * base
+            lines.append(
+                f"\n{case}: k=1 {c['speedup']:.2f}x the samples/s of k=0 (goal 1.4x: "
+                f"{'met' if met else 'not met'}); k=0's final reward reached "
+                f"{'within' if learned else 'not within'} 20% more samples."
+            )
     lines += ["", "![reward per sample seen](async_rl.png)"]
     return "\n".join(lines) + "\n"
 
@@ -139,8 +163,10 @@ def plot(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     algos = list(res["cases"])
-    fig, axes = plt.subplots(1, len(algos), figsize=(6 * len(algos), 4), squeeze=False)
-    for ax, algo in zip(axes[0], algos, strict=True):
+    cols = 2
+    rows = (len(algos) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, algo in zip(axes.flat, algos, strict=False):
         for k, c in res["cases"][algo].items():
             seen = [(i + 1) * c["samples_per_step"] for i in range(len(c["trailing_reward"]))]
             label = f"k={k} ({c['samples_per_s']:.0f} samples/s)"

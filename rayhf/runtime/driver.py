@@ -119,6 +119,7 @@ class StepDag:
         self, graph: Graph, placement: Placement, evaluate: bool, staleness: int = 0
     ) -> None:
         self.graph, self.placement, self.evaluate = graph, placement, evaluate
+        self.staleness = staleness
         self.units = plan_step(
             graph, placement.layouts, placement.homes, placement.followers, evaluate
         )
@@ -249,6 +250,8 @@ class StepDag:
         if lags:
             out.stats["async/staleness"] = float(max(lags))
             out.stats["async/policy_version"] = float(step - 1 - max(lags))
+            for lag in range(self.staleness + 1):  # the histogram: each bound's share of calls
+                out.stats[f"async/staleness_{lag}"] = lags.count(lag) / len(lags)
 
     def _report_call(
         self, out: StepOutcome, unit: Unit, results: list[CallResult], began: float, ended: float

@@ -119,7 +119,7 @@ def test_the_outcome_reports_every_call_and_move_of_the_step():
     assert out.stats == {
         "actor_train/loss": 0.0, "critic_train/loss": 0.0,  # a rank's stats
         # step 9 sampled with the weights of step 7's update (its move's senders held them)
-        "async/staleness": 1.0, "async/policy_version": 7.0,
+        "async/staleness": 1.0, "async/policy_version": 7.0, "async/staleness_0": 0.0,
     }  # fmt: skip
     gen = next(s for s in out.spans if s.name == "actor_gen")
     assert gen.args == {"engine": "torch", "version": 7, "staleness": 1}
