@@ -16,6 +16,7 @@ Writes docs/benchmarks/async_rl.{md,json,png}.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -37,12 +38,13 @@ WARMUP = 3  # steps left out of the speed (actors warming up, the pipeline filli
 PLANS = ("disjoint", "auto")
 
 
-def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int) -> list[dict]:
+def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) -> list[dict]:
     disjoint = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
     plan = disjoint if plan_name == "disjoint" else "auto"
     cfg = rayhf.load_config(REPO / "examples" / EXAMPLES[algo]).with_overrides(
         {
-            "run_dir": f"{tmp}/{algo}_{plan_name}_k{k}",
+            "run_dir": f"{tmp}/{algo}_{plan_name}_k{k}_s{seed}",
+            "seed": seed,
             "dataset.path": f"{tmp}/echo.parquet",
             "steps": steps,
             "save_every": 0,
@@ -65,21 +67,29 @@ def trailing(values: list[float], window: int = WINDOW) -> list[float]:
     return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
 
 
-def summarize(algo: str, k: int, rows: list[dict]) -> dict:
+def summarize(algo: str, runs: list[list[dict]]) -> dict:
+    """One (algorithm, plan, k) over its seeds' runs: speed as the median run's, the reward per
+    step as the mean over the runs, the rest pooled."""
     per_step = samples_per_step(algo)
-    timed = [r["step_seconds"] for r in rows if r["step"] > WARMUP]
-    rewards = [r["task_reward"] for r in rows]
-    staleness = [int(r["async/staleness"]) for r in rows]
+    speeds = []
+    for rows in runs:
+        timed = [r["step_seconds"] for r in rows if r["step"] > WARMUP]
+        speeds.append(len(timed) / sum(timed))
+    pooled = [r for rows in runs for r in rows]
+    steps = min(len(rows) for rows in runs)
+    rewards = [statistics.fmean(rows[i]["task_reward"] for rows in runs) for i in range(steps)]
+    staleness = [int(r["async/staleness"]) for r in pooled]
     return {
-        "steps_per_s": len(timed) / sum(timed),
-        "samples_per_s": per_step * len(timed) / sum(timed),
+        "steps_per_s": statistics.median(speeds),
+        "samples_per_s": per_step * statistics.median(speeds),
         "samples_per_step": per_step,
+        "runs": len(runs),
         "reward": rewards,
         "trailing_reward": trailing(rewards),
         "staleness": {str(s): staleness.count(s) for s in sorted(set(staleness))},
-        "is_weight_mean": statistics.fmean(r.get("is_weight_mean", 1.0) for r in rows),
-        "is_weight_max": max(r.get("is_weight_max", 1.0) for r in rows),
-        "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in rows),
+        "is_weight_mean": statistics.fmean(r.get("is_weight_mean", 1.0) for r in pooled),
+        "is_weight_max": max(r.get("is_weight_max", 1.0) for r in pooled),
+        "logprob_mismatch": statistics.fmean(r["logprob_mismatch"] for r in pooled),
     }
 
 
@@ -91,15 +101,28 @@ def samples_to(target: float, case: dict) -> int | None:
     return None
 
 
-def bench(steps: int, ks: list[int], algos: list[str]) -> dict:
-    out: dict = {"steps": steps, "warmup": WARMUP, "window": WINDOW, "cases": {}}
+def bench(steps: int, speed_steps: int, ks: list[int], algos: list[str], seeds: list[int]) -> dict:
+    """On the disjoint plan every k runs each seed, k=0 for ``steps`` steps and k >= 1 for 20%
+    more (so "the same reward within 20% more samples" can be seen); on each k's own searched
+    plan, the first seed for ``speed_steps`` steps (the speed; the rewards are the same)."""
+    out: dict = {
+        "steps": steps, "speed_steps": speed_steps, "warmup": WARMUP, "window": WINDOW,
+        "seeds": seeds, "cases": {},
+    }  # fmt: skip
+    longer = math.ceil(1.2 * steps)
     with tempfile.TemporaryDirectory() as tmp:
         for algo, plan in ((a, p) for p in PLANS for a in algos):
-            cases = {k: summarize(algo, k, one_run(tmp, algo, plan, k, steps)) for k in ks}
+            cases = {}
+            for k in ks:
+                n, plan_seeds = (steps if k == ks[0] else longer, seeds)
+                if plan == "auto":
+                    n, plan_seeds = speed_steps, seeds[:1]
+                runs = [one_run(tmp, algo, plan, k, n, seed) for seed in plan_seeds]
+                cases[k] = summarize(algo, runs)
             target = cases[ks[0]]["trailing_reward"][-1]
             for case in cases.values():
                 case["target_reward"] = target
-                case["samples_to_target"] = samples_to(target, case)
+                case["samples_to_target"] = samples_to(target, case) if plan != "auto" else None
                 case["speedup"] = case["samples_per_s"] / cases[ks[0]]["samples_per_s"]
             out["cases"][f"{algo}, {plan}"] = {str(k): c for k, c in cases.items()}
     return out
@@ -109,29 +132,35 @@ def report(res: dict, commit: str) -> str:
     lines = [
         "# Asynchronous RL: max_staleness k vs on-policy (measured)",
         "",
-        f"The demo task on 2 emulated CPU devices, the actor generating on device 0 and every "
-        f"other call on device 1; {res['steps']} steps per run, speed over the steps after "
-        f"{res['warmup']}; reward: the {res['window']}-step trailing mean, and the samples each k "
-        f"needs to reach the one k=0 ends with. Command: `python benchmarks/async_rl.py`; "
+        f"The demo task (examples/ppo_tiny.yaml, examples/grpo_tiny.yaml, unchanged but for the "
+        f"plan) on 2 emulated CPU devices. Disjoint plan: the actor generates on device 0, every "
+        f"other call runs on device 1; seeds {res['seeds']}, k=0 for {res['steps']} steps and "
+        f"k >= 1 for 20% more; speed: the median seed's, over the steps after {res['warmup']}; "
+        f"reward: the mean over seeds, as a {res['window']}-step trailing mean, and the samples "
+        f"each k needs to reach the one k=0 ends with. Auto: each k on the plan the planner "
+        f"searches for it, seed {res['seeds'][0]}, {res['speed_steps']} steps, speed only (the "
+        f"rewards do not depend on the plan). Command: `python benchmarks/async_rl.py`; "
         f"commit {commit}.",
         "",
         "| algorithm, plan | k | steps/s | samples/s | vs k=0 | batches by staleness | IS "
         "weight mean / max | log-prob mismatch | final reward | samples to k=0's final reward |",
         "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
     ]
-    for algo, cases in res["cases"].items():
+    for case_name, cases in res["cases"].items():
         base = cases[min(cases, key=int)]["samples_to_target"]
         for k, c in cases.items():
             reached = c["samples_to_target"]
             to = "not reached" if reached is None else f"{reached}"
             if reached is not None and base:
                 to += f" ({reached / base:.2f}x k=0)"
+            final = f"{c['trailing_reward'][-1]:.3f}"
+            if case_name.endswith("auto"):
+                to = final = "-"
             stale = ", ".join(f"{s}: {n}" for s, n in c["staleness"].items())
             lines.append(
-                f"| {algo} | {k} | {c['steps_per_s']:.2f} | {c['samples_per_s']:.1f} | "
+                f"| {case_name} | {k} | {c['steps_per_s']:.2f} | {c['samples_per_s']:.1f} | "
                 f"{c['speedup']:.2f}x | {stale} | {c['is_weight_mean']:.3f} / "
-                f"{c['is_weight_max']:.2f} | {c['logprob_mismatch']:.2e} | "
-                f"{c['trailing_reward'][-1]:.3f} | {to} |"
+                f"{c['is_weight_max']:.2f} | {c['logprob_mismatch']:.2e} | {final} | {to} |"
             )
     for k in sorted({k for cases in res["cases"].values() for k in cases}, key=int)[1:]:
         gains = [cases[k]["speedup"] for cases in res["cases"].values() if k in cases]
@@ -162,7 +191,7 @@ def plot(res: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    algos = list(res["cases"])
+    algos = [c for c in res["cases"] if c.endswith("disjoint")]
     cols = 2
     rows = (len(algos) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
@@ -183,11 +212,13 @@ def plot(res: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--speed-steps", type=int, default=60)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"], choices=sorted(EXAMPLES))
     args = ap.parse_args()
     commit = git_commit()
-    res = bench(args.steps, args.ks, args.algos)
+    res = bench(args.steps, args.speed_steps, args.ks, args.algos, args.seeds)
     res["commit"] = commit
     text = report(res, commit)
     print(text)
