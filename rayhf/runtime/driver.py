@@ -147,7 +147,6 @@ class StepDag:
             cross -= {(0, j) for j in (*node.args, i)}
             self.nodes[i] = replace(node, cross=tuple(sorted(cross)))
         self.leading = [i for i, n in enumerate(self.nodes) if n.info.unit.name in lead]
-        self.lead_units = lead
 
     def _on_device(self, nodes: list[int], device: int) -> int:
         """The node among ``nodes`` (one unit's) on ``device`` that ends last, else the unit's

@@ -256,9 +256,10 @@ class Trainer:
                 if cfg.eval_every and start == 0:
                     tracker.log(0, self.evaluate(0, trace))  # the held-out baseline
                 for step in range(start + 1, cfg.steps + 1):
-                    if preemption.requested and step >= ahead:
+                    stopping = preemption.requested  # read once: SIGTERM may come at any time
+                    if stopping and step >= ahead:
                         break  # every step whose generation went out is finished first
-                    while ahead <= self._ahead_until(step) and not preemption.requested:
+                    while ahead <= self._ahead_until(step) and not stopping:
                         rows = self.assets.dataset.next_batch(cfg.batch_size, cfg.seed)
                         batches[ahead] = to_packed(rows)
                         self.executor.submit(ahead, batches[ahead], part="lead")
