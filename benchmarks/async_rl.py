@@ -38,6 +38,9 @@ WARMUP = 3  # steps left out of the speed (actors warming up, the pipeline filli
 PLANS = ("disjoint", "auto")
 
 
+ACTOR_LR: float | None = None  # --actor-lr: the actor's learning rate instead of the example's
+
+
 def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) -> list[dict]:
     disjoint = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
     plan = disjoint if plan_name == "disjoint" else "auto"
@@ -53,6 +56,7 @@ def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) 
             "metrics.console": False,
             "metrics.plot": False,
             "metrics.ray_metrics": False,
+            **({"models.actor.optimizer.lr": ACTOR_LR} if ACTOR_LR is not None else {}),
         }
     )
     return rayhf.run(cfg).metrics
@@ -216,14 +220,23 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"], choices=sorted(EXAMPLES))
+    ap.add_argument("--actor-lr", type=float, default=None, help="instead of the example's")
     args = ap.parse_args()
+    global ACTOR_LR
+    ACTOR_LR = args.actor_lr
+    name = "async_rl" if ACTOR_LR is None else f"async_rl_lr{ACTOR_LR:g}"
     commit = git_commit()
     res = bench(args.steps, args.speed_steps, args.ks, args.algos, args.seeds)
     res["commit"] = commit
     text = report(res, commit)
+    if ACTOR_LR is not None:
+        lr = f"{ACTOR_LR:g}"
+        text = text.replace("but for the plan", f"but for the plan and the actor's lr, {lr}")
+        text = text.replace("async_rl.py`", f"async_rl.py --actor-lr {ACTOR_LR:g}`")
+        text = text.replace("(async_rl.png)", f"({name}.png)")
     print(text)
-    write_results("async_rl", text, res, commit)
-    plot(res, REPO / "docs" / "benchmarks" / "async_rl.png")
+    write_results(name, text, res, commit)
+    plot(res, REPO / "docs" / "benchmarks" / f"{name}.png")
 
 
 if __name__ == "__main__":
