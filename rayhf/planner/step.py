@@ -129,16 +129,22 @@ def plan_step(
     return b.units
 
 
+def _last_units(units: list[Unit]) -> tuple[dict[int, str], dict[str, str]]:
+    """Of ``units`` in their order: the last on each device, and each role's last update."""
+    on_device: dict[int, str] = {}
+    update: dict[str, str] = {}
+    for u in units:
+        on_device.update(dict.fromkeys(u.devices, u.name))
+        if u.updates:
+            update[u.role] = u.name
+    return on_device, update
+
+
 def carried(units: list[Unit]) -> dict[str, frozenset[str]]:
     """Per unit of step i+1, the units of step i it runs after (``units``: one step): step i's
     last unit on each device it is the first of step i+1 to use, and step i's last update of
     its role. The rest of step i may still run."""
-    last_on_device: dict[int, str] = {}
-    last_update: dict[str, str] = {}
-    for u in units:
-        last_on_device.update(dict.fromkeys(u.devices, u.name))
-        if u.updates:
-            last_update[u.role] = u.name
+    last_on_device, last_update = _last_units(units)
     touched: set[int] = set()
     out: dict[str, frozenset[str]] = {}
     for u in units:
@@ -218,12 +224,7 @@ def pipeline(units: list[Unit], lead: frozenset[str], staleness: int) -> list[Sl
         ]
     order = [u for u in units if u.name in lead] + [u for u in units if u.name not in lead]
     ahead = {u.name: staleness if u.name in lead else 0 for u in units}
-    previous_on_device: dict[int, str] = {}
-    previous_update: dict[str, str] = {}
-    for u in order:
-        previous_on_device.update(dict.fromkeys(u.devices, u.name))
-        if u.updates:
-            previous_update[u.role] = u.name
+    previous_on_device, previous_update = _last_units(order)
     on_device: dict[int, str] = {}
     out: list[Slot] = []
     for u in order:
