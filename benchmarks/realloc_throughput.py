@@ -5,14 +5,16 @@
 For each (source layout -> destination layout) pair, two role groups of real rayhf actors on
 emulated devices hold the model; the same bytes (the destination shards) are moved by
   rayhf:    the planned streams over a transfer group, replicas relaying what they receive
-            (``TransferGroupMover``),
+            (``TransferGroupMover``), large messages through shared memory (same host),
+  sockets:  the same, every message over the group's gloo sockets (``shm=False``),
   p2p:      the same slices, every replica getting its own from a source rank (``relay=False``),
   naive:    what a user would write: the source replica gathers its shards as tensors into its
             head actor, which puts the whole state dict in the Ray object store once; every
             destination actor fetches it and keeps its shards (``ObjectStoreCopy``),
 and compared with a single-process memory copy of the same number of bytes, measured in the
 same run (this machine's copy speed). A second table times moving one buffer from one process
-to three over gloo, by its broadcast and by rayhf's relayed messages. Writes
+to three, by gloo's broadcast and by rayhf's relayed messages (over gloo's sockets, and through
+shared memory). Writes
 docs/benchmarks/realloc_throughput.{md,json}.
 """
 
@@ -105,8 +107,9 @@ def bench(layers: int, reps: int) -> dict:
         ray, devices, group = _groups(Path(tmp), layers)
         spec = model_spec(AutoConfig.from_pretrained(Path(tmp) / "model"), value_head=False)
         params = sum(p.numel for p in param_shards(spec))
-        relayed, direct, naive = (
+        relayed, sockets, direct, naive = (
             TransferGroupMover(),
+            TransferGroupMover(shm=False),
             TransferGroupMover(relay=False),
             ObjectStoreCopy(),
         )
@@ -123,6 +126,7 @@ def bench(layers: int, reps: int) -> dict:
                         "max_received": plan.max_received,
                         "p2p_max_sent": p2p.max_sent,
                         "rayhf_s": _moves(relayed, src, dst, spec, reps),
+                        "sockets_s": _moves(sockets, src, dst, spec, reps),
                         "p2p_s": _moves(direct, src, dst, spec, reps),
                         "naive_s": statistics.median(
                             naive.move(src, dst, spec).seconds for _ in range(reps)
@@ -139,19 +143,24 @@ def bench(layers: int, reps: int) -> dict:
     return {"params": params, "layers": layers, "reps": reps, "rows": rows}
 
 
-def _chain_worker(rank: int, address: str, n_bytes: int, reps: int, out: str) -> None:
-    """Rank 0 has a buffer; ranks 1-3 get it by gloo's broadcast, then by relayed messages."""
+def _chain_worker(rank: int, address: tuple[str, str], n_bytes: int, reps: int, out: str) -> None:
+    """Rank 0 has a buffer; ranks 1-3 get it by gloo's broadcast, then by relayed messages over
+    gloo's sockets, then through shared memory."""
     import json
 
     from rayhf.realloc.plan import Transfer
     from rayhf.realloc.transport import TransferGroup, recv_all, send_all
 
     torch.set_num_threads(1)
-    group = TransferGroup(address, rank, 4)
+    groups = {
+        "relay": TransferGroup(address[0], rank, 4, same_host=False),
+        "relay_shm": TransferGroup(address[1], rank, 4),
+    }
+    group = groups["relay"]
     n = n_bytes // 4
     buf = {"w": torch.arange(n, dtype=torch.float32) if rank == 0 else torch.zeros(n)}
     hop = [Transfer("w", 0, 0, n, 0, 0, 0, 0, n_bytes, stream=0)]  # one stream, a chain
-    times: dict[str, list[float]] = {"broadcast": [], "relay": []}
+    times: dict[str, list[float]] = {"broadcast": [], "relay": [], "relay_shm": []}
     for _ in range(reps + 1):
         for how in times:
             group.pg.barrier().wait()
@@ -159,9 +168,10 @@ def _chain_worker(rank: int, address: str, n_bytes: int, reps: int, out: str) ->
             if how == "broadcast":
                 group.pg.broadcast([buf["w"]]).wait()
             elif rank == 0:
-                send_all(group, buf, {1: hop})
+                send_all(groups[how], buf, {1: hop})
             else:
-                recv_all(group, buf, {rank - 1: hop}, forward={rank + 1: hop} if rank < 3 else {})
+                forward = {rank + 1: hop} if rank < 3 else {}
+                recv_all(groups[how], buf, {rank - 1: hop}, forward=forward)
             group.pg.barrier().wait()
             times[how].append(time.perf_counter() - start)
     assert torch.equal(buf["w"], torch.arange(n, dtype=torch.float32))
@@ -179,7 +189,8 @@ def chain(n_bytes: int, reps: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "chain.json")
-        mp.spawn(_chain_worker, args=(free_address(), n_bytes, reps, out), nprocs=4)
+        addresses = (free_address(), free_address())
+        mp.spawn(_chain_worker, args=(addresses, n_bytes, reps, out), nprocs=4)
         return {"bytes": n_bytes, **json.loads(Path(out).read_text())}
 
 
@@ -190,21 +201,23 @@ def report(res: dict) -> str:
         f"({res['layers']} layers, hidden 768, vocab 8192, fp32)",
         "",
         f"Command: `python benchmarks/realloc_throughput.py --layers {res['layers']} "
-        f"--reps {res['reps']}` on {os.cpu_count()} CPU cores (4 emulated devices, gloo over "
-        f"TCP loopback). Median of {res['reps']} moves each. MB = what the destination ranks "
+        f"--reps {res['reps']}` on {os.cpu_count()} CPU cores (4 emulated devices, one host: "
+        "rayhf's large messages go through shared memory, `sockets` sends them over gloo's TCP "
+        f"loopback). Median of {res['reps']} moves each. MB = what the destination ranks "
         "receive, summed; GB/s = that over the move's seconds; `of copy` = rayhf's GB/s over "
         "a one-process memory copy of the same bytes measured in the same run; busiest send = "
         "the most one device sends to others (rayhf / point to point), beside the most one "
         "receives.",
         "",
-        "| layout pair | MB | rayhf GB/s | p2p GB/s | naive GB/s | rayhf / naive | copy GB/s "
-        "| of copy | busiest send MB (rayhf / p2p) | busiest receive MB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layout pair | MB | rayhf GB/s | sockets GB/s | p2p GB/s | naive GB/s | rayhf / naive "
+        "| copy GB/s | of copy | busiest send MB (rayhf / p2p) | busiest receive MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r, g in zip(res["rows"], gb, strict=True):
         lines.append(
             f"| {r['pair']} | {r['bytes'] / 1e6:.0f} | {g / r['rayhf_s']:.2f} | "
-            f"{g / r['p2p_s']:.2f} | {g / r['naive_s']:.2f} | {r['naive_s'] / r['rayhf_s']:.1f}x "
+            f"{g / r['sockets_s']:.2f} | {g / r['p2p_s']:.2f} | {g / r['naive_s']:.2f} | "
+            f"{r['naive_s'] / r['rayhf_s']:.1f}x "
             f"| {g / r['memcpy_s']:.2f} | {r['memcpy_s'] / r['rayhf_s']:.0%} | "
             f"{r['max_sent'] / 1e6:.0f} / {r['p2p_max_sent'] / 1e6:.0f} | "
             f"{r['max_received'] / 1e6:.0f} |"
@@ -220,9 +233,10 @@ def report(res: dict) -> str:
         f"The largest move ({largest['pair']}) runs at "
         f"{largest['memcpy_s'] / largest['rayhf_s']:.0%} of this machine's copy speed.",
         "",
-        f"One buffer of {c['bytes'] / 1e6:.0f} MB from one process to three over gloo (median "
-        f"of {res['reps']}): its broadcast {c['broadcast']:.3f} s, rayhf's relayed messages "
-        f"{c['relay']:.3f} s ({c['broadcast'] / c['relay']:.2f}x).",
+        f"One buffer of {c['bytes'] / 1e6:.0f} MB from one process to three (median of "
+        f"{res['reps']}): gloo's broadcast {c['broadcast']:.3f} s; rayhf's relayed messages over "
+        f"gloo's sockets {c['relay']:.3f} s ({c['broadcast'] / c['relay']:.2f}x), through "
+        f"shared memory {c['relay_shm']:.3f} s ({c['broadcast'] / c['relay_shm']:.2f}x).",
     ]
     return "\n".join(lines) + "\n"
 

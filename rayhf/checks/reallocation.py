@@ -10,10 +10,12 @@ every destination replica reports whether its shards equal the originals' bit fo
 whether the whole model it gathers back (``RankModel.full_state``) does; each replica's logits
 are compared with the whole model's. The pairs are drawn class by class so
 every class is covered: expand, shrink, equal, overlapping and disjoint meshes, tp <-> pp, and a
-ZeRO-3 flat source. ``tests/integration/test_realloc_exec.py`` asserts on it; with ``--device
-cuda`` the models live on the one GPU all processes share, and the transfer group stages GPU
-tensors through host memory (``tests/integration/test_gpu.py``); logits are compared on CPU only
-(a pipeline's sends between ranks on one GPU would need NCCL, which refuses them).
+ZeRO-3 flat source. Pairs alternate between two transfer groups: one sends every message over
+gloo, the other through shared memory (``rayhf.realloc.shm``).
+``tests/integration/test_realloc_exec.py`` asserts on it; with ``--device cuda`` the models live
+on the one GPU all processes share, and the transfer groups stage GPU tensors through host
+memory (``tests/integration/test_gpu.py``); logits are compared on CPU only (a pipeline's sends
+between ranks on one GPU would need NCCL, which refuses them).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def _one_pair(
     ids = torch.randint(3, 37, (2, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mine: dict[str, Any] = {}
+    through_shm = group.shm_messages
     if rank < src.world_size:
         source: Any = (
             _FlatSource(full, src.dp, rank, device)
@@ -152,6 +155,7 @@ def _one_pair(
             with torch.no_grad():
                 logits = model.forward(ids, mask)
             mine["logits"] = logits if dst_groups.is_head else None
+    mine["shm_messages"] = group.shm_messages - through_shm
     results: list[Any] = [None] * POOL
     dist.all_gather_object(results, mine)
     if rank != DST0:
@@ -178,6 +182,7 @@ def _one_pair(
         "relayed": any(t.relay for t in plan.transfers),
         "max_sent": plan.max_sent,
         "max_received": plan.max_received,
+        "shm_messages": sum(x["shm_messages"] for x in results),
     }
 
 
@@ -202,7 +207,7 @@ def _by_peer(transfers: list, peer_of) -> dict[int, list]:
 
 
 def _worker(
-    rank: int, address: str, store_address: str, pairs: list, out: str, device: str
+    rank: int, address: str, store_addresses: tuple[str, str], pairs: list, out: str, device: str
 ) -> None:
     from rayhf.models.hf import quiet_transformers
     from rayhf.realloc.transport import TransferGroup
@@ -210,12 +215,16 @@ def _worker(
     torch.set_num_threads(1)
     quiet_transformers()
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=POOL)
-    group = TransferGroup(store_address, rank, POOL, device, shared_devices=True)
+    groups = {  # pairs alternate: every message over gloo, every message through shared memory
+        "gloo": TransferGroup(store_addresses[0], rank, POOL, device, True, same_host=False),
+        "shm": TransferGroup(store_addresses[1], rank, POOL, device, True, shm_min_bytes=0),
+    }
     rows = []
-    for family, src, dst, flat in pairs:
-        row = _one_pair(family, src, dst, flat, rank, group, device)
+    for i, (family, src, dst, flat) in enumerate(pairs):
+        transport = ("gloo", "shm")[i % 2]
+        row = _one_pair(family, src, dst, flat, rank, groups[transport], device)
         if row is not None:
-            rows.append(row)
+            rows.append(row | {"transport": transport})
     if rank == DST0:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
         jobs += [(family, *pair) for pair in sample_pairs(spec, args.pairs, args.seed)]
-    addresses = (free_address(), free_address())
+    addresses = (free_address(), (free_address(), free_address()))
     mp.spawn(_worker, args=(*addresses, jobs, args.out, args.device), nprocs=POOL)
 
 

@@ -20,6 +20,10 @@ class DriverConfig(BaseModel):
     # submit step i+1 while step i runs (each unit waits only for what its dataflow needs:
     # rayhf.planner.step.carried); false: one step at a time. Same results either way.
     overlap_steps: bool = True
+    # how a weight move's large messages between processes of one host travel: shm: through
+    # /dev/shm, a copy in and a copy out; group: over the transfer group's gloo sockets. Groups
+    # of GPUs that are not shared use NCCL either way.
+    same_host_transport: Literal["shm", "group"] = "shm"
 
     @model_validator(mode="after")
     def _compiled_runs_one_step_at_a_time(self) -> DriverConfig:

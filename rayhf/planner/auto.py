@@ -253,15 +253,17 @@ def plan_for_run(
     cluster: ClusterConfig,
     seed: int = 0,
     step: StepOptions = StepOptions(),
+    shm: bool = True,
 ) -> Plan:
     """``plan: auto`` for a run on emulated CPU devices: search with the profiled cost of
     rayhf's driver (which runs units on disjoint meshes at the same time, and with
     ``step.overlap`` the next step's as its dataflow allows), from the measured ``profiles``
-    of the roles' model shapes (``rayhf.runtime.profiling``)."""
+    of the roles' model shapes (``rayhf.runtime.profiling``); ``shm``: weight moves go through
+    shared memory."""
     n = cluster.n_devices
     if not searches(cluster):
         return Plan(colocated_plan(graph, n).layouts, "auto")
-    spec = cpu_cluster(n, cluster.device_memory_gb, cluster.num_cpus or os.cpu_count() or 1)
+    spec = cpu_cluster(n, cluster.device_memory_gb, cluster.num_cpus or os.cpu_count() or 1, shm)
     cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
     check_fits(graph, specs, works, cost)
 

@@ -62,6 +62,9 @@ class ClusterSpec:
     inter_node_bandwidth: float  # bytes/s one device can send to another node
     link_latency: float = 10e-6  # seconds per collective or message
     host_cores: float = 0.0  # emulated devices: the cores they all share (0: none shared)
+    # bytes/s a weight move's large messages reach between processes of one node through shared
+    # memory (``rayhf.realloc.shm``); 0: moves take the links (GPUs not shared: NCCL)
+    shm_bandwidth: float = 0.0
 
     @property
     def n_devices(self) -> int:
@@ -84,6 +87,9 @@ class ClusterSpec:
 # benchmarks/planner_calibration.py`` re-measures the links and prints them beside these.
 CPU_LINK_BANDWIDTH = 0.7e9
 CPU_LINK_LATENCY = 2e-3
+# A weight move through shared memory, one process to another: 397 MB in 0.087-0.091 s
+# (``python benchmarks/realloc_throughput.py``, "1 device -> 1 other device").
+CPU_SHM_BANDWIDTH = 4.4e9
 # The runtime around the profiled engine ops on this machine, fitted by the same benchmark
 # (``rayhf.planner.profile.calibrate``): the driver's cost per call, and by the number of
 # devices a call keeps busy, (seconds per call, scale) of in-actor compute over the profile.
@@ -98,15 +104,20 @@ CPU_ACTOR = {1: (6.0e-3, 1.08), 2: (9.7e-3, 1.08)}
 CPU_ZERO3_PER_TENSOR = 1.3e-3
 
 
-def cpu_cluster(n_devices: int, memory_gb: float, cores: float = 0.0) -> ClusterSpec:
+def cpu_cluster(
+    n_devices: int, memory_gb: float, cores: float = 0.0, shm: bool = True
+) -> ClusterSpec:
     """``n_devices`` emulated CPU devices on one node (fp32, gloo) sharing ``cores`` cores (0:
-    a core each at least); each device's process runs one torch thread."""
+    a core each at least); each device's process runs one torch thread. ``shm``: weight moves
+    go through shared memory (``driver.same_host_transport``)."""
     device = DeviceSpec(
         "CPU (emulated)", memory_gb * 1e9, 62e9, 15e9, 4, "measured on this machine"
     )
+    shm_bandwidth = CPU_SHM_BANDWIDTH if shm else 0.0
     return ClusterSpec(
-        1, n_devices, device, CPU_LINK_BANDWIDTH, CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY, cores
-    )
+        1, n_devices, device, CPU_LINK_BANDWIDTH, CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY, cores,
+        shm_bandwidth,
+    )  # fmt: skip
 
 
 def parse_cluster(text: str) -> ClusterSpec:

@@ -35,7 +35,7 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.step import Slot, StepOptions, Unit, leading, pipeline, plan_step
-from rayhf.realloc.plan import move_load
+from rayhf.realloc.plan import SHM_MIN_BYTES, move_load
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,16 @@ def realloc_seconds(
     receives bf16): the busiest device's bytes (what it sends or receives across devices,
     whichever is more, plus what it copies between its own processes) at the link bandwidth,
     the relays' pipeline fill (a stream's first message, up to 4 MiB, per hop past the first)
-    and a latency per hop."""
+    and a latency per hop. Within a node whose moves go through shared memory, a move of
+    ``SHM_MIN_BYTES`` or more runs at that copy speed, and relays pass on only headers."""
     load = move_load(spec, src, dst, cost.weight_bytes(spec), flat)
-    bandwidth = cost.cluster.bandwidth(tuple(sorted(set(src.mesh) | set(dst.mesh))))
-    return (load.busiest + load.fill) / bandwidth + max(1, load.depth) * cost.cluster.link_latency
+    devices = tuple(sorted(set(src.mesh) | set(dst.mesh)))
+    cluster = cost.cluster
+    hops = max(1, load.depth) * cluster.link_latency
+    one_node = cluster.node_of(devices[0]) == cluster.node_of(devices[-1])
+    if cluster.shm_bandwidth and one_node and load.busiest >= SHM_MIN_BYTES:
+        return load.busiest / cluster.shm_bandwidth + hops
+    return (load.busiest + load.fill) / cluster.bandwidth(devices) + hops
 
 
 def simulate(

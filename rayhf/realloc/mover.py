@@ -80,10 +80,11 @@ def _by_peer(transfers: list[Transfer], peer_of: Any) -> dict[int, list[Transfer
 
 class TransferGroupMover:
     """Slices move directly between the actors that hold and need them, relayed from replica to
-    replica (``relay=False``: every replica gets its slices from a source rank)."""
+    replica (``relay=False``: every replica gets its slices from a source rank), through shared
+    memory between processes of one host (``shm=False``: over the transfer group's sockets)."""
 
-    def __init__(self, relay: bool = True, wait: Wait = ray_get_all) -> None:
-        self.relay, self.wait = relay, wait
+    def __init__(self, relay: bool = True, wait: Wait = ray_get_all, shm: bool = True) -> None:
+        self.relay, self.wait, self.shm = relay, wait, shm
         self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
@@ -111,7 +112,13 @@ class TransferGroupMover:
             (address,) = self.wait([(head, 0, head.actors[0].rendezvous_address.remote())], doing)
             shared = bool(set(a.layout.mesh) & set(b.layout.mesh))
             joins = [
-                (g, r, g.actors[r].join_transfer_group.remote(name, address, i, len(ranks), shared))
+                (
+                    g,
+                    r,
+                    g.actors[r].join_transfer_group.remote(
+                        name, address, i, len(ranks), shared, self.shm
+                    ),
+                )
                 for i, (g, r) in enumerate(ranks)
             ]
             self.wait(joins, doing)

@@ -42,6 +42,9 @@ from rayhf.realloc.route import (
 )
 
 CHUNK_BYTES = 4 * 2**20  # a message: what a relay forwards as soon as it has arrived
+# a bucket this large goes through shared memory between processes of one host (smaller ones
+# over the transfer group: their header would cost what they cost); ``rayhf.realloc.shm``
+SHM_MIN_BYTES = 2**20
 
 
 @dataclass(frozen=True)

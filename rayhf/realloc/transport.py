@@ -7,7 +7,8 @@ group's dp/tp/pp world and to any number of transfer groups at once. NCCL refuse
 with two ranks on one GPU ("Duplicate GPU detected"), which is what role groups colocated on the
 same GPUs are: their groups run gloo, each GPU slice staged through host memory. (Ray's
 ``ray.util.collective`` gloo groups reuse the process's default torch world, which our actors
-already own for their layout; see docs/decisions.md.)
+already own for their layout; see docs/decisions.md.) Between members on one host, a gloo
+group's large messages go through shared memory instead of its sockets (``shm.py``).
 
 Both sides of a hop walk the same transfers of a stream in the same order, so they cut the same
 buckets (at most ``bucket_bytes``) and the same messages (at most ``CHUNK_BYTES`` of a bucket);
@@ -18,6 +19,8 @@ received, unchanged, to the stream's next ranks as soon as it has arrived (a pip
 from __future__ import annotations
 
 import datetime
+import os
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from rayhf.realloc import shm
 from rayhf.realloc.plan import CHUNK_BYTES, Transfer
 
 
@@ -48,15 +52,25 @@ class ShardSink(Protocol):
         ...
 
 
+Message = torch.Tensor | shm.Parts  # a tensor over the group, or views through shared memory
 BUCKET_BYTES = 32 * 2**20
 DIRECT_BYTES = 2**20  # a slice this large travels alone, straight from/into the shard if it can
 
 
 class TransferGroup:
-    """A process group over ``size`` actors; rank 0 hosts the store at ``address``."""
+    """A process group over ``size`` actors; rank 0 hosts the store at ``address``. With
+    ``same_host`` (and gloo), messages of ``shm_min_bytes`` or more between members that share
+    this host's ``/dev/shm`` travel through it."""
 
     def __init__(
-        self, address: str, rank: int, size: int, device: str = "cpu", shared_devices: bool = False
+        self,
+        address: str,
+        rank: int,
+        size: int,
+        device: str = "cpu",
+        shared_devices: bool = False,
+        same_host: bool = True,
+        shm_min_bytes: int = shm.MIN_BYTES,
     ) -> None:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         timeout = datetime.timedelta(seconds=300)
@@ -65,22 +79,74 @@ class TransferGroup:
         self.pg: Any
         # GPU tensors through host memory: the members share GPUs, so NCCL cannot join them
         self.staged = device.startswith("cuda") and shared_devices
+        self.shm: shm.Segments | None = None
+        self.local: set[int] = set()  # peers whose messages go through shared memory
+        self.shm_min_bytes, self.shm_messages = shm_min_bytes, 0  # the latter: sent so far
         if device.startswith("cuda") and not shared_devices:
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009 (CUDA builds only)
             self.pg = nccl(store, rank, size)
-        else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            return
+        self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._meet(store, same_host and shm.available())
 
-    def isend(self, t: torch.Tensor, peer: int, tag: int):
-        if self.staged and t.is_cuda:
-            t = t.cpu()  # gloo's work keeps the host copy alive until it is sent
-        return self.pg.send([t], peer, tag)
+    def _meet(self, store: Any, use_shm: bool) -> None:
+        """Find the members that share this host's /dev/shm (every member says whether it
+        uses it, so one that does not cannot leave the others waiting)."""
+        if self.rank == 0:
+            store.set("shm/token", uuid.uuid4().hex[:12])
+        if not use_shm:
+            store.set(f"shm/pid/{self.rank}", "0")
+            return
+        shm.sweep()
+        segments = shm.Segments(store.get("shm/token").decode(), self.rank)
+        store.set(f"shm/pid/{self.rank}", str(os.getpid()))  # after the marker exists
+        for peer in range(self.size):
+            pid = int(store.get(f"shm/pid/{peer}"))
+            if peer != self.rank and pid and segments.meet(peer, pid):
+                self.local.add(peer)
+        self.shm = segments
 
-    def irecv(self, t: torch.Tensor, peer: int, tag: int):
-        if not (self.staged and t.is_cuda):
-            return self.pg.recv([t], peer, tag)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return _Staged(self.pg.recv([host], peer, tag), host, t)
+    def shares(self, peer: int, n_bytes: int) -> bool:
+        """Whether a bucket of ``n_bytes`` to or from ``peer`` goes through shared memory (then
+        its messages are ``shm.Parts``; otherwise tensors, over the group)."""
+        return peer in self.local and n_bytes >= self.shm_min_bytes
+
+    def begin(self, outgoing: list[tuple[int, Message]]) -> None:
+        """Start a move in which this rank sends these (peer, message)s."""
+        if self.shm is not None:
+            self.shm.reserve(sum(shm.padded(m.nbytes) for _, m in outgoing
+                                 if isinstance(m, shm.Parts)))  # fmt: skip
+
+    def isend(self, message: Message, peer: int, tag: int):
+        if isinstance(message, shm.Parts):
+            assert self.shm is not None
+            self.shm_messages += 1
+            return self.pg.send([self.shm.put(message)], peer, tag)
+        if self.staged and message.is_cuda:
+            message = message.cpu()  # gloo's work keeps the host copy alive until it is sent
+        return self.pg.send([message], peer, tag)
+
+    def irecv(self, message: Message, peer: int, tag: int):
+        if isinstance(message, shm.Parts):
+            assert self.shm is not None
+            header = torch.empty(3, dtype=torch.int64)
+            return _FromSegment(self.pg.recv([header], peer, tag), header, self.shm, message)
+        if not (self.staged and message.is_cuda):
+            return self.pg.recv([message], peer, tag)
+        host = torch.empty(message.shape, dtype=message.dtype, pin_memory=True)
+        return _Staged(self.pg.recv([host], peer, tag), host, message)
+
+    def forward(self, received: Any, message: Message, peer: int, tag: int):
+        """Relay ``message``, which ``received`` (an ``irecv``'s work) brought, to ``peer``: a
+        message that came through shared memory goes on as its header (``peer`` shares the
+        owner's host: it shares this one)."""
+        if isinstance(received, _FromSegment) and isinstance(message, shm.Parts):
+            return self.pg.send([received.header], peer, tag)
+        return self.isend(message, peer, tag)
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
 
 
 class _Staged:
@@ -92,6 +158,22 @@ class _Staged:
     def wait(self) -> None:
         self.work.wait()
         self.target.copy_(self.host)
+
+
+class _FromSegment:
+    """A receive of where the message lies in a peer's segment: ``wait`` for that, ``land`` to
+    copy it out (a relay passes the header on in between, so the next rank copies alongside)."""
+
+    def __init__(
+        self, work: Any, header: torch.Tensor, segments: shm.Segments, target: shm.Parts
+    ) -> None:
+        self.work, self.header, self.segments, self.target = work, header, segments, target
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def land(self) -> None:
+        self.segments.get(self.header, self.target)
 
 
 def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list[list[Transfer]]:
@@ -153,16 +235,55 @@ def dst_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
     return _region(shards[t.name], t, t.dst_offset)
 
 
-def _pack(
-    shards: Mapping[str, torch.Tensor], bucket: list[Transfer], dtype: torch.dtype | None
-) -> torch.Tensor:
+def _pack(pieces: list[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
     """A source bucket as one flat tensor (the shard's own memory when it can be)."""
-    pieces = [src_piece(shards, t) for t in bucket]
     if dtype is not None and pieces[0].dtype != dtype:
         pieces = [piece.to(dtype) for piece in pieces]
     if len(pieces) == 1 and pieces[0].is_contiguous():
         return pieces[0].reshape(-1)  # no packing copy
     return torch.cat([piece.reshape(-1) for piece in pieces])
+
+
+def _splittable(piece: torch.Tensor) -> bool:
+    """Whether any range of ``piece``'s elements (in order) is a few views of it."""
+    return piece.is_contiguous() or (piece.dim() == 2 and piece.stride(1) == 1)
+
+
+def _range_views(piece: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+    """Elements ``[lo, hi)`` of ``piece`` in row-major order, as at most 3 views of it."""
+    if piece.is_contiguous():
+        return [piece.reshape(-1)[lo:hi]]
+    cols = piece.shape[1]
+    (r0, c0), (r1, c1) = divmod(lo, cols), divmod(hi, cols)
+    if r0 == r1:
+        return [piece[r0, c0:c1]]
+    views = [piece[r0, c0:]] if c0 else []
+    r0 += 1 if c0 else 0
+    views += [piece[r0:r1]] if r1 > r0 else []
+    return views + ([piece[r1, :c1]] if c1 else [])
+
+
+def _views(pieces: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Elements ``[lo, hi)`` of the pieces laid end to end, as views of them."""
+    out, start = [], 0
+    for piece in pieces:
+        end = start + piece.numel()
+        if end > lo and start < hi:
+            out += _range_views(piece, max(lo, start) - start, min(hi, end) - start)
+        start = end
+    return out
+
+
+def _messages(
+    pieces: list[torch.Tensor], dtype: torch.dtype, flat: torch.Tensor | None, shared: bool
+) -> list[Message]:
+    """A bucket's messages: views of its pieces through shared memory when it can be, else
+    ranges of ``flat`` (its packed or landing tensor; through shared memory if ``shared``)."""
+    n = sum(piece.numel() for piece in pieces)
+    ranges = chunks(n * dtype.itemsize, dtype.itemsize)
+    if flat is None:
+        return [shm.Parts(_views(pieces, lo, hi), dtype) for lo, hi in ranges]
+    return [shm.Parts([flat[lo:hi]], dtype) if shared else flat[lo:hi] for lo, hi in ranges]
 
 
 def send_all(
@@ -173,24 +294,34 @@ def send_all(
     dtype: torch.dtype | None = None,
 ) -> int:
     """Send this rank's source slices to each peer (cast to ``dtype``: the receivers'), message
-    by message in the global order (message, stream); returns bytes sent."""
-    outgoing: list[tuple[tuple[int, int], int, torch.Tensor]] = []
-    sent = 0
+    by message in the global order (message, stream); returns bytes sent. A bucket through
+    shared memory is copied from the shards into the segment (cast on the way), unpacked."""
+    outgoing: list[tuple[tuple[int, int], int, Message]] = []
     with torch.no_grad():
         for peer, transfers in sorted(by_peer.items()):
             for stream, mine in sorted(by_stream(transfers).items()):
                 m = 0
                 for bucket in buckets(mine, bucket_bytes):
-                    flat = _pack(shards, bucket, dtype)
-                    for lo, hi in chunks(flat.numel() * flat.element_size(), flat.element_size()):
-                        outgoing.append(((m, stream), peer, flat[lo:hi]))
+                    pieces = [src_piece(shards, t) for t in bucket]
+                    shared = group.shares(peer, sum(t.nbytes for t in bucket))
+                    direct = shared and all(_splittable(piece) for piece in pieces)
+                    flat = None if direct else _pack(pieces, dtype)
+                    for msg in _messages(pieces, dtype or pieces[0].dtype, flat, shared):
+                        outgoing.append(((m, stream), peer, msg))
                         m += 1
-                    sent += flat.numel() * flat.element_size()
     outgoing.sort(key=lambda o: o[0])  # the global order: (message, stream)
-    works = [group.isend(t, peer, tag(stream, m)) for (m, stream), peer, t in outgoing]
+    group.begin([(peer, msg) for _, peer, msg in outgoing])
+    with torch.no_grad():
+        works = [group.isend(msg, peer, tag(stream, m)) for (m, stream), peer, msg in outgoing]
     for w in works:
         w.wait()
-    return sent
+    return sum(_nbytes(msg) for _, _, msg in outgoing)
+
+
+def _nbytes(message: Message) -> int:
+    if isinstance(message, shm.Parts):
+        return message.nbytes
+    return message.numel() * message.element_size()
 
 
 Blend = Callable[[torch.Tensor, torch.Tensor], None]  # (destination slice, received) -> None
@@ -213,9 +344,18 @@ def ema_into(eta: float) -> Blend:
 class _Bucket:
     """One incoming bucket: where it lands, what is in it, and its messages still to come."""
 
-    flat: torch.Tensor  # the received bytes (the shard region itself when direct)
+    flat: torch.Tensor | None  # the received bytes (the shard region itself when direct)
     transfers: list[Transfer]  # empty when received straight into the shard
     left: int
+    n_bytes: int = 0
+
+
+@dataclass
+class _Incoming:
+    key: tuple[int, int]  # (message, stream)
+    peer: int
+    message: Message
+    bucket: _Bucket
 
 
 def recv_all(
@@ -238,28 +378,36 @@ def recv_all(
     for peer, transfers in sorted((forward or {}).items()):
         for stream in by_stream(transfers):
             downstream.setdefault(stream, []).append(peer)
-    incoming: list[tuple[tuple[int, int], int, torch.Tensor, _Bucket]] = []
+    incoming: list[_Incoming] = []
     for peer, transfers in sorted(by_peer.items()):
         for stream, mine in by_stream(transfers).items():
+            onward = downstream.get(stream, [])
             m = 0
             for bucket in buckets(mine, bucket_bytes):
-                landing = _landing(shards, bucket, blend is copy_into)
-                pieces = chunks(landing.flat.numel() * landing.flat.element_size(),
-                                landing.flat.element_size())  # fmt: skip
-                landing.left = len(pieces)
-                for lo, hi in pieces:
-                    view = landing.flat[lo:hi]
-                    incoming.append(((m, stream), peer, view, landing))
+                landing, messages = _landing(group, shards, bucket, blend, peer, onward)
+                landing.left = len(messages)
+                for msg in messages:
+                    incoming.append(_Incoming((m, stream), peer, msg, landing))
                     m += 1
-    incoming.sort(key=lambda i: i[0])  # posted in the order they are sent: NCCL has no tags
-    pending = [(key, group.irecv(view, peer, tag(key[1], key[0])), view, b)
-               for key, peer, view, b in incoming]  # fmt: skip
+    incoming.sort(key=lambda i: i.key)  # posted in the order they are sent: NCCL has no tags
+    group.begin([(p, _onward(group, i, p)) for i in incoming for p in downstream.get(i.key[1], [])])
+    pending = [(i, group.irecv(i.message, i.peer, tag(i.key[1], i.key[0]))) for i in incoming]
     sends, received = [], 0
     with torch.no_grad():
-        for (m, stream), work, view, landing in pending:
+        for i, work in pending:
             work.wait()
-            sends += [group.isend(view, p, tag(stream, m)) for p in downstream.get(stream, [])]
-            received += view.numel() * view.element_size()
+            (m, stream), landing = i.key, i.bucket
+            relays = [(p, _onward(group, i, p)) for p in downstream.get(stream, [])]
+            # what only passes a header on need not wait for this rank's own copy
+            later = isinstance(work, _FromSegment) and all(
+                isinstance(msg, shm.Parts) for _, msg in relays
+            )
+            if isinstance(work, _FromSegment) and not later:
+                work.land()
+            sends += [group.forward(work, msg, p, tag(stream, m)) for p, msg in relays]
+            if later:
+                work.land()
+            received += _nbytes(i.message)
             landing.left -= 1
             if landing.left == 0:
                 _unpack(shards, landing, blend)
@@ -268,17 +416,48 @@ def recv_all(
     return received
 
 
-def _landing(shards: Mapping[str, torch.Tensor], bucket: list[Transfer], direct: bool) -> _Bucket:
-    first = dst_piece(shards, bucket[0])
-    if direct and len(bucket) == 1 and first.is_contiguous():
-        return _Bucket(first.detach().reshape(-1), [], 0)  # straight into the shard's memory
-    n = sum(dst_piece(shards, t).numel() for t in bucket)
-    return _Bucket(torch.empty(n, dtype=first.dtype, device=first.device), bucket, 0)
+def _onward(group: TransferGroup, i: _Incoming, peer: int) -> Message:
+    """What of the message ``i`` goes on to ``peer``: views through shared memory if the peer
+    shares them, else the received tensor."""
+    if not group.shares(peer, i.bucket.n_bytes):
+        assert not isinstance(i.message, shm.Parts) or len(i.message.views) == 1
+        return i.message.views[0] if isinstance(i.message, shm.Parts) else i.message
+    return (
+        i.message if isinstance(i.message, shm.Parts) else shm.Parts([i.message], i.message.dtype)
+    )
+
+
+def _landing(
+    group: TransferGroup,
+    shards: Mapping[str, torch.Tensor],
+    bucket: list[Transfer],
+    blend: Blend,
+    peer: int,
+    onward: list[int],
+) -> tuple[_Bucket, list[Message]]:
+    """Where an incoming bucket lands, and its messages: through shared memory straight into
+    the shards when it copies and every next rank of a relay shares the memory too; else into
+    the shard itself when it is one contiguous slice, or a buffer to unpack."""
+    pieces = [dst_piece(shards, t) for t in bucket]
+    n_bytes = sum(t.nbytes for t in bucket)
+    shared = group.shares(peer, n_bytes)
+    onward_shared = all(group.shares(p, n_bytes) for p in onward)
+    if shared and onward_shared and blend is copy_into and all(map(_splittable, pieces)):
+        return _Bucket(None, [], 0, n_bytes), _messages(pieces, pieces[0].dtype, None, True)
+    first = pieces[0]
+    if blend is copy_into and len(bucket) == 1 and first.is_contiguous():
+        flat = first.detach().reshape(-1)  # straight into the shard's memory
+        landing = _Bucket(flat, [], 0, n_bytes)
+    else:
+        flat = torch.empty(sum(p.numel() for p in pieces), dtype=first.dtype, device=first.device)
+        landing = _Bucket(flat, bucket, 0, n_bytes)
+    return landing, _messages(pieces, first.dtype, flat, shared)
 
 
 def _unpack(shards: Mapping[str, torch.Tensor], landing: _Bucket, blend: Blend) -> None:
     offset = 0
     for t in landing.transfers:
+        assert landing.flat is not None
         dst = dst_piece(shards, t)
         blend(dst, landing.flat[offset : offset + dst.numel()].view_as(dst))
         offset += dst.numel()

@@ -231,12 +231,19 @@ class RoleWorker:
         return kept
 
     def join_transfer_group(
-        self, name: str, address: str, rank: int, size: int, shared_devices: bool = False
+        self,
+        name: str,
+        address: str,
+        rank: int,
+        size: int,
+        shared_devices: bool = False,
+        shm: bool = True,
     ) -> None:
         """Join the reallocation transfer group ``name`` (made once per pair of role groups;
-        ``shared_devices``: the two groups have devices in common)."""
+        ``shared_devices``: the two groups have devices in common; ``shm``: messages to members
+        on this host go through shared memory)."""
         self.transfer_groups[name] = TransferGroup(
-            address, rank, size, self.spec.device, shared_devices
+            address, rank, size, self.spec.device, shared_devices, same_host=shm
         )
 
     def realloc_send(

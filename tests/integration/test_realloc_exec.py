@@ -42,3 +42,14 @@ def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
         assert r["logits"] < 1e-5, f"{pair}: logits off by {r['logits']:.2e}"
         assert r["bytes"] > 0
     assert sum(r["relayed"] for r in mine) >= 10, "replicas relayed what they received"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_pairs_move_over_gloo_and_through_shared_memory_alike(rows, family):
+    mine = [r for r in rows if r["family"] == family]
+    shm = [r for r in mine if r["transport"] == "shm"]
+    gloo = [r for r in mine if r["transport"] == "gloo"]
+    assert len(shm) >= 20 and len(gloo) >= 20
+    assert all(r["shm_messages"] > 0 for r in shm), "every message of these goes through /dev/shm"
+    assert all(r["shm_messages"] == 0 for r in gloo)
+    assert sum(r["relayed"] for r in shm) >= 3, "relays forward through shared memory too"

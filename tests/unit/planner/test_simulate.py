@@ -95,6 +95,29 @@ def test_a_small_relayed_stream_fills_the_pipeline_with_itself_not_a_whole_messa
     assert fill < 6 * CHUNK_BYTES
 
 
+def test_a_large_move_between_emulated_devices_is_priced_at_shared_memory_speed():
+    """On one host a move's large messages go through shared memory (relays pass headers on):
+    the busiest device's bytes at the copy speed measured for it; a tiny model's move still
+    takes the links, and so does every move with ``driver.same_host_transport: group``."""
+    from rayhf.planner.hardware import CPU_SHM_BANDWIDTH, cpu_cluster
+    from rayhf.realloc.plan import SHM_MIN_BYTES
+
+    shm, sockets = AnalyticCost(cpu_cluster(4, 4.0, 2)), AnalyticCost(cpu_cluster(4, 4.0, 2, False))
+    tp2, dp4 = Layout((0, 1), 1, 2), Layout((0, 1, 2, 3), 4)
+    init = ModelInit(family="llama", n_layers=4, hidden_size=512, n_heads=8, n_kv_heads=4)
+    big = model_spec(hf_config(init, 8192, 0, 2, 1), value_head=False)
+    plan = plan_realloc(big, tp2, dp4, shm.weight_bytes(big))
+    busiest = max(max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0)
+                  for d in range(4))  # fmt: skip
+    assert busiest >= SHM_MIN_BYTES
+    hops = max(1, plan.depth) * shm.cluster.link_latency
+    assert realloc_seconds(shm, big, tp2, dp4) == pytest.approx(busiest / CPU_SHM_BANDWIDTH + hops)
+    assert realloc_seconds(sockets, big, tp2, dp4) > 5 * realloc_seconds(shm, big, tp2, dp4)
+    small = ModelInit(family="llama", n_layers=2, hidden_size=32, n_heads=4, n_kv_heads=2)
+    tiny = model_spec(hf_config(small, 37, 0, 2, 1), value_head=False)
+    assert realloc_seconds(shm, tiny, tp2, dp4) == realloc_seconds(sockets, tiny, tp2, dp4)
+
+
 def _hops_before_last(s) -> int:
     """A stream's depth (its hops form a tree from the sender, -1) less one."""
     level = {-1: 0}

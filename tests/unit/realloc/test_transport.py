@@ -21,9 +21,18 @@ class _Mailbox:
     def __init__(self) -> None:
         self.sent: dict[tuple[int, int], torch.Tensor] = {}
 
+    def shares(self, peer, n_bytes) -> bool:
+        return False
+
+    def begin(self, outgoing) -> None:
+        pass  # no shared memory here
+
     def isend(self, t, peer, tag):
         self.sent[(peer, tag)] = t.clone()
         return self
+
+    def forward(self, received, t, peer, tag):
+        return self.isend(t, peer, tag)
 
     def irecv(self, t, peer, tag):
         t.copy_(self.sent[(0, tag)].view_as(t))
@@ -52,6 +61,12 @@ class _Port:
     def __init__(self, net: _Net, rank: int) -> None:
         self.net, self.rank = net, rank
 
+    def shares(self, peer, n_bytes) -> bool:
+        return False
+
+    def begin(self, outgoing) -> None:
+        pass
+
     def isend(self, t, peer, tag):
         with self.net.cv:
             key = (self.rank, peer, tag)
@@ -60,6 +75,9 @@ class _Port:
             self.net.log.append((*key, t.numel() * t.element_size()))
             self.net.cv.notify_all()
         return self
+
+    def forward(self, received, t, peer, tag):
+        return self.isend(t, peer, tag)
 
     def irecv(self, t, peer, tag):
         return _Read(self.net, (peer, self.rank, tag), t)

@@ -114,9 +114,18 @@ class _Wire:
     def __init__(self) -> None:
         self.messages: dict[int, torch.Tensor] = {}
 
+    def shares(self, peer, n_bytes) -> bool:
+        return False
+
+    def begin(self, outgoing: list) -> None:
+        pass  # no shared memory here
+
     def isend(self, t: torch.Tensor, peer: int, tag: int) -> _Wire:
         self.messages[tag] = t.clone()
         return self
+
+    def forward(self, received, t, peer, tag):
+        return self.isend(t, peer, tag)
 
     def irecv(self, t: torch.Tensor, peer: int, tag: int) -> _Wire:
         t.copy_(self.messages.pop(tag).view_as(t))
