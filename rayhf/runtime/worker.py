@@ -317,5 +317,9 @@ class RoleWorker:
         return os.path.join(optim_dir, self.spec.role)
 
     def shutdown(self) -> None:
+        """Leave the process groups and remove this rank's shared-memory segments (an actor
+        killed without this leaves them to the next transfer group's sweep)."""
+        for group in self.transfer_groups.values():
+            group.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -191,3 +191,20 @@ def test_checkpoints_write_the_model_and_one_optimizer_file_per_rank(workers, tm
     state = torch.load(tmp_path / "optim" / "actor.rank0.pt", weights_only=False)
     assert set(state) == {"interfaces", "optimizer"} and "ppo_actor" in state["interfaces"]
     actor.load_optimizer(str(tmp_path / "optim"))
+
+
+def test_shutting_down_removes_the_worker_s_shared_memory_segments(workers):
+    from rayhf.checks.common import free_address
+    from rayhf.realloc import shm
+
+    if not shm.available():
+        pytest.skip("no writable /dev/shm")
+    worker = workers["actor"]
+    worker.join_transfer_group("g", free_address(), 0, 1)
+    segments = worker.transfer_groups["g"].shm
+    assert segments is not None and segments.marker.exists()
+    segments.reserve(4096)
+    owned = list(shm.SHM_DIR.glob(f"{shm.PREFIX}{segments.token}-*"))
+    assert len(owned) == 2, owned  # the marker and the segment
+    worker.shutdown()
+    assert not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{segments.token}-*"))
