@@ -34,6 +34,11 @@ class DriverConfig(BaseModel):
             )
         return self
 
+    @property
+    def moves_through_shm(self) -> bool:
+        """Whether weight moves between processes of one host go through shared memory."""
+        return self.same_host_transport == "shm"
+
     def compiled(self, device: str) -> bool:
         """Whether steps run as Ray compiled graphs on ``device`` (``cuda`` or ``cpu``)."""
         auto = device == "cuda" and not self.overlap_steps

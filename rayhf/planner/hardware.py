@@ -73,12 +73,13 @@ class ClusterSpec:
     def node_of(self, device: int) -> int:
         return device // self.devices_per_node
 
+    def one_node(self, devices: tuple[int, ...] | list[int]) -> bool:
+        """Whether ``devices`` are all on one node (none: trivially)."""
+        return not devices or self.node_of(min(devices)) == self.node_of(max(devices))
+
     def bandwidth(self, devices: tuple[int, ...] | list[int]) -> float:
         """Per-device bandwidth of a collective over ``devices`` (the slowest link it uses)."""
-        if not devices:
-            return self.intra_node_bandwidth
-        one_node = self.node_of(min(devices)) == self.node_of(max(devices))
-        return self.intra_node_bandwidth if one_node else self.inter_node_bandwidth
+        return self.intra_node_bandwidth if self.one_node(devices) else self.inter_node_bandwidth
 
 
 # This machine's emulated CPU devices (one core each), measured here: fp32 matmul 1024^3 on one

@@ -76,8 +76,7 @@ def realloc_seconds(
     devices = tuple(sorted(set(src.mesh) | set(dst.mesh)))
     cluster = cost.cluster
     hops = max(1, load.depth) * cluster.link_latency
-    one_node = cluster.node_of(devices[0]) == cluster.node_of(devices[-1])
-    if cluster.shm_bandwidth and one_node and load.busiest >= SHM_MIN_BYTES:
+    if cluster.shm_bandwidth and cluster.one_node(devices) and load.busiest >= SHM_MIN_BYTES:
         return load.busiest / cluster.shm_bandwidth + hops
     return (load.busiest + load.fill) / cluster.bandwidth(devices) + hops
 

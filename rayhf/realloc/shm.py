@@ -25,11 +25,8 @@ from pathlib import Path
 
 import torch
 
-from rayhf.realloc.plan import SHM_MIN_BYTES
-
 SHM_DIR = Path("/dev/shm")
 PREFIX = "rayhf-xfer-"
-MIN_BYTES = SHM_MIN_BYTES
 ALIGN = 64
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rayhf.realloc import shm
-from rayhf.realloc.plan import CHUNK_BYTES, Transfer
+from rayhf.realloc.plan import CHUNK_BYTES, SHM_MIN_BYTES, Transfer
 
 
 class ShardSource(Protocol):
@@ -70,7 +70,7 @@ class TransferGroup:
         device: str = "cpu",
         shared_devices: bool = False,
         same_host: bool = True,
-        shm_min_bytes: int = shm.MIN_BYTES,
+        shm_min_bytes: int = SHM_MIN_BYTES,
     ) -> None:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         timeout = datetime.timedelta(seconds=300)
@@ -390,14 +390,15 @@ def recv_all(
                     incoming.append(_Incoming((m, stream), peer, msg, landing))
                     m += 1
     incoming.sort(key=lambda i: i.key)  # posted in the order they are sent: NCCL has no tags
-    group.begin([(p, _onward(group, i, p)) for i in incoming for p in downstream.get(i.key[1], [])])
+    relays_of = [[(p, _onward(group, i, p)) for p in downstream.get(i.key[1], [])]
+                 for i in incoming]  # fmt: skip
+    group.begin([relay for relays in relays_of for relay in relays])
     pending = [(i, group.irecv(i.message, i.peer, tag(i.key[1], i.key[0]))) for i in incoming]
     sends, received = [], 0
     with torch.no_grad():
-        for i, work in pending:
+        for (i, work), relays in zip(pending, relays_of, strict=True):
             work.wait()
             (m, stream), landing = i.key, i.bucket
-            relays = [(p, _onward(group, i, p)) for p in downstream.get(stream, [])]
             # what only passes a header on need not wait for this rank's own copy
             later = isinstance(work, _FromSegment) and all(
                 isinstance(msg, shm.Parts) for _, msg in relays

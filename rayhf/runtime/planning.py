@@ -102,7 +102,7 @@ def auto_plan(
     threads = max(1, int((cfg.cluster.num_cpus or os.cpu_count() or 1) / n))
     specs, profiles = profiles_for(configs, threads) if searches(cfg.cluster) else ({}, {})
     works = planner_workloads(cfg, graph, dataset)
-    shm = cfg.driver.same_host_transport == "shm"
+    shm = cfg.driver.moves_through_shm
     plan = plan_for_run(
         graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg), shm
     )

@@ -61,7 +61,7 @@ class Session:
         self.groups: dict[str, RoleGroup] = {}  # role -> its home group (weights, optimizer)
         self.copies: dict[str, RoleGroup] = {}  # group key -> a role's group in another layout
         self.timeout_s = cfg.driver.call_timeout_s  # the longest any wait on the actors takes
-        shm = cfg.driver.same_host_transport == "shm"
+        shm = cfg.driver.moves_through_shm
         self.mover = TransferGroupMover(wait=group_wait(self.timeout_s), shm=shm)
         self.devices: DeviceCluster | None = None
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
