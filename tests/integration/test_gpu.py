@@ -86,13 +86,16 @@ def test_role_groups_on_one_gpu_move_weights_through_host_memory():
 def test_relayed_reallocation_of_gpu_tensors_is_bit_exact_on_every_rank(tmp_path):
     """The reallocation harness with every model on the GPU: 8 processes share it, so the
     transfer group stages each message through host memory, relays forwarding what they got;
-    every destination rank's shards and gathered model equal the source's bit for bit."""
+    every destination rank's shards and gathered model equal the source's bit for bit, both
+    through pinned buffers over gloo and through the senders' shared-memory segments."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "rayhf.checks.reallocation", str(out), "--pairs", "16"]
     subprocess.run([*cmd, "--device", "cuda"], check=True, timeout=600)
     rows = json.loads(out.read_text())
     assert len(rows) == 32 and {r["device"] for r in rows} == {"cuda"}
     assert any(r["relayed"] for r in rows) and any(r["flat"] for r in rows)
+    through_shm = [r for r in rows if r["transport"] == "shm"]  # every other pair
+    assert len(through_shm) == 16 and all(r["shm_messages"] > 0 for r in through_shm)
     for r in rows:
         pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']})"
         assert r["bit_exact"] and r["gathered_exact"], pair
