@@ -36,8 +36,8 @@ from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import (
     LossFn,
     OptimizerConfig,
+    Totals,
     Weight,
-    add_stats,
     response_tokens,
 )
 from rayhf.errors import RayhfError
@@ -174,22 +174,22 @@ class DeepSpeedTrainer:
         assert token_budget is None, "max_tokens_per_microbatch is a torch engine setting"
         del weight
         self.model.module.train(True)
-        totals: dict[str, float] = {}
+        totals = Totals(len(minibatches))
         try:
             for mb in minibatches:
                 if mb.n_samples > 0:
                     loss, stats = loss_fn(mb)
-                    add_stats(totals, stats, len(minibatches))
+                    totals.add(stats)
                 else:
                     loss = self._zero_loss()
                 self.ds.backward(loss)
                 self.ds.step()
                 norm = float(self.ds.get_global_grad_norm() or 0.0)
-                add_stats(totals, {"grad_norm": norm}, len(minibatches))
+                totals.add({"grad_norm": norm})
             self.model.changed()
         finally:
             self.model.module.train(False)
-        return self.comm.all_reduce_mean(totals)
+        return totals.reduced(self.comm)
 
     def _zero_loss(self) -> torch.Tensor:
         ids = torch.full((1,), self.model.pad_id, dtype=torch.long, device=self.model.device)

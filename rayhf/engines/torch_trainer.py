@@ -69,10 +69,45 @@ class OptimizerConfig(BaseModel):
     zero1: bool = False  # shard optimizer state over the data-parallel replicas (ZeRO stage 1)
 
 
-def add_stats(totals: dict[str, float], stats: dict[str, float], n: int) -> None:
-    """Accumulate the mean over ``n`` minibatches of each stat."""
-    for k, v in stats.items():
-        totals[k] = totals.get(k, 0.0) + v / n
+class Totals:
+    """A train call's stats over its ``n`` minibatches on every dp rank: each stat's mean over
+    the minibatches that gave it (an empty minibatch, which a rank with too few samples gets,
+    says nothing of the loss), a ``*_max`` stat's largest value, and counts (``count``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.sums: dict[str, float] = {}  # each stat's sum / n, as the mean over all n
+        self.seen: dict[str, float] = {}  # the minibatches (in shares of one) that gave it
+        self.maxima: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, stats: dict[str, float], share: float = 1.0) -> None:
+        """One minibatch's stats, or a ``share`` of its micro-batches' (each scaled by it)."""
+        for k, v in stats.items():
+            if k.endswith("_max"):
+                self.maxima[k] = max(self.maxima.get(k, v), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * share / self.n
+                self.seen[k] = self.seen.get(k, 0.0) + share
+
+    def count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0.0) + 1.0
+
+    def reduced(self, comm: DataParallel) -> dict[str, float]:
+        """The stats over every dp rank (counts: each rank's, as every rank counts alike)."""
+        ranks = comm.all_gather_object((self.sums, self.seen, self.maxima, self.counts))
+        mine: list[tuple[dict[str, float], ...]] = ranks  # type: ignore[assignment]
+        out: dict[str, float] = {}
+        for k in sorted(set().union(*(r[0] for r in mine))):
+            total = sum(r[0].get(k, 0.0) for r in mine)
+            seen = sum(r[1].get(k, 0.0) for r in mine)
+            whole = seen == self.n * len(mine)  # no minibatch empty: the plain mean, as it was
+            out[k] = total / len(mine) if whole else total * self.n / seen
+        for k in set().union(*(r[2] for r in mine)):
+            out[k] = max(r[2][k] for r in mine if k in r[2])
+        for k in set().union(*(r[3] for r in mine)):
+            out[k] = sum(r[3].get(k, 0.0) for r in mine) / len(mine)
+        return out
 
 
 class TorchTrainer:
@@ -106,48 +141,48 @@ class TorchTrainer:
         module, pipe = self.model.module, self.model.pipe
         module.train(True)
         pipe.record = True
-        totals: dict[str, float] = {}
+        totals = Totals(len(minibatches))
         try:
             for mb in minibatches:
                 self.optimizer.zero_grad(set_to_none=False)
                 parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
                 if token_budget is not None:  # how many the budget cut, per minibatch
-                    add_stats(totals, {"micro_batches": float(len(parts))}, len(minibatches))
+                    totals.add({"micro_batches": float(len(parts))})
                 for part, share in parts:
                     loss, stats = loss_fn(part)
                     self._backward(loss * share)
                     pipe.backward_pending()
-                    add_stats(totals, {k: v * share for k, v in stats.items()}, len(minibatches))
+                    totals.add(stats, share)
                 self._all_reduce_grads()
                 self._sum_tied_grads()
                 if self.scaler is not None:
                     self.scaler.unscale_(self.optimizer)
                 norm = self._clip_grads(self.cfg.grad_clip)
-                add_stats(totals, {"grad_norm": norm}, len(minibatches))
-                self._step(norm, totals, len(minibatches))
+                totals.add({"grad_norm": norm})
+                self._step(norm, totals)
             self.model.changed()
         finally:
             pipe.record = False
             pipe.pending.clear()
             module.train(False)
-        return self.comm.all_reduce_mean(totals)
+        return totals.reduced(self.comm)
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def _step(self, norm: float, totals: dict[str, float], n: int) -> None:
+    def _step(self, norm: float, totals: Totals) -> None:
         """The optimizer step; with fp16 loss scaling, skipped on every rank when the global
         gradient norm overflowed (the scale backs off), and the scale logged."""
         if self.scaler is None:
             self.optimizer.step()
             return
         scale = self.scaler.get_scale()
-        add_stats(totals, {"loss_scale": scale}, n)
+        totals.add({"loss_scale": scale})
         if math.isfinite(norm):
             self.scaler.step(self.optimizer)  # every local gradient is finite: it steps
             self.scaler.update()
         else:
-            add_stats(totals, {"skipped_steps": 1.0 * n}, n)
+            totals.count("skipped_steps")
             self.scaler.update(scale * self.scaler.get_backoff_factor())
 
     def _all_reduce_grads(self) -> None:

@@ -16,7 +16,7 @@ from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import (
     OptimizerConfig,
     TorchTrainer,
-    add_stats,
+    Totals,
     micro_batches,
     response_tokens,
     samples,
@@ -95,7 +95,7 @@ def test_training_lowers_the_loss_and_bumps_the_version_once_per_call():
     assert trainer.model.pipe.pending == []
 
 
-def test_stats_are_means_over_minibatches():
+def test_stats_are_means_over_the_minibatches_that_gave_them():
     trainer, _ = _trainer()
     seen = iter([{"a": 1.0, "b": 4.0}, {"a": 3.0}])
 
@@ -104,7 +104,7 @@ def test_stats_are_means_over_minibatches():
         return _nll(trainer.model.forward(ids, mask.long()), ids, mask), next(seen)
 
     stats = trainer.train([_batch(3), _batch(4)], loss_fn)
-    assert stats["a"] == 2.0 and stats["b"] == 2.0
+    assert stats["a"] == 2.0 and stats["b"] == 4.0  # b: over the one minibatch that gave it
     assert stats["grad_norm"] > 0
 
 
@@ -167,10 +167,43 @@ def test_optimizer_config_defaults_and_bad_values():
             OptimizerConfig(**bad)
 
 
-def test_add_stats_accumulates_means():
-    totals: dict[str, float] = {"a": 1.0}
-    add_stats(totals, {"a": 2.0, "b": 4.0}, 4)
-    assert totals == {"a": 1.5, "b": 1.0}
+class _Ranks:
+    """A dp group whose other ranks hold the given totals."""
+
+    def __init__(self, *others: Totals) -> None:
+        self.others = others
+
+    def all_gather_object(self, obj):
+        return [obj, *((o.sums, o.seen, o.maxima, o.counts) for o in self.others)]
+
+
+def test_totals_average_each_stat_over_the_minibatches_that_gave_it():
+    """Two dp ranks, 4 minibatches each; this rank's last two are empty (too few samples)."""
+    mine, other = Totals(4), Totals(4)
+    mine.add({"loss": 2.0, "is_weight_max": 3.0})
+    mine.add({"loss": 1.0}, share=0.5)  # a minibatch of two micro-batches, each scaled by 1/2
+    mine.add({"loss": 7.0}, share=0.5)
+    for v in (1.0, 1.0, 1.0, 5.0):
+        other.add({"loss": v, "is_weight_max": 2.0})
+    for t, norm in ((mine, 1.0), (other, 3.0)):
+        for _ in range(4):
+            t.add({"grad_norm": norm})  # every minibatch, empty or not, takes a step
+        t.count("skipped_steps")
+    got = mine.reduced(_Ranks(other))  # type: ignore[arg-type]
+    assert got["loss"] == pytest.approx((2.0 + 4.0 + 1.0 + 1.0 + 1.0 + 5.0) / 6)
+    assert got["grad_norm"] == pytest.approx(2.0)
+    assert got["is_weight_max"] == 3.0 and got["skipped_steps"] == 1.0
+
+
+def test_with_no_empty_minibatch_totals_are_the_plain_mean_bit_for_bit():
+    values = [0.1, 0.7, 0.3]
+    totals = Totals(len(values))
+    for v in values:
+        totals.add({"loss": v})
+    want = 0.0
+    for v in values:  # what each step of the sum was before empty minibatches were left out
+        want += v / len(values)
+    assert totals.reduced(_Ranks())["loss"] == want  # type: ignore[arg-type]
 
 
 def _with_prompt_lens(batch: PackedBatch) -> PackedBatch:
