@@ -34,6 +34,7 @@ from rayhf.models.sharding import param_shards, shard_shape, take_shard
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.plan import plan_realloc
+from rayhf.realloc.transport import TransferGroup, recv_all, send_all
 
 WORLD = 4
 DTYPE = torch.bfloat16
@@ -61,8 +62,6 @@ def _full(spec: Any, device: str) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, address: str, stores: list[str], args: Any, queue: Any) -> None:
-    from rayhf.realloc.transport import TransferGroup, recv_all, send_all
-
     if args.device == "cuda":
         torch.cuda.set_device(0)
     torch.set_num_threads(1)  # one copy thread each: 4 processes share the cores
@@ -90,7 +89,7 @@ def _worker(rank: int, address: str, stores: list[str], args: Any, queue: Any) -
             }  # fmt: skip
         for i in range(args.reps + 1):  # one warm-up, then alternating transports
             for transport in TRANSPORTS if i % 2 else reversed(TRANSPORTS):
-                seconds = _one_move(groups[transport], plan, rank, dst0, mine, send_all, recv_all)
+                seconds = _one_move(groups[transport], plan, rank, dst0, mine)
                 if i and rank == 0:
                     rows.append({"move": name, "transport": transport, "seconds": seconds})
         if dst0 <= rank < dst0 + dst.world_size:
@@ -108,25 +107,17 @@ def _worker(rank: int, address: str, stores: list[str], args: Any, queue: Any) -
     dist.destroy_process_group()
 
 
-def _one_move(group, plan, rank: int, dst0: int, mine, send_all, recv_all) -> float:
+def _one_move(group, plan, rank: int, dst0: int, mine) -> float:
     """One move over ``group``; the slowest rank's seconds (every rank returns it)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dist.barrier()
     start = time.perf_counter()
     if rank < dst0:
-        by_peer: dict[int, list] = {}
-        for t in plan.for_src(rank):
-            by_peer.setdefault(dst0 + t.dst, []).append(t)
-        send_all(group, mine, by_peer)
+        send_all(group, mine, plan.sent_by(rank, dst0))
     elif mine:
-        incoming: dict[int, list] = {}
-        for t in plan.for_dst(rank - dst0):
-            incoming.setdefault((dst0 if t.relay else 0) + t.src, []).append(t)
-        forward: dict[int, list] = {}
-        for t in plan.relays_from(rank - dst0):
-            forward.setdefault(dst0 + t.dst, []).append(t)
-        recv_all(group, mine, incoming, forward=forward)
+        r = rank - dst0
+        recv_all(group, mine, plan.received_by(r, 0, dst0), forward=plan.forwarded_by(r, dst0))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)

@@ -138,13 +138,11 @@ def _one_pair(
             if flat
             else RankModel.from_hf(whole, Tok(), False, groups=src_groups, device=device)
         )
-        send_from(group, source, _by_peer(plan.for_src(rank), lambda t: DST0 + t.dst))
+        send_from(group, source, plan.sent_by(rank, DST0))
     elif DST0 <= rank < DST0 + dst.world_size:
         r = rank - DST0
         model = RankModel(whole.config, None, Tok(), False, groups=dst_groups, device=device)
-        incoming = _by_peer(plan.for_dst(r), lambda t: (DST0 if t.relay else 0) + t.src)
-        forward = _by_peer(plan.relays_from(r), lambda t: DST0 + t.dst)
-        receive_into(group, model, incoming, forward=forward)
+        receive_into(group, model, plan.received_by(r, 0, DST0), forward=plan.forwarded_by(r, DST0))
         mine["exact"] = _shards_exact(model, spec, full, dst, r)
         gathered = model.full_state()  # the whole model, gathered over the replica as tensors
         mine["whole"] = gathered.keys() == full.keys() and all(
@@ -197,13 +195,6 @@ def _shards_exact(model, spec, full: dict[str, torch.Tensor], dst: Layout, r: in
         torch.equal(t.cpu(), take_shard(full[name], shards[name], dst.tp, tp_rank))
         for name, t in held.items()
     )
-
-
-def _by_peer(transfers: list, peer_of) -> dict[int, list]:
-    out: dict[int, list] = {}
-    for t in transfers:
-        out.setdefault(peer_of(t), []).append(t)
-    return out
 
 
 def _worker(

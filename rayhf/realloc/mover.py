@@ -12,7 +12,6 @@ actors exchange their slices over a transfer group made lazily per pair of role 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -71,13 +70,6 @@ class WeightMover(Protocol):
         ...
 
 
-def _by_peer(transfers: list[Transfer], peer_of: Any) -> dict[int, list[Transfer]]:
-    out: dict[int, list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        out[peer_of(t)].append(t)
-    return dict(out)
-
-
 class TransferGroupMover:
     """Slices move directly between the actors that hold and need them, relayed from replica to
     replica (``relay=False``: every replica gets its slices from a source rank), through shared
@@ -134,19 +126,10 @@ class TransferGroupMover:
         plan = self.plan(spec, src.layout, dst.layout, src.flat, itemsize)
         name, offset = self._group(src, dst)
         s0, d0 = offset[src.key], offset[dst.key]
-        sends = {
-            r: _by_peer(plan.for_src(r), lambda t: d0 + t.dst)
-            for r in range(len(src.actors))
-            if plan.for_src(r)
-        }
-        recvs = {
-            r: _by_peer(plan.for_dst(r), lambda t: (d0 if t.relay else s0) + t.src)
-            for r in range(len(dst.actors))
-        }
+        sends = {r: plan.sent_by(r, d0) for r in range(len(src.actors)) if plan.for_src(r)}
+        recvs = {r: plan.received_by(r, s0, d0) for r in range(len(dst.actors))}
         forwards = {
-            r: _by_peer(plan.relays_from(r), lambda t: d0 + t.dst)
-            for r in range(len(dst.actors))
-            if plan.relays_from(r)
+            r: plan.forwarded_by(r, d0) for r in range(len(dst.actors)) if plan.relays_from(r)
         }
         return Routes(name, sends, recvs, dst.dtype, forwards)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from rayhf.errors import RayhfError
@@ -167,6 +168,25 @@ class ReallocPlan:
     def relays_from(self, rank: int) -> list[Transfer]:
         """What destination rank ``rank`` forwards to the next ranks of its chains."""
         return self._index.get(("relay", rank), [])
+
+    # the same, by peer: in a transfer group whose source ranks start at s0, destination at d0
+    def sent_by(self, rank: int, d0: int) -> dict[int, list[Transfer]]:
+        return _by_peer(self.for_src(rank), lambda t: d0 + t.dst)
+
+    def received_by(self, rank: int, s0: int, d0: int) -> dict[int, list[Transfer]]:
+        return _by_peer(self.for_dst(rank), lambda t: (d0 if t.relay else s0) + t.src)
+
+    def forwarded_by(self, rank: int, d0: int) -> dict[int, list[Transfer]]:
+        return _by_peer(self.relays_from(rank), lambda t: d0 + t.dst)
+
+
+def _by_peer(
+    transfers: list[Transfer], peer_of: Callable[[Transfer], int]
+) -> dict[int, list[Transfer]]:
+    out: dict[int, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        out[peer_of(t)].append(t)
+    return dict(out)
 
 
 def _transfer(s: Stream, c: Content, name: str, a: int, b: int) -> Transfer:
