@@ -101,7 +101,9 @@ class Totals:
         for k in sorted(set().union(*(r[0] for r in mine))):
             total = sum(r[0].get(k, 0.0) for r in mine)
             seen = sum(r[1].get(k, 0.0) for r in mine)
-            whole = seen == self.n * len(mine)  # no minibatch empty: the plain mean, as it was
+            # no minibatch empty (a minibatch's micro-batch shares add up to 1 but for rounding):
+            # the plain mean, as it was
+            whole = math.isclose(seen, self.n * len(mine), rel_tol=1e-9)
             out[k] = total / len(mine) if whole else total * self.n / seen
         for k in set().union(*(r[2] for r in mine)):
             out[k] = max(r[2][k] for r in mine if k in r[2])

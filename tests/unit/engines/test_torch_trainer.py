@@ -197,12 +197,16 @@ def test_totals_average_each_stat_over_the_minibatches_that_gave_it():
 
 def test_with_no_empty_minibatch_totals_are_the_plain_mean_bit_for_bit():
     values = [0.1, 0.7, 0.3]
-    totals = Totals(len(values))
-    for v in values:
-        totals.add({"loss": v})
+    shares = [0.1] * 10  # one minibatch's micro-batches: they add up to 1 but for rounding
+    assert sum(shares) != 1.0
+    totals = Totals(len(values) + 1)
     want = 0.0
     for v in values:  # what each step of the sum was before empty minibatches were left out
-        want += v / len(values)
+        totals.add({"loss": v})
+        want += v / (len(values) + 1)
+    for share in shares:
+        totals.add({"loss": 0.5}, share)
+        want += 0.5 * share / (len(values) + 1)
     assert totals.reduced(_Ranks())["loss"] == want  # type: ignore[arg-type]
 
 
