@@ -16,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
+PPO_CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
+# the actor generates on device 0 alone; every other call of PPO runs on device 1
+GEN_APART = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in PPO_CALLS}
+
 
 @pytest.fixture
 def world_of_one():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import GEN_APART, PPO_CALLS, REPO, tiny_overrides
 from safetensors.torch import load_file
 from trace_support import assert_trace_is_priced, spans_by_step
 
@@ -21,12 +21,7 @@ from rayhf.runtime.assets import prepare_run
 
 pytestmark = pytest.mark.ray
 
-CALLS = {
-    "ppo": ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"),
-    "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_train"),
-}
-# the actor generates on device 0 alone; everything else runs on device 1
-SPLIT = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS["ppo"]}
+CALLS = {"ppo": PPO_CALLS, "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_train")}
 # tiny PPO and GRPO runs recorded at commit 4392fee, before max_staleness existed
 BEFORE = Path(__file__).with_name("on_policy_numbers.json")
 TIMING = ("seconds", "per_s")
@@ -34,7 +29,7 @@ TIMING = ("seconds", "per_s")
 
 def _config(tmp: Path, **extra: object) -> rayhf.ExperimentConfig:
     ov = tiny_overrides(
-        tmp / "run", steps=4, save_every=2, plan=SPLIT,
+        tmp / "run", steps=4, save_every=2, plan=GEN_APART,
         **{"cluster.n_devices": 2, "algorithm.max_staleness": 1},
     )  # fmt: skip
     ov.update(extra)

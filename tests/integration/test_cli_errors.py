@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import PPO_CALLS
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
@@ -123,9 +124,6 @@ def test_plan_auto_says_the_run_searches_it(workdir):
     proc = rayhf_cli("plan", str(path), cwd=workdir)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("plan: auto -- rayhf run searches the plan"), proc.stdout
-
-
-PPO_CALLS = ["actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"]
 
 
 def _plan_file(workdir: Path, n_devices: int, **roles: dict) -> str:

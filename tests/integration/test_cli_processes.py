@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_overrides
+from conftest import GEN_APART, REPO, tiny_overrides
 
 pytestmark = pytest.mark.ray
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
@@ -205,11 +205,7 @@ def test_two_killed_workers_are_recovered_and_every_step_is_logged_once(tmp_path
 
 
 # k=1: the actor generates on device 0 alone, ahead of the training on device 1
-CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
-AHEAD = {
-    "algorithm.max_staleness": 1, "cluster.n_devices": 2,
-    "plan": {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS},
-}  # fmt: skip
+AHEAD = {"algorithm.max_staleness": 1, "cluster.n_devices": 2, "plan": GEN_APART}
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import PPO_CALLS, REPO
 from trace_support import assert_trace_is_priced
 from transformers import AutoModelForCausalLM
 
@@ -22,9 +22,6 @@ needs_deepspeed = pytest.mark.skipif(
     and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
     reason="DeepSpeed (rayhf[deepspeed]) is not installed",
 )
-
-
-PPO_CALLS = ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
 
 
 def _sft(tmp_path, name: str, **extra):

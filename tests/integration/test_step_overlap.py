@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import PPO_CALLS
 from trace_support import assert_trace_is_priced, spans_by_step
 
 from rayhf.runtime.assets import prepare_run
@@ -16,10 +17,7 @@ pytestmark = pytest.mark.ray
 
 ACTOR_SIDE = ("actor_gen", "actor_train", "ref_inf")
 # the actor's calls on device 0, the critic's and the reward's on device 1
-SPLIT = {
-    c: {"mesh": [0] if c in ACTOR_SIDE else [1]}
-    for c in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train")
-}
+SPLIT = {c: {"mesh": [0] if c in ACTOR_SIDE else [1]} for c in PPO_CALLS}
 TIMING = ("seconds", "per_s")
 
 
