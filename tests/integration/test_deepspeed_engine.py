@@ -5,23 +5,16 @@ bit for bit into a tensor-parallel layout."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 
 import pytest
 import torch
-from conftest import PPO_CALLS, REPO
+from conftest import PPO_CALLS, REPO, needs_deepspeed
 from trace_support import assert_trace_is_priced
 from transformers import AutoModelForCausalLM
 
 import rayhf
 from rayhf.errors import RayhfError
-
-needs_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None
-    and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
-    reason="DeepSpeed (rayhf[deepspeed]) is not installed",
-)
 
 
 def _sft(tmp_path, name: str, **extra):

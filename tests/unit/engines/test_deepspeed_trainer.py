@@ -5,11 +5,11 @@ started in tests/integration/test_deepspeed_engine.py."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import pytest
 import torch
+from conftest import needs_deepspeed
 
 from rayhf.checks.common import Tok, tiny_model
 from rayhf.engines.config import EngineConfig
@@ -98,11 +98,7 @@ def test_not_installed_names_the_extra(monkeypatch):
     assert DEEPSPEED_EXTRA in str(info.value)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None
-    and os.environ.get("RAYHF_REQUIRE_ENGINES") != "1",
-    reason="DeepSpeed not installed",
-)
+@needs_deepspeed
 def test_nothing_is_compiled_for_the_shared_memory_inference_all_reduce():
     """DeepSpeed would JIT-build it under a lock file in ~/.cache (a killed build hung CI)."""
     ops = import_deepspeed().ops
