@@ -148,12 +148,12 @@ class ExperimentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _injected_role_exists(self) -> ExperimentConfig:
-        inject = self.fault_tolerance.inject
-        if inject is not None and inject.role not in self.models:
-            raise ValueError(
-                f"fault_tolerance.inject.role '{inject.role}' is not a role of models "
-                f"({', '.join(self.models)})"
-            )
+        for i, inject in enumerate(self.fault_tolerance.inject):
+            if inject.role not in self.models:
+                raise ValueError(
+                    f"fault_tolerance.inject.{i}.role '{inject.role}' is not a role of models "
+                    f"({', '.join(self.models)})"
+                )
         return self
 
     def engine_of(self, call: str, kind: str) -> EngineConfig:

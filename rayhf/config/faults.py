@@ -1,12 +1,12 @@
 """Fault tolerance settings (``fault_tolerance:`` in the experiment config): how many times a
 run recovers by itself, how long it waits for the cluster and for a preempted step, and a
-fault to inject (drills and tests)."""
+sequence of faults to inject (drills and tests)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Where an injected fault kills its actor: a call of a train step, a weight move inside a step,
 # a checkpoint write, start-up (joining the role group), an evaluation call, a vLLM weight sync.
@@ -15,7 +15,7 @@ FaultSite = Literal["call", "move", "checkpoint", "startup", "eval", "sync"]
 
 class FaultInjection(BaseModel):
     """Kill one actor (SIGKILL, as the kernel's OOM killer or a lost node would) where it
-    reaches ``site`` at ``step``; only in a run's first attempt, so a recovery gets past it."""
+    reaches ``site`` at ``step``; in one attempt of the run only, so a recovery gets past it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -36,4 +36,15 @@ class FaultToleranceConfig(BaseModel):
     resources_timeout_s: float = Field(300.0, gt=0)  # a recovery's wait for the devices
     # after SIGTERM the run checkpoints at the next step boundary; past this it stops without
     preempt_grace_s: float = Field(60.0, gt=0)
-    inject: FaultInjection | None = None  # a fault to inject (drills and tests)
+    # faults to inject (drills and tests): the first in the run's first attempt, the second in
+    # the attempt after the first recovery, ...; a single fault is a list of one
+    inject: list[FaultInjection] = []
+
+    @field_validator("inject", mode="before")
+    @classmethod
+    def _one_is_a_list(cls, value: object) -> object:
+        return [] if value is None else [value] if isinstance(value, dict) else value
+
+    def fault_of_attempt(self, attempt: int) -> FaultInjection | None:
+        """The fault to inject in attempt ``attempt`` (0: the first; n: after n recoveries)."""
+        return self.inject[attempt] if attempt < len(self.inject) else None

@@ -360,7 +360,7 @@ def _attempts(cfg: ExperimentConfig, assets: RunAssets, ckpt: Path | None) -> di
         if start >= cfg.steps:
             return info
         count = recovered.count if recovered else 0
-        inject = ft.inject if count == 0 else None
+        inject = ft.fault_of_attempt(count)
         wait_s = ft.resources_timeout_s if count else None
         try:
             with Session(cfg, assets, ckpt, inject, wait_s) as session:

@@ -26,8 +26,12 @@ def test_overrides_parse_yaml_values_and_nested_keys():
         ("models.ref.path=/x", "config field models.ref"),
         ("plan=sometimes", "config field plan"),
         ("fault_tolerance.max_restarts=-1", "config field fault_tolerance.max_restarts"),
-        ("fault_tolerance.inject={site: nowhere, role: actor}", "fault_tolerance.inject.site"),
-        ("fault_tolerance.inject={site: call, role: critc}", "inject.role 'critc' is not a role"),
+        ("fault_tolerance.inject={site: nowhere, role: actor}", "fault_tolerance.inject.0.site"),
+        ("fault_tolerance.inject={site: call, role: critc}", "inject.0.role 'critc' is not a role"),
+        (
+            "fault_tolerance.inject=[{site: call, role: actor}, {site: eval, role: critc}]",
+            "fault_tolerance.inject.1.role 'critc' is not a role",
+        ),
         ("resume=always", "config field resume"),
         ("algorithm.max_staleness=-1", "config field algorithm.max_staleness"),
         (
@@ -62,3 +66,16 @@ def test_resolved_config_roundtrip(tmp_path):
 def test_override_into_a_scalar_is_refused():
     with pytest.raises(RayhfError, match=r"override steps\.x: 'steps' is not a section"):
         load_config(EXAMPLE, ["steps.x=1"])
+
+
+def test_one_injected_fault_is_a_list_of_one_and_each_fires_in_its_own_attempt():
+    one = load_config(EXAMPLE, ["fault_tolerance.inject={site: call, step: 2, role: actor}"])
+    ft = one.fault_tolerance
+    assert [f.site for f in ft.inject] == ["call"]
+    assert ft.fault_of_attempt(0) == ft.inject[0] and ft.fault_of_attempt(1) is None
+    two = load_config(
+        EXAMPLE,
+        ["fault_tolerance.inject=[{site: startup, role: actor}, {site: eval, role: critic}]"],
+    ).fault_tolerance
+    assert [two.fault_of_attempt(n).site for n in (0, 1)] == ["startup", "eval"]  # type: ignore[union-attr]
+    assert two.fault_of_attempt(2) is None and load_config(EXAMPLE).fault_tolerance.inject == []
