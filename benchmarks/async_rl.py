@@ -1,16 +1,19 @@
 """Asynchronous RL (``algorithm.max_staleness: k``) vs on-policy, measured on this machine.
 
-    python benchmarks/async_rl.py [--steps 200] [--ks 0 1 2] [--algos ppo grpo]
+    python benchmarks/async_rl.py [--steps 200] [--ks 0 1 2] [--algos ppo grpo] [--plans ...]
+    python benchmarks/async_rl.py --algos gsm8k --steps 100 --plans disjoint
 
 PPO (examples/ppo_tiny.yaml) and GRPO (examples/grpo_tiny.yaml) on the demo task ("echo the
-digits"), 2 emulated CPU devices, unchanged but for the plan: "disjoint", the actor generating on
+digits"), or (``gsm8k``) examples/gsm8k_grpo.yaml on GSM8K-format problems from the instruct
+model its SFT stage makes first (as examples/gsm8k/run.sh does), 2 emulated CPU devices,
+unchanged but for the plan (and no evaluation): "disjoint", the actor generating on
 device 0 and every other call on device 1 (with k >= 1 step i+1's generation runs while step i
 trains), and "auto", the plan the planner searches for each k (each k on its own best plan).
 The same devices, seed and dataset for every k. Reported per (algorithm, plan, k): steps/s and
 samples/s over the steps after warm-up, the batches by staleness, the mean and largest
 importance weight, the generator/trainer log-prob mismatch, and the reward per sample seen: the
 samples each k needs until its 20-step trailing mean reward reaches the one k=0 ends with.
-Writes docs/benchmarks/async_rl.{md,json,png}.
+Writes docs/benchmarks/async_rl.{md,json,png} (other algorithms or an --actor-lr: a suffixed name).
 """
 
 from __future__ import annotations
@@ -18,27 +21,54 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from _common import git_commit, write_results
 
 import rayhf
+from rayhf.runtime.train_stage import run_train_stage
+from rayhf.tasks.arithmetic import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = {"ppo": "ppo_tiny.yaml", "grpo": "grpo_tiny.yaml"}
+EXAMPLES = {"ppo": "ppo_tiny.yaml", "grpo": "grpo_tiny.yaml", "gsm8k": "gsm8k_grpo.yaml"}
 CALLS = {
     "ppo": ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"),
     "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_train"),
 }
+CALLS["gsm8k"] = CALLS["grpo"]
+QUIET = {"metrics.console": False, "metrics.plot": False, "metrics.ray_metrics": False}
 WINDOW = 20  # steps in the trailing mean of the reward
 WARMUP = 3  # steps left out of the speed (actors warming up, the pipeline filling)
 
 
-PLANS = ("disjoint", "auto")
+PLANS = ["disjoint", "auto"]  # --plans
 
 
 ACTOR_LR: float | None = None  # --actor-lr: the actor's learning rate instead of the example's
+TASKS = (
+    "The demo task (examples/ppo_tiny.yaml, examples/grpo_tiny.yaml, unchanged but for the plan)"
+)
+ARGS = ""  # the command's arguments, where the report names them
+
+
+def task_overrides(tmp: str, algo: str) -> dict:
+    """The dataset (and for ``gsm8k`` the instruct model, trained here once) a run reads."""
+    if algo != "gsm8k":
+        return {"dataset.path": f"{tmp}/echo.parquet"}
+    home = Path(tmp) / "gsm8k"
+    instruct = home / "sft" / "checkpoints" / "step_000200" / "actor"
+    if not instruct.is_dir():
+        build_tokenizer(home / "tokenizer")
+        sft = rayhf.load_config(REPO / "examples" / "gsm8k" / "sft.yaml").with_overrides(
+            {**QUIET, "run_dir": str(home / "sft"), "tokenizer.path": str(home / "tokenizer"),
+             "dataset.path": str(home / "sft.parquet")}
+        )  # fmt: skip
+        made = run_train_stage(sft).policy_checkpoint
+        assert made == instruct, f"the SFT stage wrote {made}, not {instruct}"
+    return {"models.actor.path": str(instruct), "dataset.path": str(home / "train.parquet"),
+            "eval_every": 0}  # fmt: skip
 
 
 def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) -> list[dict]:
@@ -46,16 +76,14 @@ def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) 
     plan = disjoint if plan_name == "disjoint" else "auto"
     cfg = rayhf.load_config(REPO / "examples" / EXAMPLES[algo]).with_overrides(
         {
+            **QUIET,
+            **task_overrides(tmp, algo),
             "run_dir": f"{tmp}/{algo}_{plan_name}_k{k}_s{seed}",
             "seed": seed,
-            "dataset.path": f"{tmp}/echo.parquet",
             "steps": steps,
             "save_every": 0,
             "plan": plan,
             "algorithm.max_staleness": k,
-            "metrics.console": False,
-            "metrics.plot": False,
-            "metrics.ray_metrics": False,
             **({"models.actor.optimizer.lr": ACTOR_LR} if ACTOR_LR is not None else {}),
         }
     )
@@ -136,15 +164,18 @@ def report(res: dict, commit: str) -> str:
     lines = [
         "# Asynchronous RL: max_staleness k vs on-policy (measured)",
         "",
-        f"The demo task (examples/ppo_tiny.yaml, examples/grpo_tiny.yaml, unchanged but for the "
-        f"plan) on 2 emulated CPU devices. Disjoint plan: the actor generates on device 0, every "
+        f"{TASKS} on 2 emulated CPU devices. Disjoint plan: the actor generates on device 0, every "
         f"other call runs on device 1; seeds {res['seeds']}, k=0 for {res['steps']} steps and "
         f"k >= 1 for 20% more; speed: the median seed's, over the steps after {res['warmup']}; "
         f"reward: the mean over seeds, as a {res['window']}-step trailing mean, and the samples "
-        f"each k needs to reach the one k=0 ends with. Auto: each k on the plan the planner "
-        f"searches for it, seed {res['seeds'][0]}, {res['speed_steps']} steps, speed only (the "
-        f"rewards do not depend on the plan). Command: `python benchmarks/async_rl.py`; "
-        f"commit {commit}.",
+        f"each k needs to reach the one k=0 ends with. "
+        + (
+            f"Auto: each k on the plan the planner searches for it, seed {res['seeds'][0]}, "
+            f"{res['speed_steps']} steps, speed only (the rewards do not depend on the plan). "
+            if "auto" in PLANS
+            else ""
+        )
+        + f"Command: `python benchmarks/async_rl.py{ARGS}`; commit {commit}.",
         "",
         "| algorithm, plan | k | steps/s | samples/s | vs k=0 | batches by staleness | IS "
         "weight mean / max | log-prob mismatch | final reward | samples to k=0's final reward |",
@@ -220,11 +251,19 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"], choices=sorted(EXAMPLES))
+    ap.add_argument("--plans", nargs="+", default=PLANS, choices=PLANS)
     ap.add_argument("--actor-lr", type=float, default=None, help="instead of the example's")
     args = ap.parse_args()
-    global ACTOR_LR
-    ACTOR_LR = args.actor_lr
+    global ACTOR_LR, TASKS, ARGS
+    ACTOR_LR, PLANS[:] = args.actor_lr, args.plans
     name = "async_rl" if ACTOR_LR is None else f"async_rl_lr{ACTOR_LR:g}"
+    if args.algos == ["gsm8k"]:
+        name = "async_rl_gsm8k"
+        TASKS = (
+            "GRPO on GSM8K-format problems (examples/gsm8k_grpo.yaml from the instruct model "
+            "its SFT stage makes, unchanged but for the plan and no evaluation)"
+        )
+        ARGS = " " + " ".join(sys.argv[1:])
     commit = git_commit()
     res = bench(args.steps, args.speed_steps, args.ks, args.algos, args.seeds)
     res["commit"] = commit
@@ -233,7 +272,7 @@ def main() -> None:
         lr = f"{ACTOR_LR:g}"
         text = text.replace("but for the plan", f"but for the plan and the actor's lr, {lr}")
         text = text.replace("async_rl.py`", f"async_rl.py --actor-lr {ACTOR_LR:g}`")
-        text = text.replace("(async_rl.png)", f"({name}.png)")
+    text = text.replace("(async_rl.png)", f"({name}.png)")
     print(text)
     write_results(name, text, res, commit)
     plot(res, REPO / "docs" / "benchmarks" / f"{name}.png")
