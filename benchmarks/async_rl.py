@@ -227,7 +227,7 @@ def plot(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     algos = [c for c in res["cases"] if c.endswith("disjoint")]
-    cols = 2
+    cols = min(2, len(algos))
     rows = (len(algos) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
     for ax, algo in zip(axes.flat, algos, strict=False):
