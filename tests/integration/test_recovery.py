@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, needs_vllm, tiny_overrides
-from ray.util.state import list_actors
+from conftest import REPO, alive_actors, needs_vllm, tiny_overrides
 from safetensors.torch import load_file
 
 import rayhf
@@ -102,8 +101,7 @@ def test_with_no_restarts_a_dead_actor_at_each_site_stops_the_run_in_one_line(
     message = str(failed.value)
     assert "\n" not in message and message.startswith("role 'actor': actor actor.d")
     assert SITES[site] in message and f"rayhf run --resume {cfg.run_dir}" in message
-    alive = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
-    assert not [a.name for a in alive if a.name and a.name.split(".")[0] in cfg.models]
+    assert not [a for a in alive_actors() if a.split(".")[0] in cfg.models]
 
 
 @needs_vllm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from ray.util.state import list_actors
+from conftest import alive_actors
 
 from rayhf.errors import RunFailed
 from rayhf.runtime.assets import prepare_run
@@ -37,8 +37,7 @@ def test_a_dead_actor_stops_the_run_naming_its_role(ray_cluster, tiny_config):
     assert "role 'critic'" in message and "critic.d0-1.dp1tp1pp2[1]" in message
     assert "during call 'critic_inf'" in message
     assert waited < 60, f"the run took {waited:.0f} s to notice"
-    left = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
-    assert not [a for a in left if a.name and a.name.split(".")[0] in cfg.models]
+    assert not [a for a in alive_actors() if a.split(".")[0] in cfg.models]
 
 
 def test_a_wait_past_its_timeout_fails_naming_the_actor_that_has_not_answered(ray_cluster):

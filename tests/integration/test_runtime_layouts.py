@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ray.util.state import list_actors
+from conftest import alive_actors
 from trace_support import assert_trace_is_priced
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -37,7 +37,7 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
     cfg = tiny_config(steps=2, plan=PLAN, **{"cluster.n_devices": 2})
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
-        alive = {a.name for a in list_actors(ray_cluster, filters=[("state", "=", "ALIVE")])}
+        alive = alive_actors()
         assert {"actor.d0-1.dp1tp2pp1[0]", "actor.d0-1.dp1tp2pp1[1]"} <= alive
         assert {"critic.d0-1.dp1tp1pp2[0]", "critic.d0-1.dp1tp1pp2[1]"} <= alive
         actor, ref, critic = (session.groups[r] for r in ("actor", "ref", "critic"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from ray.util.state import list_actors
+from conftest import alive_actors
 from transformers import AutoModelForCausalLM
 
 from rayhf.runtime.assets import prepare_run
@@ -47,9 +47,7 @@ def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_co
     cfg = tiny_config(steps=1, plan="colocated", **{"cluster.n_devices": 2})
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
-        alive = {
-            a.name for a in list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
-        }
+        alive = alive_actors()
         for role in ("actor", "critic", "ref", "reward"):
             for rank in (0, 1):
                 assert f"{role}.d0-1.dp2tp1pp1[{rank}]" in alive
@@ -63,8 +61,7 @@ def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_co
         after = [w.digest for w in ray.get([a.weights_summary.remote() for a in actor.actors])]
         assert after[0] == after[1], "dp replicas must stay identical (gradients all-reduced)"
         assert after[0] != digests[0]
-    left = list_actors(ray_cluster, filters=[("state", "=", "ALIVE")], limit=1000)
-    assert not [a for a in left if a.name and a.name.startswith(("actor.", "critic.", "ref."))]
+    assert not [a for a in alive_actors() if a.startswith(("actor.", "critic.", "ref."))]
 
 
 def test_token_budgets_and_checkpointing_change_memory_not_results(
