@@ -19,6 +19,7 @@ Writes docs/benchmarks/async_rl.{md,json,png} (other algorithms or an --actor-lr
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -50,25 +51,29 @@ ACTOR_LR: float | None = None  # --actor-lr: the actor's learning rate instead o
 TASKS = (
     "The demo task (examples/ppo_tiny.yaml, examples/grpo_tiny.yaml, unchanged but for the plan)"
 )
-ARGS = ""  # the command's arguments, where the report names them
+ARGS = ""  # the command's arguments, as the report names them
+
+
+@functools.cache
+def instruct_model(home: Path) -> Path:
+    """The GSM8K example's instruct model, made once in ``home`` by its SFT stage."""
+    build_tokenizer(home / "tokenizer")
+    sft = rayhf.load_config(REPO / "examples" / "gsm8k" / "sft.yaml").with_overrides(
+        {**QUIET, "run_dir": str(home / "sft"), "tokenizer.path": str(home / "tokenizer"),
+         "dataset.path": str(home / "sft.parquet")}
+    )  # fmt: skip
+    made = run_train_stage(sft).policy_checkpoint
+    assert made is not None, "the SFT stage wrote no policy checkpoint"
+    return made
 
 
 def task_overrides(tmp: str, algo: str) -> dict:
-    """The dataset (and for ``gsm8k`` the instruct model, trained here once) a run reads."""
+    """The dataset (and for ``gsm8k`` the instruct model) a run reads."""
     if algo != "gsm8k":
         return {"dataset.path": f"{tmp}/echo.parquet"}
     home = Path(tmp) / "gsm8k"
-    instruct = home / "sft" / "checkpoints" / "step_000200" / "actor"
-    if not instruct.is_dir():
-        build_tokenizer(home / "tokenizer")
-        sft = rayhf.load_config(REPO / "examples" / "gsm8k" / "sft.yaml").with_overrides(
-            {**QUIET, "run_dir": str(home / "sft"), "tokenizer.path": str(home / "tokenizer"),
-             "dataset.path": str(home / "sft.parquet")}
-        )  # fmt: skip
-        made = run_train_stage(sft).policy_checkpoint
-        assert made == instruct, f"the SFT stage wrote {made}, not {instruct}"
-    return {"models.actor.path": str(instruct), "dataset.path": str(home / "train.parquet"),
-            "eval_every": 0}  # fmt: skip
+    return {"models.actor.path": str(instruct_model(home)),
+            "dataset.path": str(home / "train.parquet"), "eval_every": 0}  # fmt: skip
 
 
 def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) -> list[dict]:
@@ -256,6 +261,7 @@ def main() -> None:
     args = ap.parse_args()
     global ACTOR_LR, TASKS, ARGS
     ACTOR_LR, PLANS[:] = args.actor_lr, args.plans
+    ARGS = "".join(f" {a}" for a in sys.argv[1:])
     name = "async_rl" if ACTOR_LR is None else f"async_rl_lr{ACTOR_LR:g}"
     if args.algos == ["gsm8k"]:
         name = "async_rl_gsm8k"
@@ -263,7 +269,6 @@ def main() -> None:
             "GRPO on GSM8K-format problems (examples/gsm8k_grpo.yaml from the instruct model "
             "its SFT stage makes, unchanged but for the plan and no evaluation)"
         )
-        ARGS = " " + " ".join(sys.argv[1:])
     commit = git_commit()
     res = bench(args.steps, args.speed_steps, args.ks, args.algos, args.seeds)
     res["commit"] = commit
@@ -271,7 +276,6 @@ def main() -> None:
     if ACTOR_LR is not None:
         lr = f"{ACTOR_LR:g}"
         text = text.replace("but for the plan", f"but for the plan and the actor's lr, {lr}")
-        text = text.replace("async_rl.py`", f"async_rl.py --actor-lr {ACTOR_LR:g}`")
     text = text.replace("(async_rl.png)", f"({name}.png)")
     print(text)
     write_results(name, text, res, commit)

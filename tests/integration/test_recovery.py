@@ -51,8 +51,12 @@ def _config(tmp: Path, **extra: object) -> rayhf.ExperimentConfig:
     return rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").with_overrides(ov)
 
 
-def _fault(site: str, step: int = 2) -> dict[str, object]:
-    return {"fault_tolerance.inject": {"site": site, "step": step, "role": "actor"}}
+def _fault(site: str) -> dict[str, object]:
+    return {"fault_tolerance.inject": {"site": site, "step": 2, "role": "actor"}}
+
+
+def _recovery_spans(result: rayhf.RunResult) -> list[dict]:
+    return [e for e in read_trace(result.run_dir / TRACE_FILE) if e.get("cat") == "recovery"]
 
 
 def _weights(result: rayhf.RunResult) -> dict[str, torch.Tensor]:
@@ -78,7 +82,7 @@ def test_a_dead_actor_at_each_site_is_recovered_and_the_run_ends_as_an_uninterru
     assert [m["step"] for m in recovered] == list(range(1, STEPS + 1))
     assert [m["recovery/count"] for m in recovered] == list(range(1, STEPS + 1))
     assert all(m["recovery/seconds"] > 0 for m in recovered)
-    spans = [e for e in read_trace(result.run_dir / TRACE_FILE) if e.get("cat") == "recovery"]
+    spans = _recovery_spans(result)
     assert len(spans) == len(SITES)
     for span, (site, doing) in zip(spans, SITES.items(), strict=True):
         assert doing in span["args"]["reason"], f"{site}: {span['args']['reason']}"
@@ -113,7 +117,7 @@ def test_a_dead_actor_in_a_vllm_weight_sync_is_recovered(ray_cluster, tmp_path):
     result = rayhf.run(_config(tmp_path, **vllm, **_fault("sync")))
     assert result.info["recoveries"] == 1
     assert [m["step"] for m in result.metrics] == [1, 2]
-    spans = [e for e in read_trace(result.run_dir / TRACE_FILE) if e.get("cat") == "recovery"]
+    spans = _recovery_spans(result)
     died = "actor actor.d1.dp1tp1pp1[0] died during call 'actor_gen'"  # the sync's call
     assert len(spans) == 1 and died in spans[0]["args"]["reason"], spans
     plain = rayhf.run(_config(tmp_path / "plain", **vllm))
