@@ -25,13 +25,18 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from rayhf.engines.rank_model import RankModel
-from rayhf.engines.vllm_sync_check import HeldWeights, held_after, sent_checksums, verify
+from rayhf.engines.vllm_sync_check import (
+    HeldWeights,
+    checksum_thread,
+    held_after,
+    sent_checksums,
+    verify,
+)
 from rayhf.errors import RayhfError
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
@@ -199,9 +204,8 @@ class VllmGenerator:
     def _load_and_check(self, weights: dict[str, torch.Tensor]) -> None:
         # the rank's checksums are taken on a thread while vLLM loads, off the sync's path
         # where a core is free (docs/decisions.md has what the check costs)
-        with ThreadPoolExecutor(1) as pool:
-            sums = pool.submit(sent_checksums, weights, self.vllm.dtype)
-            held = self.vllm.load_weights(weights.items(), check=True, skip=self._tied)
+        sums = checksum_thread().submit(sent_checksums, weights, self.vllm.dtype)
+        held = self.vllm.load_weights(weights.items(), check=True, skip=self._tied)
         assert held is not None
         fields = " and ".join(f"engines.{call}.check_sync" for call in self.checked_by)
         verify(held, weights, f"set {fields}: false to skip this check", sums.result())

@@ -18,15 +18,18 @@ widen, to int32: a sum wrapping at 2**16 would miss too many multi-value changes
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from math import prod
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rayhf.errors import RayhfError
 
+T = TypeVar("T")
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -168,19 +171,19 @@ def held_after(
             return Held(group, p.dtype, None)
         return Held(group, p.dtype, checksum(p[: group.rows] if group.rows else p))
 
-    repacked: dict[str, Held] = {}
+    def reading(name: str, p: torch.Tensor) -> Callable[[], Held]:
+        """Start ``held(name, p)`` on the checksum thread; the call gives its result."""
+        pending = checksum_thread().submit(held, name, p)
+        return pending.result
 
-    def take(name: str, loaded: torch.Tensor) -> None:
-        repacked[name] = held(name, loaded)
-
-    with _on_repacking(model, take):
+    with _on_repacking(model, reading) as repacked:
         reload()
     params = []
     for name, p in model.named_parameters():
         if p.numel() > 0:
             params.append(held(name, p))
         elif name in repacked:  # what was loaded is what its kernel holds
-            params.append(repacked[name])
+            params.append(repacked[name]())
         else:  # emptied by an earlier load and not loaded again by this one
             params.append(Held(_unloaded(name, parts.get(name, ())), p.dtype, None))
     unused = tuple(n for n in unused if n not in skip)
@@ -194,13 +197,16 @@ def _unloaded(name: str, parts: tuple[str, ...]) -> Group:
 
 @contextmanager
 def _on_repacking(
-    model: torch.nn.Module, take: Callable[[str, torch.Tensor], Any]
-) -> Iterator[None]:
-    """Call ``take(name, loaded)`` for each parameter that vLLM's processing of a freshly loaded
-    layer leaves empty, with the values loaded into it: vLLM's CPU GEMMs repack linear weights
-    into their own format and drop the parameter. (Parameters that keep their values are read
-    after the reload, once: what vLLM's kernels use is what they hold then.)"""
+    model: torch.nn.Module, read: Callable[[str, torch.Tensor], T]
+) -> Iterator[dict[str, T]]:
+    """Give ``read(name, loaded)`` of each parameter that vLLM's processing of a freshly loaded
+    layer leaves empty, by name: vLLM's CPU GEMMs repack linear weights into their own format
+    and drop the parameter. ``read`` is called on each of the layer's parameters just before
+    the processing (which reads them too, so a thread reading beside it finds them in cache);
+    a parameter that keeps its values drops its reading and is read after the reload, once:
+    what vLLM's kernels use is what it holds then."""
     names = {layer: prefix for prefix, layer in model.named_modules()}
+    repacked: dict[str, T] = {}
     restore: dict[int, tuple[Any, Any]] = {}  # id -> a layer's quant_method, its own attribute
     for layer in names:
         method: Any = getattr(layer, "quant_method", None)
@@ -209,25 +215,37 @@ def _on_repacking(
             continue
 
         def hook(module: torch.nn.Module, *args: Any, _original: Any = original, **kw: Any) -> Any:
-            loaded = dict(module.named_parameters(recurse=False))
-            out = _original(module, *args, **kw)
             prefix = names.get(module, "")
-            for pname, p in loaded.items():
+            loaded = {
+                f"{prefix}.{pname}" if prefix else pname: (pname, p)
+                for pname, p in module.named_parameters(recurse=False)
+                if p.numel() > 0
+            }
+            reads = {name: read(name, p) for name, (_, p) in loaded.items()}
+            out = _original(module, *args, **kw)
+            for name, (pname, _) in loaded.items():
                 now = getattr(module, pname, None)
-                if p.numel() > 0 and (now is None or now.numel() == 0):
-                    take(f"{prefix}.{pname}" if prefix else pname, p)
+                if now is None or now.numel() == 0:
+                    repacked[name] = reads[name]
             return out
 
         restore[id(method)] = (method, vars(method).get("process_weights_after_loading"))
         method.process_weights_after_loading = hook
     try:
-        yield
+        yield repacked
     finally:
         for method, own in restore.values():
             if own is None:
                 del method.process_weights_after_loading  # the class's method again
             else:
                 method.process_weights_after_loading = own
+
+
+@cache
+def checksum_thread() -> ThreadPoolExecutor:
+    """The process's one thread for checksums, beside the thread that loads vLLM (the rank's
+    sums and vLLM's share it: a third thread on two cores cost more than it hid)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="rayhf-checksum")
 
 
 SentSums = dict[tuple[str, torch.dtype], int]  # (sent tensor, vLLM's dtype) -> its checksum
