@@ -7,8 +7,10 @@ PPO (examples/ppo_tiny.yaml) and GRPO (examples/grpo_tiny.yaml) on the demo task
 digits"), or (``gsm8k``) examples/gsm8k_grpo.yaml on GSM8K-format problems from the instruct
 model its SFT stage makes first (as examples/gsm8k/run.sh does), 2 emulated CPU devices,
 unchanged but for the plan (and no evaluation): "disjoint", the actor generating on
-device 0 and every other call on device 1 (with k >= 1 step i+1's generation runs while step i
-trains), and "auto", the plan the planner searches for each k (each k on its own best plan).
+device 0 beside the frozen models (reference, reward), the trained roles (actor, critic)
+training on device 1 (with k >= 1 step i+1's generation, reference and reward run while step i
+trains); "disjoint-train", the actor generating on device 0 and every other call on device 1;
+and "auto", the plan the planner searches for each k (each k on its own best plan).
 The same devices, seed and dataset for every k. Reported per (algorithm, plan, k): steps/s and
 samples/s over the steps after warm-up, the batches by staleness, the mean and largest
 importance weight, the generator/trainer log-prob mismatch, and the reward per sample seen: the
@@ -44,7 +46,8 @@ WINDOW = 20  # steps in the trailing mean of the reward
 WARMUP = 3  # steps left out of the speed (actors warming up, the pipeline filling)
 
 
-PLANS = ["disjoint", "auto"]  # --plans
+PLANS = ["disjoint", "disjoint-train", "auto"]  # --plans
+FROZEN = ("ref_inf", "rew_inf")  # the calls of models nobody trains
 
 
 ACTOR_LR: float | None = None  # --actor-lr: the actor's learning rate instead of the example's
@@ -77,8 +80,9 @@ def task_overrides(tmp: str, algo: str) -> dict:
 
 
 def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) -> list[dict]:
-    disjoint = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
-    plan = disjoint if plan_name == "disjoint" else "auto"
+    on_0 = ("actor_gen", *FROZEN) if plan_name == "disjoint" else ("actor_gen",)
+    disjoint = {c: {"mesh": [0] if c in on_0 else [1]} for c in CALLS[algo]}
+    plan = "auto" if plan_name == "auto" else disjoint
     cfg = rayhf.load_config(REPO / "examples" / EXAMPLES[algo]).with_overrides(
         {
             **QUIET,
@@ -140,8 +144,9 @@ def samples_to(target: float, case: dict) -> int | None:
 
 def bench(steps: int, speed_steps: int, ks: list[int], algos: list[str], seeds: list[int]) -> dict:
     """On the disjoint plan every k runs each seed, k=0 for ``steps`` steps and k >= 1 for 20%
-    more (so "the same reward within 20% more samples" can be seen); on each k's own searched
-    plan, the first seed for ``speed_steps`` steps (the speed; the rewards are the same)."""
+    more (so "the same reward within 20% more samples" can be seen); on the other plans (each
+    k's own searched plan for "auto"), the first seed for ``speed_steps`` steps (the speed; the
+    rewards are the same)."""
     out: dict = {
         "steps": steps, "speed_steps": speed_steps, "warmup": WARMUP, "window": WINDOW,
         "seeds": seeds, "cases": {},
@@ -152,14 +157,14 @@ def bench(steps: int, speed_steps: int, ks: list[int], algos: list[str], seeds: 
             cases = {}
             for k in ks:
                 n, plan_seeds = (steps if k == ks[0] else longer, seeds)
-                if plan == "auto":
+                if plan != "disjoint":
                     n, plan_seeds = speed_steps, seeds[:1]
                 runs = [one_run(tmp, algo, plan, k, n, seed) for seed in plan_seeds]
                 cases[k] = summarize(algo, runs)
             target = cases[ks[0]]["trailing_reward"][-1]
             for case in cases.values():
                 case["target_reward"] = target
-                case["samples_to_target"] = samples_to(target, case) if plan != "auto" else None
+                case["samples_to_target"] = samples_to(target, case) if plan == "disjoint" else None
                 case["speedup"] = case["samples_per_s"] / cases[ks[0]]["samples_per_s"]
             out["cases"][f"{algo}, {plan}"] = {str(k): c for k, c in cases.items()}
     return out
@@ -169,15 +174,23 @@ def report(res: dict, commit: str) -> str:
     lines = [
         "# Asynchronous RL: max_staleness k vs on-policy (measured)",
         "",
-        f"{TASKS} on 2 emulated CPU devices. Disjoint plan: the actor generates on device 0, every "
-        f"other call runs on device 1; seeds {res['seeds']}, k=0 for {res['steps']} steps and "
+        f"{TASKS} on 2 emulated CPU devices. Disjoint plan: the actor generates on device 0 "
+        "beside the frozen models' calls (reference, reward), which then run ahead with the "
+        "generation; the actor (and critic) train on device 1. "
+        f"Seeds {res['seeds']}, k=0 for {res['steps']} steps and "
         f"k >= 1 for 20% more; speed: the median seed's, over the steps after {res['warmup']}; "
         f"reward: the mean over seeds, as a {res['window']}-step trailing mean, and the samples "
         f"each k needs to reach the one k=0 ends with. "
         + (
-            f"Auto: each k on the plan the planner searches for it, seed {res['seeds'][0]}, "
-            f"{res['speed_steps']} steps, speed only (the rewards do not depend on the plan). "
-            if "auto" in PLANS
+            "Disjoint-train: the actor generates on device 0, every other call runs on device 1. "
+            if "disjoint-train" in PLANS
+            else ""
+        )
+        + ("Auto: each k on the plan the planner searches for it. " if "auto" in PLANS else "")
+        + (
+            f"Those: seed {res['seeds'][0]}, {res['speed_steps']} steps, speed only (the "
+            "rewards do not depend on the plan). "
+            if PLANS != ["disjoint"]
             else ""
         )
         + f"Command: `python benchmarks/async_rl.py{ARGS}`; commit {commit}.",
@@ -194,7 +207,7 @@ def report(res: dict, commit: str) -> str:
             if reached is not None and base:
                 to += f" ({reached / base:.2f}x k=0)"
             final = f"{c['trailing_reward'][-1]:.3f}"
-            if case_name.endswith("auto"):
+            if not case_name.endswith("disjoint"):
                 to = final = "-"
             stale = ", ".join(f"{s}: {n}" for s, n in c["staleness"].items())
             lines.append(

@@ -15,10 +15,11 @@ step i's last update of its role (a train call or a blend); a role nobody update
 The dataset rows are the only other input, and they are ready before the step is submitted.
 
 With ``max_staleness: k >= 1`` (``pipeline``) the steps repeat as periods: period p runs the
-leading units (the policy's generate calls and their weight moves) of step p + k first, then the
-rest of step p. So on a device the generation of step p + k comes before the training of step p,
-and it waits only for the policy's update of step p - 1: it samples with weights at most k
-updates old, while step p trains on other devices.
+leading units (the policy's generate calls and their weight moves, and the frozen roles' calls
+that share their devices: ``leading``) of step p + k first, then the rest of step p. So on a
+device the generation of step p + k comes before the training of step p, and it waits only for
+the policy's update of step p - 1: it samples with weights at most k updates old, while step p
+trains on other devices.
 """
 
 from __future__ import annotations
@@ -184,8 +185,16 @@ class Slot:
 
 def leading(graph: Graph, units: list[Unit], staleness: int) -> frozenset[str]:
     """The units that run ``staleness`` steps ahead: each generate call of a role the graph
-    trains, with the weight move before it. None when ``staleness`` is 0. Each must depend on
-    nothing else of its step (it starts before the rest of the step has run)."""
+    trains, with the weight move before it, and the units of roles nobody updates (a reference,
+    a reward model) that read only leading units and run on the generate calls' devices only.
+    None when ``staleness`` is 0. A generate call must depend on nothing else of its step (it
+    starts before the rest of the step has run).
+
+    On a generation device a unit of step p + k comes before every unit of step p, so a frozen
+    role's call there leads too: step p's training then reads its result from the period
+    before instead of waiting behind the generation of step p + k. Its result does not depend
+    on when it runs (its weights never change). Elsewhere it stays in step p: leading, it would
+    make step p's training wait for step p + k's generation."""
     if not staleness:
         return frozenset()
     trained = {c.role for c in graph.calls if c.kind == "train"}
@@ -207,6 +216,13 @@ def leading(graph: Graph, units: list[Unit], staleness: int) -> frozenset[str]:
                 f"algorithm.max_staleness: graph '{graph.name}' runs '{u.name}' after "
                 f"'{behind[0]}' of its step, so it cannot run ahead; set max_staleness to 0"
             )
+    generating = frozenset(
+        d for u in units if u.name in lead and u.kind == "call" for d in u.devices
+    )
+    updated = {u.role for u in units if u.updates}
+    for u in units:
+        if u.role not in updated and u.after <= lead and u.devices <= generating:
+            lead.add(u.name)
     return frozenset(lead)
 
 

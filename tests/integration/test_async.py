@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GEN_APART, PPO_CALLS, REPO, needs_vllm, tiny_overrides
+from conftest import PPO_CALLS, REPO, needs_vllm, tiny_overrides
 from safetensors.torch import load_file
 from trace_support import assert_trace_is_priced, spans_by_step
 
@@ -23,11 +23,14 @@ CALLS = {"ppo": PPO_CALLS, "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_tr
 # tiny PPO and GRPO runs recorded at commit 4392fee, before max_staleness existed
 BEFORE = Path(__file__).with_name("on_policy_numbers.json")
 TIMING = ("seconds", "per_s")
+# the actor generates on device 0 beside the frozen models (reference, reward), which then run
+# a step ahead with it; the actor and the critic train on device 1
+BESIDE = {c: {"mesh": [0] if c in ("actor_gen", "ref_inf", "rew_inf") else [1]} for c in PPO_CALLS}
 
 
 def _config(tmp: Path, **extra: object) -> rayhf.ExperimentConfig:
     ov = tiny_overrides(
-        tmp / "run", steps=4, save_every=2, plan=GEN_APART,
+        tmp / "run", steps=4, save_every=2, plan=BESIDE,
         **{"cluster.n_devices": 2, "algorithm.max_staleness": 1},
     )  # fmt: skip
     ov.update(extra)
@@ -83,6 +86,20 @@ def test_generation_of_the_next_step_runs_while_this_one_trains_within_the_bound
     for step, spans in steps.items():
         gen = next(e for e in spans if e["name"] == "actor_gen")
         assert 0 <= step - 1 - gen["args"]["version"] <= 1 and gen["args"]["staleness"] <= 1
+    assert_trace_is_priced(cfg, prepare_run(cfg, result.run_dir))
+
+
+def test_the_frozen_models_beside_the_generation_run_ahead_with_it(ray_cluster, tmp_path):
+    """Step 2's generation and reference run while step 1 trains. Without the reference in the
+    leading part it would wait behind step 3's generation, which waits for step 1's update."""
+    cfg = _config(tmp_path, steps=3, save_every=0)
+    result = rayhf.run(cfg)
+    assert [r["async/staleness"] for r in result.metrics] == [0.0, 1.0, 1.0]
+    steps = spans_by_step(result.run_dir)
+    train = next(e for e in steps[1] if e["name"] == "actor_train")
+    for call in ("actor_gen", "ref_inf", "rew_inf"):
+        ahead = next(e for e in steps[2] if e["name"] == call)
+        assert ahead["ts"] < train["ts"] + train["dur"], f"step 2's {call} as step 1 trains"
     assert_trace_is_priced(cfg, prepare_run(cfg, result.run_dir))
 
 

@@ -120,6 +120,29 @@ def test_with_staleness_the_generation_of_step_i_plus_k_runs_before_the_training
     assert (0, "realloc:actor_gen") in slots["rew_inf"].after  # device 1's first rest unit
 
 
+def test_frozen_roles_on_the_generation_devices_run_ahead_with_the_generation():
+    gen, train = Layout((0,), 1), Layout((1,), 1)
+    beside = {"actor_gen": gen, "ref_inf": gen, "rew_inf": gen}
+    layouts = {c.name: beside.get(c.name, train) for c in PPO.calls}
+    units = plan_step(PPO, layouts, _homes(layouts), {})
+    lead = leading(PPO, units, 1)
+    assert lead == {"realloc:actor_gen", "actor_gen", "ref_inf", "rew_inf"}
+    slots = {s.unit.name: s for s in pipeline(units, lead, 1)}
+    # step p trains on the reference and reward of step p, computed one period back: it waits
+    # for nothing of this period's generation (step p+1) but the move that reads its weights
+    train = slots["actor_train"]
+    assert {(1, "ref_inf"), (1, "rew_inf")} <= train.after
+    assert not {(0, "actor_gen"), (0, "ref_inf"), (0, "rew_inf")} & train.after
+    # a role that trains (the critic) stays in its step even on the generation's device; a
+    # frozen role that shares a device with training does too (it would wait for step p+1)
+    layouts["critic_inf"] = gen
+    assert "critic_inf" not in leading(PPO, plan_step(PPO, layouts, _homes(layouts), {}), 1)
+    layouts["ref_inf"] = Layout((0, 1), 2)
+    assert leading(PPO, plan_step(PPO, layouts, _homes(layouts), {}), 1) == {
+        "realloc:actor_gen", "actor_gen", "rew_inf"
+    }  # fmt: skip
+
+
 def test_a_graph_that_generates_nothing_it_trains_cannot_run_ahead():
     dpo = load_graph(REPO / "graphs" / "dpo.yaml")
     layouts = {c.name: Layout((0,), 1) for c in dpo.calls}
