@@ -199,12 +199,11 @@ class GRPOActorInterface(LMInterface):
         stats = rollout_stats(engine, batch)
         batch.add("advantages", self.advantages(engine, batch, ctx.dp_rank), [1] * batch.n_samples)
         temperature = self.temperature
-        reference = PolicyReference(engine, batch, temperature, self.cfg)
+        reference = PolicyReference(engine, batch, temperature, self.cfg, self.cfg.ppo_epochs)
 
         def loss_fn(mb: PackedBatch):
             logp, _, mask = response_forward(engine, mb, temperature)
-            reference.observe(mb, logp, mask)
-            (old, behaviour), ref = reference.old(mb), padded(mb, "ref_logprobs")
+            (old, behaviour), ref = reference.old(mb, logp, mask), padded(mb, "ref_logprobs")
             adv = mb.tensors["advantages"]
             loss, s = grpo_loss(logp, old, ref, adv, mask, self.cfg, behaviour)
             return loss, {"policy_loss": loss.item(), **s}

@@ -344,13 +344,12 @@ class PPOActorInterface(_PPOBase, LMInterface):
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = self.add_targets(engine, batch)
-        reference = PolicyReference(engine, batch, self.temperature, self.cfg)
         cfg = self.cfg
+        reference = PolicyReference(engine, batch, self.temperature, cfg, cfg.ppo_epochs)
 
         def loss_fn(mb: PackedBatch):
             logp, logits, mask = response_forward(engine, mb, self.temperature)
-            reference.observe(mb, logp, mask)
-            old, behaviour = reference.old(mb)
+            old, behaviour = reference.old(mb, logp, mask)
             adv = padded(mb, "advantages")
             loss, s = ppo_policy_loss(
                 logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap

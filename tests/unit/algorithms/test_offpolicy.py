@@ -1,12 +1,17 @@
 """Decoupled PPO (``rayhf.algorithms.offpolicy``): the standard loss when the sampling and the
 proximal policy agree, importance-weighted and capped when they do not (no Ray)."""
 
+from typing import Any, cast
+
+import pytest
 import torch
 from algo_support import _mask
 
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
-from rayhf.algorithms.offpolicy import behaviour_weights
+from rayhf.algorithms.lm import response_forward
+from rayhf.algorithms.offpolicy import OffPolicyConfig, PolicyReference, behaviour_weights
 from rayhf.algorithms.ppo import ppo_policy_loss
+from rayhf.data.batch import PackedBatch
 
 LENGTHS = [5, 0, 3, 7]
 
@@ -54,3 +59,72 @@ def test_stale_samples_are_weighted_by_proximal_over_behaviour_and_capped():
     assert torch.allclose(loss, per_token[mask].mean())
     unweighted, _ = ppo_policy_loss(new, old, adv, mask, 0.2)
     assert not torch.allclose(loss, unweighted)
+
+
+class _Bigram:
+    """A bigram model (logits at a position = ``table[its token]``) that counts the rows it
+    forwards; the test changes ``table`` between minibatches as an update would."""
+
+    pad_id = 0
+
+    def __init__(self, seed: int) -> None:
+        self.table = torch.randn(9, 9, generator=torch.Generator().manual_seed(seed))
+        self.rows = 0
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.rows += input_ids.shape[0]
+        return self.table[input_ids]
+
+    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        return [batch]
+
+
+def _rollouts(n: int) -> PackedBatch:
+    """Prompt [2] + a response of 1-3 tokens per sample, with the generator's log-probs."""
+    g = torch.Generator().manual_seed(n)
+    batch = PackedBatch(list(range(n)))
+    seqs = [[2, *torch.randint(3, 9, (1 + i % 3,), generator=g).tolist()] for i in range(n)]
+    batch.add("seq", torch.tensor([t for s in seqs for t in s]), [len(s) for s in seqs])
+    batch.add("prompt_lens", torch.ones(n, dtype=torch.long), [1] * n)
+    behaviour = [torch.randn(len(s) - 1, generator=g) - 2.0 for s in seqs]
+    batch.add("logprobs", torch.cat(behaviour), [len(s) - 1 for s in seqs])
+    return batch
+
+
+def _go_over(epochs: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], dict, int]:
+    """One epoch of a stale train call over 3 minibatches, the weights changing after each:
+    each minibatch's (old, behaviour) log-probs, the mismatch and the rows forwarded. The old
+    ones must be the first weights' (``_before``)."""
+    engine, batch = _Bigram(5), _rollouts(9)
+    cfg = OffPolicyConfig(max_staleness=1)
+    reference = PolicyReference(cast(Any, engine), batch, 1.0, cfg, epochs)
+    minibatches = batch.split(3, "seq")
+    reference.start_epoch(0, minibatches)
+    seen = []
+    for mb in minibatches:
+        logp, _, mask = response_forward(cast(Any, engine), mb)
+        seen.append(reference.old(mb, logp, mask))
+        assert torch.allclose(seen[-1][0], _before(mb)), "proximal: the first weights' log-probs"
+        engine.table = engine.table + 0.3 * torch.randn(9, 9)  # the update after each minibatch
+    return seen, reference.stats(cast(Any, _Sum())), engine.rows
+
+
+def _before(mb: PackedBatch) -> torch.Tensor:
+    logp, _, mask = response_forward(cast(Any, _Bigram(5)), mb)
+    return torch.where(mask, logp, torch.zeros_like(logp))
+
+
+class _Sum:
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def test_with_one_epoch_the_first_minibatch_s_forward_gives_its_proximal_log_probs():
+    free, free_stats, free_rows = _go_over(epochs=1)
+    upfront, upfront_stats, upfront_rows = _go_over(epochs=2)  # every proximal one first
+    for (old_a, behaviour_a), (old_b, behaviour_b) in zip(free, upfront, strict=True):
+        assert torch.allclose(old_a, old_b) and behaviour_a is not None
+        assert behaviour_b is not None and torch.equal(behaviour_a, behaviour_b)
+    assert free_stats["logprob_mismatch"] == pytest.approx(upfront_stats["logprob_mismatch"])
+    # the train forwards 9 rows either way; the proximal pass 6 (minibatches 2, 3) instead of 9
+    assert (free_rows, upfront_rows) == (9 + 6, 9 + 9)
