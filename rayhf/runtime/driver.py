@@ -17,8 +17,9 @@ Steps overlap (plain calls, ``driver.overlap_steps``): step i+1 is submitted whi
 each of its nodes also taking the nodes of step i that ``planner.step.carried`` names (its
 devices' last units and its role's last update), so the actors run it as soon as the dataflow
 allows and every result is what one step at a time gives. With ``max_staleness: k`` a step is
-submitted in two parts (``planner.step.pipeline``): its leading part (the policy's generation)
-k periods before the rest, and each node takes the nodes of other steps the pipeline names.
+submitted in two parts (``planner.step.pipeline``): its leading part (the policy's generation,
+with the frozen models' calls beside it: ``planner.step.leading``) k periods before the rest,
+and each node takes the nodes of other steps the pipeline names.
 """
 
 from __future__ import annotations
