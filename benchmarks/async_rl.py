@@ -176,7 +176,7 @@ def report(res: dict, commit: str) -> str:
         "",
         f"{TASKS} on 2 emulated CPU devices. Disjoint plan: the actor generates on device 0 "
         "beside the frozen models' calls (reference, reward), which then run ahead with the "
-        "generation; the actor (and critic) train on device 1. "
+        "generation; the trained models (the actor, and PPO's critic) train on device 1. "
         f"Seeds {res['seeds']}, k=0 for {res['steps']} steps and "
         f"k >= 1 for 20% more; speed: the median seed's, over the steps after {res['warmup']}; "
         f"reward: the mean over seeds, as a {res['window']}-step trailing mean, and the samples "
