@@ -15,7 +15,8 @@ The same devices, seed and dataset for every k. Reported per (algorithm, plan, k
 samples/s over the steps after warm-up, the batches by staleness, the mean and largest
 importance weight, the generator/trainer log-prob mismatch, and the reward per sample seen: the
 samples each k needs until its 20-step trailing mean reward reaches the one k=0 ends with.
-Writes docs/benchmarks/async_rl.{md,json,png} (other algorithms or an --actor-lr: a suffixed name).
+Writes docs/benchmarks/async_rl.{md,json,png} (other algorithms, an --actor-lr or other --seeds: a
+suffixed name), with each run's reward per step in the JSON.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def summarize(algo: str, runs: list[list[dict]]) -> dict:
         "samples_per_s": per_step * statistics.median(speeds),
         "samples_per_step": per_step,
         "runs": len(runs),
+        "seed_rewards": [[r["task_reward"] for r in rows] for rows in runs],  # per run, per step
         "reward": rewards,
         "trailing_reward": trailing(rewards),
         "staleness": {str(s): staleness.count(s) for s in sorted(set(staleness))},
@@ -278,6 +280,8 @@ def main() -> None:
     name = "async_rl" if ACTOR_LR is None else f"async_rl_lr{ACTOR_LR:g}"
     if args.algos == ["gsm8k"]:
         name = "async_rl_gsm8k"
+    if args.seeds != ap.get_default("seeds"):  # another seed set: a report of its own
+        name += f"_{len(args.seeds)}seeds"
         TASKS = (
             "GRPO on GSM8K-format problems (examples/gsm8k_grpo.yaml from the instruct model "
             "its SFT stage makes, unchanged but for the plan and no evaluation)"
