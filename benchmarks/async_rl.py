@@ -280,12 +280,12 @@ def main() -> None:
     name = "async_rl" if ACTOR_LR is None else f"async_rl_lr{ACTOR_LR:g}"
     if args.algos == ["gsm8k"]:
         name = "async_rl_gsm8k"
-    if args.seeds != ap.get_default("seeds"):  # another seed set: a report of its own
-        name += f"_{len(args.seeds)}seeds"
         TASKS = (
             "GRPO on GSM8K-format problems (examples/gsm8k_grpo.yaml from the instruct model "
             "its SFT stage makes, unchanged but for the plan and no evaluation)"
         )
+    if args.seeds != ap.get_default("seeds"):  # another seed set: a report of its own
+        name += f"_{len(args.seeds)}seeds"
     commit = git_commit()
     res = bench(args.steps, args.speed_steps, args.ks, args.algos, args.seeds)
     res["commit"] = commit
