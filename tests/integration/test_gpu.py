@@ -127,6 +127,28 @@ def test_ppo_on_one_gpu(tmp_path, executor):
     assert not all(torch.equal(init[k], trained[k]) for k in init), "the actor did not train"
 
 
+def test_ppo_a_step_ahead_on_one_gpu(tmp_path):
+    """`rayhf run` at max_staleness 1 on the GPU: steps 2 and 4 sample on the policy one version
+    behind (a checkpoint at step 2 drains the pipeline), the decoupled loss's importance weights
+    and the generator-trainer log-prob mismatch are finite, and the mismatch at staleness 0 (bf16
+    generator against the trainer's autocast) is below that of every stale step."""
+    run = tmp_path / "run"
+    proc = _run_on_gpu(run, tmp_path / "data.parquet", "steps=4", "save_every=2",
+                       "algorithm.max_staleness=1")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = ("async/staleness", "async/policy_version", "logprob_mismatch", "is_weight_mean",
+            "is_weight_max", "clip_frac")  # fmt: skip
+    for r in rows:
+        print({"step": r["step"], **{k: round(r[k], 6) for k in keys}})
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["async/policy_version"] for r in rows] == [0.0, 0.0, 2.0, 2.0]
+    assert all(math.isfinite(r[k]) for r in rows for k in keys)
+    fresh, stale = (rows[0], rows[2]), (rows[1], rows[3])
+    assert max(r["logprob_mismatch"] for r in fresh) < min(r["logprob_mismatch"] for r in stale)
+    assert all(r["is_weight_mean"] > 0 for r in rows)
+
+
 def _run_on_gpu(run: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
     words = [
         "examples/ppo_tiny.yaml", f"run_dir={run}", f"dataset.path={data}",
