@@ -25,7 +25,7 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, ModelEngine, register
+from rayhf.algorithms.interface import CallContext, ModelEngine, WorkShape, register
 from rayhf.algorithms.lm import (
     LMInterface,
     generation_config,
@@ -34,7 +34,12 @@ from rayhf.algorithms.lm import (
     rollout_stats,
     sample_batch,
 )
-from rayhf.algorithms.offpolicy import OffPolicyConfig, PolicyReference, behaviour_weights
+from rayhf.algorithms.offpolicy import (
+    OffPolicyConfig,
+    PolicyReference,
+    behaviour_weights,
+    proximal_share,
+)
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.torch_trainer import response_tokens, samples
@@ -178,6 +183,16 @@ class GRPOActorInterface(LMInterface):
     @property
     def cfg(self) -> GRPOConfig:
         return self.settings.algorithm
+
+    @classmethod
+    def work_shape(cls, algorithm: GRPOConfig, kind: str) -> WorkShape:
+        """``group_size`` samples per prompt; a train call's epochs and proximal share."""
+        if kind == "generate":
+            return WorkShape(samples_per_prompt=algorithm.group_size)
+        if kind != "train":
+            return WorkShape()
+        epochs, n = algorithm.ppo_epochs, algorithm.n_minibatches
+        return WorkShape(epochs=epochs, forward_share=proximal_share(algorithm, epochs, n))
 
     def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         cfg = generation_config(self.settings.generation, ctx.args)

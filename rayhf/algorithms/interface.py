@@ -76,6 +76,16 @@ class InterfaceSettings:
     function: str | None = None  # "module:function" for a function-valued role (rewards)
 
 
+@dataclass(frozen=True)
+class WorkShape:
+    """What one call computes beyond one pass over the step's batch: the planner prices it
+    (``rayhf.runtime.planning.planner_workloads``) as the interface runs it."""
+
+    samples_per_prompt: int = 1  # generate: responses per prompt (the step's sequences)
+    epochs: int = 1  # train: passes over the minibatches
+    forward_share: float = 0.0  # train: share of the batch forwarded without gradients first
+
+
 class Interface:
     """Base class: a call kind an interface does not support is a graph error."""
 
@@ -92,6 +102,12 @@ class Interface:
 
     def __init__(self, settings: InterfaceSettings) -> None:
         self.settings = settings
+
+    @classmethod
+    def work_shape(cls, algorithm: Any, kind: str) -> WorkShape:
+        """The work of a ``kind`` call under the ``algorithm`` config (default: one pass)."""
+        del algorithm, kind
+        return WorkShape()
 
     def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         raise NotImplementedError(f"interface '{self.name}' has no generate call")

@@ -87,6 +87,14 @@ def behaviour_weights(
     return raw.clamp(max=cap), stats
 
 
+def proximal_share(cfg: OffPolicyConfig, epochs: int, n_minibatches: int) -> float:
+    """The share of a train call's batch that ``PolicyReference`` forwards for its proximal
+    log-probs: none on-policy, all but the first minibatch with one epoch, all with more."""
+    if not cfg.max_staleness:
+        return 0.0
+    return 1.0 if epochs > 1 else (n_minibatches - 1) / n_minibatches
+
+
 class PolicyReference:
     """What one train call's policy loss compares its log-probs with: the behaviour log-probs
     (``logprobs``, from the generate call) on-policy; with ``max_staleness`` > 0 the proximal

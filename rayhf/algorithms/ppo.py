@@ -28,9 +28,14 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, WorkShape, register
 from rayhf.algorithms.lm import LMInterface, logprob_batch, padded, response_forward
-from rayhf.algorithms.offpolicy import OffPolicyConfig, PolicyReference, behaviour_weights
+from rayhf.algorithms.offpolicy import (
+    OffPolicyConfig,
+    PolicyReference,
+    behaviour_weights,
+    proximal_share,
+)
 from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -291,6 +296,11 @@ class _PPOBase(Interface):
         super().__init__(settings)
         self.kl_ctl = make_kl_controller(self.cfg)
 
+    @classmethod
+    def work_shape(cls, algorithm: PPOConfig, kind: str) -> WorkShape:
+        """A train call goes over its minibatches ``ppo_epochs`` times."""
+        return WorkShape(epochs=algorithm.ppo_epochs if kind == "train" else 1)
+
     def advantages(self, batch: PackedBatch, mask: torch.Tensor):
         """``(advantages, returns, kl, rewards)``, each ``[B, R]``."""
         logp, ref_logp = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
@@ -339,6 +349,14 @@ class _PPOBase(Interface):
 @register("ppo_actor")
 class PPOActorInterface(_PPOBase, LMInterface):
     """The policy: samples responses, scores log-probs (also for the reference), PPO update."""
+
+    @classmethod
+    def work_shape(cls, algorithm: PPOConfig, kind: str) -> WorkShape:
+        """With ``max_staleness`` > 0 a train call also forwards its proximal share."""
+        if kind != "train":
+            return WorkShape()
+        epochs, n = algorithm.ppo_epochs, algorithm.n_minibatches
+        return WorkShape(epochs=epochs, forward_share=proximal_share(algorithm, epochs, n))
 
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext

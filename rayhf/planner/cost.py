@@ -53,7 +53,7 @@ class Workload:
     n_seqs: int  # sequences in the step's batch
     prompt_len: int
     gen_len: int  # new tokens (generate); inference and train see prompt + gen tokens
-    n_minibatches: int = 1  # optimizer steps per train call
+    n_minibatches: int = 1  # optimizer steps per train call (per epoch)
     engine: str = ""  # the call's backend when not rayhf's own: "vllm" | "deepspeed"
     zero_stage: int = 0  # train: what the optimizer shards over dp (ZeRO-1 torch, DeepSpeed)
     offload: bool = False  # train: optimizer state in host memory (DeepSpeed)
@@ -62,6 +62,8 @@ class Workload:
     zero_choices: tuple[int, ...] = ()
     checkpointing: bool = False  # train: each layer's input kept, the layer re-run in backward
     token_budget: int = 0  # train/inference: tokens per micro-batch (0: a minibatch whole)
+    epochs: int = 1  # train: passes over the minibatches
+    forward_share: float = 0.0  # train: share of the batch forwarded without gradients first
 
     def micro_batches(self, n_seqs: int, seq: int) -> int:
         """How many micro-batches a token budget cuts ``n_seqs`` sequences into (1: none)."""
@@ -293,10 +295,12 @@ class AnalyticCost:
             passes = self.forward_seconds(spec, layout, per_minibatch, seq, True, work)
             if work.zero_stage >= 3:  # two gathers and a reduce-scatter, under the compute
                 passes = max(passes, 3 * self._gather_seconds(spec, layout, work))
-            parts["forward_backward"] = work.n_minibatches * passes
-            parts["optimizer"] = work.n_minibatches * self._optimizer_seconds(
-                spec, layout, work.zero_stage, work
-            )
+            steps = work.epochs * work.n_minibatches
+            optimizer = self._optimizer_seconds(spec, layout, work.zero_stage, work)
+            parts["forward_backward"], parts["optimizer"] = steps * passes, steps * optimizer
+            if work.forward_share:  # e.g. decoupled PPO's proximal log-probs
+                share = math.ceil(n_seqs * work.forward_share)
+                parts["forward"] = self.forward_seconds(spec, layout, share, seq, work=work)
         return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
 
     def _optimizer_seconds(

@@ -227,7 +227,10 @@ class ProfiledCost(AnalyticCost):
             sync = self._allreduce(shard, layout.dp)
             if work.zero_stage >= 3:  # beside the gradients' reduction, as at stages 1-2
                 sync += self._zero3_seconds(spec, shard, layout.dp)
-            parts["train"] = work.n_minibatches * (step + sync)
+            parts["train"] = work.epochs * work.n_minibatches * (step + sync)
+            if work.forward_share:  # e.g. decoupled PPO's proximal log-probs
+                share = math.ceil(n_seqs * work.forward_share)
+                parts["forward"] = self._pipeline(prof.forward, spec, layout, share, seq, False)
         fixed, scale = self.runtime(layout)
         parts = {k: v * scale for k, v in parts.items()}
         parts["actor"] = fixed

@@ -10,11 +10,14 @@ config + graph (+ the dataset, when there is one) -> planner_workloads: each cal
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from transformers import AutoConfig
 
+from rayhf.algorithms import INTERFACES
+from rayhf.algorithms.interface import WorkShape
 from rayhf.config import ExperimentConfig
 from rayhf.data.datasets import PromptDataset
 from rayhf.engines.config import EngineConfig
@@ -67,17 +70,36 @@ def prompt_tokens(cfg: ExperimentConfig, dataset: PromptDataset | None) -> int:
     return round(dataset.mean_prompt_len())
 
 
+def call_shapes(cfg: ExperimentConfig, graph: Graph) -> dict[str, WorkShape]:
+    """Each call's work beyond one pass over the step's batch, as its interface runs it under
+    the run's algorithm (a group of samples per prompt, epochs, a proximal forward)."""
+    out = {}
+    for c in graph.calls:
+        iface = INTERFACES.get(c.interface)
+        out[c.name] = iface.work_shape(cfg.algorithm, c.kind) if iface else WorkShape()
+    return out
+
+
 def planner_workloads(
     cfg: ExperimentConfig, graph: Graph, dataset: PromptDataset | None
 ) -> dict[str, Workload]:
-    """Each call's work per step as the planner prices it."""
+    """Each call's work per step as the planner prices it: every call sees the step's
+    sequences (the prompts times the responses sampled per prompt)."""
     minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
     zero1 = {role for role, rc in cfg.models.items() if rc.optimizer.zero1}
     recompute = {role for role, rc in cfg.models.items() if rc.activation_checkpointing}
-    return workloads(
-        graph, cfg.batch_size, prompt_tokens(cfg, dataset), cfg.generation.max_new_tokens,
+    shapes = call_shapes(cfg, graph)
+    seqs = cfg.batch_size * max((s.samples_per_prompt for s in shapes.values()), default=1)
+    works = workloads(
+        graph, seqs, prompt_tokens(cfg, dataset), cfg.generation.max_new_tokens,
         minibatches, call_engines(cfg, graph), zero1, recompute,
     )  # fmt: skip
+    return {
+        name: dataclasses.replace(
+            w, epochs=shapes[name].epochs, forward_share=shapes[name].forward_share
+        )
+        for name, w in works.items()
+    }
 
 
 def auto_plan(

@@ -135,3 +135,17 @@ def test_zero_stages_trade_memory_for_time():
     small = Workload("train", 16, 16, 16, 4).with_stage(3)  # little compute: the gathers show
     gathers = 4 * 3 * cost._gather_seconds(spec, lay, small)
     assert cost.call(spec, lay, small).parts["forward_backward"] == pytest.approx(gathers)
+
+
+def test_a_train_call_pays_for_its_epochs_and_its_forward_without_gradients():
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, lay, train = SPECS["actor"], Layout(tuple(range(8)), 8), WORKS["actor_train"]
+    one = cost.call(spec, lay, train)
+    two = cost.call(spec, lay, dataclasses.replace(train, epochs=2))
+    assert two.parts["forward_backward"] == pytest.approx(2 * one.parts["forward_backward"])
+    assert two.parts["optimizer"] == pytest.approx(2 * one.parts["optimizer"])
+    prox = cost.call(spec, lay, dataclasses.replace(train, forward_share=0.75))
+    share = -(-train.n_seqs // lay.dp * 3 // 4)  # 3/4 of a replica's sequences, rounded up
+    seq = train.prompt_len + train.gen_len
+    forward = cost.forward_seconds(spec, lay, share, seq, work=train)
+    assert prox.seconds == pytest.approx(one.seconds + forward) and forward > 0

@@ -119,3 +119,16 @@ def test_zero3_pays_its_gathers_only_where_it_has_ranks_to_shard_over():
     shard = max_shard_params(spec, 1, 1) * 4
     per_minibatch = shard / 2 / CPU_LINK_BANDWIDTH + len(param_shards(spec)) * CPU_ZERO3_PER_TENSOR
     assert extra(Layout((0, 1), 2)) == pytest.approx(work.n_minibatches * per_minibatch)
+
+
+def test_a_profiled_train_call_pays_for_its_epochs_and_its_forward_without_gradients():
+    cost, specs = synthetic_cost()
+    works = workloads(GRAPH, 8, 16, 16, 2)
+    lay, train, infer = Layout((0,), 1), works["actor_train"], works["ref_inf"]
+    one = cost.call(specs["actor"], lay, train)
+    two = cost.call(specs["actor"], lay, dataclasses.replace(train, epochs=2))
+    assert two.parts["train"] == pytest.approx(2 * one.parts["train"])
+    whole = cost.call(specs["actor"], lay, dataclasses.replace(train, forward_share=1.0))
+    forward = cost.call(specs["ref"], lay, infer).parts["forward"]  # the same 8 sequences
+    assert whole.parts["forward"] == pytest.approx(forward) and forward > 0
+    assert whole.seconds == pytest.approx(one.seconds + forward)

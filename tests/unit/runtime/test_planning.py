@@ -36,6 +36,25 @@ def test_the_config_s_batch_lengths_and_minibatches_are_priced():
     assert works["actor_train"] == Workload("train", 64, 24, 16, 4)
 
 
+def test_groups_epochs_and_the_proximal_forward_are_priced_as_the_interfaces_run_them():
+    """GRPO samples group_size responses a prompt: every call sees that many sequences; a
+    train call goes over its minibatches ppo_epochs times; at max_staleness > 0 the policy's
+    train call also forwards what its first minibatch does not give of the proximal log-probs."""
+    grpo = rayhf.load_config(REPO / "examples" / "grpo_tiny.yaml")  # 16 prompts x 4, 4 mbs
+    graph = load_graph(REPO / "graphs" / "grpo.yaml")
+    works = planner_workloads(grpo, graph, None)
+    assert {w.n_seqs for w in works.values()} == {64}
+    assert works["actor_train"].forward_share == 0 and works["actor_train"].epochs == 1
+    ahead = planner_workloads(grpo.with_overrides({"algorithm.max_staleness": 1}), graph, None)
+    assert ahead["actor_train"].forward_share == 3 / 4
+    assert ahead["actor_gen"] == works["actor_gen"] and ahead["ref_inf"] == works["ref_inf"]
+    ppo = rayhf.load_config(EXAMPLE, ["algorithm.max_staleness=2", "algorithm.ppo_epochs=2"])
+    works = planner_workloads(ppo, GRAPH, None)
+    assert works["actor_train"].n_seqs == 64 and works["actor_train"].epochs == 2
+    assert works["actor_train"].forward_share == 1, "with 2 epochs all of it, up front"
+    assert works["critic_train"].epochs == 2 and works["critic_train"].forward_share == 0
+
+
 def test_engines_and_zero1_reach_the_workloads():
     cfg = rayhf.load_config(
         EXAMPLE,
