@@ -181,10 +181,12 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     from rayhf.planner.auto import auto_plan, format_auto, step_estimates, write_gantt
     from rayhf.planner.hardware import parse_cluster
     from rayhf.runtime.assets import existing_dataset
-    from rayhf.runtime.planning import planner_workloads, step_options
+    from rayhf.runtime.planning import planner_workloads, staleness, step_options
 
     cluster = parse_cluster(cluster_text)
-    works = planner_workloads(cfg, graph, existing_dataset(cfg, graph))
+    dataset = existing_dataset(cfg, graph)
+    works = planner_workloads(cfg, graph, dataset)
+    synced = cfg.with_overrides({"algorithm.max_staleness": 0}) if staleness(cfg) else cfg
     step = step_options(cfg, "cuda")
     result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds, step)
     chosen = result.chosen.plan
@@ -193,7 +195,8 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
         return
     typer.echo(format_plan(chosen, graph))
     typer.echo(format_auto(result))
-    ways = step_estimates(graph, specs, works, cluster, result, step, cfg.seed, seconds)
+    on_policy = planner_workloads(synced, graph, dataset)
+    ways = step_estimates(graph, specs, works, cluster, result, step, cfg.seed, seconds, on_policy)
     typer.echo("\n".join(ways))
     if gantt is not None:
         typer.echo(f"gantt chart: {write_gantt(result.chosen.simulation, Path(gantt))}")

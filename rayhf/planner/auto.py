@@ -186,16 +186,22 @@ def step_estimates(
     step: StepOptions,
     seed: int = 0,
     time_limit: float = 20.0,
+    on_policy_works: dict[str, Workload] | None = None,
 ) -> list[str]:
     """The estimated seconds per step one at a time, overlapped, and with ``step.staleness``
     asynchronous, each on the fastest plan the search finds for it (one step at a time: the
-    overlapped plan's steps in turn); ``chosen`` was searched with ``step``."""
+    overlapped plan's steps in turn); ``chosen`` was searched with ``step`` and ``works``, the
+    on-policy ways are priced with ``on_policy_works`` (default ``works``: the work at k=0,
+    without the proximal forward a policy's train call makes at k >= 1)."""
     k = step.staleness
+    synced_works = on_policy_works or works
     on_policy = dataclasses.replace(step, overlap=True, staleness=0)
-    synced = auto_plan(graph, specs, works, cluster, seed, time_limit, on_policy) if k else chosen
+    synced = (
+        auto_plan(graph, specs, synced_works, cluster, seed, time_limit, on_policy) if k else chosen
+    )
     cost, plan = AnalyticCost(cluster), synced.chosen.plan
     one_by_one = dataclasses.replace(on_policy, overlap=False)
-    barrier = simulate(graph, plan, specs, open_stages(works), cost, step=one_by_one)
+    barrier = simulate(graph, plan, specs, open_stages(synced_works), cost, step=one_by_one)
     overlapped = synced.chosen.simulation.iteration_seconds
     rows = [
         ("one step at a time", barrier.iteration_seconds),

@@ -3,20 +3,32 @@ of a cluster too small, and the report beside the baselines (no Ray)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from planner_support import GRAPH, SPECS
+from planner_support import GRAPH, SPECS, WORKS
 
 from rayhf.engines.config import EngineConfig
 from rayhf.errors import RayhfError
 from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
-from rayhf.planner.auto import AutoPlan, format_auto, plan_for_run, searches, workloads
+from rayhf.planner import auto
+from rayhf.planner.auto import (
+    AutoPlan,
+    format_auto,
+    open_stages,
+    plan_for_run,
+    searches,
+    step_estimates,
+    workloads,
+)
 from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.cost import Workload
+from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.search import SearchResult
-from rayhf.planner.simulate import Simulation
+from rayhf.planner.simulate import Simulation, simulate
+from rayhf.planner.step import StepOptions
 
 
 def test_a_cluster_too_small_for_a_call_is_refused_naming_it():
@@ -101,3 +113,34 @@ def test_a_role_on_fewer_devices_than_the_cluster_is_told_how_many_and_why():
     assert all(line.endswith("(other calls use the rest)") for line in many)
     whole = Plan({c.name: Layout(tuple(range(8)), 8) for c in GRAPH.calls}, "search")
     assert device_use(GRAPH, whole, tiny, workloads(GRAPH, 32, 16, 12, 1), cluster) == []
+
+
+def test_the_on_policy_estimates_price_the_work_of_staleness_0(monkeypatch):
+    """`rayhf plan ... max_staleness=1`: the one-at-a-time and overlapped rows are searched and
+    priced without the proximal forward that only the asynchronous step's train call makes."""
+    cluster = parse_cluster("1x8xH100")
+    ahead = {
+        n: dataclasses.replace(w, forward_share=0.75) if w.kind == "train" else w
+        for n, w in WORKS.items()
+    }
+    k1 = StepOptions(staleness=1)
+    chosen = auto.auto_plan(GRAPH, SPECS, ahead, cluster, time_limit=1, step=k1)
+    searched = []
+
+    def same_plan(graph, specs, works, *args):  # the on-policy search, on the chosen plan
+        searched.append(works)
+        return chosen
+
+    monkeypatch.setattr(auto, "auto_plan", same_plan)
+    rows = step_estimates(GRAPH, SPECS, ahead, cluster, chosen, k1, on_policy_works=WORKS)
+    assert searched == [WORKS]
+    one_by_one = StepOptions(overlap=False)
+
+    def barrier(works) -> float:
+        cost, plan = AnalyticCost(cluster), chosen.chosen.plan
+        return simulate(
+            GRAPH, plan, SPECS, open_stages(works), cost, step=one_by_one
+        ).iteration_seconds
+
+    assert barrier(ahead) > barrier(WORKS) * 1.01, "the forward costs something"
+    assert rows[1].split()[-4] == f"{barrier(WORKS):.2f}", rows[1]
