@@ -38,7 +38,7 @@ from rayhf.algorithms.offpolicy import (
     OffPolicyConfig,
     PolicyReference,
     behaviour_weights,
-    proximal_share,
+    policy_train_shape,
 )
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.data.batch import PackedBatch
@@ -191,8 +191,7 @@ class GRPOActorInterface(LMInterface):
             return WorkShape(samples_per_prompt=algorithm.group_size)
         if kind != "train":
             return WorkShape()
-        epochs, n = algorithm.ppo_epochs, algorithm.n_minibatches
-        return WorkShape(epochs=epochs, forward_share=proximal_share(algorithm, epochs, n))
+        return policy_train_shape(algorithm, algorithm.ppo_epochs, algorithm.n_minibatches)
 
     def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         cfg = generation_config(self.settings.generation, ctx.args)

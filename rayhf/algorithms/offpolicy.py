@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from rayhf.algorithms.interface import ModelEngine
+from rayhf.algorithms.interface import ModelEngine, WorkShape
 from rayhf.algorithms.lm import logprob_batch, padded
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
@@ -87,12 +87,15 @@ def behaviour_weights(
     return raw.clamp(max=cap), stats
 
 
-def proximal_share(cfg: OffPolicyConfig, epochs: int, n_minibatches: int) -> float:
-    """The share of a train call's batch that ``PolicyReference`` forwards for its proximal
-    log-probs: none on-policy, all but the first minibatch with one epoch, all with more."""
+def policy_train_shape(cfg: OffPolicyConfig, epochs: int, n_minibatches: int) -> WorkShape:
+    """A policy train call's work as ``PolicyReference`` runs it: ``epochs`` passes, and the
+    share of the batch it forwards for the proximal log-probs (none on-policy, all but the first
+    minibatch with one epoch, all with more)."""
     if not cfg.max_staleness:
-        return 0.0
-    return 1.0 if epochs > 1 else (n_minibatches - 1) / n_minibatches
+        share = 0.0
+    else:
+        share = 1.0 if epochs > 1 else (n_minibatches - 1) / n_minibatches
+    return WorkShape(epochs=epochs, forward_share=share)
 
 
 class PolicyReference:

@@ -34,7 +34,7 @@ from rayhf.algorithms.offpolicy import (
     OffPolicyConfig,
     PolicyReference,
     behaviour_weights,
-    proximal_share,
+    policy_train_shape,
 )
 from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
@@ -355,8 +355,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
         """With ``max_staleness`` > 0 a train call also forwards its proximal share."""
         if kind != "train":
             return WorkShape()
-        epochs, n = algorithm.ppo_epochs, algorithm.n_minibatches
-        return WorkShape(epochs=epochs, forward_share=proximal_share(algorithm, epochs, n))
+        return policy_train_shape(algorithm, algorithm.ppo_epochs, algorithm.n_minibatches)
 
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
