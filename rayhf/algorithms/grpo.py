@@ -213,7 +213,9 @@ class GRPOActorInterface(LMInterface):
         stats = rollout_stats(engine, batch)
         batch.add("advantages", self.advantages(engine, batch, ctx.dp_rank), [1] * batch.n_samples)
         temperature = self.temperature
-        reference = PolicyReference(engine, batch, temperature, self.cfg, self.cfg.ppo_epochs)
+        reference = PolicyReference(
+            engine, batch, temperature, self.cfg, self.cfg.ppo_epochs, ctx.step
+        )
 
         def loss_fn(mb: PackedBatch):
             logp, _, mask = response_forward(engine, mb, temperature)

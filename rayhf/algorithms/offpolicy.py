@@ -18,6 +18,16 @@ forward in the first epoch runs before any update, so with one epoch (the defaul
 minibatch's proximal log-probs for free: only the other minibatches need a forward of their own
 (before the first update), which saves 1 / ``n_minibatches`` of that pass.
 
+With ``proximal: interpolate`` (AReaL's log-linear approximation, counted here in updates
+rather than steps) no forward runs for them: each generated sample carries the version of the
+weights that sampled it (``VERSION_EXTRA``), and a minibatch that ``u`` updates of this call
+precede, from samples ``s`` steps stale (``U`` updates a step), takes
+
+    log pi_prox ~ log pi_behaviour + a * (log pi_theta - log pi_behaviour),  a = sU / (sU + u)
+
+which is exact where it can be: before the first update (u = 0: pi_theta is pi_prox) and for
+samples of the proximal weights themselves (s = 0).
+
 The log-prob mismatch between the generator and the trainer (mean |behaviour - proximal| per
 token) is reported on every step: at staleness 0 it is the check that the generation engine
 and the trainer compute the same policy. There it costs nothing: it is read from the first
@@ -25,6 +35,8 @@ minibatch's forward.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -34,6 +46,8 @@ from rayhf.algorithms.interface import ModelEngine, WorkShape
 from rayhf.algorithms.lm import logprob_batch, padded
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
+
+VERSION_EXTRA = "policy_version"  # per generated sample: the step whose update made its weights
 
 
 class OffPolicyConfig(BaseModel):
@@ -47,6 +61,11 @@ class OffPolicyConfig(BaseModel):
     weight_cap: float = Field(2.0, gt=0)
     """Cap of the per-token importance weight pi_prox / pi_behaviour (truncated importance
     sampling) when ``max_staleness`` > 0."""
+    proximal: Literal["recompute", "interpolate"] = "recompute"
+    """How a train call gets the proximal log-probs when ``max_staleness`` > 0: ``recompute``
+    forwards its batch before the first update (exact); ``interpolate`` skips that forward and
+    places them between the behaviour log-probs and each minibatch's own (AReaL's log-linear
+    approximation)."""
 
 
 class OnPolicyConfig(BaseModel):
@@ -89,9 +108,9 @@ def behaviour_weights(
 
 def policy_train_shape(cfg: OffPolicyConfig, epochs: int, n_minibatches: int) -> WorkShape:
     """A policy train call's work as ``PolicyReference`` runs it: ``epochs`` passes, and the
-    share of the batch it forwards for the proximal log-probs (none on-policy, all but the first
-    minibatch with one epoch, all with more)."""
-    if not cfg.max_staleness:
+    share of the batch it forwards for the proximal log-probs (none on-policy or interpolated,
+    all but the first minibatch with one epoch, all with more)."""
+    if not cfg.max_staleness or cfg.proximal == "interpolate":
         share = 0.0
     else:
         share = 1.0 if epochs > 1 else (n_minibatches - 1) / n_minibatches
@@ -101,9 +120,10 @@ def policy_train_shape(cfg: OffPolicyConfig, epochs: int, n_minibatches: int) ->
 class PolicyReference:
     """What one train call's policy loss compares its log-probs with: the behaviour log-probs
     (``logprobs``, from the generate call) on-policy; with ``max_staleness`` > 0 the proximal
-    ones (the trainer's before its first update) with the behaviour weights. It also sums the
-    generator/trainer log-prob mismatch. ``epochs``: how many times the call goes over its
-    minibatches (with more than one every proximal log-prob is computed up front)."""
+    ones (the trainer's before its first update, recomputed or interpolated) with the behaviour
+    weights. It also sums the generator/trainer log-prob mismatch. ``epochs``: how many times
+    the call goes over its minibatches (with more than one every recomputed proximal log-prob
+    is computed up front); ``step``: the call's step (its proximal weights are step - 1's)."""
 
     def __init__(
         self,
@@ -112,24 +132,34 @@ class PolicyReference:
         temperature: float,
         cfg: OffPolicyConfig,
         epochs: int,
+        step: int = 0,
     ) -> None:
         self.engine, self.temperature = engine, temperature
         self.decoupled = cfg.max_staleness > 0
+        self.interpolate = self.decoupled and cfg.proximal == "interpolate"
         self.first_free = epochs == 1  # the first minibatch's forward gives its proximal ones
         self.first: set[int] = set()  # the minibatch whose forward precedes every update
-        self.epoch = 0
+        self.epoch, self.epochs = 0, epochs
         self.sums = torch.zeros(2, dtype=torch.float64)  # sum |behaviour - proximal|, tokens
-        if self.decoupled and not self.first_free:
+        self.lags: dict[int, int] = {}  # sample id -> steps its weights lag the proximal ones
+        self.updates_before: dict[int, int] = {}  # sample id -> updates of this call before it
+        self.updates = 0  # updates this call makes in all
+        if self.interpolate:
+            self.lags = _lags(batch, step)
+        elif self.decoupled and not self.first_free:
             self._proximal(batch)
 
     def start_epoch(self, epoch: int, minibatches: list[PackedBatch]) -> None:
-        """Before ``engine.train`` goes over ``minibatches``: with one epoch, the proximal
-        log-probs of every minibatch after the first (no update has run yet)."""
-        self.epoch = epoch
+        """Before ``engine.train`` goes over ``minibatches`` (one update each): with one epoch,
+        the recomputed proximal log-probs of every minibatch after the first (no update has
+        run yet)."""
+        self.epoch, self.updates = epoch, len(minibatches) * self.epochs
+        for j, mb in enumerate(minibatches):
+            self.updates_before.update(dict.fromkeys(mb.sample_ids, epoch * len(minibatches) + j))
         if epoch == 0 and minibatches:
             self.first = set(minibatches[0].sample_ids)
             rest = [mb for mb in minibatches[1:] if mb.n_samples]
-            if self.decoupled and self.first_free and rest:
+            if self.decoupled and self.first_free and not self.interpolate and rest:
                 got = self._proximal(PackedBatch.concat(rest))
                 for mb in rest:
                     mb.update(got.reorder(mb.sample_ids))
@@ -143,22 +173,37 @@ class PolicyReference:
         self._add(padded(batch, "logprobs"), padded(batch, "prox_logprobs"), mask)
         return got
 
+    def _interpolated(self, mb: PackedBatch, current: Tensor, behaviour: Tensor) -> Tensor:
+        """``mb``'s proximal log-probs between ``behaviour`` and ``current`` (the weights after
+        ``u`` of this call's updates): weight ``sU / (sU + u)`` on ``current`` for samples
+        ``s`` steps stale, ``U`` updates a step; exact at u = 0 and at s = 0."""
+        lag = torch.tensor([self.lags[i] for i in mb.sample_ids], dtype=current.dtype)
+        done = torch.tensor([self.updates_before[i] for i in mb.sample_ids], dtype=lag.dtype)
+        span = lag * self.updates
+        alpha = torch.where(done > 0, span / (span + done).clamp(min=1), torch.ones_like(lag))
+        return behaviour + alpha[:, None] * (current - behaviour)
+
     def old(self, mb: PackedBatch, logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(log-probs the ratio is taken against, behaviour log-probs or None)`` for ``mb``,
         whose current log-probs are ``logprobs``. Those of the first minibatch in the first
-        epoch are the trainer's before any update: the proximal ones (with one epoch) and the
-        mismatch's other side (on-policy)."""
+        epoch are the trainer's before any update: the proximal ones (with one epoch, or
+        interpolated) and the mismatch's other side (on-policy)."""
         behaviour = padded(mb, "logprobs")
         before_any_update = self.epoch == 0 and set(mb.sample_ids) <= self.first
         if not self.decoupled:
             if before_any_update:
                 self._add(behaviour, logprobs.detach(), mask)
             return behaviour, None
-        if before_any_update and self.first_free:
-            proximal = torch.where(mask, logprobs.detach(), torch.zeros_like(logprobs))
+        if self.interpolate:
+            proximal = self._interpolated(mb, logprobs.detach(), behaviour)
+        elif before_any_update and self.first_free:
+            proximal = logprobs.detach()
+        else:
+            return padded(mb, "prox_logprobs"), behaviour
+        proximal = torch.where(mask, proximal, torch.zeros_like(proximal))
+        if before_any_update:
             self._add(behaviour, proximal, mask)
-            return proximal, behaviour
-        return padded(mb, "prox_logprobs"), behaviour
+        return proximal, behaviour
 
     def _add(self, behaviour: Tensor, proximal: Tensor, mask: Tensor) -> None:
         diff = torch.where(mask, (behaviour - proximal).abs(), torch.zeros_like(behaviour))
@@ -168,3 +213,14 @@ class PolicyReference:
         """``logprob_mismatch``: mean |behaviour - proximal| per token over every dp rank."""
         total = engine.all_reduce_sum(self.sums)
         return {"logprob_mismatch": float(total[0] / total[1].clamp(min=1))}
+
+
+def _lags(batch: PackedBatch, step: int) -> dict[int, int]:
+    """Sample id -> how many steps its sampling weights lag step ``step``'s proximal ones."""
+    if VERSION_EXTRA not in batch.extras:
+        raise RuntimeError(
+            f"algorithm.proximal: interpolate needs each sample's '{VERSION_EXTRA}', which the "
+            "generate call adds; this batch has none"
+        )
+    versions = batch.extras[VERSION_EXTRA]
+    return {i: step - 1 - int(v) for i, v in zip(batch.sample_ids, versions, strict=True)}

@@ -362,7 +362,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
     ) -> dict[str, float]:
         stats = self.add_targets(engine, batch)
         cfg = self.cfg
-        reference = PolicyReference(engine, batch, self.temperature, cfg, cfg.ppo_epochs)
+        reference = PolicyReference(engine, batch, self.temperature, cfg, cfg.ppo_epochs, ctx.step)
 
         def loss_fn(mb: PackedBatch):
             logp, logits, mask = response_forward(engine, mb, self.temperature)

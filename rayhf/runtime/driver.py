@@ -9,9 +9,10 @@
 Data moves actor to actor: a call's node receives its source calls' head results and assembles
 its own replica's share (``flow``); the driver only gets every node's result to report. Each
 node also takes the previous node on its actor and, per unit it must follow, that unit's node on
-the same device, so both executors keep the schedule's order. ``DagExecutor`` runs the same DAG
-with plain ``.remote()`` actor calls or compiled (``experimental_compile``); see
-docs/decisions.md for which one is the default where.
+the same device, so both executors keep the schedule's order; a call on a copy also takes its
+move's first sender, whose result names the version of the weights it sent. ``DagExecutor``
+runs the same DAG with plain ``.remote()`` actor calls or compiled (``experimental_compile``);
+see docs/decisions.md for which one is the default where.
 
 Steps overlap (plain calls, ``driver.overlap_steps``): step i+1 is submitted while step i runs,
 each of its nodes also taking the nodes of step i that ``planner.step.carried`` names (its
@@ -133,8 +134,10 @@ class StepDag:
             for info, method, const in self._parts(unit):
                 heads = [i for s in unit.sources for i in of_unit[s] if self.nodes[i].info.is_head]
                 order = [self._on_device(of_unit[a], info.device) for a in sorted(unit.after)]
+                sent = self._sender(of_unit.get(f"realloc:{unit.name}", []))
                 before = last_on_actor.get(info.actor_name)
-                args = dict.fromkeys([*heads, *order, *([before] if before is not None else [])])
+                extra = [j for j in (sent, before) if j is not None]
+                args = dict.fromkeys([*heads, *order, *extra])
                 of_unit[unit.name].append(len(self.nodes))
                 last_on_actor[info.actor_name] = len(self.nodes)
                 self.nodes.append(Node(info, method, const, tuple(args)))
@@ -153,6 +156,11 @@ class StepDag:
         """The node among ``nodes`` (one unit's) on ``device`` that ends last, else the unit's
         last: a move's receivers come after its senders and finish after them."""
         return next((i for i in reversed(nodes) if self.nodes[i].info.device == device), nodes[-1])
+
+    def _sender(self, nodes: list[int]) -> int | None:
+        """The first sending node among a move's ``nodes``: a call on the copy takes its result
+        for the version of the weights it holds."""
+        return next((i for i in nodes if self.nodes[i].method == "dag_send"), None)
 
     def ray_dag(self) -> Any:
         """The same calls bound as a Ray DAG: ``InputNode`` -> nodes -> ``MultiOutputNode``."""

@@ -117,6 +117,7 @@ class MoveResult:
     began: float
     ended: float
     version: int = 0  # a sender: the step whose update made the weights it sent
+    sent: bool = False  # a sender's result (a call on the copy reads its version)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rayhf.algorithms import CallContext, make_interface
+from rayhf.algorithms.offpolicy import VERSION_EXTRA
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import make_generators, make_trainer
 from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
@@ -182,6 +183,8 @@ class RoleWorker:
         call = self.calls[node.call]
         outputs: dict[str, dict[int, PackedBatch]] = {s: {} for s in node.sources}
         for r in upstream:
+            if isinstance(r, MoveResult) and r.sent and r.unit == f"realloc:{node.call}":
+                version = r.version  # a copy holds the weights its move sent
             if not isinstance(r, CallResult) or r.step != step.step:
                 continue  # it only orders this node
             if r.call in outputs and r.batch is not None:
@@ -196,6 +199,9 @@ class RoleWorker:
         if result.batch is not None:
             keep = self.groups.is_head
             result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None
+        if call.kind == "generate" and result.batch is not None:
+            # each sample names the weights that sampled it (decoupled PPO's behaviour version)
+            result.batch.extras[VERSION_EXTRA] = [version] * result.batch.n_samples
         if node.release:
             self._model().release()  # a copy: the next reallocation refills it
         if call.kind == "train" and not node.evaluate:
@@ -209,7 +215,7 @@ class RoleWorker:
         began = time.time()
         self._fault("move", step.step)
         self.realloc_send(move.group, move.by_peer, move.dtype)
-        return MoveResult(move.unit, self.spec.rank, 0, began, time.time(), self.version)
+        return MoveResult(move.unit, self.spec.rank, 0, began, time.time(), self.version, sent=True)
 
     def dag_recv(self, step: StepInput, move: MoveNode, *upstream: Any) -> MoveResult:
         """A weight move's receiving side as a node of the step's DAG."""

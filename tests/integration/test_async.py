@@ -103,6 +103,19 @@ def test_the_frozen_models_beside_the_generation_run_ahead_with_it(ray_cluster, 
     assert_trace_is_priced(cfg, prepare_run(cfg, result.run_dir))
 
 
+def test_interpolated_proximal_log_probs_read_each_sample_s_version(ray_cluster, tmp_path):
+    """With ``proximal: interpolate`` the train call places the proximal log-probs by each
+    sample's version tag: where the samples are on-policy (steps 1 and 3, after the checkpoint's
+    drain) they are the behaviour ones, so every weight is 1 (a wrong tag would move them)."""
+    rows = rayhf.run(_config(tmp_path, **{"algorithm.proximal": "interpolate"})).metrics
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["async/policy_version"] for r in rows] == [0.0, 0.0, 2.0, 2.0]
+    for r in rows[0::2]:
+        assert abs(r["is_weight_mean"] - 1) < 1e-5 and r["is_weight_max"] < 1 + 1e-5, r
+        assert r["logprob_mismatch"] < 1e-5
+    assert all(r["is_weight_max"] > 1.01 and r["logprob_mismatch"] > 1e-3 for r in rows[1::2])
+
+
 def test_a_recovery_of_an_asynchronous_run_ends_as_the_uninterrupted_one(uninterrupted, tmp_path):
     _, result = uninterrupted
     fault = {"site": "call", "step": 4, "role": "critic"}

@@ -9,7 +9,13 @@ from algo_support import _mask
 
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
 from rayhf.algorithms.lm import response_forward
-from rayhf.algorithms.offpolicy import OffPolicyConfig, PolicyReference, behaviour_weights
+from rayhf.algorithms.offpolicy import (
+    VERSION_EXTRA,
+    OffPolicyConfig,
+    PolicyReference,
+    behaviour_weights,
+    policy_train_shape,
+)
 from rayhf.algorithms.ppo import ppo_policy_loss
 from rayhf.data.batch import PackedBatch
 
@@ -128,3 +134,38 @@ def test_with_one_epoch_the_first_minibatch_s_forward_gives_its_proximal_log_pro
     assert free_stats["logprob_mismatch"] == pytest.approx(upfront_stats["logprob_mismatch"])
     # the train forwards 9 rows either way; the proximal pass 6 (minibatches 2, 3) instead of 9
     assert (free_rows, upfront_rows) == (9 + 6, 9 + 9)
+
+
+def test_interpolated_proximal_log_probs_cost_no_forward_and_are_exact_where_they_can_be():
+    engine, batch = _Bigram(5), _rollouts(9)
+    batch.add_extra(VERSION_EXTRA, [1] * 6 + [2] * 3)  # step 3: 1 step stale, then fresh
+    cfg = OffPolicyConfig(max_staleness=1, proximal="interpolate")
+    assert policy_train_shape(cfg, 1, 3).forward_share == 0.0
+    reference = PolicyReference(cast(Any, engine), batch, 1.0, cfg, 1, step=3)
+    minibatches = batch.split(3, "seq")
+    reference.start_epoch(0, minibatches)
+    first_gap = []
+    for j, mb in enumerate(minibatches):
+        logp, _, mask = response_forward(cast(Any, engine), mb)
+        old, behaviour = reference.old(mb, logp, mask)
+        assert behaviour is not None
+        for row, sample in enumerate(mb.sample_ids):
+            m = mask[row]
+            if j == 0:  # before any update: the trainer's own, the proximal ones exactly
+                assert torch.equal(old[row][m], logp[row][m].detach())
+                first_gap.append((behaviour[row][m] - logp[row][m]).abs())
+            elif sample >= 6:  # sampled by the proximal weights themselves
+                assert torch.equal(old[row][m], behaviour[row][m])
+            else:  # 1 step (3 updates) stale, j updates in: 3 / (3 + j) of the way to current
+                a = 3 / (3 + j)
+                expected = behaviour[row][m] + a * (logp[row][m].detach() - behaviour[row][m])
+                assert torch.allclose(old[row][m], expected)
+            assert not old.requires_grad
+        engine.table = engine.table + 0.3 * torch.randn(9, 9)
+    assert engine.rows == 9  # the train forwards only: no proximal pass
+    gap = torch.cat(first_gap)
+    stats = reference.stats(cast(Any, _Sum()))
+    assert stats["logprob_mismatch"] == pytest.approx(gap.mean().item())
+    del batch.extras[VERSION_EXTRA]
+    with pytest.raises(RuntimeError, match=VERSION_EXTRA):
+        PolicyReference(cast(Any, engine), batch, 1.0, cfg, 1, step=3)

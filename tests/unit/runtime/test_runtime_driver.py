@@ -112,6 +112,10 @@ def _results(dag: StepDag, seq: PackedBatch) -> list:
 def test_the_outcome_reports_every_call_and_move_of_the_step():
     dag = StepDag(PPO, _placement({"actor": [("ref", 0.5)]}), evaluate=False)
     assert [u.name for u in dag.units if u.kind == "realloc"] == ["realloc:actor_gen", "ema:ref"]
+    senders = [i for i, n in enumerate(dag.nodes) if n.method == "dag_send"]
+    for node in dag.nodes:  # a call on the copy reads its weights' version from the first sender
+        if node.info.unit.name == "actor_gen":
+            assert senders[0] in node.args and senders[1] not in node.args
     base = PackedBatch([0, 1], {"prompts": torch.arange(4)}, {"prompts": [2, 2]})
     seq = PackedBatch([0, 1], {"seq": torch.arange(6)}, {"seq": [3, 3]})
     out = dag.outcome(9, base, _results(dag, seq))
