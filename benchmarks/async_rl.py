@@ -56,6 +56,7 @@ TASKS = (
     "The demo task (examples/ppo_tiny.yaml, examples/grpo_tiny.yaml, unchanged but for the plan)"
 )
 ARGS = ""  # the command's arguments, as the report names them
+PROXIMAL: str | None = None  # algorithm.proximal, instead of the example's (recompute)
 
 
 @functools.cache
@@ -95,6 +96,7 @@ def one_run(tmp: str, algo: str, plan_name: str, k: int, steps: int, seed: int) 
             "plan": plan,
             "algorithm.max_staleness": k,
             **({"models.actor.optimizer.lr": ACTOR_LR} if ACTOR_LR is not None else {}),
+            **({"algorithm.proximal": PROXIMAL} if PROXIMAL is not None else {}),
         }
     )
     return rayhf.run(cfg).metrics
@@ -273,9 +275,10 @@ def main() -> None:
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"], choices=sorted(EXAMPLES))
     ap.add_argument("--plans", nargs="+", default=PLANS, choices=PLANS)
     ap.add_argument("--actor-lr", type=float, default=None, help="instead of the example's")
+    ap.add_argument("--proximal", choices=["recompute", "interpolate"], default=None)
     args = ap.parse_args()
-    global ACTOR_LR, TASKS, ARGS
-    ACTOR_LR, PLANS[:] = args.actor_lr, args.plans
+    global ACTOR_LR, TASKS, ARGS, PROXIMAL
+    ACTOR_LR, PLANS[:], PROXIMAL = args.actor_lr, args.plans, args.proximal
     ARGS = "".join(f" {a}" for a in sys.argv[1:])
     name = "async_rl" if ACTOR_LR is None else f"async_rl_lr{ACTOR_LR:g}"
     if args.algos == ["gsm8k"]:
@@ -286,6 +289,8 @@ def main() -> None:
         )
     if args.seeds != ap.get_default("seeds"):  # another seed set: a report of its own
         name += f"_{len(args.seeds)}seeds"
+    if PROXIMAL is not None:
+        name += f"_{PROXIMAL}"
     commit = git_commit()
     res = bench(args.steps, args.speed_steps, args.ks, args.algos, args.seeds)
     res["commit"] = commit
@@ -293,6 +298,8 @@ def main() -> None:
     if ACTOR_LR is not None:
         lr = f"{ACTOR_LR:g}"
         text = text.replace("but for the plan", f"but for the plan and the actor's lr, {lr}")
+    if PROXIMAL is not None:
+        text = text.replace("but for the plan", f"but for the plan, algorithm.proximal {PROXIMAL}")
     text = text.replace("(async_rl.png)", f"({name}.png)")
     print(text)
     write_results(name, text, res, commit)
