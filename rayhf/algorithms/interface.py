@@ -22,6 +22,9 @@ from pydantic import BaseModel
 from rayhf.data.batch import PackedBatch
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
+# per sample a generate call made: the step whose update made the weights that sampled it
+VERSION_EXTRA = "policy_version"
+
 
 class ModelEngine(Protocol):
     """The model-side operations an interface may use (``rayhf.engines`` implements it)."""

@@ -42,12 +42,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from rayhf.algorithms.interface import ModelEngine, WorkShape
+from rayhf.algorithms.interface import VERSION_EXTRA, ModelEngine, WorkShape
 from rayhf.algorithms.lm import logprob_batch, padded
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
-
-VERSION_EXTRA = "policy_version"  # per generated sample: the step whose update made its weights
 
 
 class OffPolicyConfig(BaseModel):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rayhf.algorithms import CallContext, make_interface
-from rayhf.algorithms.offpolicy import VERSION_EXTRA
+from rayhf.algorithms.interface import VERSION_EXTRA
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import make_generators, make_trainer
 from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
@@ -200,7 +200,7 @@ class RoleWorker:
             keep = self.groups.is_head
             result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None
         if call.kind == "generate" and result.batch is not None:
-            # each sample names the weights that sampled it (decoupled PPO's behaviour version)
+            # each sample names the weights that sampled it (an off-policy loss reads it)
             result.batch.extras[VERSION_EXTRA] = [version] * result.batch.n_samples
         if node.release:
             self._model().release()  # a copy: the next reallocation refills it

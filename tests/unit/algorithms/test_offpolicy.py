@@ -8,9 +8,9 @@ import torch
 from algo_support import _mask
 
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
+from rayhf.algorithms.interface import VERSION_EXTRA
 from rayhf.algorithms.lm import response_forward
 from rayhf.algorithms.offpolicy import (
-    VERSION_EXTRA,
     OffPolicyConfig,
     PolicyReference,
     behaviour_weights,
