@@ -186,7 +186,6 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     cluster = parse_cluster(cluster_text)
     dataset = existing_dataset(cfg, graph)
     works = planner_workloads(cfg, graph, dataset)
-    synced = cfg.with_overrides({"algorithm.max_staleness": 0}) if staleness(cfg) else cfg
     step = step_options(cfg, "cuda")
     result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds, step)
     chosen = result.chosen.plan
@@ -195,7 +194,10 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
         return
     typer.echo(format_plan(chosen, graph))
     typer.echo(format_auto(result))
-    on_policy = planner_workloads(synced, graph, dataset)
+    on_policy = works  # the work at k=0: with k > 0, without the proximal forward
+    if staleness(cfg):
+        synced = cfg.with_overrides({"algorithm.max_staleness": 0})
+        on_policy = planner_workloads(synced, graph, dataset)
     ways = step_estimates(graph, specs, works, cluster, result, step, cfg.seed, seconds, on_policy)
     typer.echo("\n".join(ways))
     if gantt is not None:

@@ -242,8 +242,8 @@ class StepDag:
     def _report_versions(
         self, out: StepOutcome, step: int, by_unit: dict[str, list[tuple[NodeInfo, Any]]]
     ) -> None:
-        """Each policy generation's weights version (the step whose update made them; what its
-        move's senders held, or its own ranks without a move) in its span and the stats:
+        """Each policy generation's weights version (the step whose update made them, as its
+        ranks report it: on a copy, what its move's sender held) in its span and the stats:
         ``async/staleness`` is how many updates they lag the on-policy version ``step - 1``."""
         trained = {c.role for c in self.graph.calls if c.kind == "train"}
         spans = {s.name: s for s in out.spans}
@@ -251,8 +251,7 @@ class StepDag:
         for c in self.graph.calls:
             if c.kind != "generate" or c.role not in trained:
                 continue
-            parts = by_unit.get(f"realloc:{c.name}") or by_unit[c.name]
-            version = min(r.version for i, r in parts if i.group.key == parts[0][0].group.key)
+            version = min(r.version for _, r in by_unit[c.name])
             spans[c.name].args.update(version=version, staleness=step - 1 - version)
             lags.append(step - 1 - version)
         if lags:

@@ -91,8 +91,8 @@ def _placement(followers=None) -> Placement:
 
 def _results(dag: StepDag, seq: PackedBatch) -> list:
     """Every node's result: calls ran 1 + rank seconds from 1 + rank to 5 + rank (each actor_gen
-    replica made its sample's ``seq``); receivers of a move hold their slices at 3.0, its
-    senders return at 10.0."""
+    replica made its sample's ``seq`` and reports the version its move's senders sent, 7);
+    receivers of a move hold their slices at 3.0, its senders return at 10.0."""
     out: list = []
     for node in dag.nodes:
         info = node.info
@@ -100,8 +100,9 @@ def _results(dag: StepDag, seq: PackedBatch) -> list:
         if node.method == "dag_call":
             batch = seq.select([rank]) if name == "actor_gen" and info.is_head else None
             stats = {f"{name}/loss": float(rank)} if name.endswith("_train") else {}
+            version = 7 if name == "actor_gen" else 0  # on the copy: what its move sent
             out.append(CallResult(name, rank, batch, stats, 1.0 + rank, "torch", 1.0 + rank,
-                                  5.0 + rank))  # fmt: skip
+                                  5.0 + rank, version=version))  # fmt: skip
         elif node.method == "dag_recv":
             out.append(MoveResult(name, rank, 4, 0.5, 3.0))
         else:
