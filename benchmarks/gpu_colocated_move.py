@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import git_commit, write_results
 
-from rayhf.checks.common import free_address
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.sharding import param_shards, shard_shape, take_shard
 from rayhf.models.spec import model_spec
+from rayhf.parallel.groups import host_store, join_store
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.plan import plan_realloc
 from rayhf.realloc.transport import TransferGroup, recv_all, send_all
@@ -65,9 +65,9 @@ def _worker(rank: int, address: str, stores: list[str], args: Any, queue: Any) -
     if args.device == "cuda":
         torch.cuda.set_device(0)
     torch.set_num_threads(1)  # one copy thread each: 4 processes share the cores
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=WORLD)
     groups = {
-        t: TransferGroup(s, rank, WORLD, args.device, True, same_host=t == "segment")
+        t: TransferGroup(join_store(s), rank, WORLD, args.device, True, same_host=t == "segment")
         for t, s in zip(TRANSPORTS, stores, strict=True)
     }
     spec = _spec(args.layers)
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("gpu_colocated_move: no CUDA device here; pass --device cpu for a smoke run")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    stores = [free_address() for _ in TRANSPORTS]
-    address = free_address()
+    hosted = [host_store() for _ in range(len(TRANSPORTS) + 1)]  # open while the ranks meet
+    address, *stores = (a for _, a in hosted)
     procs = [ctx.Process(target=_worker, args=(r, address, stores, args, queue))
              for r in range(WORLD)]  # fmt: skip
     for p in procs:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -85,7 +84,7 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     from rayhf.data.batch import PackedBatch
     from rayhf.engines.build import standalone_engine
     from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.parallel.groups import build_groups
+    from rayhf.parallel.groups import build_groups, join_store
     from rayhf.sampling import GenerationConfig
 
     address, layers, reps = args
@@ -93,7 +92,7 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     world = dp * tp * pp
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+        dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=world)
     groups = build_groups(dp, tp, pp, rank)
     ids, prompts = _data()
     share = slice(groups.coords.dp_rank * ROWS // dp, (groups.coords.dp_rank + 1) * ROWS // dp)
@@ -119,9 +118,9 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
 
 
 def _run_layout(layout: tuple[int, int, int], layers: int, reps: int, tmp: Path) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from rayhf.parallel.groups import host_store
+
+    _store, address = host_store()  # open here while the ranks meet through it
     out = tmp / f"layout_{'_'.join(map(str, layout))}.json"
     world = layout[0] * layout[1] * layout[2]
     mp.spawn(_layout_worker, args=(layout, (address, layers, reps), str(out)), nprocs=world)

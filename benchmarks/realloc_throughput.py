@@ -148,13 +148,14 @@ def _chain_worker(rank: int, address: tuple[str, str], n_bytes: int, reps: int, 
     gloo's sockets, then through shared memory."""
     import json
 
+    from rayhf.parallel.groups import join_store
     from rayhf.realloc.plan import Transfer
     from rayhf.realloc.transport import TransferGroup, recv_all, send_all
 
     torch.set_num_threads(1)
     groups = {
-        "relay": TransferGroup(address[0], rank, 4, same_host=False),
-        "relay_shm": TransferGroup(address[1], rank, 4),
+        "relay": TransferGroup(join_store(address[0]), rank, 4, same_host=False),
+        "relay_shm": TransferGroup(join_store(address[1]), rank, 4),
     }
     group = groups["relay"]
     n = n_bytes // 4
@@ -185,11 +186,12 @@ def chain(n_bytes: int, reps: int) -> dict:
 
     import torch.multiprocessing as mp
 
-    from rayhf.checks.common import free_address
+    from rayhf.parallel.groups import host_store
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "chain.json")
-        addresses = (free_address(), free_address())
+        stores = [host_store() for _ in range(2)]  # open here while the ranks meet through them
+        addresses = tuple(a for _, a in stores)
         mp.spawn(_chain_worker, args=(addresses, n_bytes, reps, out), nprocs=4)
         return {"bytes": n_bytes, **json.loads(Path(out).read_text())}
 

@@ -1,9 +1,7 @@
-"""What the harnesses share: tiny models of every family, a stand-in tokenizer, and a free
-rendezvous address for their gloo processes."""
+"""What the harnesses share: tiny models of every family and a stand-in tokenizer."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 VOCAB, PAD, BOS, EOS = 37, 0, 2, 1
@@ -21,10 +19,3 @@ def tiny_model(family: str, shape: dict[str, Any], value_head: bool = False, see
 
     init = ModelInit(family=family, hidden_size=32, n_layers=4, **shape)
     return build_model(hf_config(init, VOCAB, PAD, BOS, EOS), value_head, seed=seed).eval()
-
-
-def free_address() -> str:
-    """``tcp://127.0.0.1:port`` with a port free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rayhf.checks.common import EOS, PAD, VOCAB, Tok, free_address, tiny_model
+from rayhf.checks.common import EOS, PAD, VOCAB, Tok, tiny_model
 from rayhf.models.precision import DTYPES
+from rayhf.parallel.groups import host_store, join_store
 
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "llama": {"n_heads": 8, "n_kv_heads": 4},  # grouped-query attention
@@ -256,7 +257,7 @@ def _worker(
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world)
+    dist.init_process_group(backend, store=join_store(address), rank=rank, world_size=world)
     rows = []
     for precision in precisions:
         for family in FAMILY_SHAPES:
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and args.world > torch.cuda.device_count():
         parser.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} seen")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    address = free_address()
+    _store, address = host_store()  # open here while the ranks meet through it
     spawn_args = (args.world, address, args.out, args.precision, args.device)
     mp.spawn(_worker, args=spawn_args, nprocs=args.world, join=True)
 

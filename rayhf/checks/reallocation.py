@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rayhf.checks.common import Tok, free_address, tiny_model
+from rayhf.checks.common import Tok, tiny_model
 from rayhf.models.sharding import check_layout, param_shards, take_shard
 from rayhf.parallel.layout import Layout
 
@@ -201,14 +201,16 @@ def _worker(
     rank: int, address: str, store_addresses: tuple[str, str], pairs: list, out: str, device: str
 ) -> None:
     from rayhf.models.hf import quiet_transformers
+    from rayhf.parallel.groups import join_store
     from rayhf.realloc.transport import TransferGroup
 
     torch.set_num_threads(1)
     quiet_transformers()
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=POOL)
+    dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=POOL)
+    gloo, shm = (join_store(a) for a in store_addresses)
     groups = {  # pairs alternate: every message over gloo, every message through shared memory
-        "gloo": TransferGroup(store_addresses[0], rank, POOL, device, True, same_host=False),
-        "shm": TransferGroup(store_addresses[1], rank, POOL, device, True, shm_min_bytes=0),
+        "gloo": TransferGroup(gloo, rank, POOL, device, True, same_host=False),
+        "shm": TransferGroup(shm, rank, POOL, device, True, shm_min_bytes=0),
     }
     rows = []
     for i, (family, src, dst, flat) in enumerate(pairs):
@@ -225,6 +227,7 @@ def _worker(
 
 def main(argv: list[str] | None = None) -> None:
     from rayhf.models.spec import model_spec
+    from rayhf.parallel.groups import host_store
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -237,8 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
         jobs += [(family, *pair) for pair in sample_pairs(spec, args.pairs, args.seed)]
-    addresses = (free_address(), (free_address(), free_address()))
-    mp.spawn(_worker, args=(*addresses, jobs, args.out, args.device), nprocs=POOL)
+    stores = [host_store() for _ in range(3)]  # open here while the ranks meet through them
+    address, *transfer = (a for _, a in stores)
+    mp.spawn(_worker, args=(address, tuple(transfer), jobs, args.out, args.device), nprocs=POOL)
 
 
 if __name__ == "__main__":

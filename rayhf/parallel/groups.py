@@ -11,6 +11,7 @@ Every process of the world calls ``build_groups`` with the same arguments except
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -51,6 +52,26 @@ class ParallelGroups:
     def is_head(self) -> bool:
         """The rank that reports its replica's results (tp 0, stage 0)."""
         return self.coords.pp_rank == 0 and self.coords.tp_rank == 0
+
+
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def host_store(host: str = "127.0.0.1") -> tuple[dist.TCPStore, str]:
+    """A rendezvous store listening on ``host``, at a port the OS picks, and its address.
+
+    It listens before anyone is told the address: a port found free and bound only later, by
+    whichever member hosts, can be taken in between (CI saw it), and the members then wait on
+    whatever took it. The host keeps the store; every member, the host too, joins through it.
+    """
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    return store, f"tcp://{host}:{store.port}"
+
+
+def join_store(address: str) -> dist.TCPStore:
+    """A client of the store that ``host_store`` opened at ``address`` (``tcp://host:port``)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
 
 
 def single() -> ParallelGroups:

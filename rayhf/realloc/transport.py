@@ -18,7 +18,6 @@ received, unchanged, to the stream's next ranks as soon as it has arrived (a pip
 
 from __future__ import annotations
 
-import datetime
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from rayhf.parallel.groups import STORE_TIMEOUT
 from rayhf.realloc import shm
 from rayhf.realloc.plan import CHUNK_BYTES, SHM_MIN_BYTES, Transfer
 
@@ -58,13 +58,14 @@ DIRECT_BYTES = 2**20  # a slice this large travels alone, straight from/into the
 
 
 class TransferGroup:
-    """A process group over ``size`` actors; rank 0 hosts the store at ``address``. With
-    ``same_host`` (and gloo), messages of ``shm_min_bytes`` or more between members that share
-    this host's ``/dev/shm`` travel through it."""
+    """A process group over ``size`` actors that meet through ``store`` (one of its own:
+    ``rayhf.parallel.groups.host_store``). With ``same_host`` (and gloo), messages of
+    ``shm_min_bytes`` or more between members that share this host's ``/dev/shm`` travel
+    through it."""
 
     def __init__(
         self,
-        address: str,
+        store: dist.Store,
         rank: int,
         size: int,
         device: str = "cpu",
@@ -72,9 +73,6 @@ class TransferGroup:
         same_host: bool = True,
         shm_min_bytes: int = SHM_MIN_BYTES,
     ) -> None:
-        host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        timeout = datetime.timedelta(seconds=300)
-        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout)
         self.rank, self.size = rank, size
         self.pg: Any
         # GPU tensors through host memory: the members share GPUs, so NCCL cannot join them
@@ -86,7 +84,7 @@ class TransferGroup:
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009 (CUDA builds only)
             self.pg = nccl(store, rank, size)
             return
-        self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.pg = dist.ProcessGroupGloo(store, rank, size, STORE_TIMEOUT)
         self._meet(store, same_host and shm.available())
 
     def _meet(self, store: Any, use_shm: bool) -> None:

@@ -78,8 +78,10 @@ class RoleGroup:
 
     def setup(self) -> None:
         """Wait for the actors, join their process groups, shard the model."""
-        ref = self.actors[0].rendezvous_address.remote()
-        (address,) = gather([self.pending(0, ref, "start-up")], self.timeout_s)
+        address = ""  # a lone actor joins no group
+        if len(self.actors) > 1:
+            ref = self.actors[0].rendezvous_address.remote()
+            (address,) = gather([self.pending(0, ref, "start-up")], self.timeout_s)
         self.call_all("start-up", "setup", address)
 
     def kill(self) -> None:

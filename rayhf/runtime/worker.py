@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -30,7 +29,7 @@ from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import quiet_transformers
 from rayhf.models.precision import DTYPES
-from rayhf.parallel.groups import ParallelGroups, build_groups, single
+from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
 from rayhf.realloc.plan import Transfer
 from rayhf.realloc.transport import (
     ShardSource,
@@ -88,6 +87,7 @@ class RoleWorker:
         self.trainer: Trainer | None = None
         self.generators: dict[str, Generator] = {}
         self.transfer_groups: dict[str, TransferGroup] = {}
+        self.hosted: dict[str, dist.TCPStore] = {}  # rendezvous stores this rank opened, by address
         self.calls = {c.name: c for c in spec.calls}
         self.version = spec.version  # the step whose update made this rank's weights
         self.interfaces = {
@@ -95,14 +95,17 @@ class RoleWorker:
         }
 
     def rendezvous_address(self) -> str:
-        """``tcp://ip:port`` on this node for the dp group's rendezvous (rank 0 calls it)."""
+        """``tcp://ip:port`` of a store this rank opens on its node, for a group's rendezvous
+        (its rank 0 calls it; the store already listens)."""
         import ray
 
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ip}:{port}"
+        store, address = host_store(ray.util.get_node_ip_address())
+        self.hosted[address] = store
+        return address
+
+    def _store(self, address: str) -> dist.Store:
+        """The rendezvous store at ``address``: the one this rank opened there, or a client."""
+        return self.hosted.pop(address, None) or join_store(address)
 
     def _fault(self, site: str, step: int = 0) -> None:
         """Die at once (SIGKILL, no cleanup) if the injected fault names this site and step."""
@@ -110,7 +113,7 @@ class RoleWorker:
         if fault is not None and fault.site == site and (site == "startup" or fault.step == step):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def setup(self, init_method: str) -> None:
+    def setup(self, address: str) -> None:
         """Join the role group's dp, tp and pp groups (gloo on CPU, NCCL on GPU), then keep
         this rank's shards of the model."""
         spec = self.spec
@@ -119,7 +122,7 @@ class RoleWorker:
         if world > 1:
             backend = "nccl" if spec.device.startswith("cuda") else "gloo"
             dist.init_process_group(
-                backend, init_method=init_method, rank=spec.rank, world_size=world
+                backend, store=self._store(address), rank=spec.rank, world_size=world
             )
             self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
         hf_model, self._hf_model = self._hf_model, None
@@ -249,7 +252,7 @@ class RoleWorker:
         ``shared_devices``: the two groups have devices in common; ``shm``: messages to members
         on this host go through shared memory)."""
         self.transfer_groups[name] = TransferGroup(
-            address, rank, size, self.spec.device, shared_devices, same_host=shm
+            self._store(address), rank, size, self.spec.device, shared_devices, same_host=shm
         )
 
     def realloc_send(

@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 from parity_support import TOLERANCES
 
-from rayhf.checks.common import free_address
 from rayhf.checks.parity import FAMILY_SHAPES
+from rayhf.parallel.groups import host_store
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,11 +51,12 @@ def test_every_family_matches_hugging_face_on_cuda_in_fp32_and_bf16(tmp_path):
 
 
 def _staged_pair(rank: int, address: str, errors) -> None:
+    from rayhf.parallel.groups import join_store
     from rayhf.realloc.transport import TransferGroup
 
     torch.cuda.set_device(0)  # both ranks on the one GPU
     try:
-        group = TransferGroup(address, rank, 2, "cuda", shared_devices=True)
+        group = TransferGroup(join_store(address), rank, 2, "cuda", shared_devices=True)
         for dtype in (torch.float32, torch.bfloat16):
             want = torch.arange(3 * 2**20, device="cuda").to(dtype) / 7
             if rank == 0:
@@ -73,7 +74,7 @@ def test_role_groups_on_one_gpu_move_weights_through_host_memory():
     and bf16 GPU tensors bit-exactly."""
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    address = free_address()
+    _store, address = host_store()  # open here while the ranks meet through it
     procs = [ctx.Process(target=_staged_pair, args=(r, address, errors)) for r in range(2)]
     for p in procs:
         p.start()

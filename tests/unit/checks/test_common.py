@@ -1,14 +1,11 @@
-"""What the check harnesses share: seeded tiny models of every family with the shared ids, and a
-rendezvous address that is free to bind."""
+"""What the check harnesses share: seeded tiny models of every family with the shared ids."""
 
 from __future__ import annotations
-
-import socket
 
 import pytest
 import torch
 
-from rayhf.checks.common import BOS, EOS, PAD, VOCAB, Tok, free_address, tiny_model
+from rayhf.checks.common import BOS, EOS, PAD, VOCAB, Tok, tiny_model
 from rayhf.models.spec import FAMILIES, model_spec
 
 SHAPES = {"llama": {"n_heads": 8, "n_kv_heads": 4}, "qwen2": {"n_heads": 4},
@@ -41,11 +38,3 @@ def test_tiny_model_is_a_function_of_its_seed():
 def test_tok_has_the_ids_an_engine_reads():
     assert (Tok.pad_token_id, Tok.eos_token_id) == (PAD, EOS)
     assert len({PAD, BOS, EOS}) == 3 and max(PAD, BOS, EOS) < VOCAB
-
-
-def test_free_address_can_be_bound():
-    address = free_address()
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    assert address.startswith("tcp://") and host == "127.0.0.1"
-    with socket.socket() as s:
-        s.bind((host, int(port)))  # still free right after

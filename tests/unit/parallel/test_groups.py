@@ -1,12 +1,22 @@
 """Process groups of a layout, without torch.distributed: a lone process's groups, the rank sets
-each axis groups together, and what a rank learns of its place."""
+each axis groups together, and what a rank learns of its place; the stores groups meet through."""
 
 from __future__ import annotations
+
+import errno
+import socket
 
 import pytest
 import torch.distributed as dist
 
-from rayhf.parallel.groups import ParallelGroups, _lines, build_groups, single
+from rayhf.parallel.groups import (
+    ParallelGroups,
+    _lines,
+    build_groups,
+    host_store,
+    join_store,
+    single,
+)
 from rayhf.parallel.layout import Coords
 
 
@@ -23,6 +33,18 @@ def test_build_groups_of_one_rank_needs_no_torch_distributed():
     assert build_groups(1, 1, 1, rank=0) == single()
     with pytest.raises(AssertionError, match=r"needs torch\.distributed"):
         build_groups(2, 1, 1, rank=0)
+
+
+def test_a_hosted_store_listens_before_its_address_is_handed_out():
+    store, address = host_store()
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    assert address.startswith("tcp://127.0.0.1:") and int(port) == store.port
+    with socket.socket() as s, pytest.raises(OSError) as taken:
+        s.bind((host, int(port)))  # no one can take the port between handing it out and use
+    assert taken.value.errno == errno.EADDRINUSE
+    first, second = join_store(address), join_store(address)
+    first.set("rank0", "here")
+    assert second.get("rank0") == b"here" and store.get("rank0") == b"here"
 
 
 def test_lines_group_ranks_that_differ_along_one_axis():

@@ -124,14 +124,16 @@ def _move_over_real_groups(plan, sources, want, remote: set[int], blend):
     (sources ranks 0.., destinations after them); ranks in ``remote`` act as another host's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rayhf.checks.common import free_address
+    from rayhf.parallel.groups import host_store, join_store
     from rayhf.realloc import transport
 
     d0, n = len(sources), len(sources) + len(want)
-    address = free_address()
+    _store, address = host_store()
 
     def join(r: int) -> transport.TransferGroup:
-        return transport.TransferGroup(address, r, n, same_host=r not in remote, shm_min_bytes=0)
+        return transport.TransferGroup(
+            join_store(address), r, n, same_host=r not in remote, shm_min_bytes=0
+        )
 
     with ThreadPoolExecutor(n) as pool:
         groups = list(pool.map(join, range(n)))

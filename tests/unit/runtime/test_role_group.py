@@ -101,3 +101,17 @@ def test_setup_shares_rank_0_s_address_and_kill_stops_every_actor(remote, monkey
     assert remote.setups == [(group.actor_name(0), "tcp://1"), (group.actor_name(1), "tcp://1")]
     group.kill()
     assert killed == [group.actor_name(0), group.actor_name(1)]
+
+
+def test_a_lone_actor_sets_up_without_a_rendezvous(remote, monkeypatch):
+    asked: list[str] = []
+    monkeypatch.setattr(role_group, "gather", lambda calls, timeout_s: [c.ref for c in calls])
+    monkeypatch.setattr(
+        role_group,
+        "pending",
+        lambda ref, handle, role, name, doing: asked.append(doing) or SimpleNamespace(ref=ref),
+    )
+    group = RoleGroup("reward", Layout((0,), 1), str, _devices(False), 1.0, "ns")
+    group.setup()
+    assert asked == ["start-up"], "setup only: no store opened that no group would join"
+    assert remote.setups == [(group.actor_name(0), "")]

@@ -194,13 +194,14 @@ def test_checkpoints_write_the_model_and_one_optimizer_file_per_rank(workers, tm
 
 
 def test_shutting_down_removes_the_worker_s_shared_memory_segments(workers):
-    from rayhf.checks.common import free_address
+    from rayhf.parallel.groups import host_store
     from rayhf.realloc import shm
 
     if not shm.available():
         pytest.skip("no writable /dev/shm")
     worker = workers["actor"]
-    worker.join_transfer_group("g", free_address(), 0, 1)
+    _store, address = host_store()
+    worker.join_transfer_group("g", address, 0, 1)
     segments = worker.transfer_groups["g"].shm
     assert segments is not None and segments.marker.exists()
     segments.reserve(4096)
