@@ -146,6 +146,27 @@ def samples_to(target: float, case: dict) -> int | None:
     return None
 
 
+RISE = (0.25, 0.5, 0.75)  # shares of k=0's rise at which the samples are compared as well
+
+
+def samples_ratios(case: dict, base: dict) -> list[float | None]:
+    """The samples ``case`` needs over those k=0 (``base``) needs to reach each ``RISE`` share of
+    the way from k=0's first full-window trailing mean to its final one (None: not reached)."""
+    start, end = base["trailing_reward"][WINDOW - 1], base["trailing_reward"][-1]
+    out: list[float | None] = []
+    for share in RISE:
+        level = start + share * (end - start)
+        mine, theirs = samples_to(level, case), samples_to(level, base)
+        out.append(None if mine is None or not theirs else mine / theirs)
+    return out
+
+
+def final_error(case: dict) -> float:
+    """The standard error over seeds of each seed's final trailing mean reward (0: one seed)."""
+    finals = [trailing(rewards)[-1] for rewards in case["seed_rewards"]]
+    return statistics.stdev(finals) / math.sqrt(len(finals)) if len(finals) > 1 else 0.0
+
+
 def bench(steps: int, speed_steps: int, ks: list[int], algos: list[str], seeds: list[int]) -> dict:
     """On the disjoint plan every k runs each seed, k=0 for ``steps`` steps and k >= 1 for 20%
     more (so "the same reward within 20% more samples" can be seen); on the other plans (each
@@ -169,6 +190,8 @@ def bench(steps: int, speed_steps: int, ks: list[int], algos: list[str], seeds: 
             for case in cases.values():
                 case["target_reward"] = target
                 case["samples_to_target"] = samples_to(target, case) if plan == "disjoint" else None
+                case["samples_ratios"] = samples_ratios(case, cases[ks[0]])
+                case["final_error"] = final_error(case)
                 case["speedup"] = case["samples_per_s"] / cases[ks[0]]["samples_per_s"]
             out["cases"][f"{algo}, {plan}"] = {str(k): c for k, c in cases.items()}
     return out
@@ -183,8 +206,10 @@ def report(res: dict, commit: str) -> str:
         "generation; the trained models (the actor, and PPO's critic) train on device 1. "
         f"Seeds {res['seeds']}, k=0 for {res['steps']} steps and "
         f"k >= 1 for 20% more; speed: the median seed's, over the steps after {res['warmup']}; "
-        f"reward: the mean over seeds, as a {res['window']}-step trailing mean, and the samples "
-        f"each k needs to reach the one k=0 ends with. "
+        f"reward: the mean over seeds, as a {res['window']}-step trailing mean (the final one "
+        "+- its standard error over seeds), the samples each k needs to reach the one k=0 ends "
+        f"with, and those it needs over k=0's to reach {', '.join(f'{r:.0%}' for r in RISE)} of "
+        "the way from k=0's first full-window mean to its final one. "
         + (
             "Disjoint-train: the actor generates on device 0, every other call runs on device 1. "
             if "disjoint-train" in PLANS
@@ -200,8 +225,9 @@ def report(res: dict, commit: str) -> str:
         + f"Command: `python benchmarks/async_rl.py{ARGS}`; commit {commit}.",
         "",
         "| algorithm, plan | k | steps/s | samples/s | vs k=0 | batches by staleness | IS "
-        "weight mean / max | log-prob mismatch | final reward | samples to k=0's final reward |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+        "weight mean / max | log-prob mismatch | final reward | samples to k=0's final reward "
+        f"| samples vs k=0 at {' / '.join(f'{r:.0%}' for r in RISE)} of its rise |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for case_name, cases in res["cases"].items():
         base = cases[min(cases, key=int)]["samples_to_target"]
@@ -210,14 +236,16 @@ def report(res: dict, commit: str) -> str:
             to = "not reached" if reached is None else f"{reached}"
             if reached is not None and base:
                 to += f" ({reached / base:.2f}x k=0)"
-            final = f"{c['trailing_reward'][-1]:.3f}"
+            final = f"{c['trailing_reward'][-1]:.3f} +- {c['final_error']:.3f}"
+            rise = " / ".join("-" if r is None else f"{r:.2f}x" for r in c["samples_ratios"])
             if not case_name.endswith("disjoint"):
-                to = final = "-"
+                to = final = rise = "-"
             stale = ", ".join(f"{s}: {n}" for s, n in c["staleness"].items())
             lines.append(
                 f"| {case_name} | {k} | {c['steps_per_s']:.2f} | {c['samples_per_s']:.1f} | "
                 f"{c['speedup']:.2f}x | {stale} | {c['is_weight_mean']:.3f} / "
-                f"{c['is_weight_max']:.2f} | {c['logprob_mismatch']:.2e} | {final} | {to} |"
+                f"{c['is_weight_max']:.2f} | {c['logprob_mismatch']:.2e} | {final} | {to} | "
+                f"{rise} |"
             )
     for k in sorted({k for cases in res["cases"].values() for k in cases}, key=int)[1:]:
         gains = [cases[k]["speedup"] for cases in res["cases"].values() if k in cases]

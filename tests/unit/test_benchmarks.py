@@ -78,3 +78,20 @@ def test_async_rl_counts_samples_until_the_trailing_reward_reaches_the_target(mo
     assert bench.samples_to(1.01, case) is None
     early = {"trailing_reward": bench.trailing([1.0] * (2 * window)), "samples_per_step": 8}
     assert bench.samples_to(1.0, early) == window * 8, "not before a whole window was seen"
+
+
+def test_async_rl_compares_the_samples_to_each_share_of_k0_s_rise(monkeypatch):
+    bench = _load(BENCHMARKS_DIR / "async_rl.py", monkeypatch)
+    window = bench.WINDOW
+    ramp = [i / (4 * window) for i in range(4 * window)]  # k=0 rises steadily from 0
+    slow = [r / 2 for r in ramp] + [0.5] * (4 * window)  # half as fast, then flat at half
+    base = {"trailing_reward": bench.trailing(ramp), "samples_per_step": 8}
+    case = {"trailing_reward": bench.trailing(slow), "samples_per_step": 8}
+    ratios = bench.samples_ratios(case, base)
+    assert len(ratios) == len(bench.RISE) and ratios[-1] is None, "never 75% of the way"
+    assert ratios[0] is not None and 1.5 < ratios[0] < 2.5, ratios  # about twice the samples
+    assert bench.samples_ratios(base, base) == [1.0] * len(bench.RISE)
+    one = {"seed_rewards": [ramp]}
+    two = {"seed_rewards": [ramp, [r + 0.2 for r in ramp]]}
+    assert bench.final_error(one) == 0.0
+    assert abs(bench.final_error(two) - 0.1) < 1e-9  # 0.2 apart: stdev 0.2/sqrt2, over sqrt2
