@@ -315,6 +315,8 @@ def main() -> None:
             "GRPO on GSM8K-format problems (examples/gsm8k_grpo.yaml from the instruct model "
             "its SFT stage makes, unchanged but for the plan and no evaluation)"
         )
+    if args.algos not in (ap.get_default("algos"), ["gsm8k"]):  # some of the demo's algorithms
+        name += "_" + "_".join(args.algos)
     if args.seeds != ap.get_default("seeds"):  # another seed set: a report of its own
         name += f"_{len(args.seeds)}seeds"
     if PROXIMAL is not None:
