@@ -95,3 +95,23 @@ def test_async_rl_compares_the_samples_to_each_share_of_k0_s_rise(monkeypatch):
     two = {"seed_rewards": [ramp, [r + 0.2 for r in ramp]]}
     assert bench.final_error(one) == 0.0
     assert abs(bench.final_error(two) - 0.1) < 1e-9  # 0.2 apart: stdev 0.2/sqrt2, over sqrt2
+
+
+def test_partial_rollouts_measures_generation_after_a_newer_version(monkeypatch):
+    bench = _load(BENCHMARKS_DIR / "partial_rollouts.py", monkeypatch)
+
+    def span(name: str, step: int, start_ms: float, end_ms: float, phase: str = "train"):
+        return {"cat": "call", "name": name, "ts": start_ms * 1e3, "dur": (end_ms - start_ms) * 1e3,
+                "args": {"step": step, "phase": phase}}  # fmt: skip
+
+    # the generate call of step i+1 runs for 100 ms from 100*i; the train call of step i ends
+    # 40 ms into it from step 2 on, and after it at step 1
+    events = [span("actor_gen", i + 1, 100 * i, 100 * i + 100) for i in range(6)]
+    events += [span("actor_train", i, 0, 100 * i + (40 if i >= 2 else 150)) for i in range(6)]
+    events.append(span("actor_gen", 3, 0, 10_000, phase="eval"))  # not a train-phase call
+    got = bench.in_flight(events, k=1, warmup=0)
+    # steps 1-5 (step 0 is warm-up): none in flight at step 1, 60% of the generation after
+    assert got["periods"] == 5 and got["periods_with_any"] == 4
+    assert abs(got["share"] - 4 * 0.6 / 5) < 1e-9
+    assert got["generate_ms"] == 100 and got["generator_idle_ms"] == 0
+    assert bench.in_flight(events, k=1, warmup=1)["periods"] == 4
