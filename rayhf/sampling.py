@@ -1,23 +1,27 @@
-"""Sampling rules and the one decode loop every generator shares.
+"""Sampling rules, shared by every generator, and a reference loop over a whole Hugging Face model.
 
-    prompts -> prefill (the generator's forward over the prompts) -> last-position logits
-      -> next_tokens (temperature, min length, top-k/top-p, greedy) -> tokens, log-probs
-      -> extend (the generator's cached forward over the new tokens) -> ... until EOS or the cap
-      -> cut_at_eos: per-row tokens and log-probs up to and including the first EOS
+    logits [rows, vocab] --choose(rules, uniforms, steps)--> tokens [rows], log-probs [rows]
+
+``choose`` is a function of fixed-shape tensors with no host round trip, so it runs inside the
+native generator's decode step (``rayhf.parallel.decode``), compiled and captured with it. Its
+randomness is counter-based: response ``i`` of a call draws ``uniforms(seed, ids, n)[i, j]`` for
+its token ``j``, a hash of (seed, i, j) and nothing else, so a response's samples do not depend
+on the batch it shares, on the slot it runs in, or on a generator's state, and every
+tensor-parallel rank draws the same. A token is drawn by inverting the cumulative distribution
+at that uniform (as ``torch.multinomial`` does), after temperature, the min-length EOS mask and
+top-k/top-p.
 
 The reported log-prob of a token is ``log_softmax(logits / temperature)`` before the min-length
 EOS mask and before top-k/top-p filtering, so a trainer that recomputes log-probs from one full
 forward at the same temperature gets the same numbers. Greedy decoding reports temperature 1.
 
-``decode`` is the loop; a generator supplies ``prefill`` and ``extend``: the sharded generator
-(``rayhf.parallel.generate``) over its pipeline, ``generate`` below over a whole Hugging Face
-model with its own KV cache (serving, demo tasks, reference checks).
+``generate`` below samples from a whole Hugging Face model with its own KV cache, one host sync
+a step: the reference the engines are checked against, and what demo tasks use.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,45 +60,105 @@ class GenerateOutput:
     finished: list[bool] = field(default_factory=list)  # True if the row ended with EOS
 
 
+@dataclass(frozen=True)
+class DecodeRules:
+    """What a decode step bakes in: the sampling settings and the tokenizer's ids (plain values,
+    so a compiled step guards on them)."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    min_new_tokens: int
+    max_new_tokens: int
+    eos: int
+    pad: int
+
+    @staticmethod
+    def of(cfg: GenerationConfig, eos_token_id: int, pad_token_id: int) -> DecodeRules:
+        return DecodeRules(
+            greedy=cfg.greedy,
+            temperature=1.0 if cfg.greedy else cfg.temperature,
+            top_k=0 if cfg.greedy else cfg.top_k,
+            top_p=1.0 if cfg.greedy else cfg.top_p,
+            min_new_tokens=cfg.min_new_tokens,
+            max_new_tokens=cfg.max_new_tokens,
+            eos=eos_token_id,
+            pad=pad_token_id,
+        )
+
+
 def check_prompts(prompts: list[list[int]]) -> None:
     if any(len(p) == 0 for p in prompts):
         raise RayhfError("every prompt needs at least one token; drop or fill the empty prompts")
 
 
-def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k and the top-p nucleus to -inf; the best token always stays."""
-    if 0 < top_k < logits.shape[-1]:
-        kth_best = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # A token is dropped once the more likely tokens before it already cover top_p.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2**32 / phi: spreads consecutive step numbers before mixing
 
 
-def next_tokens(
-    logits: Tensor,
-    step: int,
-    cfg: GenerationConfig,
-    eos_token_id: int,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """Pick one token per row; the log-prob comes from the unfiltered, unmasked distribution."""
-    scaled = logits if cfg.greedy else logits / cfg.temperature
-    logprobs = scaled.log_softmax(dim=-1)
-    if step < cfg.min_new_tokens:
-        scaled = scaled.clone()
-        scaled[:, eos_token_id] = float("-inf")
-    if cfg.greedy:
-        tokens = scaled.argmax(dim=-1)
-    else:
-        probs = filter_logits(scaled, cfg.top_k, cfg.top_p).softmax(dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+def _mul32(x: Any, c: int) -> Any:
+    """``x * c mod 2**32`` for ``x`` in [0, 2**32) without overflowing int64: ``c`` in halves."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: Any) -> Any:
+    """Chris Wellons' lowbias32 integer hash (Python ints and int64 tensors alike)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seed: int, ids: Tensor, n_steps: int) -> Tensor:
+    """``[len(ids), n_steps]`` float32 uniforms in (0, 1): the draw of response ``ids[i]`` for its
+    token ``j``, a hash of (seed, id, j); 24 bits, so every value is exact in float32."""
+    key = _mix32((seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32))
+    rows = _mix32((ids.long() & _MASK32) ^ key)
+    steps = _mix32((torch.arange(n_steps, device=ids.device) * _GOLDEN) & _MASK32)
+    bits = _mix32(rows[:, None] ^ steps[None, :])
+    return ((bits >> 8).float() + 0.5) * 2.0**-24
+
+
+def seed_from(generator: torch.Generator | None) -> int:
+    """A call's seed from a generator (advancing it) or from torch's global generator."""
+    return int(torch.randint(0, 2**62, (), generator=generator))
+
+
+def choose(logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per row of fp32 ``logits [rows, vocab]`` and its log-prob; ``u [rows]`` the rows'
+    uniforms, ``steps [rows]`` the index of the token being chosen in each response (for the
+    min-length EOS mask). Fixed shapes, no host sync."""
+    scaled = logits if rules.temperature == 1.0 else logits / rules.temperature
+    picked = scaled
+    if rules.min_new_tokens:
+        eos = torch.full_like(steps[:, None], rules.eos)
+        early = (steps < rules.min_new_tokens)[:, None]
+        banned = scaled.gather(1, eos).masked_fill(early, float("-inf"))
+        picked = scaled.scatter(1, eos, banned)
+    tokens = picked.argmax(-1) if rules.greedy else _inverse_cdf(picked, rules, u)
+    logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - scaled.logsumexp(-1)
+    return tokens, logprobs
+
+
+def _inverse_cdf(logits: Tensor, rules: DecodeRules, u: Tensor) -> Tensor:
+    """The first candidate whose cumulative weight reaches ``u`` times the total. Candidates are
+    the top-k (sorted), the whole vocabulary sorted (top-p alone) or unsorted (neither); top-p
+    drops a candidate once the more likely ones before it cover ``top_p``. A candidate of weight 0
+    is never drawn: its cumulative weight equals its predecessor's, and the threshold is > 0."""
+    index = None
+    if 0 < rules.top_k < logits.shape[-1]:
+        logits, index = logits.topk(rules.top_k, dim=-1)
+    elif rules.top_p < 1.0:
+        logits, index = logits.sort(dim=-1, descending=True)
+    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp()
+    if rules.top_p < 1.0:
+        probs = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.masked_fill(probs.cumsum(-1) - probs >= rules.top_p, 0.0)
+    total = weights.cumsum(-1)
+    pick = (total < u[:, None] * total[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    return pick if index is None else index.gather(1, pick[:, None]).squeeze(1)
 
 
 def cut_at_eos(tokens: Tensor, logprobs: Tensor, eos_token_id: int) -> GenerateOutput:
@@ -109,75 +173,44 @@ def cut_at_eos(tokens: Tensor, logprobs: Tensor, eos_token_id: int) -> GenerateO
     return out
 
 
-Logits = Tensor | None  # last-position logits [rows, vocab]; None on a rank that does not sample
-
-
-@dataclass(frozen=True)
-class DecodeSteps:
-    """A generator's two forwards and how its ranks agree on the sampled tokens."""
-
-    prefill: Callable[[], Logits]  # the prompts' forward
-    extend: Callable[[Tensor, int], Logits]  # the forward of step ``i``'s tokens [rows]
-    share: Callable[[Tensor], Tensor] = lambda t: t  # every rank gets the sampling rank's tensor
-
-
-def decode(
-    steps: DecodeSteps,
-    n_rows: int,
-    cfg: GenerationConfig,
-    eos_token_id: int,
-    pad_token_id: int,
-    generator: torch.Generator | None,
-    device: torch.device,
-) -> GenerateOutput:
-    """The decode loop: sample a token per row per step; a finished row decodes pad tokens
-    (its outputs are dropped by ``cut_at_eos``) until every row has ended or the cap."""
-    logits = steps.prefill()
-    finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
-    step_tokens: list[Tensor] = []
-    step_logprobs: list[Tensor] = []
-    for step in range(cfg.max_new_tokens):
-        if logits is not None:
-            tokens, logprobs = next_tokens(logits.float(), step, cfg, eos_token_id, generator)
-            tokens = tokens.masked_fill(finished, pad_token_id)
-        else:
-            tokens = torch.empty(n_rows, dtype=torch.long, device=device)
-            logprobs = torch.empty(n_rows, device=device)
-        tokens, logprobs = steps.share(tokens), steps.share(logprobs)
-        step_tokens.append(tokens)
-        step_logprobs.append(logprobs)
-        finished |= tokens == eos_token_id
-        if finished.all() or step + 1 == cfg.max_new_tokens:
-            break
-        logits = steps.extend(tokens, step)
-    tokens_out = torch.stack(step_tokens, dim=1).cpu()
-    return cut_at_eos(tokens_out, torch.stack(step_logprobs, dim=1).cpu(), eos_token_id)
-
-
 def generate(
     model: Any,
     prompts: list[list[int]],
     cfg: GenerationConfig,
     eos_token_id: int,
     pad_token_id: int,
-    generator: torch.Generator | None = None,
+    seed: int | None = None,
 ) -> GenerateOutput:
     """Sample one response per prompt from a whole Hugging Face causal LM (left-padded batch,
-    Hugging Face's KV cache); the model is in eval mode meanwhile, then restored."""
+    Hugging Face's KV cache; ``seed`` None: drawn from torch's global generator); the model is
+    in eval mode meanwhile, then restored. A finished row decodes pad tokens until every row
+    has ended or the cap."""
     if not prompts:
         return GenerateOutput()
     check_prompts(prompts)
+    rules = DecodeRules.of(cfg, eos_token_id, pad_token_id)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             steps = _HfSteps(model, prompts, pad_token_id)
-            device = steps.ids.device
-            return decode(
-                steps.as_steps(), len(prompts), cfg, eos_token_id, pad_token_id, generator, device
-            )
+            ids = torch.arange(len(prompts), device=steps.ids.device)
+            u = uniforms(seed_from(None) if seed is None else seed, ids, cfg.max_new_tokens)
+            logits = steps.forward(steps.ids)
+            finished = torch.zeros(len(prompts), dtype=torch.bool, device=ids.device)
+            chosen: list[tuple[Tensor, Tensor]] = []
+            for step in range(cfg.max_new_tokens):
+                tokens, logprobs = choose(logits, rules, u[:, step], torch.full_like(ids, step))
+                tokens = tokens.masked_fill(finished, pad_token_id)
+                chosen.append((tokens, logprobs))
+                finished |= tokens == eos_token_id
+                if finished.all() or step + 1 == cfg.max_new_tokens:
+                    break
+                logits = steps.extend(tokens)
     finally:
         model.train(was_training)
+    tokens_out = torch.stack([t for t, _ in chosen], dim=1).cpu()
+    return cut_at_eos(tokens_out, torch.stack([lp for _, lp in chosen], 1).cpu(), eos_token_id)
 
 
 class _HfSteps:
@@ -198,16 +231,13 @@ class _HfSteps:
         self.cache: Any = None
         self.keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def as_steps(self) -> DecodeSteps:
-        return DecodeSteps(lambda: self._forward(self.ids), self._extend)
-
-    def _extend(self, tokens: Tensor, step: int) -> Tensor:
+    def extend(self, tokens: Tensor) -> Tensor:
         # Finished rows keep attending normally to their pad inputs; their outputs are dropped.
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=-1)
         self.positions = self.positions[:, -1:] + 1
-        return self._forward(tokens[:, None])
+        return self.forward(tokens[:, None])
 
-    def _forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids: Tensor) -> Tensor:
         """One cached forward; float32 last-position logits [batch, vocab]."""
         extra = {"logits_to_keep": 1} if self.keep_last else {}  # prefill: skip the LM head
         out = self.model(

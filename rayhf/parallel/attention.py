@@ -1,10 +1,16 @@
 """Attention over packed tokens, with an optional KV cache, for the sharded model.
 
 Tokens stay packed (``[n_tokens, ...]``, no padding) through every linear layer and norm; only
-attention needs rows, so it scatters queries and keys into ``[rows, slots, heads, head_dim]``
-buffers, runs scaled-dot-product attention with a causal (and sliding-window) mask, and gathers
-the outputs back. A token's key slot is its position in its row, so a KV cache is the same
-buffer kept across calls: prefill writes positions ``0..len-1``, each decode step one more.
+attention needs rows. A training forward or a prefill scatters queries and keys into
+``[rows, heads, slots, head_dim]`` buffers and runs scaled-dot-product attention with a causal
+(and sliding-window) mask over the keys of its longest row. A token's key slot is its position in
+its row, so a KV cache is the same buffer kept across calls: a prefill writes positions
+``0..len-1``, each decode step one more.
+
+A decode step (``TokenLayout.decode``: one token per row, row ``i`` in cache row ``i``) attends
+with ``decode_attention``: the query heads of a group share their key/value head through a
+grouped matmul (no repeated keys), over the first ``n_keys`` slots of the cache only; shapes are
+fixed for a given (rows, n_keys), so the step compiles and captures.
 """
 
 from __future__ import annotations
@@ -24,61 +30,145 @@ class TokenLayout:
     slots: torch.Tensor  # [n] long, index among the row's tokens in this call
     n_rows: int
     n_slots: int  # max tokens of one row in this call
-    n_keys: int  # key slots per row (cache capacity or longest row)
+    n_keys: int  # key slots per row a query may see (longest row, or a decode step's bound)
+    cache_rows: torch.Tensor | None = None  # [n_rows] the cache row of each row (None: itself)
+    decode: bool = False  # one token per row, row i at index i (``decode_attention``)
+    # decode: 0 for the keys each row sees, -inf past its position, [rows * kv heads, 1, n_keys]
+    key_bias: torch.Tensor | None = None
+    write_at: torch.Tensor | None = None  # decode: [rows * kv heads] each row's slot, flattened
 
     @staticmethod
-    def packed(lengths: list[int], start: list[int] | None = None) -> TokenLayout:
-        """Rows of ``lengths`` tokens whose first token is at position ``start`` (default 0)."""
+    def packed(
+        lengths: list[int], start: list[int] | None = None, cache_rows: list[int] | None = None
+    ) -> TokenLayout:
+        """Rows of ``lengths`` tokens whose first token is at position ``start`` (default 0),
+        kept in cache rows ``cache_rows`` (default: row i in cache row i)."""
         start = start or [0] * len(lengths)
         rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         slots = torch.cat([torch.arange(n) for n in lengths]) if lengths else rows
         positions = slots + torch.tensor(start, dtype=torch.long)[rows]
         n_keys = max((s + n for s, n in zip(start, lengths, strict=True)), default=0)
-        return TokenLayout(rows, positions, slots, len(lengths), max(lengths, default=0), n_keys)
+        cache = None if cache_rows is None else torch.tensor(cache_rows, dtype=torch.long)
+        return TokenLayout(
+            rows, positions, slots, len(lengths), max(lengths, default=0), n_keys, cache
+        )
+
+    @staticmethod
+    def decode_step(positions: torch.Tensor, n_keys: int, cache: KVCache) -> TokenLayout:
+        """One token per row of cache rows ``0..len(positions)-1``, at ``positions`` (on the
+        device already), seeing the first ``n_keys`` key slots; what every layer's attention
+        needs of them is computed here, once a step."""
+        n, device = len(positions), positions.device
+        rows = torch.arange(n, device=device)
+        heads = cache.shape[1]
+        blocked = torch.arange(n_keys, device=device)[None, :] > positions[:, None]
+        bias = torch.zeros(blocked.shape, dtype=cache.dtype, device=device)
+        bias = bias.masked_fill_(blocked, float("-inf")).repeat_interleave(heads, 0)[:, None, :]
+        head_rows = rows[:, None] * heads + torch.arange(heads, device=device)[None, :]
+        write_at = (head_rows * cache.capacity + positions[:, None]).flatten()
+        return TokenLayout(rows, positions, rows, n, 1, n_keys, None, True, bias, write_at)
 
     def to(self, device: torch.device) -> TokenLayout:
         if self.rows.device == device:
             return self
         rows, positions, slots = (t.to(device) for t in (self.rows, self.positions, self.slots))
-        return TokenLayout(rows, positions, slots, self.n_rows, self.n_slots, self.n_keys)
+        cache_rows = None if self.cache_rows is None else self.cache_rows.to(device)
+        assert not self.decode, "a decode step's layout is made on its device"
+        return TokenLayout(
+            rows, positions, slots, self.n_rows, self.n_slots, self.n_keys, cache_rows
+        )
 
 
 class KVCache:
     """Keys and values of this rank's layers (its stage, its tp heads), each
-    ``[rows, slots, heads, dim]``."""
+    ``[rows, heads, capacity, dim]``, allocated once; a generator reuses it while it fits."""
 
-    def __init__(self, n_rows: int, capacity: int, n_kv_heads: int, head_dim: int) -> None:
-        self.shape = (n_rows, capacity, n_kv_heads, head_dim)
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
+    def __init__(
+        self,
+        layers: list[int] | range,
+        n_rows: int,
+        capacity: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.shape = (n_rows, n_kv_heads, capacity, head_dim)
+        self.dtype = dtype
+        self.k = {i: torch.zeros(self.shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(self.shape, dtype=dtype, device=device) for i in layers}
+
+    @property
+    def n_rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def fits(self, n_rows: int, capacity: int) -> bool:
+        return n_rows <= self.n_rows and capacity <= self.capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, where: TokenLayout):
-        if layer not in self.k:
-            self.k[layer] = k.new_zeros(self.shape)
-            self.v[layer] = v.new_zeros(self.shape)
-        self.k[layer][where.rows, where.positions] = k
-        self.v[layer][where.rows, where.positions] = v
-        return self.k[layer], self.v[layer]
+        """Write packed ``k, v [n, heads, dim]`` at their rows' positions; returns the keys and
+        values each row of the call sees, ``[n_rows, heads, n_keys, dim]``."""
+        if where.write_at is not None:  # a decode step: each row's slot, per head, flattened
+            dim = self.shape[-1]
+            self.k[layer].view(-1, dim).index_copy_(0, where.write_at, k.reshape(-1, dim))
+            self.v[layer].view(-1, dim).index_copy_(0, where.write_at, v.reshape(-1, dim))
+        else:
+            rows = where.rows if where.cache_rows is None else where.cache_rows[where.rows]
+            self.k[layer][rows, :, where.positions] = k
+            self.v[layer][rows, :, where.positions] = v
+        if where.cache_rows is None:
+            keep = slice(0, where.n_rows)
+            return self.k[layer][keep, :, : where.n_keys], self.v[layer][keep, :, : where.n_keys]
+        return (
+            self.k[layer][where.cache_rows, :, : where.n_keys],
+            self.v[layer][where.cache_rows, :, : where.n_keys],
+        )
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, n_slots: int) -> None:
+        """Cache rows ``dst`` get the first ``n_slots`` keys and values of rows ``src``."""
+        for cache in (self.k, self.v):
+            for t in cache.values():
+                t[dst, :, :n_slots] = t[src, :, :n_slots]
+
+
+def rotary(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and signed sin ``[n, 1, 2 * len(inv_freq)]`` of ``positions`` at the model's
+    frequencies (``ModelSpec.rope_inv_freq``: plain or scaled, e.g. Llama 3's), times ``scale``
+    (YaRN's attention factor; 1 otherwise). The sin's first half is negated, so a rotation is
+    ``x * cos + roll(x, half) * sin``."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    return torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [n, heads, dim]`` (the half-split layout Hugging Face uses), the tables cast
+    to ``x``'s dtype. With a table narrower than ``dim``, the first dims rotate and the rest pass
+    unchanged (partial RoPE)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat([turned, x[..., rotary_dim:]], -1)
+    return x * cos + x.roll(rotary_dim // 2, -1) * sin
 
 
 def rope(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: tuple[float, ...], scale: float = 1.0
 ) -> torch.Tensor:
-    """Rotary embedding of ``x [n, heads, dim]`` (the half-split layout Hugging Face uses), at
-    the model's frequencies (``ModelSpec.rope_inv_freq``: plain or scaled, e.g. Llama 3's) with
-    cos and sin times ``scale`` (YaRN's attention factor; 1 otherwise). With fewer frequencies
-    than half of ``dim``, the first dims rotate and the rest pass unchanged (partial RoPE)."""
-    dim = x.shape[-1]
-    if 2 * len(inv_freq) < dim:
-        rotary = 2 * len(inv_freq)
-        return torch.cat([rope(x[..., :rotary], positions, inv_freq, scale), x[..., rotary:]], -1)
-    freqs = positions.float()[:, None] * torch.tensor(inv_freq, device=x.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos() * scale, emb.sin() * scale
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    half = dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """``apply_rotary`` of ``x [n, heads, dim]`` at ``positions`` (one-off; a model computes
+    the tables once per forward)."""
+    freq = torch.tensor(inv_freq, device=x.device)
+    return apply_rotary(x, *rotary(positions, freq, scale))
 
 
 def attention(
@@ -98,24 +188,32 @@ def attention(
     n_heads, n_kv = q.shape[1], k.shape[1]
     if cache is not None:
         keys, values = cache.store(layer, k, v, where)
+        if where.decode:
+            assert where.key_bias is not None
+            bias = where.key_bias
+            if window is not None:
+                key_pos = torch.arange(where.n_keys, device=q.device)
+                early = key_pos[None, :] <= where.positions[:, None] - window
+                early = early.repeat_interleave(keys.shape[1], 0)[:, None, :]
+                bias = bias.masked_fill(early, float("-inf"))
+            return decode_attention(q, keys, values, bias, scale, softcap)
     else:
         shape = (where.n_rows, where.n_keys, n_kv, k.shape[-1])
         index = (where.rows, where.positions)
-        keys = k.new_zeros(shape).index_put(index, k)
-        values = v.new_zeros(shape).index_put(index, v)
+        keys = k.new_zeros(shape).index_put(index, k).transpose(1, 2)
+        values = v.new_zeros(shape).index_put(index, v).transpose(1, 2)
     queries = q.new_zeros(where.n_rows, where.n_slots, n_heads, q.shape[-1])
-    queries = queries.index_put((where.rows, where.slots), q)
+    queries = queries.index_put((where.rows, where.slots), q).transpose(1, 2)
     # Query slots no token fills look at key 0 only (every row has one); their output is dropped.
     qpos = torch.zeros(where.n_rows, where.n_slots, dtype=torch.long, device=q.device)
     qpos[where.rows, where.slots] = where.positions
-    key_pos = torch.arange(keys.shape[1], device=q.device)
+    key_pos = torch.arange(keys.shape[2], device=q.device)
     allowed = key_pos[None, None, :] <= qpos[:, :, None]
     if window is not None:
         allowed &= key_pos[None, None, :] > qpos[:, :, None] - window
     if n_kv != n_heads:
-        keys = keys.repeat_interleave(n_heads // n_kv, dim=2)
-        values = values.repeat_interleave(n_heads // n_kv, dim=2)
-    queries, keys, values = (t.transpose(1, 2) for t in (queries, keys, values))
+        keys = keys.repeat_interleave(n_heads // n_kv, dim=1)
+        values = values.repeat_interleave(n_heads // n_kv, dim=1)
     if softcap is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=allowed[:, None], scale=scale
@@ -126,3 +224,28 @@ def attention(
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         out = scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values
     return out.transpose(1, 2)[where.rows, where.slots]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_bias: torch.Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One query per row, ``q [rows, hq, d]``, over ``keys, values [rows, hkv, n_keys, d]``
+    plus ``key_bias [rows * hkv, 1, n_keys]`` (-inf: a key past the row's position, outside its
+    window): the ``hq / hkv`` query heads of a group are one matmul's rows against their shared
+    key head (``baddbmm`` adds the bias and scales in the same kernel). Softmax in fp32."""
+    rows, n_heads, dim = q.shape
+    n_kv = keys.shape[1]
+    grouped = q.reshape(rows * n_kv, n_heads // n_kv, dim)
+    keys_t = keys.flatten(0, 1).transpose(1, 2)  # [rows * hkv, d, n_keys], no copy
+    scale = scale or dim**-0.5
+    if softcap is None:
+        scores = torch.baddbmm(key_bias, grouped, keys_t, alpha=scale)
+    else:
+        scores = torch.tanh(torch.bmm(grouped, keys_t) * scale / softcap) * softcap + key_bias
+    probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values.flatten(0, 1)).view(rows, n_heads, dim)

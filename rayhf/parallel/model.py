@@ -32,9 +32,13 @@ from rayhf.models.sharding import (
     take_shard,
 )
 from rayhf.models.spec import ModelSpec
-from rayhf.parallel.attention import KVCache, TokenLayout, attention, rope
+from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
 from rayhf.parallel.groups import ParallelGroups
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
+
+# cos and sin of a forward's positions per frequency set: the global one (False) and Gemma 3's
+# local one (True)
+Rotations = dict[bool, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _key(name: str) -> str:
@@ -81,6 +85,7 @@ class ShardedModel(torch.nn.Module):
         # Activation checkpointing: in training, keep each layer's input only and run the layer
         # again in backward (its tp collectives too, in the same order on every rank).
         self.checkpointing = False
+        self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +114,43 @@ class ShardedModel(torch.nn.Module):
                 p.data = torch.empty(shape, device=p.device, dtype=p.dtype)
 
     def new_cache(self, n_rows: int, capacity: int) -> KVCache:
-        return KVCache(n_rows, capacity, self.n_kv_heads, self.spec.head_dim)
+        """Keys and values of this rank's layers for ``n_rows`` rows of ``capacity`` tokens."""
+        return KVCache(
+            self.layers, n_rows, capacity, self.n_kv_heads, self.spec.head_dim,
+            self.numerics.compute, self.device,
+        )  # fmt: skip
+
+    def _linears(
+        self, h: torch.Tensor, prefix: str, names: list[str], sizes: list[int]
+    ) -> list[torch.Tensor]:
+        """``h`` through the linear layers ``prefix.{names}``, one output per ``sizes`` entry (a
+        fused weight's output split)."""
+        outs = [F.linear(h, self.w(f"{prefix}.{n}.weight"), self.b(f"{prefix}.{n}.bias"))
+                for n in names]  # fmt: skip
+        return outs if len(outs) == len(sizes) else list(outs[0].split(sizes, dim=-1))
+
+    def _rope_freq(self, local: bool, device: torch.device) -> torch.Tensor:
+        """The RoPE frequencies on ``device``, made once (a captured step copies nothing in)."""
+        key = (local, str(device))
+        if key not in self._freqs:
+            freq = self.spec.rope_inv_freq_local if local else self.spec.rope_inv_freq
+            assert freq is not None
+            with torch.inference_mode(False):  # a normal tensor, though made while generating
+                self._freqs[key] = torch.tensor(freq, dtype=torch.float32, device=device)
+        return self._freqs[key]
+
+    def rotary_tables(self, positions: torch.Tensor) -> Rotations:
+        """cos and sin of ``positions`` for every frequency set the layers use (Gemma 3's local
+        layers rotate at their own), computed once per forward; none for GPT-2."""
+        spec = self.spec
+        if spec.family == "gpt2":
+            return {}
+        freq = self._rope_freq(False, positions.device)
+        tables = {False: rotary(positions, freq, spec.rope_scale)}
+        if spec.rope_inv_freq_local is not None:
+            freq = self._rope_freq(True, positions.device)
+            tables[True] = rotary(positions, freq, spec.rope_scale_local)
+        return tables
 
     def forward(
         self,
@@ -140,11 +181,12 @@ class ShardedModel(torch.nn.Module):
         if self.groups.is_first_stage:
             x = self.embed(x, where.positions)
         recompute = self.checkpointing and self.training and torch.is_grad_enabled()
+        rot = self.rotary_tables(where.positions)
         for i in self.layers:
             if recompute and cache is None:
-                x = checkpoint(self.layer, x, i, where, None, use_reentrant=False)
+                x = checkpoint(self.layer, x, i, where, None, rot, use_reentrant=False)
             else:
-                x = self.layer(x, i, where, cache)
+                x = self.layer(x, i, where, cache, rot)
         if self.groups.is_last_stage:
             x = self.head(x if select is None else x[select]).float()
         return x
@@ -176,8 +218,7 @@ class ShardedModel(torch.nn.Module):
     def _scaled(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` times ``weight``: Llama-style (normalize in fp32, cast, times the
         weight) or Gemma's (times 1 + weight in fp32, then cast)."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.spec.norm_eps)
         if self.spec.gemma:
             return (h * (1.0 + weight.float())).to(x.dtype)
         return weight * h.to(x.dtype)
@@ -201,14 +242,15 @@ class ShardedModel(torch.nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def layer(
-        self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None
+        self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
     ) -> torch.Tensor:
         if self.spec.family == "gpt2":
             p = f"transformer.h.{i}"
             x = x + self._gpt2_attention(self.norm(x, f"{p}.ln_1"), i, where, cache)
             return x + self._gpt2_mlp(self.norm(x, f"{p}.ln_2"), p)
         p = f"model.layers.{i}"
-        attn = self._llama_attention(self.norm(x, f"{p}.input_layernorm"), i, where, cache)
+        h = self.norm(x, f"{p}.input_layernorm")
+        attn = self._llama_attention(h, i, where, cache, rot)
         if self.spec.gemma:  # a norm on each block's output, and one before the MLP
             x = x + self.norm(attn, f"{p}.post_attention_layernorm")
             mlp = self._llama_mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), p)
@@ -220,46 +262,41 @@ class ShardedModel(torch.nn.Module):
         out = reduce_from_tp(x @ weight, self.groups.tp_group)
         return out if bias is None else out + bias
 
-    def _llama_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
+    def _row_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A row-parallel linear layer of ``[out, in]`` weight ``name``."""
+        return self._row_parallel(x, self.w(f"{name}.weight").T, self.b(f"{name}.bias"))
+
+    def _llama_attention(
+        self, h, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
+    ) -> torch.Tensor:
         p, d = f"model.layers.{i}.self_attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
-        if self.spec.family == "phi3":  # this rank's heads of q, k and v, in one weight
-            sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
-            q, k, v = F.linear(h, self.w(f"{p}.qkv_proj.weight")).split(sizes, dim=-1)
-        else:
-            q = F.linear(h, self.w(f"{p}.q_proj.weight"), self.b(f"{p}.q_proj.bias"))
-            k = F.linear(h, self.w(f"{p}.k_proj.weight"), self.b(f"{p}.k_proj.bias"))
-            v = F.linear(h, self.w(f"{p}.v_proj.weight"), self.b(f"{p}.v_proj.bias"))
-        q = q.view(-1, self.n_heads, d)
-        k = k.view(-1, self.n_kv_heads, d)
-        v = v.view(-1, self.n_kv_heads, d)
+        # this rank's heads of q, k and v (Phi-3 keeps them in one weight)
+        names = ["qkv_proj"] if self.spec.family == "phi3" else ["q_proj", "k_proj", "v_proj"]
+        sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
+        q, k, v = self._linears(h, p, names, sizes)
+        q = q.reshape(-1, self.n_heads, d)
+        k = k.reshape(-1, self.n_kv_heads, d)
+        v = v.reshape(-1, self.n_kv_heads, d)
         if self.spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
             q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
         spec = self.spec
         local = spec.window_layers is None or i in spec.window_layers  # a sliding-window layer
         window = spec.sliding_window if local else None
-        freq, scale = spec.rope_inv_freq, spec.rope_scale
-        if local and spec.rope_inv_freq_local is not None:  # Gemma 3's local layers
-            freq, scale = spec.rope_inv_freq_local, spec.rope_scale_local
-        assert freq is not None
-        q = rope(q, where.positions, freq, scale)
-        k = rope(k, where.positions, freq, scale)
+        cos, sin = rot[local and spec.rope_inv_freq_local is not None]  # Gemma 3's local layers
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(
             q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap
         ).flatten(1)
-        return self._row_parallel(out, self.w(f"{p}.o_proj.weight").T, self.b(f"{p}.o_proj.bias"))
+        return self._row_linear(out, f"{p}.o_proj")
 
     def _llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
-        if self.spec.family == "phi3":  # this rank's columns of gate and of up, in one weight
-            gate, up = F.linear(h, self.w(f"{p}.mlp.gate_up_proj.weight")).chunk(2, dim=-1)
-        else:
-            gate = F.linear(
-                h, self.w(f"{p}.mlp.gate_proj.weight"), self.b(f"{p}.mlp.gate_proj.bias")
-            )
-            up = F.linear(h, self.w(f"{p}.mlp.up_proj.weight"), self.b(f"{p}.mlp.up_proj.bias"))
-        down = self.w(f"{p}.mlp.down_proj.weight").T
-        return self._row_parallel(self.act(gate) * up, down, self.b(f"{p}.mlp.down_proj.bias"))
+        # this rank's columns of gate and of up (Phi-3 keeps them in one weight)
+        names = ["gate_up_proj"] if self.spec.family == "phi3" else ["gate_proj", "up_proj"]
+        width = self.w(f"{p}.mlp.down_proj.weight").shape[1]  # this rank's intermediate units
+        gate, up = self._linears(h, f"{p}.mlp", names, [width, width])
+        return self._row_linear(self.act(gate) * up, f"{p}.mlp.down_proj")
 
     def _gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
         p, d = f"transformer.h.{i}.attn", self.spec.head_dim

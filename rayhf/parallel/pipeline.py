@@ -131,6 +131,16 @@ class Pipeline:
             return None
         return y
 
+    def recv_hidden(self, n_tokens: int) -> torch.Tensor:
+        """A decode step's hidden states from the stage before."""
+        assert self.prev is not None
+        return self._recv((n_tokens, self._hidden), self.prev, 0, self._hidden_dtype)
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        """A decode step's hidden states to the stage after."""
+        assert self.next is not None
+        self._isend(hidden, self.next, 0).wait()
+
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """The last stage's ``t`` on every stage (elsewhere ``t`` is a buffer of its shape)."""
         if self.groups.pp > 1:

@@ -3,19 +3,20 @@
     prompt text --prepare--> EngineRequest (token ids + SamplingSpec; limits checked here)
     [EngineRequest] --generate--> [EngineOutput] (per-token text pieces, finish reason, counts)
 
-``NativeEngine`` loads a Hugging Face checkpoint on CPU and runs
-``rayhf.sampling.generate``. Prompts are tokenized as in training: ``bos`` (if the
-tokenizer has one) followed by the text's tokens, no other special tokens.
+``NativeEngine`` loads a Hugging Face checkpoint on CPU and decodes with the native generator's
+engine (``rayhf.parallel.decode``: the step training's generate calls run). Prompts are
+tokenized as in training: ``bos`` (if the tokenizer has one) followed by the text's tokens, no
+other special tokens.
 
 Choices:
 
 * Batching. ``generate`` gets every request the deployment's ``@serve.batch`` collected and
   splits them by sampling key: all greedy requests form one group; unseeded sampling requests
-  with the same (temperature, top_k, top_p) form one group sharing the server's random
-  generator; a seeded request runs alone with a generator seeded by its seed, so a seed and a
-  prompt give the same text whatever else is in flight. A group runs to its longest
-  ``max_tokens`` and each row is cut to its own: rows of a batch do not interact (left padding,
-  per-row positions), so a greedy row equals the same request run alone.
+  with the same (temperature, top_k, top_p) form one group, its seed drawn from the server's
+  random generator; a seeded request runs alone with its seed, so a seed and a prompt give the
+  same text whatever else is in flight. A group runs to its longest ``max_tokens`` and each row
+  is cut to its own: rows of a batch do not interact (each row its own cache row and
+  positions), so a greedy row equals the same request run alone.
 * Streaming. The native engine returns whole responses, so an output carries one text piece
   per generated token (incremental detokenization) and the server replays the pieces as chunks
   once the batch is done: chunks and text are right, but the first chunk arrives after the whole
@@ -38,9 +39,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
 from rayhf.models.hf import load_model, quiet_transformers
-from rayhf.sampling import GenerationConfig, generate
+from rayhf.parallel.decode import DecodeEngine
+from rayhf.sampling import DecodeRules, GenerationConfig, seed_from
 
 
 class ServingEngineConfig(BaseModel):
@@ -161,7 +164,8 @@ class ServingEngine(ABC):
 
 
 class NativeEngine(ServingEngine):
-    """``rayhf.sampling.generate`` on a checkpoint loaded on CPU in eval mode."""
+    """The native decode engine on a checkpoint loaded on CPU (its buffers kept between
+    batches)."""
 
     def __init__(self, cfg: ServingEngineConfig) -> None:
         super().__init__(cfg)
@@ -169,7 +173,8 @@ class NativeEngine(ServingEngine):
 
         quiet_transformers()
         path = check_checkpoint(cfg.checkpoint)
-        self.model = load_model(path, value_head=False, field="checkpoint").eval()
+        hf = load_model(path, value_head=False, field="checkpoint").eval()
+        self.config = hf.config
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
@@ -177,12 +182,13 @@ class NativeEngine(ServingEngine):
             raise RayhfError(f"checkpoint: cannot load a tokenizer from {path}: {msg}") from None
         eos = self.tokenizer.eos_token_id
         if eos is None:
-            eos = self.model.config.eos_token_id
+            eos = self.config.eos_token_id
         if not isinstance(eos, int):
             raise RayhfError(f"checkpoint: {path} names no single eos token; set eos_token")
         self.eos_id: int = eos
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else eos
+        self.decoder = DecodeEngine(RankModel.from_hf(hf, self.tokenizer, False).pipe)
         self._rng = torch.Generator()
         self._rng.seed()  # unseeded requests differ from one server start to the next
         # The server encodes on its event loop while a batch decodes in a worker thread; a
@@ -207,7 +213,7 @@ class NativeEngine(ServingEngine):
 
     @property
     def max_positions(self) -> int | None:
-        config = self.model.config
+        config = self.config
         n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         return n if isinstance(n, int) else None
 
@@ -228,11 +234,10 @@ class NativeEngine(ServingEngine):
             top_k=first.top_k,
             top_p=first.top_p,
         )
-        generator = self._rng
-        if first.seed is not None:
-            generator = torch.Generator().manual_seed(first.seed)
+        seed = seed_from(self._rng) if first.seed is None else first.seed
         prompts = [list(r.prompt_ids) for r in group]
-        out = generate(self.model, prompts, cfg, self.eos_id, self.pad_id, generator)
+        rules = DecodeRules.of(cfg, self.eos_id, self.pad_id)
+        out = self.decoder.generate(prompts, rules, seed)
         return [
             self._finish(r, tokens[: r.sampling.max_tokens])
             for r, tokens in zip(group, out.tokens, strict=True)

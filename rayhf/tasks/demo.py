@@ -156,7 +156,6 @@ def policy_answers(
 ) -> list[list[str]]:  # fmt: skip
     """``samples`` answers per prompt from the ``policy`` checkpoint (its own tokenizer; bos +
     prompt, as the PPO dataset feeds it), decoded without special tokens."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayhf.sampling import GenerationConfig, generate
@@ -165,11 +164,12 @@ def policy_answers(
     model = AutoModelForCausalLM.from_pretrained(policy, local_files_only=True)
     ids = [[tok.bos_token_id, *tok.encode(p, add_special_tokens=False)] for p in prompts]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, greedy=greedy)
-    gen = torch.Generator().manual_seed(seed)
     answers: list[list[str]] = [[] for _ in prompts]
-    for _ in range(samples):
+    for k in range(samples):
         for lo in range(0, len(prompts), 256):
-            out = generate(model, ids[lo : lo + 256], cfg, tok.eos_token_id, tok.pad_token_id, gen)
+            call_seed = seed * 1_000_003 + k * len(prompts) + lo  # one seed per call
+            chunk = ids[lo : lo + 256]
+            out = generate(model, chunk, cfg, tok.eos_token_id, tok.pad_token_id, call_seed)
             for i, text in enumerate(tok.batch_decode(out.tokens, skip_special_tokens=True)):
                 answers[lo + i].append(text)
     return answers

@@ -21,7 +21,14 @@ from transformers import (
 )
 
 from rayhf.errors import RayhfError
-from rayhf.sampling import GenerateOutput, GenerationConfig, filter_logits, generate
+from rayhf.sampling import (
+    DecodeRules,
+    GenerateOutput,
+    GenerationConfig,
+    choose,
+    generate,
+    uniforms,
+)
 
 VOCAB = 32
 PAD = 0
@@ -101,7 +108,7 @@ def _full_forward_logprobs(
 
 
 def _run(model: PreTrainedModel, cfg: GenerationConfig, eos: int = EOS, seed: int = 0):
-    return generate(model, PROMPTS, cfg, eos, PAD, generator=torch.Generator().manual_seed(seed))
+    return generate(model, PROMPTS, cfg, eos, PAD, seed=seed)
 
 
 def test_greedy_matches_hf_generate(model: PreTrainedModel) -> None:
@@ -231,16 +238,73 @@ def test_restores_training_mode_and_disables_dropout() -> None:
     assert not model.training
 
 
-def test_filter_logits_top_k_and_top_p() -> None:
-    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
-    logits = probs.log()
-    kept = lambda out: torch.isfinite(out)[0].tolist()  # noqa: E731
-    assert kept(filter_logits(logits, 2, 1.0)) == [False, True, False, True]
-    assert kept(filter_logits(logits, 0, 0.7)) == [False, True, False, True]
-    assert kept(filter_logits(logits, 0, 0.85)) == [False, True, True, True]
-    assert kept(filter_logits(logits, 0, 1e-9)) == [False, True, False, False]
-    assert kept(filter_logits(logits, 3, 0.99)) == [False, True, True, True]
-    assert torch.equal(filter_logits(logits, 0, 1.0), logits)
+def _candidates(logits: torch.Tensor, top_k: int, top_p: float) -> list[bool]:
+    """Which tokens ``choose`` ever draws from ``logits [1, V]`` over a fine grid of uniforms."""
+    rules = DecodeRules(False, 1.0, top_k, top_p, 0, 8, eos=99, pad=0)
+    u = (torch.arange(4096) + 0.5) / 4096
+    tokens, _ = choose(logits.expand(len(u), -1), rules, u, torch.zeros(len(u), dtype=torch.long))
+    return [t in set(tokens.tolist()) for t in range(logits.shape[-1])]
+
+
+def test_top_k_and_top_p_keep_the_tokens_they_name() -> None:
+    logits = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).log()
+    assert _candidates(logits, 2, 1.0) == [False, True, False, True]
+    assert _candidates(logits, 0, 0.7) == [False, True, False, True]
+    assert _candidates(logits, 0, 0.85) == [False, True, True, True]
+    assert _candidates(logits, 0, 1e-9) == [False, True, False, False]
+    assert _candidates(logits, 3, 0.99) == [False, True, True, True]
+    assert _candidates(logits, 0, 1.0) == [True, True, True, True]
+
+
+def test_a_token_of_probability_zero_is_never_drawn() -> None:
+    logits = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0, float("-inf")]])
+    assert _candidates(logits, 0, 1.0) == [False, True, False, True, False]
+
+
+def test_uniforms_depend_on_seed_response_and_token_only() -> None:
+    ids = torch.tensor([0, 1, 2, 7])
+    table = uniforms(5, ids, 6)
+    assert table.shape == (4, 6) and bool((table > 0).all() and (table < 1).all())
+    assert torch.equal(uniforms(5, ids[2:], 6), table[2:])  # whatever else is in the call
+    assert torch.equal(uniforms(5, ids, 3), table[:, :3])
+    assert not torch.equal(uniforms(6, ids, 6), table)
+    assert len(set(table.flatten().tolist())) == table.numel()
+
+
+def test_uniforms_are_uniform() -> None:
+    """Kolmogorov-Smirnov over 64k draws of consecutive responses and tokens (a counter hash
+    that correlates neighbours fails here first)."""
+    from scipy import stats
+
+    draws = uniforms(2024, torch.arange(256), 256).flatten().double().numpy()
+    assert stats.kstest(draws, "uniform").pvalue > 1e-3
+    pairs = uniforms(2024, torch.arange(256), 256)
+    lag = torch.corrcoef(torch.stack([pairs[:, :-1].flatten(), pairs[:, 1:].flatten()]))[0, 1]
+    assert abs(float(lag)) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8), (0.9, 5, 0.9)],
+)
+def test_drawn_tokens_follow_the_filtered_softmax(temperature, top_k, top_p) -> None:
+    """Chi-square of 100k draws (one row per response, as in a call) against the softmax at the
+    temperature, renormalized over what top-k/top-p keep."""
+    from scipy import stats
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    rules = DecodeRules(False, temperature, top_k, top_p, 0, 8, eos=99, pad=0)
+    n = 100_000
+    u = uniforms(11, torch.arange(n), 1)[:, 0]
+    tokens, logprobs = choose(logits.expand(n, -1), rules, u, torch.zeros(n, dtype=torch.long))
+    probs = (logits / temperature).softmax(-1)
+    torch.testing.assert_close(logprobs, probs.log()[tokens])  # before filtering
+    keep = torch.tensor(_candidates(logits[None], top_k, top_p))
+    want = torch.where(keep, probs, 0.0).double()
+    counts = torch.bincount(tokens, minlength=len(logits))
+    assert int(counts[~keep].sum()) == 0
+    expected = (want[keep] / want.sum() * n).numpy()
+    assert stats.chisquare(counts[keep].double().numpy(), expected).pvalue > 1e-3
 
 
 def test_config_rejects_bad_values() -> None:

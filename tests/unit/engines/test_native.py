@@ -50,7 +50,7 @@ def test_sampling_follows_the_seed_as_the_shared_decode_loop_does(hf):
     out = gen.generate(PROMPTS, cfg, seed=3)
     assert out.tokens == gen.generate(PROMPTS, cfg, seed=3).tokens
     assert out.tokens != gen.generate(PROMPTS, cfg, seed=4).tokens
-    ref = generate(hf, PROMPTS, cfg, EOS, PAD, torch.Generator().manual_seed(3))
+    ref = generate(hf, PROMPTS, cfg, EOS, PAD, seed=3)
     assert out.tokens == ref.tokens
     for got, expected in zip(out.logprobs, ref.logprobs, strict=True):
         assert got == pytest.approx(expected, abs=1e-4)

@@ -85,22 +85,30 @@ def test_rows_do_not_see_each_other():
     torch.testing.assert_close(together[2:], alone)
 
 
-def test_a_kv_cache_decodes_what_a_full_forward_computes():
-    lengths, extra = [3, 5], 2  # prefill, then two decode steps per row
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_kv_cache_decodes_what_a_full_forward_computes(window):
+    """Prefill two rows into cache rows 3 and 1, then decode two steps of both (one token per
+    row, grouped-query heads, a key bound past the filled slots)."""
+    lengths, extra = [3, 5], 2
     total = [n + extra for n in lengths]
     q, k, v = _qkv(sum(total), 4, 2, seed=3)
-    full = attention(q, k, v, TokenLayout.packed(total), None, None, 0)
+    full = attention(q, k, v, TokenLayout.packed(total), window, None, 0)
     rows = torch.repeat_interleave(torch.arange(2), torch.tensor(total))
     slot = torch.cat([torch.arange(n) for n in total])
-    cache = KVCache(n_rows=2, capacity=max(total), n_kv_heads=2, head_dim=D)
+    cache = KVCache([7], n_rows=4, capacity=max(total) + 2, n_kv_heads=2, head_dim=D)
     pick = [(rows == r) & (slot < n) for r, n in enumerate(lengths)]
     first = pick[0] | pick[1]
-    out = attention(q[first], k[first], v[first], TokenLayout.packed(lengths), None, cache, 7)
+    prefill = TokenLayout.packed(lengths, cache_rows=[3, 1])
+    out = attention(q[first], k[first], v[first], prefill, window, cache, 7)
     torch.testing.assert_close(out, full[first], rtol=1e-5, atol=1e-5)
-    assert cache.k[7].shape == (2, max(total), 2, D)
+    assert cache.k[7].shape == (4, 2, max(total) + 2, D)
     for step in range(extra):
         new = torch.stack([((rows == r) & (slot == n + step)) for r, n in enumerate(lengths)])
         idx = new.int().argmax(dim=1)  # the token of each row at this step
-        where = TokenLayout.packed([1, 1], start=[n + step for n in lengths])
-        out = attention(q[idx], k[idx], v[idx], where, None, cache, 7)
+        # decode steps run over cache rows 0..n-1: move the two rows there first
+        if step == 0:
+            cache.copy_rows(torch.tensor([0, 1]), torch.tensor([3, 1]), max(total))
+        positions = torch.tensor([n + step for n in lengths])
+        where = TokenLayout.decode_step(positions, max(total) + 1, cache)
+        out = attention(q[idx], k[idx], v[idx], where, window, cache, 7)
         torch.testing.assert_close(out, full[idx], rtol=1e-5, atol=1e-5)

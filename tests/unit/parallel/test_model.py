@@ -121,4 +121,5 @@ def test_the_padding_row_of_llama_s_embedding_gets_no_gradient():
 def test_new_cache_holds_this_rank_s_kv_heads():
     model = _sharded(tiny_model("llama", SHAPES["llama"]))
     cache = model.new_cache(n_rows=3, capacity=11)
-    assert cache.shape == (3, 11, 4, 32 // 8)
+    assert cache.shape == (3, 4, 11, 32 // 8)  # rows, this rank's kv heads, slots, head dim
+    assert set(cache.k) == set(model.layers)

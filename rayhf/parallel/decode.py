@@ -1,0 +1,436 @@
+"""The native generator's decode step and the loop around it, on a rank's pipeline stage.
+
+    prompts --prefill (each distinct prompt once; its repeats copy its keys and values)
+      --> first tokens in slots (rows of buffers allocated once: KV cache, tokens, positions,
+          per-row steps, live mask, uniforms, outputs)
+      --> decode_step x up to CHECK_EVERY: one token per slot, fixed shapes, sampling inside,
+          no host sync (compiled and/or replayed from a CUDA graph per (rows, keys) bucket)
+      --> one look at which rows ended: their outputs are kept, freed slots take waiting
+          prompts (refill) or the live rows move down into a smaller bucket (compact)
+      --> ... until every prompt has ended -> per-prompt tokens and log-probs up to EOS
+
+A slot's row is sampled with the uniforms of its prompt (``rayhf.sampling.uniforms``), so what a
+prompt gets does not depend on its slot, its neighbours or when it was refilled. Rows that have
+ended (and empty slots of a bucket) keep stepping until the next look: they feed pad tokens,
+write their keys at a position they no longer use and their outputs to a spare column.
+
+With pp > 1 each stage runs its own part of the step (its layers; the last stage also chooses),
+hidden states go point to point between the parts, and the last stage's choice is broadcast to
+the pipeline, where every stage advances its own copy of the slots.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rayhf.parallel.attention import KVCache, TokenLayout
+from rayhf.parallel.model import ShardedModel
+from rayhf.parallel.pipeline import Pipeline
+from rayhf.sampling import (
+    DecodeRules,
+    GenerateOutput,
+    GenerationConfig,
+    check_prompts,
+    choose,
+    cut_at_eos,
+    uniforms,
+)
+
+CHECK_EVERY = 8  # decode steps between looks at which rows ended: one host sync per 8 tokens
+KEY_BLOCK = 64  # a bucketed step attends over the filled key slots rounded up to this many
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # captured widths
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the engine runs the step (resolved for the device: ``capture`` only on CUDA)."""
+
+    max_rows: int = 256  # slots decoded at once; further prompts wait for a slot
+    capture: bool = False  # replay the step from a CUDA graph per bucket
+    compile: bool = False  # torch.compile(fullgraph=True) the step (before capturing it)
+    compact: bool = True  # move live rows into a smaller bucket once they fit one
+    share_prompts: bool = True  # prefill a repeated prompt once
+
+
+def default_options(device_type: str) -> DecodeOptions:
+    """On CUDA the step is captured."""
+    return DecodeOptions(capture=device_type == "cuda")
+
+
+class Slots:
+    """Per-slot decode state on the device: ``n`` slots of up to ``max_new`` tokens each."""
+
+    def __init__(self, n: int, max_new: int, hidden: int, dtype: torch.dtype, device) -> None:
+        self.n, self.max_new = n, max_new
+        long = {"dtype": torch.long, "device": device}
+        self.tokens = torch.zeros(n, **long)  # the token each slot feeds next
+        self.positions = torch.zeros(n, **long)  # where that token sits in its row
+        self.steps = torch.zeros(n, **long)  # tokens the row has chosen
+        self.live = torch.zeros(n, dtype=torch.bool, device=device)
+        self.u = torch.full((n, max_new), 0.5, device=device)  # the row's uniform per token
+        self.out_tokens = torch.zeros(n, max_new + 1, **long)  # column max_new: spare
+        self.out_logprobs = torch.zeros(n, max_new + 1, device=device)
+        self.chosen = torch.zeros(n, **long)  # pp > 1: the last stage's choice, broadcast
+        self.chosen_logprobs = torch.zeros(n, device=device)
+        self.hidden_in = torch.zeros(n, hidden, dtype=dtype, device=device)  # pp > 1
+        self.hidden_out = torch.zeros(n, hidden, dtype=dtype, device=device)
+
+    def fits(self, n: int, max_new: int) -> bool:
+        return n <= self.n and max_new <= self.max_new
+
+    def draws(self, b: int) -> torch.Tensor:
+        """Each of the first ``b`` slots' uniform for the token it chooses next."""
+        col = self.steps[:b].clamp(max=self.max_new - 1)
+        return self.u[:b].gather(1, col[:, None]).squeeze(1)
+
+    def mutable(self) -> list[torch.Tensor]:
+        """What a step writes (saved around a warm-up run before a capture)."""
+        return [self.tokens, self.positions, self.steps, self.live, self.out_tokens,
+                self.out_logprobs, self.chosen, self.chosen_logprobs]  # fmt: skip
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Slots ``dst`` take the state of slots ``src``."""
+        for t in (*self.mutable(), self.u):
+            t[dst] = t[src]
+
+
+def advance(slots: Slots, rules: DecodeRules, b: int, new: torch.Tensor, lp: torch.Tensor):
+    """Record the first ``b`` slots' chosen tokens: live rows write their step's column and move
+    on; ended rows write pad to the spare column and stay."""
+    live, steps = slots.live[:b], slots.steps[:b]
+    rows = torch.arange(b, device=new.device)
+    new = torch.where(live, new, rules.pad)
+    col = torch.where(live, steps, slots.max_new)
+    slots.out_tokens[rows, col] = new
+    slots.out_logprobs[rows, col] = lp
+    still = live & (new != rules.eos) & (steps + 1 < rules.max_new_tokens)
+    grew = live.long()
+    slots.tokens[:b] = new
+    slots.positions[:b] += grew
+    slots.steps[:b] += grew
+    slots.live[:b] = still
+
+
+def decode_step(
+    model: ShardedModel, cache: KVCache, slots: Slots, rules: DecodeRules, b: int, n_keys: int
+) -> None:
+    """One token for each of the first ``b`` slots of a whole model (pp = 1), attending over
+    the first ``n_keys`` key slots: forward, choose, advance."""
+    where = TokenLayout.decode_step(slots.positions[:b], n_keys, cache)
+    logits = model(slots.tokens[:b], where, cache)
+    new, lp = choose(logits, rules, slots.draws(b), slots.steps[:b])
+    advance(slots, rules, b, new, lp)
+
+
+def stage_step(
+    model: ShardedModel, cache: KVCache, slots: Slots, rules: DecodeRules, b: int, n_keys: int
+) -> None:
+    """One pipeline stage's part of a decode step (pp > 1): tokens (first stage) or received
+    hidden states through its layers, into ``hidden_out``, or (last stage) into ``chosen``."""
+    where = TokenLayout.decode_step(slots.positions[:b], n_keys, cache)
+    first = model.groups.is_first_stage
+    out = model(slots.tokens[:b] if first else slots.hidden_in[:b], where, cache)
+    if not model.groups.is_last_stage:
+        slots.hidden_out[:b] = out
+        return
+    new, lp = choose(out, rules, slots.draws(b), slots.steps[:b])
+    slots.chosen[:b] = new
+    slots.chosen_logprobs[:b] = lp
+
+
+def advance_chosen(slots: Slots, rules: DecodeRules, b: int) -> None:
+    """``advance`` with the broadcast choice (pp > 1)."""
+    advance(slots, rules, b, slots.chosen[:b], slots.chosen_logprobs[:b])
+
+
+@dataclass
+class _Row:
+    """What the host knows of an occupied slot, without asking the device."""
+
+    prompt: int  # index of its prompt in the call
+    length: int  # prompt tokens
+    started: int  # the engine's step count when its prefill chose its first token
+
+
+class DecodeEngine:
+    """Generates on one rank's pipeline stage; keeps its buffers (and graphs) between calls
+    while they fit, until ``release``."""
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        options: DecodeOptions | None = None,
+        compiler: Callable[[Callable], Callable] | None = None,
+    ) -> None:
+        """``compiler`` (with ``options.compile``): how a part of the step is compiled
+        (default ``torch.compile(fullgraph=True)``; a test counts compilations with its own)."""
+        self.pipe, self.model = pipe, pipe.model
+        self.options = options or DecodeOptions()
+        self.cache: KVCache | None = None
+        self.slots: Slots | None = None
+        self.graphs: dict[Any, Any] = {}  # bucket key -> torch.cuda.CUDAGraph
+        self.captured_weights: tuple[int, ...] = ()
+        self.pool: Any = None
+        self.n_steps = 0  # decode steps run by this engine
+        self.buckets: set[tuple[str, int, int]] = set()  # the (part, rows, keys) steps ran at
+        step_fns: tuple[Callable[..., None], ...] = (decode_step, stage_step, advance_chosen)
+        if self.options.compile:
+            compiler = compiler or functools.partial(torch.compile, fullgraph=True)
+            step_fns = tuple(compiler(f) for f in step_fns)
+        self._decode, self._stage, self._advance = step_fns
+
+    # buffers -----------------------------------------------------------------------------
+
+    def _ensure(self, n_rows: int, capacity: int, max_new: int) -> None:
+        m = self.model
+        if self.cache is None or not self.cache.fits(n_rows, capacity):
+            self.release()
+            self.cache = m.new_cache(n_rows, capacity)
+        if self.slots is None or not self.slots.fits(self.cache.n_rows, max_new):
+            self._forget_graphs()
+            dtype = m.numerics.storage
+            self.slots = Slots(self.cache.n_rows, max_new, m.spec.hidden_size, dtype, m.device)
+
+    def release(self) -> None:
+        """Free the KV cache, the slots and the captured graphs (a colocated role needs the
+        memory); the next call allocates them again."""
+        self._forget_graphs()
+        self.cache = self.slots = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _forget_graphs(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def cached_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes()
+
+    # the call ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], rules: DecodeRules, seed: int) -> GenerateOutput:
+        """One response per prompt; every rank of the pipeline returns the same output."""
+        n, m = len(prompts), rules.max_new_tokens
+        device = self.model.device
+        n_slots = self._bucket(min(n, self.options.max_rows))
+        capacity = max(len(p) for p in prompts) + m
+        if self._bucketed:
+            capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        self._ensure(n_slots, capacity, m)
+        assert self.slots is not None
+        self.slots.live.zero_()  # slots a previous call left are empty
+        pointers = tuple(p.data_ptr() for p in self.model.parameters())
+        if pointers != self.captured_weights:  # new storage (a release, a move): recapture
+            self._forget_graphs()
+            self.captured_weights = pointers
+        draws = uniforms(seed, torch.arange(n, device=device), m)
+        out_tokens = torch.full((n, m), rules.pad, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(n, m, device=device)
+        waiting = deque(range(n))
+        rows: list[_Row | None] = [None] * n_slots
+        with torch.inference_mode():
+            self._fill(rows, waiting, prompts, draws, rules)
+            while any(r is not None for r in rows):
+                b = self._bucket(max(i for i, r in enumerate(rows) if r is not None) + 1)
+                left = max(m - 1 - (self.n_steps - r.started) for r in rows if r is not None)
+                for _ in range(min(CHECK_EVERY, left)):
+                    self._step(rules, b, self._n_keys(rows, m))
+                self._collect(rows, b, out_tokens, out_logprobs)
+                if waiting:
+                    self._fill(rows, waiting, prompts, draws, rules)
+                elif self.options.compact:
+                    self._compact(rows)
+        return cut_at_eos(out_tokens.cpu(), out_logprobs.cpu(), rules.eos)
+
+    def _bucket(self, n_rows: int) -> int:
+        """Rows a step runs over: exactly the rows in use, or (bucketed steps) the next width."""
+        if not self._bucketed:
+            return n_rows
+        return next((w for w in ROW_BUCKETS if w >= n_rows), n_rows)
+
+    def _key_bucket(self, n_keys: int, capacity: int) -> int:
+        """Key slots a step attends over: the filled ones, or (bucketed) whole blocks."""
+        if not self._bucketed:
+            return n_keys
+        return min(-(-n_keys // KEY_BLOCK) * KEY_BLOCK, capacity)
+
+    @property
+    def _bucketed(self) -> bool:
+        return self.options.capture or self.options.compile
+
+    def _n_keys(self, rows: list[_Row | None], max_new: int) -> int:
+        """Key slots the next step's rows can see: the furthest position a row can have
+        reached (its prompt plus the steps since its prefill, at most its last token's) + 1."""
+        far = max(
+            r.length + min(self.n_steps - r.started, max_new - 1) for r in rows if r is not None
+        )
+        assert self.cache is not None
+        return self._key_bucket(far + 1, self.cache.capacity)
+
+    def _fill(self, rows, waiting: deque, prompts, draws: torch.Tensor, rules: DecodeRules):
+        """Prefill waiting prompts into free slots and choose their first tokens."""
+        free = [i for i, r in enumerate(rows) if r is None]
+        taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+        if not taken:
+            return
+        slots, cache = self.slots, self.cache
+        assert slots is not None and cache is not None
+        where = free[: len(taken)]
+        first: dict[tuple[int, ...], int] = {}  # a distinct prompt -> its place in the prefill
+        source: list[int] = []  # per taken prompt: the place of its prefill
+        heads: list[int] = []  # per prefill: its prompt
+        head_slots: list[int] = []  # per prefill: its slot
+        for p, s in zip(taken, where, strict=True):
+            key = tuple(prompts[p]) if self.options.share_prompts else (p,)
+            if key not in first:
+                first[key] = len(heads)
+                heads.append(p)
+                head_slots.append(s)
+            source.append(first[key])
+        logits = self._prefill([prompts[p] for p in heads], head_slots)
+        device = self.model.device
+        repeats = [(s, head_slots[j]) for s, j in zip(where, source, strict=True)]
+        repeats = [(s, h) for s, h in repeats if s != h]
+        if repeats:
+            dst, src = (torch.tensor(x, device=device) for x in zip(*repeats, strict=True))
+            cache.copy_rows(dst, src, max(len(prompts[p]) for p in taken))
+        idx = torch.tensor(where, device=device)
+        lengths = torch.tensor([len(prompts[p]) for p in taken], device=device)
+        slots.u[idx, : rules.max_new_tokens] = draws[torch.tensor(taken, device=device)]
+        slots.steps[idx] = 0
+        slots.live[idx] = True
+        slots.positions[idx] = lengths
+        new = torch.zeros(len(taken), dtype=torch.long, device=device)
+        lp = torch.zeros(len(taken), device=device)
+        if logits is not None:
+            per_slot = logits[torch.tensor(source, device=device)]
+            new, lp = choose(per_slot, rules, slots.u[idx, 0], slots.steps[idx])
+        new, lp = self.pipe.broadcast(new), self.pipe.broadcast(lp)
+        # the prefill's choice is each row's step 0; ``advance`` over the taken slots only
+        slots.out_tokens[idx, 0] = new
+        slots.out_logprobs[idx, 0] = lp
+        slots.tokens[idx] = new
+        slots.steps[idx] = 1
+        slots.live[idx] = (new != rules.eos) & (rules.max_new_tokens > 1)
+        for s, p in zip(where, taken, strict=True):
+            rows[s] = _Row(p, len(prompts[p]), self.n_steps)
+
+    def _prefill(self, prompts: list[list[int]], cache_rows: list[int]) -> torch.Tensor | None:
+        """The prompts' forward into their cache rows; last-token logits on the last stage."""
+        device = self.model.device
+        lengths = [len(p) for p in prompts]
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+        where = TokenLayout.packed(lengths, cache_rows=cache_rows)
+        assert self.cache is not None
+        return self.pipe.step(ids, where, self.cache, last)
+
+    def _collect(self, rows, b: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor):
+        """The one host sync per look: rows that ended hand their outputs over."""
+        assert self.slots is not None
+        live = self.slots.live[:b].tolist()
+        ended = [i for i in range(b) if rows[i] is not None and not live[i]]
+        if not ended:
+            return
+        device = self.model.device
+        idx = torch.tensor(ended, device=device)
+        prompts = torch.tensor([rows[i].prompt for i in ended], device=device)
+        m = out_tokens.shape[1]
+        out_tokens[prompts] = self.slots.out_tokens[idx, :m]
+        out_logprobs[prompts] = self.slots.out_logprobs[idx, :m]
+        for i in ended:
+            rows[i] = None
+
+    def _compact(self, rows: list[_Row | None]) -> None:
+        """Move live rows from the top of the slots into free ones below, when that lets the
+        step run over a smaller bucket."""
+        used = [i for i, r in enumerate(rows) if r is not None]
+        if not used or self._bucket(len(used)) >= self._bucket(used[-1] + 1):
+            return
+        target = len(used)
+        movers = [i for i in used if i >= target]
+        holes = [i for i in range(target) if rows[i] is None]
+        assert self.slots is not None and self.cache is not None
+        device = self.model.device
+        dst, src = torch.tensor(holes, device=device), torch.tensor(movers, device=device)
+        far = max(rows[i].length + self.n_steps - rows[i].started for i in movers)  # type: ignore[union-attr]
+        self.cache.copy_rows(dst, src, min(far + 1, self.cache.capacity))
+        self.slots.move(dst, src)
+        self.slots.live[src] = False
+        for d, s in zip(holes, movers, strict=True):
+            rows[d], rows[s] = rows[s], None
+
+    # one step ----------------------------------------------------------------------------
+
+    def _step(self, rules: DecodeRules, b: int, n_keys: int) -> None:
+        assert self.cache is not None and self.slots is not None
+        args = (self.model, self.cache, self.slots, rules, b, n_keys)
+        self.n_steps += 1
+        pipe = self.pipe
+        if pipe.groups.pp == 1:
+            self._run(("step", b, n_keys, rules), lambda: self._decode(*args))
+            return
+        slots = self.slots
+        assert slots is not None
+        if pipe.prev is not None:
+            slots.hidden_in[:b] = pipe.recv_hidden(b)
+        self._run(("stage", b, n_keys, rules), lambda: self._stage(*args))
+        if pipe.next is not None:
+            pipe.send_hidden(slots.hidden_out[:b])
+        slots.chosen[:b] = pipe.broadcast(slots.chosen[:b].contiguous())
+        slots.chosen_logprobs[:b] = pipe.broadcast(slots.chosen_logprobs[:b].contiguous())
+        self._run(("advance", b, 0, rules), lambda: self._advance(slots, rules, b))
+
+    def _run(self, key: tuple, fn: Callable[[], None]) -> None:
+        """Run a part of the step: directly, or by replaying its graph (captured on first use)."""
+        self.buckets.add(key[:3])
+        if not self.options.capture:
+            fn()
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(fn)
+        graph.replay()
+
+    def _capture(self, fn: Callable[[], None]) -> Any:
+        """A CUDA graph of ``fn``, after one warm-up run on a side stream whose writes to the
+        slots are undone (the cache's are rewritten identically by the replay)."""
+        assert self.slots is not None
+        saved = [t.clone() for t in self.slots.mutable()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, before in zip(self.slots.mutable(), saved, strict=True):
+            t.copy_(before)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph
+
+
+def generate(
+    pipe: Pipeline,
+    prompts: list[list[int]],
+    cfg: GenerationConfig,
+    eos_token_id: int,
+    pad_token_id: int,
+    seed: int = 0,
+    options: DecodeOptions | None = None,
+) -> GenerateOutput:
+    """One response per prompt with a new engine (a generator keeps its engine instead); every
+    rank of the pipeline returns the same output."""
+    if not prompts:
+        return GenerateOutput()
+    check_prompts(prompts)
+    rules = DecodeRules.of(cfg, eos_token_id, pad_token_id)
+    return DecodeEngine(pipe, options).generate(prompts, rules, seed)

@@ -1,0 +1,176 @@
+"""The native decode engine on one rank against the whole-model sampler of ``rayhf.sampling``
+(checked against Hugging Face ``generate`` in tests/unit/test_sampling.py): the same tokens and
+log-probs for the same seed, whatever the slots, refills, compactions and shared prefills; a
+decode step that ``torch.compile(fullgraph=True)`` takes and does not recompile step to step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from rayhf.checks.common import EOS, PAD, tiny_model
+from rayhf.errors import RayhfError
+from rayhf.models.spec import model_spec
+from rayhf.parallel.decode import DecodeEngine, DecodeOptions, decode_step, generate
+from rayhf.parallel.groups import single
+from rayhf.parallel.model import ShardedModel
+from rayhf.parallel.pipeline import Pipeline
+from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig
+from rayhf.sampling import generate as hf_generate
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
+# five prompts, two of them repeated (a GRPO-shaped call), of mixed lengths
+MIXED = [[3, 4, 5], [6, 7, 8, 9, 10], [3, 4, 5], [11], [12, 13], [6, 7, 8, 9, 10], [3, 4, 5]]
+SAMPLED = GenerationConfig(max_new_tokens=12, temperature=1.2, min_new_tokens=2)
+
+
+def _scaled(family: str, shape: dict, scale: float, seed: int = 1):
+    hf = tiny_model(family, shape, seed=seed)
+    with torch.no_grad():  # larger weights: trajectories vary, and some rows reach EOS
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.mul_(scale)
+    model = ShardedModel(model_spec(hf.config, False), single(), hf.state_dict())
+    return hf, Pipeline(model, single())
+
+
+SHAPES = {"llama": {"n_heads": 4, "n_kv_heads": 2}, "gpt2": {"n_heads": 4}}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def models(request):
+    return _scaled(request.param, SHAPES[request.param], 6.0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _scaled("llama", {"n_heads": 4, "n_kv_heads": 2}, 5.0)
+
+
+def _same(got: GenerateOutput, ref: GenerateOutput) -> None:
+    assert got.tokens == ref.tokens and got.finished == ref.finished
+    for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GenerationConfig(max_new_tokens=6, greedy=True),
+        GenerationConfig(max_new_tokens=8, temperature=1.3, top_k=5),
+        GenerationConfig(max_new_tokens=8, min_new_tokens=3, top_p=0.9),
+    ],
+)
+def test_same_tokens_and_logprobs_as_the_whole_model(models, cfg):
+    hf, pipe = models
+    for seed in (0, 1):
+        got = generate(pipe, PROMPTS, cfg, EOS, PAD, seed)
+        _same(got, hf_generate(hf, PROMPTS, cfg, EOS, PAD, seed))
+        assert all(len(t) <= cfg.max_new_tokens for t in got.tokens)
+
+
+def test_no_prompts_and_empty_prompts(models):
+    _, pipe = models
+    assert generate(pipe, [], GenerationConfig(), EOS, PAD) == GenerateOutput()
+    with pytest.raises(RayhfError, match="at least one token"):
+        generate(pipe, [[3], []], GenerationConfig(), EOS, PAD)
+
+
+def test_a_shared_prompt_prefills_once_into_the_same_keys_and_values(llama):
+    _, pipe = llama
+    rules = DecodeRules.of(GenerationConfig(max_new_tokens=1), EOS, PAD)
+    shared, separate = DecodeEngine(pipe), DecodeEngine(pipe, DecodeOptions(share_prompts=False))
+    prefills: list[int] = []
+    real = shared._prefill
+    shared._prefill = lambda p, rows: prefills.append(len(p)) or real(p, rows)  # type: ignore[method-assign]
+    shared.generate(MIXED, rules, 0)
+    separate.generate(MIXED, rules, 0)
+    assert prefills == [4]  # the four distinct prompts, each once
+    assert shared.cache is not None and separate.cache is not None
+    for layer in shared.cache.k:
+        for row, prompt in enumerate(MIXED):
+            n = len(prompt)
+            for a, b in ((shared.cache.k, separate.cache.k), (shared.cache.v, separate.cache.v)):
+                torch.testing.assert_close(a[layer][row, :, :n], b[layer][row, :, :n])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        DecodeOptions(max_rows=2),  # five prompts through two slots: refills
+        DecodeOptions(compact=False),
+        DecodeOptions(share_prompts=False),
+        DecodeOptions(max_rows=3, compact=False),
+    ],
+    ids=["refill", "no-compaction", "separate-prefills", "refill-no-compaction"],
+)
+def test_a_prompt_gets_the_same_response_whatever_its_slot(llama, options):
+    hf, pipe = llama
+    ref = hf_generate(hf, MIXED, SAMPLED, EOS, PAD, seed=4)
+    assert any(ref.finished) and not all(ref.finished)  # rows end at different steps
+    engine = DecodeEngine(pipe, options)
+    _same(engine.generate(MIXED, DecodeRules.of(SAMPLED, EOS, PAD), 4), ref)
+    if options.max_rows < len(MIXED):
+        assert engine.slots is not None and engine.slots.n == options.max_rows
+
+
+def test_live_rows_move_down_into_a_smaller_bucket(llama):
+    _, pipe = llama
+    engine = DecodeEngine(pipe)
+    engine.generate(MIXED, DecodeRules.of(SAMPLED, EOS, PAD), 4)
+    widths = {rows for _, rows, _ in engine.buckets}
+    assert max(widths) == len(MIXED) and min(widths) < len(MIXED)
+
+
+def test_buffers_are_kept_while_they_fit_and_released_on_request(llama):
+    _, pipe = llama
+    engine = DecodeEngine(pipe)
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    engine.generate(MIXED, rules, 0)
+    cache, slots = engine.cache, engine.slots
+    assert cache is not None and engine.cached_bytes() > 0
+    engine.generate(MIXED[:3], rules, 1)  # fewer, shorter: the same buffers
+    assert engine.cache is cache and engine.slots is slots
+    engine.generate(MIXED, DecodeRules.of(GenerationConfig(max_new_tokens=40), EOS, PAD), 1)
+    assert engine.cache is not cache  # longer responses: a larger cache
+    engine.release()
+    assert engine.cache is None and engine.slots is None and engine.cached_bytes() == 0
+
+
+def test_the_decode_step_compiles_whole_and_once_per_bucket(llama):
+    """fullgraph=True: a graph break raises. Steps of one (rows, keys) bucket add no
+    compilation: dynamo compiles once per bucket the engine ran at, at most."""
+    hf, pipe = llama
+    counter = CompileCounter()
+    options = DecodeOptions(compile=True)
+    engine = DecodeEngine(
+        pipe, options, compiler=lambda f: torch.compile(f, fullgraph=True, backend=counter)
+    )
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    _same(engine.generate(MIXED, rules, 4), hf_generate(hf, MIXED, SAMPLED, EOS, PAD, seed=4))
+    steps_run = engine.n_steps
+    assert counter.frame_count <= len(engine.buckets) < steps_run
+    compiled = counter.frame_count
+    engine.generate(MIXED, rules, 4)  # the same buckets again: nothing new to compile
+    assert counter.frame_count == compiled and engine.n_steps > steps_run
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_the_step_alone_runs_many_tokens_on_one_compilation(llama):
+    _, pipe = llama
+    engine = DecodeEngine(pipe)
+    rules = DecodeRules.of(GenerationConfig(max_new_tokens=30, min_new_tokens=30), EOS, PAD)
+    engine.generate([[3, 4, 5], [6, 7]], rules, 0)  # buffers for 2 rows, 35 slots
+    counter = CompileCounter()
+    step = torch.compile(decode_step, fullgraph=True, backend=counter, dynamic=False)
+    slots = engine.slots
+    assert slots is not None and engine.cache is not None
+    slots.positions[:2] = torch.tensor([3, 2])
+    slots.steps[:2] = 1
+    slots.live[:2] = True
+    with torch.inference_mode():
+        for _ in range(20):
+            step(pipe.model, engine.cache, slots, rules, 2, 32)
+    assert counter.frame_count == 1
+    assert slots.steps[:2].tolist() == [21, 21] and slots.positions[:2].tolist() == [23, 22]
