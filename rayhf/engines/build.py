@@ -42,7 +42,7 @@ def make_generators(
                 vllm = VllmGenerator(model, seed, sleeps, checked_by)
             out[call] = vllm
         else:
-            out[call] = NativeGenerator(model)
+            out[call] = NativeGenerator(model, engine)
     return out
 
 

@@ -24,7 +24,9 @@ class EngineConfig(BaseModel):
     a minibatch's micro-batches accumulate into one optimizer step), so long responses do not
     run out of memory; None runs each minibatch whole. ``check_sync`` (vLLM) compares, after
     every weight sync into vLLM, a checksum of each of vLLM's parameters with the rank's
-    weights, and stops the run naming any that differs."""
+    weights, and stops the run naming any that differs. The native generator's settings
+    (``max_rows``, ``cuda_graphs``, ``compile``, ``release_memory``) say how its decode engine
+    runs (``rayhf.parallel.decode``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -33,6 +35,16 @@ class EngineConfig(BaseModel):
     offload: bool = False
     max_tokens_per_microbatch: int | None = Field(None, gt=0)
     check_sync: bool = True  # vLLM: check every weight sync by checksums (false: skip)
+    max_rows: int = Field(256, gt=0)
+    """native: rows decoded at once; a call's further prompts wait for a row that has ended."""
+    cuda_graphs: bool = True
+    """native: on CUDA, replay the decode step from a CUDA graph per batch bucket."""
+    compile: bool = False
+    """native: ``torch.compile`` the decode step first (a minute or more of compiling per
+    process on CPUs; pays in long runs of small models)."""
+    release_memory: bool = False
+    """native: free the KV cache and graphs after each call, for a role sharing the device
+    (the next call allocates and captures again)."""
 
     @model_validator(mode="after")
     def _deepspeed_only(self) -> EngineConfig:
@@ -43,6 +55,10 @@ class EngineConfig(BaseModel):
             raise ValueError("max_tokens_per_microbatch is a setting of engine 'torch'")
         if self.engine != "vllm" and not self.check_sync:
             raise ValueError("check_sync is a setting of engine 'vllm'")
+        native = {"max_rows": 256, "cuda_graphs": True, "compile": False, "release_memory": False}
+        for name, default in native.items():
+            if self.engine != "native" and getattr(self, name) != default:
+                raise ValueError(f"{name} is a setting of engine 'native'")
         return self
 
     @classmethod

@@ -5,17 +5,35 @@ weights need no hand-over."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
+from rayhf.engines.config import EngineConfig
 from rayhf.engines.rank_model import RankModel
-from rayhf.parallel.decode import DecodeEngine, DecodeOptions, default_options
+from rayhf.parallel.decode import DecodeEngine, DecodeOptions
 from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, check_prompts
+
+
+def decode_options(engine: EngineConfig | None, model: RankModel) -> DecodeOptions:
+    """The decode engine's options for a call's ``engines:`` entry (None: the defaults): CUDA
+    graphs only on CUDA, and with tp > 1 only over NCCL (a graph captures NCCL's all-reduces;
+    gloo's stage CUDA tensors through host memory, which a graph cannot hold)."""
+    engine = engine or EngineConfig(engine="native")
+    tp = model.groups.tp_group
+    capturable = tp is None or dist.get_backend(tp) == "nccl"
+    return DecodeOptions(
+        max_rows=engine.max_rows,
+        capture=engine.cuda_graphs and model.device.type == "cuda" and capturable,
+        compile=engine.compile,
+    )
 
 
 class NativeGenerator:
     name = "native"
 
-    def __init__(self, model: RankModel, options: DecodeOptions | None = None) -> None:
+    def __init__(self, model: RankModel, engine: EngineConfig | None = None) -> None:
         self.model = model
-        self.engine = DecodeEngine(model.pipe, options or default_options(model.device.type))
+        self.engine = DecodeEngine(model.pipe, decode_options(engine, model))
+        self.release_memory = engine is not None and engine.release_memory
 
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
@@ -24,7 +42,10 @@ class NativeGenerator:
             return GenerateOutput()
         check_prompts(prompts)
         m = self.model
-        return self.engine.generate(prompts, DecodeRules.of(cfg, m.eos_id, m.pad_id), seed)
+        out = self.engine.generate(prompts, DecodeRules.of(cfg, m.eos_id, m.pad_id), seed)
+        if self.release_memory:
+            self.engine.release()
+        return out
 
     def release(self) -> None:
         """Free the engine's KV cache and graphs until the next call."""

@@ -52,7 +52,6 @@ class RankModel:
         self.module.checkpointing = checkpointing  # recompute each layer in backward
         self.module.train(False)
         self.pipe = Pipeline(self.module, self.groups, n_mbs)
-        self.version = 0  # bumped whenever the weights change
 
     @classmethod
     def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
@@ -72,9 +71,14 @@ class RankModel:
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
+    @property
+    def version(self) -> int:
+        """Bumped whenever the weights change."""
+        return self.module.version
+
     def changed(self) -> None:
         """The weights changed in place (a train step)."""
-        self.version += 1
+        self.module.version += 1
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` (LM) or values ``[B, T]`` (value head) of right-padded rows.

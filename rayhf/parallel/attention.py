@@ -33,7 +33,8 @@ class TokenLayout:
     n_keys: int  # key slots per row a query may see (longest row, or a decode step's bound)
     cache_rows: torch.Tensor | None = None  # [n_rows] the cache row of each row (None: itself)
     decode: bool = False  # one token per row, row i at index i (``decode_attention``)
-    # decode: 0 for the keys each row sees, -inf past its position, [rows * kv heads, 1, n_keys]
+    # decode: 0 for the keys each row sees, -inf past its position, [rows * kv heads, 1, n_keys],
+    # fp32
     key_bias: torch.Tensor | None = None
     write_at: torch.Tensor | None = None  # decode: [rows * kv heads] each row's slot, flattened
 
@@ -62,7 +63,7 @@ class TokenLayout:
         rows = torch.arange(n, device=device)
         heads = cache.shape[1]
         blocked = torch.arange(n_keys, device=device)[None, :] > positions[:, None]
-        bias = torch.zeros(blocked.shape, dtype=cache.dtype, device=device)
+        bias = torch.zeros(blocked.shape, device=device)  # fp32, as the scores are
         bias = bias.masked_fill_(blocked, float("-inf")).repeat_interleave(heads, 0)[:, None, :]
         head_rows = rows[:, None] * heads + torch.arange(heads, device=device)[None, :]
         write_at = (head_rows * cache.capacity + positions[:, None]).flatten()
@@ -237,15 +238,29 @@ def decode_attention(
     """One query per row, ``q [rows, hq, d]``, over ``keys, values [rows, hkv, n_keys, d]``
     plus ``key_bias [rows * hkv, 1, n_keys]`` (-inf: a key past the row's position, outside its
     window): the ``hq / hkv`` query heads of a group are one matmul's rows against their shared
-    key head (``baddbmm`` adds the bias and scales in the same kernel). Softmax in fp32."""
+    key head. Scores and softmax in fp32 (as fused attention kernels keep them), the weights
+    cast to the values' dtype for their matmul."""
     rows, n_heads, dim = q.shape
     n_kv = keys.shape[1]
     grouped = q.reshape(rows * n_kv, n_heads // n_kv, dim)
     keys_t = keys.flatten(0, 1).transpose(1, 2)  # [rows * hkv, d, n_keys], no copy
     scale = scale or dim**-0.5
     if softcap is None:
-        scores = torch.baddbmm(key_bias, grouped, keys_t, alpha=scale)
+        scores = _fp32_scores(key_bias, grouped, keys_t, scale)
     else:
-        scores = torch.tanh(torch.bmm(grouped, keys_t) * scale / softcap) * softcap + key_bias
-    probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+        scores = _fp32_scores(torch.zeros_like(key_bias), grouped, keys_t, scale)
+        scores = torch.tanh(scores / softcap) * softcap + key_bias
+    probs = scores.softmax(-1).to(values.dtype)
     return torch.bmm(probs, values.flatten(0, 1)).view(rows, n_heads, dim)
+
+
+def _fp32_scores(
+    bias: torch.Tensor, q: torch.Tensor, keys_t: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``bias + scale * q @ keys_t`` in fp32: one kernel whatever the inputs' dtype (on CUDA a
+    bf16/fp16 matmul writes fp32; elsewhere the inputs are cast first)."""
+    if q.dtype == torch.float32:
+        return torch.baddbmm(bias, q, keys_t, alpha=scale)
+    if q.is_cuda:
+        return torch.baddbmm(bias, q, keys_t, out_dtype=torch.float32, alpha=scale)
+    return torch.baddbmm(bias, q.float(), keys_t.float(), alpha=scale)

@@ -21,6 +21,7 @@ the pipeline, where every stage advances its own copy of the slots.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from rayhf.parallel.attention import KVCache, TokenLayout
+from rayhf.parallel.buckets import CHECK_EVERY, cache_capacity, key_bucket, row_bucket
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.pipeline import Pipeline
 from rayhf.sampling import (
@@ -42,10 +44,6 @@ from rayhf.sampling import (
     uniforms,
 )
 
-CHECK_EVERY = 8  # decode steps between looks at which rows ended: one host sync per 8 tokens
-KEY_BLOCK = 64  # a bucketed step attends over the filled key slots rounded up to this many
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # captured widths
-
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -56,11 +54,6 @@ class DecodeOptions:
     compile: bool = False  # torch.compile(fullgraph=True) the step (before capturing it)
     compact: bool = True  # move live rows into a smaller bucket once they fit one
     share_prompts: bool = True  # prefill a repeated prompt once
-
-
-def default_options(device_type: str) -> DecodeOptions:
-    """On CUDA the step is captured."""
-    return DecodeOptions(capture=device_type == "cuda")
 
 
 class Slots:
@@ -176,6 +169,8 @@ class DecodeEngine:
         self.slots: Slots | None = None
         self.graphs: dict[Any, Any] = {}  # bucket key -> torch.cuda.CUDAGraph
         self.captured_weights: tuple[int, ...] = ()
+        self.casts: dict[str, torch.Tensor] | None = None  # see ``_cast_weights``
+        self.cast_of: tuple[int, ...] = ()  # the weights' fingerprint when last cast
         self.pool: Any = None
         self.n_steps = 0  # decode steps run by this engine
         self.buckets: set[tuple[str, int, int]] = set()  # the (part, rows, keys) steps ran at
@@ -197,11 +192,32 @@ class DecodeEngine:
             dtype = m.numerics.storage
             self.slots = Slots(self.cache.n_rows, max_new, m.spec.hidden_size, dtype, m.device)
 
+    def _cast_weights(self) -> None:
+        """A model kept in fp32 that computes under autocast (a trained role's master weights)
+        would cast every matmul weight at every token: keep them cast, refreshed in place when
+        the weights change (a graph reading them stays valid)."""
+        m = self.model
+        if m.numerics.autocast is None:
+            return
+        fingerprint = m.weights_fingerprint()
+        if self.casts is not None and fingerprint == self.cast_of:
+            return
+        with torch.no_grad():
+            if self.casts is None:
+                dtype = m.numerics.autocast
+                self.casts = {n: m.w(n).to(dtype).contiguous() for n in m.matmul_weights()}
+                self._forget_graphs()
+            else:
+                for name, copy in self.casts.items():
+                    copy.copy_(m.w(name))
+        self.cast_of = fingerprint
+
     def release(self) -> None:
-        """Free the KV cache, the slots and the captured graphs (a colocated role needs the
-        memory); the next call allocates them again."""
+        """Free the KV cache, the slots, the cast weights and the captured graphs (a colocated
+        role needs the memory); the next call allocates them again."""
         self._forget_graphs()
-        self.cache = self.slots = None
+        self.cache = self.slots = self.casts = None
+        self.cast_of = ()
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -219,9 +235,7 @@ class DecodeEngine:
         n, m = len(prompts), rules.max_new_tokens
         device = self.model.device
         n_slots = self._bucket(min(n, self.options.max_rows))
-        capacity = max(len(p) for p in prompts) + m
-        if self._bucketed:
-            capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        capacity = cache_capacity(max(len(p) for p in prompts), m, self._bucketed)
         self._ensure(n_slots, capacity, m)
         assert self.slots is not None
         self.slots.live.zero_()  # slots a previous call left are empty
@@ -229,12 +243,13 @@ class DecodeEngine:
         if pointers != self.captured_weights:  # new storage (a release, a move): recapture
             self._forget_graphs()
             self.captured_weights = pointers
+        self._cast_weights()
         draws = uniforms(seed, torch.arange(n, device=device), m)
         out_tokens = torch.full((n, m), rules.pad, dtype=torch.long, device=device)
         out_logprobs = torch.zeros(n, m, device=device)
         waiting = deque(range(n))
         rows: list[_Row | None] = [None] * n_slots
-        with torch.inference_mode():
+        with torch.inference_mode(), self.model.lend_cast(self.casts):
             self._fill(rows, waiting, prompts, draws, rules)
             while any(r is not None for r in rows):
                 b = self._bucket(max(i for i, r in enumerate(rows) if r is not None) + 1)
@@ -249,16 +264,7 @@ class DecodeEngine:
         return cut_at_eos(out_tokens.cpu(), out_logprobs.cpu(), rules.eos)
 
     def _bucket(self, n_rows: int) -> int:
-        """Rows a step runs over: exactly the rows in use, or (bucketed steps) the next width."""
-        if not self._bucketed:
-            return n_rows
-        return next((w for w in ROW_BUCKETS if w >= n_rows), n_rows)
-
-    def _key_bucket(self, n_keys: int, capacity: int) -> int:
-        """Key slots a step attends over: the filled ones, or (bucketed) whole blocks."""
-        if not self._bucketed:
-            return n_keys
-        return min(-(-n_keys // KEY_BLOCK) * KEY_BLOCK, capacity)
+        return row_bucket(n_rows, self._bucketed)
 
     @property
     def _bucketed(self) -> bool:
@@ -271,7 +277,7 @@ class DecodeEngine:
             r.length + min(self.n_steps - r.started, max_new - 1) for r in rows if r is not None
         )
         assert self.cache is not None
-        return self._key_bucket(far + 1, self.cache.capacity)
+        return key_bucket(far + 1, self.cache.capacity, self._bucketed)
 
     def _fill(self, rows, waiting: deque, prompts, draws: torch.Tensor, rules: DecodeRules):
         """Prefill waiting prompts into free slots and choose their first tokens."""
@@ -400,22 +406,38 @@ class DecodeEngine:
 
     def _capture(self, fn: Callable[[], None]) -> Any:
         """A CUDA graph of ``fn``, after one warm-up run on a side stream whose writes to the
-        slots are undone (the cache's are rewritten identically by the replay)."""
+        slots are undone (the cache's are rewritten identically by the replay). Off CUDA (the
+        tests of this path on CPUs) the "graph" calls ``fn`` again at each replay."""
         assert self.slots is not None
         saved = [t.clone() for t in self.slots.mutable()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        cuda = self.model.device.type == "cuda"
+        side = torch.cuda.Stream() if cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             fn()
-        torch.cuda.current_stream().wait_stream(side)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
         for t, before in zip(self.slots.mutable(), saved, strict=True):
             t.copy_(before)
+        if not cuda:
+            return _Replay(fn)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             fn()
         return graph
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What stands for a CUDA graph off CUDA: replaying calls the function again."""
+
+    fn: Callable[[], None]
+
+    def replay(self) -> None:
+        self.fn()
 
 
 def generate(

@@ -13,7 +13,7 @@ between map hidden to hidden.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,8 @@ class ShardedModel(torch.nn.Module):
         # again in backward (its tp collectives too, in the same order on every rank).
         self.checkpointing = False
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
+        self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
+        self.cast_copies: dict[str, torch.Tensor] | None = None  # see ``lend_cast``
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +98,35 @@ class ShardedModel(torch.nn.Module):
 
     def b(self, name: str) -> torch.Tensor | None:
         return getattr(self, _key(name), None)
+
+    def mw(self, name: str) -> torch.Tensor:
+        """A matmul's weight: the lent copy in the compute dtype (``lend_cast``) or the weight."""
+        return self.w(name) if self.cast_copies is None else self.cast_copies[name]
+
+    def matmul_weights(self) -> list[str]:
+        """The weights matmuls read (``mw``): every 2-D weight but the embedding lookups (the
+        embedding too when the LM head is tied to it)."""
+        lookups = {"transformer.wpe.weight"}
+        if not self.spec.tied:
+            lookups.add(embedding_name(self.spec))
+        return [n for n in self.shards if self.w(n).dim() == 2 and n not in lookups]
+
+    @contextlib.contextmanager
+    def lend_cast(self, copies: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Matmuls inside read ``copies``: the ``matmul_weights`` already cast to the autocast
+        dtype, which autocast would cast them to anyway, so results are the same (a generator
+        keeps them between calls instead of casting every weight every token). None: as is."""
+        self.cast_copies = copies
+        try:
+            yield
+        finally:
+            self.cast_copies = None
+
+    def weights_fingerprint(self) -> tuple[int, ...]:
+        """Changes whenever the weights may have: a new version, new storage, an update in
+        place (a copy of them is stale then)."""
+        params = list(self.parameters())
+        return (self.version, *(p.data_ptr() for p in params), *(p._version for p in params))
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards under their Hugging Face names."""
@@ -125,7 +156,7 @@ class ShardedModel(torch.nn.Module):
     ) -> list[torch.Tensor]:
         """``h`` through the linear layers ``prefix.{names}``, one output per ``sizes`` entry (a
         fused weight's output split)."""
-        outs = [F.linear(h, self.w(f"{prefix}.{n}.weight"), self.b(f"{prefix}.{n}.bias"))
+        outs = [F.linear(h, self.mw(f"{prefix}.{n}.weight"), self.b(f"{prefix}.{n}.bias"))
                 for n in names]  # fmt: skip
         return outs if len(outs) == len(sizes) else list(outs[0].split(sizes, dim=-1))
 
@@ -167,7 +198,13 @@ class ShardedModel(torch.nn.Module):
         and a lower precision, matmuls run under autocast.
         """
         low = self.numerics.autocast
-        cast = torch.autocast(x.device.type, dtype=low) if low else contextlib.nullcontext()
+        # without gradients no cast is reused; a cache kept across a CUDA graph capture breaks it
+        cached = torch.is_grad_enabled()
+        cast = (
+            torch.autocast(x.device.type, dtype=low, cache_enabled=cached)
+            if low
+            else contextlib.nullcontext()
+        )
         with cast:
             return self._forward(x, where.to(x.device), cache, select)
 
@@ -234,8 +271,8 @@ class ShardedModel(torch.nn.Module):
         gpt2 = self.spec.family == "gpt2"
         x = self.norm(x, "transformer.ln_f" if gpt2 else "model.norm")
         if self.spec.value_head:
-            return (x @ self.w("score.weight").T).squeeze(-1)
-        table = self.w(embedding_name(self.spec) if self.spec.tied else "lm_head.weight")
+            return (x @ self.mw("score.weight").T).squeeze(-1)
+        table = self.mw(embedding_name(self.spec) if self.spec.tied else "lm_head.weight")
         logits = copy_to_tp(x, self.groups.tp_group) @ table.T
         logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
         cap = self.spec.final_softcap
@@ -264,7 +301,7 @@ class ShardedModel(torch.nn.Module):
 
     def _row_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel linear layer of ``[out, in]`` weight ``name``."""
-        return self._row_parallel(x, self.w(f"{name}.weight").T, self.b(f"{name}.bias"))
+        return self._row_parallel(x, self.mw(f"{name}.weight").T, self.b(f"{name}.bias"))
 
     def _llama_attention(
         self, h, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
@@ -301,14 +338,14 @@ class ShardedModel(torch.nn.Module):
     def _gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
         p, d = f"transformer.h.{i}.attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
-        qkv = h @ self.w(f"{p}.c_attn.weight") + self.w(f"{p}.c_attn.bias")
+        qkv = h @ self.mw(f"{p}.c_attn.weight") + self.w(f"{p}.c_attn.bias")
         q, k, v = (t.reshape(-1, self.n_heads, d) for t in qkv.chunk(3, dim=-1))
         out = attention(q, k, v, where, None, cache, i).flatten(1)
-        return self._row_parallel(out, self.w(f"{p}.c_proj.weight"), self.w(f"{p}.c_proj.bias"))
+        return self._row_parallel(out, self.mw(f"{p}.c_proj.weight"), self.w(f"{p}.c_proj.bias"))
 
     def _gpt2_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
-        inner = self.act(h @ self.w(f"{p}.mlp.c_fc.weight") + self.w(f"{p}.mlp.c_fc.bias"))
+        inner = self.act(h @ self.mw(f"{p}.mlp.c_fc.weight") + self.w(f"{p}.mlp.c_fc.bias"))
         return self._row_parallel(
-            inner, self.w(f"{p}.mlp.c_proj.weight"), self.w(f"{p}.mlp.c_proj.bias")
+            inner, self.mw(f"{p}.mlp.c_proj.weight"), self.w(f"{p}.mlp.c_proj.bias")
         )

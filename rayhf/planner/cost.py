@@ -17,15 +17,16 @@ It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idea
   all-gather moving what the all-reduce moves); ZeRO-3 gathers every weight before the forward
   and again before the backward and reduce-scatters the gradients, prefetched under the compute
   (DeepSpeed and FSDP overlap them), so a minibatch takes the longer of the two;
-- generation: prefill is one unmicro-batched pass (``Pipeline.step``: stages in turn); each
-  decode step walks the stages one after another, reading every weight shard and the KV cache
-  at its full capacity (prompt + generation: attention masks the empty slots but reads them),
-  with grouped-query keys and values expanded to every head (``repeat_interleave``: read once,
-  written and read again per head group); a step also pays its sampling ops and a host sync
-  (``finished.all()``), so a decode step never costs less than launching every op it runs;
+- generation (``rayhf.parallel.decode``): prefill is one unmicro-batched pass (stages in
+  turn); each decode step walks the stages one after another, reading every weight shard and
+  the keys and values of the filled slots (rounded up to whole ``KEY_BLOCK``s, as the captured
+  step attends; grouped query heads share their key head), its tp all-reduces inside it; the
+  step is one CUDA graph per stage, so the host pays a graph launch per stage, not one per op,
+  and one sync every ``CHECK_EVERY`` steps;
 - memory: weights, gradients and AdamW state (fp32 master + two moments; the ZeRO stage splits
-  them over dp), activations of every micro-batch in flight (GPipe), the KV cache (and its expanded
-  copy for one layer), and the full logits of a replica's batch (rayhf gathers logits over tp).
+  them over dp), activations of every micro-batch in flight (GPipe), the KV cache (every row's
+  prompt and response, in whole blocks), and the full logits of a replica's batch (rayhf
+  gathers logits over tp).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Literal
 
 from rayhf.models.sharding import param_shards, shard_numel
 from rayhf.models.spec import ModelSpec
+from rayhf.parallel.buckets import CHECK_EVERY, cache_capacity, mean_keys
 from rayhf.parallel.layout import Layout
 from rayhf.planner.hardware import ClusterSpec
 
@@ -97,13 +99,15 @@ class Efficiency:
     # Host time to issue one eager PyTorch op (Python, autograd and ATen dispatch,
     # cudaLaunchKernel): ~5-25 us per op on current CPUs; the low end is used.
     op_seconds: float = 5e-6
-    # Ops one decoder layer of rayhf's model issues per pass (norms, rope recomputed per layer,
-    # attention's scatter and mask, matmuls, residuals): 70 forward, 70 backward, 68 per decode
-    # step, counted with a TorchDispatchMode over rayhf/parallel/model.py (Llama, tp=1).
+    # Ops one decoder layer of rayhf's model issues per pass (norms, rope, attention's scatter
+    # and mask, matmuls, residuals): 70 forward, 70 backward, counted with a TorchDispatchMode
+    # over rayhf/parallel/model.py (Llama, tp=1).
     ops_per_layer: int = 70
-    # Ops per decode step outside the layers: embedding and head (14) and sampling
-    # (``next_tokens``, EOS mask: 10), plus the token broadcast and per-step index tensors.
-    ops_per_step: int = 30
+    # Host time of one captured decode step on one stage: cudaGraphLaunch and the Python
+    # around it (~10-20 us on current CPUs).
+    replay_seconds: float = 2e-5
+    # Host time of one look at which rows ended (a device-to-host copy and its sync).
+    sync_seconds: float = 5e-5
 
 
 @dataclass(frozen=True)
@@ -250,22 +254,18 @@ class AnalyticCost:
             spec, layout, per, seq, layout.n_mbs, backward, recompute=recompute
         )
 
-    def decode_seconds(self, spec: ModelSpec, layout: Layout, n_seqs: int, ctx: int) -> float:
-        """One decode step (one token per row, a KV cache of ``ctx`` token slots), stages in
-        turn; never faster than the host issuing its ops."""
+    def decode_seconds(self, spec: ModelSpec, layout: Layout, n_seqs: int, keys: float) -> float:
+        """One decode step (one token per row, attending over ``keys`` key slots), stages in
+        turn: the longer of its FLOPs and its bytes (every weight shard, the keys and values
+        once) and of the host's graph launches (and its share of a sync), plus tp's
+        all-reduces and pp's hops."""
         _, matmul, _ = _sizes(spec)
         b = self.dtype_bytes(spec)
         weights = matmul * b / layout.tp
-        kv = 2 * spec.n_layers * n_seqs * ctx * spec.n_kv_heads * spec.head_dim * b / layout.tp
-        group = spec.n_heads // spec.n_kv_heads
-        kv_traffic = kv * (1 + 2 * group) if group > 1 else kv  # repeat_interleave, then SDPA
-        flops = n_seqs * (2 * matmul + 4 * spec.n_layers * spec.hidden_size * ctx)
-        gpu = max(
-            flops / layout.tp / self._flops_rate(spec),
-            (weights + kv_traffic) / self._bytes_rate(),
-        )
-        ops = spec.n_layers * self.eff.ops_per_layer + self.eff.ops_per_step
-        host = ops * self.eff.op_seconds
+        kv = 2 * spec.n_layers * n_seqs * keys * spec.n_kv_heads * spec.head_dim * b / layout.tp
+        flops = n_seqs * (2 * matmul + 4 * spec.n_layers * spec.hidden_size * keys)
+        gpu = max(flops / layout.tp / self._flops_rate(spec), (weights + kv) / self._bytes_rate())
+        host = layout.pp * self.eff.replay_seconds + self.eff.sync_seconds / CHECK_EVERY
         lat = self.cluster.link_latency
         comm = (2 * spec.n_layers + 1) * lat if layout.tp > 1 else 0.0  # + the logits gather
         comm += (layout.pp - 1) * lat + (2 * lat if layout.pp > 1 else 0.0)  # hops, broadcast
@@ -287,7 +287,9 @@ class AnalyticCost:
             parts["prefill"] = self._pass_seconds(
                 spec, layout, n_seqs, work.prompt_len, 1, full_output=False
             )
-            parts["decode"] = work.gen_len * self.decode_seconds(spec, layout, n_seqs, seq)
+            keys = mean_keys(work.prompt_len, work.gen_len, True)
+            steps = max(0, work.gen_len - 1)  # the prefill chooses each row's first token
+            parts["decode"] = steps * self.decode_seconds(spec, layout, n_seqs, keys)
         elif work.kind == "inference":
             parts["forward"] = self.forward_seconds(spec, layout, n_seqs, seq, work=work)
         else:
@@ -378,11 +380,9 @@ class AnalyticCost:
         layers = math.ceil(spec.n_layers / layout.pp)
         logits = 0.0 if spec.value_head else n_seqs * seq * spec.vocab_size * 4
         if work.kind == "generate":
-            kv = 2 * layers * n_seqs * seq * spec.n_kv_heads * spec.head_dim * b / layout.tp
-            expanded = 2 * n_seqs * seq * spec.n_heads * spec.head_dim * b / layout.tp
-            if spec.n_heads == spec.n_kv_heads:
-                expanded = 0.0  # one layer's keys and values repeated to every head
-            transient = kv + expanded + n_seqs * spec.vocab_size * 4
+            slots = cache_capacity(work.prompt_len, work.gen_len, True)
+            kv = 2 * layers * n_seqs * slots * spec.n_kv_heads * spec.head_dim * b / layout.tp
+            transient = kv + n_seqs * spec.vocab_size * 4
             return self.resident(spec, layout, False) + transient
         if work.kind == "inference":  # a token budget's micro-batches run one after another
             k = work.micro_batches(n_seqs, seq)

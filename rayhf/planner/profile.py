@@ -38,6 +38,9 @@ GRID = [(4, 16), (16, 16), (32, 16), (4, 48), (16, 48), (32, 48)]
 GEN_GRID = [(4, 16, 4), (16, 16, 4), (32, 16, 4), (4, 16, 16), (16, 16, 16), (32, 16, 16),
             (16, 8, 4), (16, 32, 4)]  # fmt: skip
 Timing = tuple[int, tuple[int, ...], float]  # (model depth, grid point, seconds)
+# What the engine's timings mean: bumped when its execution changes (2: the static decode
+# step of rayhf.parallel.decode), so profiles cached before are measured again.
+ENGINE_REVISION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +75,10 @@ OPS = ("forward", "train", "generate")
 
 
 def profile_key(spec: ModelSpec, threads: int, torch_version: str) -> str:
-    """What a profile depends on: the model's shape except its depth, threads, torch."""
+    """What a profile depends on: the model's shape except its depth, threads, torch, and the
+    engine's revision."""
     shape = dataclasses.asdict(dataclasses.replace(spec, n_layers=0))
-    text = json.dumps([shape, threads, torch_version], sort_keys=True)
+    text = json.dumps([shape, threads, torch_version, ENGINE_REVISION], sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

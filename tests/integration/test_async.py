@@ -1,7 +1,8 @@
-"""Asynchronous RL (``algorithm.max_staleness``): at k=0 the numbers are those rayhf gave
-before it existed; with k=1 the generation of step i+1 runs while step i trains, every batch's
-policy version is within the bound and the trace shows it, and a recovery from a checkpoint
-ends with the weights an uninterrupted run ends with."""
+"""Asynchronous RL (``algorithm.max_staleness``): at k=0 the numbers stay those recorded (until
+the sampler changed, those rayhf gave before max_staleness existed); with k=1 the generation of
+step i+1 runs while step i trains, every batch's policy version is within the bound and the
+trace shows it, and a recovery from a checkpoint ends with the weights an uninterrupted run ends
+with."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from rayhf.runtime.assets import prepare_run
 pytestmark = pytest.mark.ray
 
 CALLS = {"ppo": PPO_CALLS, "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_train")}
-# tiny PPO and GRPO runs recorded at commit 4392fee, before max_staleness existed
+# tiny PPO and GRPO runs at k=0, recorded when sampling became counter-based (the static decode
+# step); the file held the same runs at commit 4392fee, before max_staleness existed, until then
 BEFORE = Path(__file__).with_name("on_policy_numbers.json")
 TIMING = ("seconds", "per_s")
 # the actor generates on device 0 beside the frozen models (reference, reward), which then run
@@ -48,7 +50,7 @@ def _final_weights(result: rayhf.RunResult) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_at_staleness_0_the_numbers_are_those_of_the_code_before_it(ray_cluster, tmp_path, algo):
+def test_at_staleness_0_the_numbers_stay_those_recorded(ray_cluster, tmp_path, algo):
     plan = {c: {"mesh": [0] if c == "actor_gen" else [1]} for c in CALLS[algo]}
     cfg = rayhf.load_config(REPO / "examples" / f"{algo}_tiny.yaml").with_overrides(
         {

@@ -50,6 +50,87 @@ def test_every_family_matches_hugging_face_on_cuda_in_fp32_and_bf16(tmp_path):
         assert r["moved"] > 0, "the step changed no weight"
 
 
+def _cuda_generator(hf, **numerics):
+    from rayhf.checks.common import Tok
+    from rayhf.engines.native import NativeGenerator
+    from rayhf.engines.rank_model import RankModel
+    from rayhf.models.precision import Numerics
+
+    model = RankModel.from_hf(hf, Tok(), False, device="cuda", numerics=Numerics(**numerics))
+    return NativeGenerator(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gemma2"])
+def test_the_captured_decode_step_matches_hugging_face_and_follows_weight_moves(family):
+    """fp32 on the GPU, the step replayed from CUDA graphs: greedy tokens as Hugging Face's
+    ``generate``, sampled tokens and log-probs as the whole-model sampler's for the same seed;
+    new weights copied in place are used by the same graphs, new storage is captured again."""
+    from rayhf.checks.common import EOS, PAD, tiny_model
+    from rayhf.sampling import GenerationConfig
+    from rayhf.sampling import generate as reference
+
+    shape = {k: v for k, v in FAMILY_SHAPES[family].items() if k != "family"}
+    hf = tiny_model(family, shape, seed=3).cuda()
+    with torch.no_grad():  # large weights: trajectories differ from token to token
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    gen = _cuda_generator(hf)
+    assert gen.engine.options.capture
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10], [11], [3, 4, 5], [12, 13]]
+    greedy = GenerationConfig(max_new_tokens=12, greedy=True)
+    out = gen.generate(prompts, greedy, 0)
+    for prompt, tokens in zip(prompts, out.tokens, strict=True):
+        ids = torch.tensor([prompt], device="cuda")
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+            eos_token_id=EOS, pad_token_id=PAD,
+        )  # fmt: skip
+        assert tokens == ref[0, len(prompt) :].tolist()[: len(tokens)]
+    assert gen.engine.graphs, "the steps ran from captured graphs"
+    sampled = GenerationConfig(max_new_tokens=12, temperature=1.3, top_k=8, min_new_tokens=2)
+    got, want = gen.generate(prompts, sampled, 5), reference(hf, prompts, sampled, EOS, PAD, 5)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    graphs = dict(gen.engine.graphs)
+    other = tiny_model(family, shape, seed=4).cuda()
+    gen.model.load_full_state(other.state_dict())  # a move into the same storage
+    moved = gen.generate(prompts, greedy, 0)
+    assert moved.tokens == reference(other, prompts, greedy, EOS, PAD, 0).tokens
+    assert all(gen.engine.graphs.get(k) is g for k, g in graphs.items() if k in gen.engine.graphs)
+    gen.model.release()  # a copy's weights dropped, then refilled: new storage
+    gen.model.load_full_state(hf.state_dict())
+    assert gen.generate(prompts, greedy, 0).tokens == out.tokens
+
+
+def test_a_trained_actor_generates_with_its_trainer_s_log_probs_in_bf16():
+    """fp32 master weights under bf16 autocast (a trained role on the GPU): the captured
+    step's log-probs against a full forward of the same model over prompt + response."""
+    from rayhf.checks.common import PAD, tiny_model
+    from rayhf.sampling import GenerationConfig
+
+    hf = tiny_model("qwen2", {"n_heads": 4, "n_kv_heads": 2}, seed=2)
+    gen = _cuda_generator(hf, precision="bf16", master=True)
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13, 14]] * 4
+    out = gen.generate(prompts, GenerationConfig(max_new_tokens=24, min_new_tokens=24), 1)
+    rows = [p + t for p, t in zip(prompts, out.tokens, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows], device="cuda")
+    mask = (torch.arange(width, device="cuda")[None] < torch.tensor([len(r) for r in rows],
+            device="cuda")[:, None]).long()  # fmt: skip
+    with torch.no_grad():
+        logits = gen.model.forward(ids, mask).float().log_softmax(-1)
+    gaps = []
+    for i, (p, t) in enumerate(zip(prompts, out.tokens, strict=True)):
+        start = len(p) - 1
+        full = logits[i, start : start + len(t)].gather(-1, torch.tensor(t, device="cuda")[:, None])
+        gaps += (full.squeeze(-1).cpu() - torch.tensor(out.logprobs[i])).abs().tolist()
+    mean = sum(gaps) / len(gaps)
+    print(f"generator-trainer log-prob mismatch: mean {mean:.2e}, max {max(gaps):.2e}")
+    assert mean < 2e-2 and max(gaps) < 0.25
+
+
 def _staged_pair(rank: int, address: str, errors) -> None:
     from rayhf.parallel.groups import join_store
     from rayhf.realloc.transport import TransferGroup

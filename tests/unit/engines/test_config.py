@@ -44,6 +44,17 @@ def test_check_sync_is_a_vllm_setting_on_by_default():
         assert EngineConfig.model_validate(cfg.model_dump()) == cfg
 
 
+def test_the_decode_engine_settings_belong_to_the_native_engine():
+    native = EngineConfig(engine="native", max_rows=8, cuda_graphs=False, release_memory=True)
+    assert EngineConfig.model_validate(native.model_dump()) == native
+    for field, value in (("max_rows", 8), ("cuda_graphs", False), ("compile", True)):
+        for engine in ("vllm", "torch", "deepspeed"):
+            with pytest.raises(ValidationError, match=f"{field} is a setting of engine 'native'"):
+                EngineConfig(engine=engine, **{field: value})
+    with pytest.raises(ValidationError, match="max_rows"):
+        EngineConfig(engine="native", max_rows=0)
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"engine": "jax"}, {"engine": "deepspeed", "zero_stage": 0}, {"engine": "torch", "x": 1}],

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rayhf.checks.common import EOS, PAD, Tok, tiny_model
+from rayhf.engines.config import EngineConfig
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.sampling import GenerationConfig, generate
@@ -65,3 +66,20 @@ def test_new_weights_are_used_at_once(hf):
     expected = generate(other, PROMPTS, cfg, EOS, PAD)
     assert gen.generate(PROMPTS, cfg, seed=0).tokens == expected.tokens
     assert expected.tokens != generate(hf, PROMPTS, cfg, EOS, PAD).tokens
+
+
+def test_a_call_s_engine_settings_reach_its_decode_engine(hf):
+    model = RankModel.from_hf(hf, Tok(), False)
+    cfg = GenerationConfig(max_new_tokens=8, temperature=1.5)
+    prompts = [*PROMPTS, [12, 13], [3, 4, 5]]
+    free = NativeGenerator(model).generate(prompts, cfg, seed=2)
+    settings = EngineConfig(engine="native", max_rows=2, release_memory=True)
+    gen = NativeGenerator(model, settings)
+    assert not gen.engine.options.capture  # CUDA graphs on CUDA only
+    out = gen.generate(prompts, cfg, seed=2)  # two rows at a time, refilled
+    assert out.tokens == free.tokens and out.finished == free.finished
+    for got, expected in zip(out.logprobs, free.logprobs, strict=True):
+        assert got == pytest.approx(expected, abs=1e-5)  # matmuls of other widths round so
+    assert gen.engine.cache is None and gen.engine.slots is None  # released after the call
+    compiled = NativeGenerator(model, EngineConfig(engine="native", compile=True))
+    assert compiled.engine.options.compile

@@ -174,3 +174,44 @@ def test_the_step_alone_runs_many_tokens_on_one_compilation(llama):
             step(pipe.model, engine.cache, slots, rules, 2, 32)
     assert counter.frame_count == 1
     assert slots.steps[:2].tolist() == [21, 21] and slots.positions[:2].tolist() == [23, 22]
+
+
+def test_a_trained_copy_generates_from_casts_it_refreshes_when_the_weights_change():
+    """fp32 master weights under bf16 autocast (a trained actor): the engine keeps its matmul
+    weights cast between calls, the same tokens as casting every token, and new ones after an
+    update in place."""
+    from rayhf.checks.common import Tok
+    from rayhf.engines.rank_model import RankModel
+    from rayhf.models.precision import Numerics
+
+    hf, _ = _scaled("llama", {"n_heads": 4, "n_kv_heads": 2}, 5.0)
+    model = RankModel.from_hf(hf, Tok(), False, numerics=Numerics("bf16", master=True))
+    engine = DecodeEngine(model.pipe)
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    with torch.no_grad():
+        plain = [engine.generate(MIXED, rules, 4)]
+    casts = engine.casts
+    assert casts is not None and all(t.dtype == torch.bfloat16 for t in casts.values())
+    bare = DecodeEngine(model.pipe)
+    bare._cast_weights = lambda: None  # type: ignore[method-assign]
+    assert bare.generate(MIXED, rules, 4) == plain[0]
+    other, _ = _scaled("llama", {"n_heads": 4, "n_kv_heads": 2}, 5.0, seed=2)
+    model.load_full_state(other.state_dict())  # in place: the same storage
+    after = engine.generate(MIXED, rules, 4)
+    assert engine.casts is casts and after == bare.generate(MIXED, rules, 4)
+    assert after.tokens != plain[0].tokens
+
+
+def test_the_capture_path_replays_what_the_step_computes(llama):
+    """The capture bookkeeping on CPU (a "graph" that calls the step again): a warm-up run
+    before each capture leaves the slots as it found them, one graph per bucket, and the
+    responses are the eager engine's."""
+    hf, pipe = llama
+    engine = DecodeEngine(pipe, DecodeOptions(capture=True, max_rows=4))
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    _same(engine.generate(MIXED, rules, 4), hf_generate(hf, MIXED, SAMPLED, EOS, PAD, seed=4))
+    assert set(engine.graphs) == {(part, b, k, rules) for part, b, k in engine.buckets}
+    assert all(b in (1, 2, 4) and k % 64 == 0 for _, b, k in engine.buckets)  # bucketed
+    graphs = dict(engine.graphs)
+    engine.generate(MIXED, rules, 4)
+    assert all(engine.graphs[k] is g for k, g in graphs.items())  # replayed, not captured again

@@ -123,3 +123,28 @@ def test_new_cache_holds_this_rank_s_kv_heads():
     cache = model.new_cache(n_rows=3, capacity=11)
     assert cache.shape == (3, 4, 11, 32 // 8)  # rows, this rank's kv heads, slots, head dim
     assert set(cache.k) == set(model.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_matmuls_on_lent_casts_give_what_autocast_gives(family):
+    """fp32 master weights under bf16 autocast: matmuls reading weights already cast to bf16
+    give the same logits bit for bit; norms and the embedding lookup still read fp32."""
+    from rayhf.models.precision import Numerics
+
+    hf = tiny_model(family, SHAPES[family], seed=4)
+    spec = model_spec(hf.config, False)
+    model = ShardedModel(spec, single(), hf.state_dict(), Numerics("bf16", master=True))
+    ids = torch.tensor([t for r in _rows() for t in r])
+    names = model.matmul_weights()
+    assert names and all(model.w(n).dim() == 2 for n in names)
+    assert "transformer.wpe.weight" not in names and "model.norm.weight" not in names
+    casts = {n: model.w(n).to(torch.bfloat16) for n in names}
+    with torch.no_grad():
+        plain = model(ids, TokenLayout.packed(LENGTHS))
+        with model.lend_cast(casts):
+            lent = model(ids, TokenLayout.packed(LENGTHS))
+        casts[names[0]].zero_()  # the lent copy is what the matmul reads
+        with model.lend_cast(casts):
+            zeroed = model(ids, TokenLayout.packed(LENGTHS))
+    assert torch.equal(lent, plain) and not torch.equal(zeroed, plain)
+    assert model.cast_copies is None  # lent for the block only

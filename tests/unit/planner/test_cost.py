@@ -1,5 +1,5 @@
 """The analytic cost model (``rayhf.planner.cost``): how time and memory respond to layouts,
-launch floors and engines (no Ray)."""
+the decode step, launch floors and engines (no Ray)."""
 
 from __future__ import annotations
 
@@ -29,19 +29,28 @@ def test_cost_model_responds_to_layout_as_expected():
     assert gen.parts["decode"] > gen.parts["prefill"], "decoding 128 tokens is memory bound"
 
 
-def test_eager_launch_floor_makes_a_small_model_on_many_devices_slower_per_token():
-    """Decode never beats the host's op launches, so spreading a 7B model's generation over
-    more devices stops helping; a tiny micro-batch is weight-read bound, not FLOP bound."""
+def test_a_captured_decode_step_reads_weights_and_filled_keys_once():
+    """The native decode step is one graph per stage: a 7B model's step at 16 rows costs the
+    bytes it reads (its weight shard, the filled keys and values once, however many query heads
+    share a key head), not the host's launches; a tiny model's costs the graph launch."""
     cost = AnalyticCost(parse_cluster("1x8xH100"))
-    spec = SPECS["actor"]
-    floor = spec.n_layers * cost.eff.ops_per_layer * cost.eff.op_seconds
-    few = cost.decode_seconds(spec, Layout(tuple(range(2)), 2), 16, 256)
-    many = cost.decode_seconds(spec, Layout(tuple(range(8)), 1, 8), 16, 256)
-    assert few >= floor and many >= floor
-    assert many > few, "tp=8 only adds all-reduces to a launch-bound step"
+    spec, lay = SPECS["actor"], Layout(tuple(range(2)), 2)
+    step = cost.decode_seconds(spec, lay, 16, 256)
+    bw = cost.cluster.device.memory_bandwidth * cost.eff.memory
+    kv = 2 * spec.n_layers * 16 * 256 * spec.n_kv_heads * spec.head_dim * 2
+    assert step == pytest.approx((2 * 6.5e9 + kv) / bw, rel=0.05)
+    longer = cost.decode_seconds(spec, lay, 16, 512)
+    assert longer - step == pytest.approx(kv / bw, rel=0.05), "each filled key is read once"
+    grouped = dataclasses.replace(spec, n_kv_heads=spec.n_heads // 8)
+    saved = step - cost.decode_seconds(grouped, lay, 16, 256)
+    # 7/8 of the keys and values go (and the k/v projections shrink too)
+    assert saved >= kv * 7 / 8 / bw, "grouped query heads share their key head"
+    tiny = dataclasses.replace(spec, hidden_size=64, n_layers=2, intermediate_size=128)
+    assert cost.decode_seconds(tiny, Layout((0,), 1), 1, 8) >= cost.eff.replay_seconds
+    tp8 = cost.decode_seconds(spec, Layout(tuple(range(8)), 1, 8), 16, 256)
+    assert tp8 < step, "tp=8 reads a quarter of tp=2's shard per device"
     one_seq = cost.forward_seconds(spec, Layout((0,), 1), 1, 1)
-    weights = 2 * 6.5e9 / (cost.cluster.device.memory_bandwidth * cost.eff.memory)
-    assert one_seq >= weights, "a one-token forward still reads every weight"
+    assert one_seq >= 2 * 6.5e9 / bw, "a one-token forward still reads every weight"
 
 
 def test_engines_change_the_memory_the_planner_counts():
