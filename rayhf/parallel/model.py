@@ -87,7 +87,7 @@ class ShardedModel(torch.nn.Module):
         self.checkpointing = False
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
         self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
-        self.cast_copies: dict[str, torch.Tensor] | None = None  # see ``lend_cast``
+        self.lent: dict[str, torch.Tensor] | None = None  # see ``lend``
 
     @property
     def device(self) -> torch.device:
@@ -99,28 +99,41 @@ class ShardedModel(torch.nn.Module):
     def b(self, name: str) -> torch.Tensor | None:
         return getattr(self, _key(name), None)
 
-    def mw(self, name: str) -> torch.Tensor:
-        """A matmul's weight: the lent copy in the compute dtype (``lend_cast``) or the weight."""
-        return self.w(name) if self.cast_copies is None else self.cast_copies[name]
-
     def matmul_weights(self) -> list[str]:
-        """The weights matmuls read (``mw``): every 2-D weight but the embedding lookups (the
-        embedding too when the LM head is tied to it)."""
+        """The weights matmuls read (``matmul``): every 2-D weight but the embedding lookups
+        (the embedding too when the LM head is tied to it)."""
         lookups = {"transformer.wpe.weight"}
         if not self.spec.tied:
             lookups.add(embedding_name(self.spec))
         return [n for n in self.shards if self.w(n).dim() == 2 and n not in lookups]
 
+    def out_in(self, name: str) -> torch.Tensor:
+        """Matmul weight ``name`` as ``[out, in]`` (GPT-2's Conv1D keeps ``[in, out]``)."""
+        w = self.w(name)
+        return w.T if self._conv1d(name) else w
+
+    def _conv1d(self, name: str) -> bool:
+        return name.startswith("transformer.h.")  # GPT-2's blocks
+
     @contextlib.contextmanager
-    def lend_cast(self, copies: dict[str, torch.Tensor] | None) -> Iterator[None]:
-        """Matmuls inside read ``copies``: the ``matmul_weights`` already cast to the autocast
-        dtype, which autocast would cast them to anyway, so results are the same (a generator
-        keeps them between calls instead of casting every weight every token). None: as is."""
-        self.cast_copies = copies
+    def lend(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Matmuls inside read ``weights`` (a generator's, per ``matmul_weights`` name): copies
+        cast to the autocast dtype (what autocast would cast them to anyway, so results are the
+        same), or oneDNN-packed ``[out, in]`` copies on CPUs. None: the weights as they are."""
+        self.lent = weights
         try:
             yield
         finally:
-            self.cast_copies = None
+            self.lent = None
+
+    def matmul(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None):
+        """``x`` times matmul weight ``name`` (transposed: a linear layer), plus ``bias``."""
+        w = self.w(name) if self.lent is None else self.lent[name]
+        if w.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        if self._conv1d(name):
+            return x @ w if bias is None else torch.addmm(bias, x, w)
+        return F.linear(x, w, bias)
 
     def weights_fingerprint(self) -> tuple[int, ...]:
         """Changes whenever the weights may have: a new version, new storage, an update in
@@ -156,7 +169,7 @@ class ShardedModel(torch.nn.Module):
     ) -> list[torch.Tensor]:
         """``h`` through the linear layers ``prefix.{names}``, one output per ``sizes`` entry (a
         fused weight's output split)."""
-        outs = [F.linear(h, self.mw(f"{prefix}.{n}.weight"), self.b(f"{prefix}.{n}.bias"))
+        outs = [self.matmul(h, f"{prefix}.{n}.weight", self.b(f"{prefix}.{n}.bias"))
                 for n in names]  # fmt: skip
         return outs if len(outs) == len(sizes) else list(outs[0].split(sizes, dim=-1))
 
@@ -271,9 +284,9 @@ class ShardedModel(torch.nn.Module):
         gpt2 = self.spec.family == "gpt2"
         x = self.norm(x, "transformer.ln_f" if gpt2 else "model.norm")
         if self.spec.value_head:
-            return (x @ self.mw("score.weight").T).squeeze(-1)
-        table = self.mw(embedding_name(self.spec) if self.spec.tied else "lm_head.weight")
-        logits = copy_to_tp(x, self.groups.tp_group) @ table.T
+            return self.matmul(x, "score.weight").squeeze(-1)
+        table = embedding_name(self.spec) if self.spec.tied else "lm_head.weight"
+        logits = self.matmul(copy_to_tp(x, self.groups.tp_group), table)
         logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -295,13 +308,12 @@ class ShardedModel(torch.nn.Module):
         x = x + attn
         return x + self._llama_mlp(self.norm(x, f"{p}.post_attention_layernorm"), p)
 
-    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        out = reduce_from_tp(x @ weight, self.groups.tp_group)
-        return out if bias is None else out + bias
-
     def _row_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """A row-parallel linear layer of ``[out, in]`` weight ``name``."""
-        return self._row_parallel(x, self.mw(f"{name}.weight").T, self.b(f"{name}.bias"))
+        """A row-parallel linear layer: this rank's input columns times its weight rows, summed
+        over tp, then the bias (whole on every rank)."""
+        out = reduce_from_tp(self.matmul(x, f"{name}.weight"), self.groups.tp_group)
+        bias = self.b(f"{name}.bias")
+        return out if bias is None else out + bias
 
     def _llama_attention(
         self, h, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
@@ -338,14 +350,12 @@ class ShardedModel(torch.nn.Module):
     def _gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
         p, d = f"transformer.h.{i}.attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
-        qkv = h @ self.mw(f"{p}.c_attn.weight") + self.w(f"{p}.c_attn.bias")
+        qkv = self.matmul(h, f"{p}.c_attn.weight", self.w(f"{p}.c_attn.bias"))
         q, k, v = (t.reshape(-1, self.n_heads, d) for t in qkv.chunk(3, dim=-1))
         out = attention(q, k, v, where, None, cache, i).flatten(1)
-        return self._row_parallel(out, self.mw(f"{p}.c_proj.weight"), self.w(f"{p}.c_proj.bias"))
+        return self._row_linear(out, f"{p}.c_proj")
 
     def _gpt2_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
-        inner = self.act(h @ self.mw(f"{p}.mlp.c_fc.weight") + self.w(f"{p}.mlp.c_fc.bias"))
-        return self._row_parallel(
-            inner, self.mw(f"{p}.mlp.c_proj.weight"), self.w(f"{p}.mlp.c_proj.bias")
-        )
+        inner = self.act(self.matmul(h, f"{p}.mlp.c_fc.weight", self.w(f"{p}.mlp.c_fc.bias")))
+        return self._row_linear(inner, f"{p}.mlp.c_proj")

@@ -242,7 +242,9 @@ def _candidates(logits: torch.Tensor, top_k: int, top_p: float) -> list[bool]:
     """Which tokens ``choose`` ever draws from ``logits [1, V]`` over a fine grid of uniforms."""
     rules = DecodeRules(False, 1.0, top_k, top_p, 0, 8, eos=99, pad=0)
     u = (torch.arange(4096) + 0.5) / 4096
-    tokens, _ = choose(logits.expand(len(u), -1), rules, u, torch.zeros(len(u), dtype=torch.long))
+    tokens, _ = choose(
+        logits.expand(len(u), -1).clone(), rules, u, torch.zeros(len(u), dtype=torch.long)
+    )
     return [t in set(tokens.tolist()) for t in range(logits.shape[-1])]
 
 
@@ -296,7 +298,9 @@ def test_drawn_tokens_follow_the_filtered_softmax(temperature, top_k, top_p) -> 
     rules = DecodeRules(False, temperature, top_k, top_p, 0, 8, eos=99, pad=0)
     n = 100_000
     u = uniforms(11, torch.arange(n), 1)[:, 0]
-    tokens, logprobs = choose(logits.expand(n, -1), rules, u, torch.zeros(n, dtype=torch.long))
+    tokens, logprobs = choose(
+        logits.expand(n, -1).clone(), rules, u, torch.zeros(n, dtype=torch.long)
+    )
     probs = (logits / temperature).softmax(-1)
     torch.testing.assert_close(logprobs, probs.log()[tokens])  # before filtering
     keep = torch.tensor(_candidates(logits[None], top_k, top_p))
@@ -326,3 +330,30 @@ def test_empty_inputs() -> None:
     assert generate(model, [], GenerationConfig(), EOS, PAD) == GenerateOutput()
     with pytest.raises(RayhfError, match="at least one token"):
         generate(model, [[3], []], GenerationConfig(), EOS, PAD)
+
+
+def test_a_wide_vocabulary_is_scanned_in_blocks_with_the_same_draws() -> None:
+    """1,000 tokens (blocks of 25): the blocked scan picks what one cumulative scan over the
+    whole row picks, never a token of weight 0, and the draws follow the softmax."""
+    from scipy import stats
+
+    from rayhf.sampling import _block_size, _first_reaching
+
+    assert _block_size(1000) == 25 and _block_size(37) == 1 and _block_size(151936) == 128
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g) * 3
+    logits[torch.randperm(1000, generator=g)[:300]] = float("-inf")
+    n = 100_000
+    u = uniforms(3, torch.arange(n), 1)[:, 0]
+    weights = (logits - logits.max()).exp().expand(n, -1)
+    blocked = _first_reaching(weights, u)
+    total = weights[0].cumsum(-1)
+    whole = (total[None, :] < (u * total[-1])[:, None]).sum(-1)
+    assert (blocked == whole).double().mean() > 0.999  # rounding may move a boundary draw
+    assert bool(torch.isfinite(logits[blocked]).all())
+    counts = torch.bincount(blocked, minlength=1000).double()
+    probs = logits.double().softmax(-1)
+    common = probs * n >= 20  # chi-square wants expected counts that are not tiny
+    expected = torch.cat([probs[common] * n, (probs[~common] * n).sum()[None]])
+    observed = torch.cat([counts[common], counts[~common].sum()[None]])
+    assert stats.chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3

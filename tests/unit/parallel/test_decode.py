@@ -190,15 +190,15 @@ def test_a_trained_copy_generates_from_casts_it_refreshes_when_the_weights_chang
     rules = DecodeRules.of(SAMPLED, EOS, PAD)
     with torch.no_grad():
         plain = [engine.generate(MIXED, rules, 4)]
-    casts = engine.casts
+    casts = engine.lent
     assert casts is not None and all(t.dtype == torch.bfloat16 for t in casts.values())
     bare = DecodeEngine(model.pipe)
-    bare._cast_weights = lambda: None  # type: ignore[method-assign]
+    bare._lend_weights = lambda: None  # type: ignore[method-assign]
     assert bare.generate(MIXED, rules, 4) == plain[0]
     other, _ = _scaled("llama", {"n_heads": 4, "n_kv_heads": 2}, 5.0, seed=2)
     model.load_full_state(other.state_dict())  # in place: the same storage
     after = engine.generate(MIXED, rules, 4)
-    assert engine.casts is casts and after == bare.generate(MIXED, rules, 4)
+    assert engine.lent is casts and after == bare.generate(MIXED, rules, 4)
     assert after.tokens != plain[0].tokens
 
 
@@ -215,3 +215,32 @@ def test_the_capture_path_replays_what_the_step_computes(llama):
     graphs = dict(engine.graphs)
     engine.generate(MIXED, rules, 4)
     assert all(engine.graphs[k] is g for k, g in graphs.items())  # replayed, not captured again
+
+
+def test_on_cpus_the_step_multiplies_packed_copies_made_again_when_weights_change(
+    models, monkeypatch
+):
+    """oneDNN-packed copies of the fp32 matmul weights: the same tokens as the weights
+    themselves (log-probs to rounding), and new copies after an update in place."""
+    from rayhf.parallel import decode
+
+    monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
+    hf, pipe = models
+    if not decode._PACKABLE:
+        pytest.skip("this torch has no oneDNN linear packing")
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    packed, plain = DecodeEngine(pipe), DecodeEngine(pipe, DecodeOptions(pack=False))
+    got, want = packed.generate(MIXED, rules, 4), plain.generate(MIXED, rules, 4)
+    _same(got, want)
+    assert packed.lent is not None and all(t.is_mkldnn for t in packed.lent.values())
+    assert plain.lent is None
+    before = packed.lent
+    with torch.no_grad():
+        name = pipe.model.matmul_weights()[0]
+        pipe.model.w(name).mul_(0.5)  # an optimizer step, in place
+    try:
+        packed.generate(MIXED, rules, 4)
+        assert packed.lent is not before
+    finally:
+        with torch.no_grad():
+            pipe.model.w(name).mul_(2.0)

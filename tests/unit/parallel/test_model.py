@@ -141,10 +141,10 @@ def test_matmuls_on_lent_casts_give_what_autocast_gives(family):
     casts = {n: model.w(n).to(torch.bfloat16) for n in names}
     with torch.no_grad():
         plain = model(ids, TokenLayout.packed(LENGTHS))
-        with model.lend_cast(casts):
+        with model.lend(casts):
             lent = model(ids, TokenLayout.packed(LENGTHS))
         casts[names[0]].zero_()  # the lent copy is what the matmul reads
-        with model.lend_cast(casts):
+        with model.lend(casts):
             zeroed = model(ids, TokenLayout.packed(LENGTHS))
     assert torch.equal(lent, plain) and not torch.equal(zeroed, plain)
-    assert model.cast_copies is None  # lent for the block only
+    assert model.lent is None  # lent for the block only
