@@ -177,6 +177,7 @@ class DecodeEngine:
         self.buckets: set[tuple[str, int, int]] = set()  # the (part, rows, keys) steps ran at
         step_fns: tuple[Callable[..., None], ...] = (decode_step, stage_step, advance_chosen)
         if self.options.compile:
+            _allow_recompiles()
             compiler = compiler or functools.partial(torch.compile, fullgraph=True)
             step_fns = tuple(compiler(f) for f in step_fns)
         self._decode, self._stage, self._advance = step_fns
@@ -209,15 +210,11 @@ class DecodeEngine:
         if self.lent is not None and fingerprint == self.lent_of:
             return
         with torch.no_grad():
-            if pack:
-                self.lent = {n: _packed(m, n) for n in m.matmul_weights()}
-            elif self.lent is None:
-                assert low is not None
-                self.lent = {n: m.w(n).to(low).contiguous() for n in m.matmul_weights()}
+            if self.lent is not None and not pack:  # in place: a captured graph reads them
+                _refresh(self.lent, m)
+            else:
+                self.lent = _lent(m, low, pack)
                 self._forget_graphs()
-            else:  # in place: a captured graph reads these copies
-                for name, copy in self.lent.items():
-                    copy.copy_(m.w(name))
         self.lent_of = fingerprint
 
     def release(self) -> None:
@@ -438,6 +435,18 @@ class DecodeEngine:
         return graph
 
 
+# Compilations of a step function a process may keep: one per (model, sampling rules, bucket
+# shape) until dynamo makes the shapes symbolic. Past dynamo's default of 8 a fullgraph compile
+# fails outright (seen with three models in one process).
+RECOMPILE_LIMIT = 64
+
+
+def _allow_recompiles() -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
 def _packable() -> bool:
     """Whether this torch packs linear weights for oneDNN (an op inductor uses on CPUs)."""
     try:
@@ -457,12 +466,38 @@ _PACKABLE = torch.backends.mkldnn.is_available() and _packable()
 PACK_MIN_ELEMENTS = 1 << 18
 
 
-def _packed(model: ShardedModel, name: str) -> torch.Tensor:
-    """Matmul weight ``name``, oneDNN-packed if large enough to gain by it."""
-    weight = model.out_in(name)
-    if weight.numel() < PACK_MIN_ELEMENTS:
-        return model.w(name)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+def _lent(model: ShardedModel, low: torch.dtype | None, pack: bool) -> dict[str, torch.Tensor]:
+    """What the engine lends ``model`` (``ShardedModel.lendable``): each group's weights as
+    one ``[out, in]`` matrix, with its biases joined under ``{key}.bias``; cast to ``low``, or
+    (``pack``) oneDNN-packed where large enough, else fp32 (a single weight: itself)."""
+    lent: dict[str, torch.Tensor] = {}
+    for key, names in model.lendable().items():
+        if len(names) == 1:
+            weight = model.w(names[0]) if low is None else model.w(names[0]).to(low).contiguous()
+        else:
+            weight = torch.cat([model.w(n) for n in names])
+            weight = weight if low is None else weight.to(low)
+            biases = [model.b(n.removesuffix(".weight") + ".bias") for n in names]
+            if biases[0] is not None:
+                lent[f"{key}.bias"] = torch.cat(biases)  # type: ignore[arg-type]
+        if pack and weight.numel() >= PACK_MIN_ELEMENTS:
+            out_in = weight if len(names) > 1 else model.out_in(names[0])
+            weight = torch.ops.mkldnn._reorder_linear_weight(out_in.contiguous(), None)
+        lent[key] = weight
+    return lent
+
+
+def _refresh(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
+    """Copy ``model``'s weights into the cast copies of ``_lent``, in place."""
+    for key, names in model.lendable().items():
+        row = 0
+        for name in names:
+            weight = model.w(name)
+            lent[key][row : row + weight.shape[0]].copy_(weight)
+            bias = model.b(name.removesuffix(".weight") + ".bias")
+            if f"{key}.bias" in lent and bias is not None:
+                lent[f"{key}.bias"][row : row + weight.shape[0]].copy_(bias)
+            row += weight.shape[0]
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 Rotations = dict[bool, tuple[torch.Tensor, torch.Tensor]]
 
 
+QKV = ("q_proj", "k_proj", "v_proj")  # a Llama-style layer's attention projections
+GATE_UP = ("gate_proj", "up_proj")  # and its MLP's, before the activation
+
+
 def _key(name: str) -> str:
     return name.replace(".", "__")
 
@@ -107,6 +111,25 @@ class ShardedModel(torch.nn.Module):
             lookups.add(embedding_name(self.spec))
         return [n for n in self.shards if self.w(n).dim() == 2 and n not in lookups]
 
+    def lendable(self) -> dict[str, list[str]]:
+        """What a generator may lend (``lend``), by key: each layer's q, k and v projections as
+        one ``[out, in]`` matrix (key ``{layer}.self_attn.qkv``) and its gate and up
+        projections (``{layer}.mlp.gate_up``) where they are kept apart, every other matmul
+        weight alone under its own name."""
+        groups: dict[str, list[str]] = {}
+        fused = set()
+        if self.spec.family not in ("gpt2", "phi3"):
+            for i in self.layers:
+                p = f"model.layers.{i}"
+                for key, names in ((f"{p}.self_attn.qkv", QKV), (f"{p}.mlp.gate_up", GATE_UP)):
+                    prefix = key.rsplit(".", 1)[0]
+                    groups[key] = [f"{prefix}.{n}.weight" for n in names]
+                    fused.update(groups[key])
+        for name in self.matmul_weights():
+            if name not in fused:
+                groups[name] = [name]
+        return groups
+
     def out_in(self, name: str) -> torch.Tensor:
         """Matmul weight ``name`` as ``[out, in]`` (GPT-2's Conv1D keeps ``[in, out]``)."""
         w = self.w(name)
@@ -117,9 +140,9 @@ class ShardedModel(torch.nn.Module):
 
     @contextlib.contextmanager
     def lend(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
-        """Matmuls inside read ``weights`` (a generator's, per ``matmul_weights`` name): copies
-        cast to the autocast dtype (what autocast would cast them to anyway, so results are the
-        same), or oneDNN-packed ``[out, in]`` copies on CPUs. None: the weights as they are."""
+        """Matmuls inside read ``weights`` (a generator's, by ``lendable`` key; a fused group's
+        bias under ``{key}.bias``): copies cast to the autocast dtype (what autocast would cast
+        them to anyway), or oneDNN-packed copies on CPUs. None: the weights as they are."""
         self.lent = weights
         try:
             yield
@@ -127,7 +150,8 @@ class ShardedModel(torch.nn.Module):
             self.lent = None
 
     def matmul(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None):
-        """``x`` times matmul weight ``name`` (transposed: a linear layer), plus ``bias``."""
+        """``x`` times matmul weight ``name`` (transposed: a linear layer), plus ``bias``; a lent
+        weight is ``[out, in]`` (or packed), except a single Conv1D one, lent as it is kept."""
         w = self.w(name) if self.lent is None else self.lent[name]
         if w.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
@@ -165,10 +189,15 @@ class ShardedModel(torch.nn.Module):
         )  # fmt: skip
 
     def _linears(
-        self, h: torch.Tensor, prefix: str, names: list[str], sizes: list[int]
+        self, h: torch.Tensor, prefix: str, names: list[str], sizes: list[int], group: str
     ) -> list[torch.Tensor]:
-        """``h`` through the linear layers ``prefix.{names}``, one output per ``sizes`` entry (a
-        fused weight's output split)."""
+        """``h`` through the linear layers ``prefix.{names}``, one output per ``sizes`` entry: one
+        matmul where a generator lends them fused (``lendable``'s ``prefix.group``), or where
+        the checkpoint keeps them in one weight (split after)."""
+        if self.lent is not None and f"{prefix}.{group}" in self.lent:
+            key = f"{prefix}.{group}"
+            fused = self.matmul(h, key, self.lent.get(f"{key}.bias"))
+            return list(fused.split(sizes, dim=-1))
         outs = [self.matmul(h, f"{prefix}.{n}.weight", self.b(f"{prefix}.{n}.bias"))
                 for n in names]  # fmt: skip
         return outs if len(outs) == len(sizes) else list(outs[0].split(sizes, dim=-1))
@@ -321,9 +350,9 @@ class ShardedModel(torch.nn.Module):
         p, d = f"model.layers.{i}.self_attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
         # this rank's heads of q, k and v (Phi-3 keeps them in one weight)
-        names = ["qkv_proj"] if self.spec.family == "phi3" else ["q_proj", "k_proj", "v_proj"]
+        names = ["qkv_proj"] if self.spec.family == "phi3" else list(QKV)
         sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
-        q, k, v = self._linears(h, p, names, sizes)
+        q, k, v = self._linears(h, p, names, sizes, "qkv")
         q = q.reshape(-1, self.n_heads, d)
         k = k.reshape(-1, self.n_kv_heads, d)
         v = v.reshape(-1, self.n_kv_heads, d)
@@ -342,9 +371,9 @@ class ShardedModel(torch.nn.Module):
     def _llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
         # this rank's columns of gate and of up (Phi-3 keeps them in one weight)
-        names = ["gate_up_proj"] if self.spec.family == "phi3" else ["gate_proj", "up_proj"]
+        names = ["gate_up_proj"] if self.spec.family == "phi3" else list(GATE_UP)
         width = self.w(f"{p}.mlp.down_proj.weight").shape[1]  # this rank's intermediate units
-        gate, up = self._linears(h, f"{p}.mlp", names, [width, width])
+        gate, up = self._linears(h, f"{p}.mlp", names, [width, width], "gate_up")
         return self._row_linear(self.act(gate) * up, f"{p}.mlp.down_proj")
 
     def _gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
