@@ -261,6 +261,10 @@ def _fp32_scores(
     bf16/fp16 matmul writes fp32; elsewhere the inputs are cast first)."""
     if q.dtype == torch.float32:
         return torch.baddbmm(bias, q, keys_t, alpha=scale)
-    if q.is_cuda:
+    if q.is_cuda and _OUT_DTYPE:
         return torch.baddbmm(bias, q, keys_t, out_dtype=torch.float32, alpha=scale)
     return torch.baddbmm(bias, q.float(), keys_t.float(), alpha=scale)
+
+
+# whether this torch has baddbmm's out_dtype overload (CUDA: bf16/fp16 in, fp32 out)
+_OUT_DTYPE = hasattr(torch.ops.aten.baddbmm, "dtype")

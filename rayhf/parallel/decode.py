@@ -202,7 +202,7 @@ class DecodeEngine:
         rows: docs/decisions.md), none otherwise."""
         m = self.model
         low = m.numerics.autocast
-        pack = low is None and m.device.type == "cpu" and _PACKABLE
+        pack = low is None and m.device.type == "cpu" and packable()
         pack = pack and self.options.pack and not self.options.compile  # inductor packs its own
         if low is None and not pack:
             return
@@ -447,8 +447,11 @@ def _allow_recompiles() -> None:
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
 
 
-def _packable() -> bool:
+@functools.cache
+def packable() -> bool:
     """Whether this torch packs linear weights for oneDNN (an op inductor uses on CPUs)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
     try:
         w = torch.ones(4, 4)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -456,9 +459,6 @@ def _packable() -> bool:
         return bool(torch.equal(out, torch.full((2, 4), 4.0)))
     except (AttributeError, RuntimeError):
         return False
-
-
-_PACKABLE = torch.backends.mkldnn.is_available() and _packable()
 
 
 # Weights with fewer elements multiply as fast or faster unpacked: at 16-64 rows, packed 1408x512

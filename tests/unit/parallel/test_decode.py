@@ -225,8 +225,8 @@ def test_on_cpus_the_step_multiplies_packed_copies_made_again_when_weights_chang
     from rayhf.parallel import decode
 
     monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
-    hf, pipe = models
-    if not decode._PACKABLE:
+    _, pipe = models
+    if not decode.packable():
         pytest.skip("this torch has no oneDNN linear packing")
     rules = DecodeRules.of(SAMPLED, EOS, PAD)
     packed, plain = DecodeEngine(pipe), DecodeEngine(pipe, DecodeOptions(pack=False))
