@@ -477,7 +477,7 @@ def _lent(model: ShardedModel, low: torch.dtype | None, pack: bool) -> dict[str,
         else:
             weight = torch.cat([model.w(n) for n in names])
             weight = weight if low is None else weight.to(low)
-            biases = [model.b(n.removesuffix(".weight") + ".bias") for n in names]
+            biases = [_bias(model, n) for n in names]
             if biases[0] is not None:
                 lent[f"{key}.bias"] = torch.cat(biases)  # type: ignore[arg-type]
         if pack and weight.numel() >= PACK_MIN_ELEMENTS:
@@ -487,6 +487,11 @@ def _lent(model: ShardedModel, low: torch.dtype | None, pack: bool) -> dict[str,
     return lent
 
 
+def _bias(model: ShardedModel, weight: str) -> torch.Tensor | None:
+    """The bias beside matmul weight ``weight`` (``...proj.weight`` -> ``...proj.bias``)."""
+    return model.b(weight.removesuffix(".weight") + ".bias")
+
+
 def _refresh(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
     """Copy ``model``'s weights into the cast copies of ``_lent``, in place."""
     for key, names in model.lendable().items():
@@ -494,7 +499,7 @@ def _refresh(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
         for name in names:
             weight = model.w(name)
             lent[key][row : row + weight.shape[0]].copy_(weight)
-            bias = model.b(name.removesuffix(".weight") + ".bias")
+            bias = _bias(model, name)
             if f"{key}.bias" in lent and bias is not None:
                 lent[f"{key}.bias"][row : row + weight.shape[0]].copy_(bias)
             row += weight.shape[0]

@@ -121,10 +121,10 @@ class ShardedModel(torch.nn.Module):
         if self.spec.family not in ("gpt2", "phi3"):
             for i in self.layers:
                 p = f"model.layers.{i}"
-                for key, names in ((f"{p}.self_attn.qkv", QKV), (f"{p}.mlp.gate_up", GATE_UP)):
-                    prefix = key.rsplit(".", 1)[0]
-                    groups[key] = [f"{prefix}.{n}.weight" for n in names]
-                    fused.update(groups[key])
+                for prefix, group, names in ((f"{p}.self_attn", "qkv", QKV),
+                                             (f"{p}.mlp", "gate_up", GATE_UP)):  # fmt: skip
+                    groups[f"{prefix}.{group}"] = [f"{prefix}.{n}.weight" for n in names]
+                    fused.update(groups[f"{prefix}.{group}"])
         for name in self.matmul_weights():
             if name not in fused:
                 groups[name] = [name]
