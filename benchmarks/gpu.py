@@ -47,6 +47,7 @@ QWEN2_05B = {"family": "qwen2", "hidden_size": 896, "n_layers": 24, "n_heads": 1
              "config": {"vocab_size": 151936}}  # fmt: skip
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
 TIMED = 5  # timed repetitions of each micro-benchmark, after one warm-up
+HF_TIMED = 3  # of Hugging Face's generate, a call 5-10x slower
 
 
 def peak_flops() -> float | None:
@@ -166,12 +167,12 @@ def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
     }
 
 
-def _timed(fn, check=None) -> list[float]:
+def _timed(fn, check=None, repeat: int = TIMED) -> list[float]:
     out = fn()  # warm-up (kernels chosen, caches sized)
     if check is not None:
         check(out)
     times = []
-    for _ in range(TIMED):
+    for _ in range(repeat):
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
@@ -269,22 +270,33 @@ def generation(batch: int, new_tokens: int) -> dict[str, Any]:
         out["rows"][name] = row
         del gen
         torch.cuda.empty_cache()
-    out["rows"]["Hugging Face generate (SDPA, dynamic cache)"] = {
-        "seconds": _hf_generate(_model(tok), tok, prompts, new_tokens)
-    }
-    torch.cuda.empty_cache()
-    try:
-        out["rows"]["Hugging Face generate (static cache + torch.compile)"] = {
-            "seconds": _hf_generate(_model(tok), tok, prompts, new_tokens, static=True)
-        }
-    except Exception as e:  # reported, not fatal: the other rows still measure
-        out["hf_static_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    out["rows"][HF_DYNAMIC] = {"seconds": _hf_generate(_model(tok), tok, prompts, new_tokens)}
     torch.cuda.empty_cache()
     for row in out["rows"].values():
         row["tokens_per_s"] = n / statistics.median(row["seconds"])
     prompt = statistics.mean(len(p) for p in prompts)
     out["floor_tokens_per_s"] = memory_floor(_model(tok), batch, prompt, new_tokens)
     return out
+
+
+HF_DYNAMIC = "Hugging Face generate (SDPA, dynamic cache)"
+HF_STATIC = "Hugging Face generate (static cache + torch.compile)"
+
+
+def hf_static(g: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face's static cache with its compiled decode, a row added to ``g`` (measured
+    last: compiling takes minutes, and the other parts are written first)."""
+    from rayhf.models.tokenizer import build_char_tokenizer
+    from rayhf.tasks.demo import ALPHABET
+
+    tok = build_char_tokenizer(ALPHABET)
+    batch, new_tokens = g["batch"], g["new_tokens"]
+    start = time.perf_counter()
+    seconds = _hf_generate(_model(tok), tok, _prompts(tok, batch), new_tokens, static=True)
+    row = {"seconds": seconds, "tokens_per_s": batch * new_tokens / statistics.median(seconds),
+           "with_compile_seconds": time.perf_counter() - start}  # fmt: skip
+    g["rows"][HF_STATIC] = row
+    return row
 
 
 def _refresh_costs(gen: Any, prompts: Any, cfg: Any, steady: float) -> dict[str, float]:
@@ -313,13 +325,13 @@ def _refresh_costs(gen: Any, prompts: Any, cfg: Any, steady: float) -> dict[str,
 def _hf_generate(
     model: Any, tok: Any, prompts: list[list[int]], new_tokens: int, static: bool = False
 ) -> list[float]:
-    """Hugging Face ``generate`` (bf16, SDPA); ``static``: its static KV cache with the forward
-    compiled (``mode="reduce-overhead"``: CUDA graphs), Hugging Face's fast path."""
+    """Hugging Face ``generate`` (bf16, SDPA); ``static``: its static KV cache, with which
+    ``generate`` compiles the decode forward itself (its ``CompileConfig``: ``mode=
+    "reduce-overhead"``, i.e. CUDA graphs), Hugging Face's fast path."""
     hf = model.to(device="cuda", dtype=torch.bfloat16).eval()
     extra: dict[str, Any] = {}
     if static:
         extra["cache_implementation"] = "static"
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     batch = len(prompts)
     width = max(len(p) for p in prompts)
     ids = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
@@ -340,7 +352,7 @@ def _hf_generate(
     def check(out: torch.Tensor) -> None:
         assert out.shape[1] == width + new_tokens, "every row runs to the cap"
 
-    return _timed(hf_generate, check)
+    return _timed(hf_generate, check, HF_TIMED)
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -435,8 +447,11 @@ def generation_table(g: dict[str, Any]) -> list[str]:
             f"Memory floor: {floor:.0f} tokens/s (every bf16 matmul weight and the filled keys "
             "and values read once per step at the datasheet HBM bandwidth)."
         )
-    if "hf_static_error" in g:
-        lines.append(f"Hugging Face's static cache + compile did not run: {g['hf_static_error']}.")
+    if HF_STATIC in rows:
+        lines.append(
+            f"Hugging Face's static cache: {rows[HF_STATIC]['with_compile_seconds']:.0f} s for "
+            "its first calls and compiling."
+        )
     for name, r in rows.items():
         if "recapture_seconds" in r:
             lines.append(
@@ -453,18 +468,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
-def report(res: dict[str, Any]) -> str:
-    p, g, t = res["ppo"], res["generation"], res["train_step"]
+def ppo_lines(res: dict[str, Any]) -> list[str]:
+    p = res["ppo"]
     m = p["mean"]
     lines = [
-        f"# rayhf on one GPU ({res['device']})",
-        "",
-        f"Command: `python benchmarks/gpu.py --steps {p['steps']} --batch {res['batch']} "
-        f"--new-tokens {res['new_tokens']}` after `source scripts/gpu_env.sh install`, on the lent "
-        f"machine ({res['device']}, torch {res['torch']}); commit {res['commit']}. Model: "
-        f"Qwen2-0.5B's shape, {p['params'] / 1e6:.0f}M parameters, random weights; bf16 "
-        "(fp32 master weights under autocast where a role trains).",
-        "",
         f"## PPO, all four roles on the one GPU ({p['steps']} steps after {p['warmup']} warm-up)",
         "",
         f"{res['batch']} prompts x {res['new_tokens']} new tokens a step, 4 minibatches; "
@@ -487,12 +494,16 @@ def report(res: dict[str, Any]) -> str:
         if k.startswith("seconds/"):
             call = k.removeprefix("seconds/")
             lines.append(f"| {call} seconds (compute in the actor) | {v:.2f} |")
-    lines += [
-        "",
-        f"## Generation: {g['batch']} prompts x {g['new_tokens']} new tokens, bf16, sampled",
-        "",
-        *generation_table(g),
-        "",
+    return lines
+
+
+def generation_lines(g: dict[str, Any]) -> list[str]:
+    head = f"## Generation: {g['batch']} prompts x {g['new_tokens']} new tokens, bf16, sampled"
+    return [head, "", *generation_table(g)]
+
+
+def train_lines(t: dict[str, Any]) -> list[str]:
+    return [
         f"## One train step: {t['rows']} rows x {t['seq']} tokens, AdamW, bf16 autocast",
         "",
         "| step | median seconds | MFU | peak allocated |",
@@ -505,6 +516,32 @@ def report(res: dict[str, Any]) -> str:
         f"rayhf's engine overhead over the plain step: {t['overhead']:+.1%}. Times are medians of "
         f"{TIMED} after one warm-up.",
     ]
+
+
+def report(res: dict[str, Any]) -> str:
+    """The page, of whichever parts measured (a part that failed is named as missing)."""
+    params = f"{res['params'] / 1e6:.0f}M parameters, " if "params" in res else ""
+    lines = [
+        f"# rayhf on one GPU ({res['device']})",
+        "",
+        f"Command: `python benchmarks/gpu.py --steps {res['steps']} --batch {res['batch']} "
+        f"--new-tokens {res['new_tokens']}` after `source scripts/gpu_env.sh install`, on the lent "
+        f"machine ({res['device']}, torch {res['torch']}); commit {res['commit']}. Model: "
+        f"Qwen2-0.5B's shape, {params}random weights; bf16 "
+        "(fp32 master weights under autocast where a role trains).",
+    ]
+    parts = {
+        "ppo": lambda: ppo_lines(res),
+        "generation": lambda: generation_lines(res["generation"]),
+        "train_step": lambda: train_lines(res["train_step"]),
+    }
+    for name, lines_of in parts.items():
+        if name == "generation" and "hf_static" in res["errors"]:
+            lines += ["", f"Hugging Face's static cache did not run: {res['errors']['hf_static']}."]
+        if name in res:
+            lines += ["", *lines_of()]
+        else:
+            lines += ["", f"## {name}: did not complete ({res.get('errors', {}).get(name, '?')})"]
     return "\n".join(lines) + "\n"
 
 
@@ -517,6 +554,7 @@ def main() -> None:
     ap.add_argument("--train-rows", type=int, default=16)
     ap.add_argument("--commit", default=None, help="the commit measured (no .git on the machine)")
     ap.add_argument("--skip-ppo", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="also copy the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")
@@ -525,22 +563,36 @@ def main() -> None:
         "torch": torch.__version__,
         "batch": args.batch,
         "new_tokens": args.new_tokens,
+        "steps": args.steps,
         "commit": args.commit or git_commit(),
+        "errors": {},
     }
-    if not args.skip_ppo:
-        try:
-            res["ppo"] = ppo(args.steps, args.warmup, args.batch, args.new_tokens)
-            print(res["ppo"], flush=True)
-        except Exception:  # the other parts still measure; nothing is written
+    parts = {
+        "ppo": lambda: ppo(args.steps, args.warmup, args.batch, args.new_tokens),
+        "generation": lambda: generation(args.batch, args.new_tokens),
+        "train_step": lambda: train_step(args.train_rows, 24 + args.new_tokens),
+        "hf_static": lambda: hf_static(res["generation"]),
+    }
+    for name, measure in parts.items():
+        if name == "ppo" and args.skip_ppo:
+            continue
+        try:  # each part measures and is written at once, whatever the next one does
+            res[name] = measure()
+            if name == "ppo":
+                res["params"] = res["ppo"]["params"]
+            print(res[name], flush=True)
+        except Exception as e:
             traceback.print_exc()
-    res["generation"] = generation(args.batch, args.new_tokens)
-    print(res["generation"], flush=True)
-    res["train_step"] = train_step(args.train_rows, 24 + args.new_tokens)
-    print(res["train_step"], flush=True)
-    if "ppo" in res:
+            res["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        torch.cuda.empty_cache()
         text = report(res)
-        print(text)
         write_results("gpu", text, res, res["commit"])
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            for suffix in ("md", "json"):
+                src = REPO / "docs" / "benchmarks" / f"gpu.{suffix}"
+                (args.out / f"gpu.{suffix}").write_text(src.read_text())
+    print(report(res))
 
 
 if __name__ == "__main__":
