@@ -5,7 +5,6 @@ FROM rayproject/ray:2.60.0-py311-gpu
 WORKDIR /app
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users rayhf ./rayhf
-COPY --chown=ray:users graphs ./graphs
 COPY --chown=ray:users examples ./examples
 COPY --chown=ray:users deployments ./deployments
 RUN pip install --no-cache-dir -e .

@@ -72,7 +72,7 @@ def fixed_plans() -> dict[str, dict[str, dict]]:
 
 
 def to_plan(entries: dict[str, dict], devices: int = DEVICES) -> Plan:
-    graph = load_graph(REPO / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
     specs = {k: LayoutSpec(**v) for k, v in entries.items()}
     return make_plan(graph, specs, ClusterConfig(n_devices=devices))
 
@@ -87,7 +87,7 @@ def as_config(plan: Plan) -> dict[str, dict]:
 def run_overrides(plan: Plan) -> dict[str, Any]:
     """The config fields that make a run execute ``plan``: its layouts, and each train call's
     ZeRO stage (1: torch's ``zero1``; 2-3: DeepSpeed)."""
-    graph = load_graph(REPO / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
     out: dict[str, Any] = {"plan": as_config(plan)}
     engines = {}
     for call, stage in plan.zero.items():
@@ -142,7 +142,7 @@ def prompt_len(cfg, graph) -> int:
 
 def planner(cfg, devices: int = DEVICES):
     """The graph, specs, workloads and (uncalibrated) profiled cost of ``cfg``."""
-    graph = load_graph(REPO / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
     threads = 1  # each emulated device has at most one of the 2 cores
     profiles, specs = {}, {}
     for role, config in model_configs(cfg).items():
@@ -217,7 +217,7 @@ def fit(setups, runs) -> ProfiledCost:
     ]
     profiles = {k: v for s in setups.values() for k, v in s[4].profiles.items()}
     cost = ProfiledCost(next(iter(setups.values()))[4].cluster, profiles)
-    return calibrate(cost, load_graph(REPO / "graphs" / "ppo.yaml"), samples)
+    return calibrate(cost, load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml"), samples)
 
 
 def rows_of(name: str, setup, plans: dict[str, Plan], runs, cost: ProfiledCost) -> list[dict]:

@@ -92,7 +92,7 @@ def _longest(graph, first: str, last: str, seconds: dict[str, float]) -> float:
 
 def setting(actor: str, critic: str, devices: int, gen: int):
     """The graph, model specs, workloads and H100 cost model of one setup."""
-    graph = load_graph(REPO / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
     cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
     specs = {
         "actor": public_shape(actor),

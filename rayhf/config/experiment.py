@@ -40,7 +40,8 @@ from rayhf.models.precision import Precision
 from rayhf.planner import ClusterConfig, PlanConfig
 from rayhf.sampling import GenerationConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # rayhf/, which holds graphs/
+REPO_ROOT = PACKAGE_ROOT.parent  # a checkout: examples/ beside the package
 
 
 def _algorithm_name(value: Any) -> str:
@@ -173,11 +174,15 @@ class ExperimentConfig(BaseModel):
 
 
 def resolve_path(path: str) -> Path:
-    """A path as given if it exists, else relative to the rayhf checkout (graphs/, examples/)."""
+    """A path as given if it exists; else inside the installed package (``graphs/...``: the
+    built-in graphs ship in it), else relative to the rayhf checkout (``examples/...``)."""
     p = Path(path)
     if p.exists() or p.is_absolute():
         return p
-    return REPO_ROOT / p if (REPO_ROOT / p).exists() else p
+    for root in (PACKAGE_ROOT, REPO_ROOT):
+        if (root / p).exists():
+            return root / p
+    return p
 
 
 def parse_override(item: str) -> tuple[str, Any]:

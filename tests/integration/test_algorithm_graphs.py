@@ -83,7 +83,7 @@ def test_graph_and_algorithm_must_match():
 
 
 def test_remap_to_missing_key_names_call_and_key(tmp_path: Path):
-    graph = yaml.safe_load((REPO / "graphs" / "remax.yaml").read_text())
+    graph = yaml.safe_load((REPO / "rayhf" / "graphs" / "remax.yaml").read_text())
     graph["calls"][3]["input_remap"] = {"seq": "greedy_sequence"}
     path = tmp_path / "remax.yaml"
     path.write_text(yaml.safe_dump(graph))

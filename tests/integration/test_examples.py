@@ -23,7 +23,10 @@ def test_examples_are_found():
     assert len(EXAMPLE_CONFIGS) >= 9 and EXAMPLE_GRAPHS
 
 
-@pytest.mark.parametrize("path", EXAMPLE_GRAPHS + sorted((REPO / "graphs").glob("*.yaml")))
+GRAPHS = sorted((REPO / "rayhf" / "graphs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLE_GRAPHS + GRAPHS)
 def test_graph_files_load(path):
     assert rayhf.load_graph(path).order
 

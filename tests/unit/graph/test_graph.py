@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def test_ppo_graph_order_and_edges():
-    g = load_graph(REPO / "graphs" / "ppo.yaml")
+    g = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
     assert g.order[0] == "actor_gen"
     assert set(g.order[1:4]) == {"rew_inf", "ref_inf", "critic_inf"}
     assert set(g.order[4:]) == {"actor_train", "critic_train"}
@@ -80,7 +80,7 @@ def test_remap_to_missing_key(tmp_path):
 
 
 def test_unknown_role(tmp_path):
-    g = load_graph(REPO / "graphs" / "ppo.yaml")
+    g = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
     with pytest.raises(RayhfError, match="call 'critic_inf' uses role 'critic'"):
         g.validate_roles({"actor", "ref", "reward"})
 

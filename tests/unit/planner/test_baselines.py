@@ -149,7 +149,7 @@ def test_baselines_take_any_pipeline_divisor():
 
 def test_realhf_follows_its_rules_on_nodes_of_eight():
     assert baselines.realhf(_setting(4, 4)) is None
-    sft = load_graph(REPO / "graphs" / "sft.yaml")
+    sft = load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
     assert baselines.realhf(baselines.Setting(sft, SPECS, WORKS, 8, 8, _most_tp)) is None
     by_mbs = lambda p: p.layouts["actor_gen"].n_mbs  # noqa: E731
     one = baselines.realhf(_setting(8, 8, by_mbs))

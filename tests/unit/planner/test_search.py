@@ -46,7 +46,7 @@ def test_side_by_side_cuts_a_cluster_at_every_node_boundary():
 
 
 def test_search_plans_a_graph_of_one_call():
-    graph = load_graph(REPO / "graphs" / "sft.yaml")
+    graph = load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
     works = {c.name: Workload(c.kind, 64, 128, 128, 2) for c in graph.calls}
     cost = AnalyticCost(parse_cluster("1x8xH100"))
     start = Plan({c.name: Layout(tuple(range(8)), dp=8) for c in graph.calls}, "start")

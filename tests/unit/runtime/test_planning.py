@@ -22,7 +22,7 @@ from rayhf.runtime.planning import (
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
 
 
 def test_the_config_s_batch_lengths_and_minibatches_are_priced():
@@ -41,7 +41,7 @@ def test_groups_epochs_and_the_proximal_forward_are_priced_as_the_interfaces_run
     train call goes over its minibatches ppo_epochs times; at max_staleness > 0 the policy's
     train call also forwards what its first minibatch does not give of the proximal log-probs."""
     grpo = rayhf.load_config(REPO / "examples" / "grpo_tiny.yaml")  # 16 prompts x 4, 4 mbs
-    graph = load_graph(REPO / "graphs" / "grpo.yaml")
+    graph = load_graph(REPO / "rayhf" / "graphs" / "grpo.yaml")
     works = planner_workloads(grpo, graph, None)
     assert {w.n_seqs for w in works.values()} == {64}
     assert works["actor_train"].forward_share == 0 and works["actor_train"].epochs == 1

@@ -19,7 +19,7 @@ from rayhf.planner.profile import ProfiledCost
 from rayhf.runtime.profiling import profile_model, profiles_for
 
 REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
 
 
 def tiny(value_head: bool = False):

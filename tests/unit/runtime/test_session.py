@@ -16,7 +16,7 @@ from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.session import Session, _no_interrupts
 
 REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
 HOME, GEN = Layout((0, 1), 2), Layout((0, 1), 1, 2)  # the actor trains dp=2, generates tp=2
 ONE, TWO = Layout((0,), 1), Layout((1,), 1)
 LAYOUTS = {"actor_gen": GEN, "rew_inf": ONE, "ref_inf": ONE, "critic_inf": TWO,

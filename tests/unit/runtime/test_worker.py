@@ -25,7 +25,7 @@ from rayhf.runtime.worker import RoleWorker, optim_file
 from rayhf.sampling import GenerationConfig
 from rayhf.tasks.demo import build_tokenizer
 
-PPO = load_graph(Path(__file__).resolve().parents[3] / "graphs" / "ppo.yaml")
+PPO = load_graph(Path(__file__).resolve().parents[3] / "rayhf" / "graphs" / "ppo.yaml")
 ROLES = {  # role -> (value head, optimizer, reward function)
     "actor": (False, OptimizerConfig(lr=1e-2), None),
     "ref": (False, None, None),
