@@ -4,7 +4,7 @@ The public API for driver scripts (``ray job submit -- python my_driver.py``)::
 
     import rayhf
     cfg = rayhf.load_config("examples/ppo_tiny.yaml", ["steps=10"])
-    cfg = cfg.with_overrides({"algorithm.kl_ctl": 0.02})
+    cfg = cfg.with_overrides({"algorithm.kl_coef": 0.02})
     print(rayhf.format_plan(rayhf.make_plan(cfg), rayhf.load_graph(cfg.graph_path())))
     result = rayhf.run(cfg)
     result.metrics, result.policy_checkpoint
@@ -34,11 +34,16 @@ def make_plan(cfg: ExperimentConfig) -> Plan:
     return _make_plan(graph, cfg.plan, cfg.cluster)
 
 
-def run(cfg: ExperimentConfig | None = None, resume: str | None = None) -> RunResult:
-    """Run ``cfg`` to the end (or continue the run in directory ``resume``)."""
+def run(
+    cfg: ExperimentConfig | None = None,
+    resume: str | None = None,
+    overrides: list[str] | None = None,
+) -> RunResult:
+    """Run ``cfg`` to the end (or continue the run in directory ``resume``, with ``overrides``
+    of its saved config that are safe to change: steps, cadences, logging)."""
     from rayhf.runtime.trainer import run as _run
 
-    return _run(cfg, resume)
+    return _run(cfg, resume, overrides)
 
 
 __all__ = [

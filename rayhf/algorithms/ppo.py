@@ -50,7 +50,7 @@ class PPOConfig(OffPolicyConfig):
     name: Literal["ppo"] = "ppo"
     """Selects this algorithm in the config's ``algorithm:`` section."""
 
-    kl_ctl: float = Field(0.1, ge=0)
+    kl_coef: float = Field(0.1, ge=0)
     """Initial coefficient of the per-token KL penalty against the reference policy."""
     adaptive_kl: bool = False
     """Adapt the KL coefficient towards ``kl_target`` (Ziegler et al.) instead of fixing it."""
@@ -118,7 +118,7 @@ def kl_shaped_rewards(
     logprobs: Tensor,
     ref_logprobs: Tensor,
     mask: Tensor,
-    kl_ctl: float,
+    kl_coef: float,
     reward_clip: float,
 ) -> tuple[Tensor, Tensor]:
     """Per-token rewards: a KL penalty on every token plus the clipped score on the last one.
@@ -128,7 +128,7 @@ def kl_shaped_rewards(
     """
     lengths = _lengths(mask)
     kl = torch.where(mask, logprobs - ref_logprobs, torch.zeros_like(logprobs))
-    rewards = -kl_ctl * kl
+    rewards = -kl_coef * kl
     clipped = scores.to(rewards.dtype).clamp(-reward_clip, reward_clip)
     last = (lengths - 1).clamp(min=0).unsqueeze(1)
     bonus = torch.where(lengths > 0, clipped, torch.zeros_like(clipped)).unsqueeze(1)
@@ -265,10 +265,10 @@ KLController = FixedKLController | AdaptiveKLController
 
 
 def make_kl_controller(cfg: PPOConfig) -> KLController:
-    """The controller ``cfg`` asks for, starting at ``cfg.kl_ctl``."""
+    """The controller ``cfg`` asks for, starting at ``cfg.kl_coef``."""
     if cfg.adaptive_kl:
-        return AdaptiveKLController(cfg.kl_ctl, cfg.kl_target, cfg.kl_horizon)
-    return FixedKLController(cfg.kl_ctl)
+        return AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    return FixedKLController(cfg.kl_coef)
 
 
 def _global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class ReMaxConfig(OnPolicyConfig):
     name: Literal["remax"] = "remax"
     """Selects this algorithm in the config's ``algorithm:`` section."""
 
-    kl_ctl: float = Field(0.1, ge=0)
+    kl_coef: float = Field(0.1, ge=0)
     """Coefficient of the per-token KL penalty against the reference policy."""
     reward_clip: float = Field(20.0, gt=0)
     """Sampled and greedy scores are each clipped to ``[-reward_clip, reward_clip]``."""
@@ -55,19 +55,19 @@ def remax_advantages(
     logprobs: Tensor,
     ref_logprobs: Tensor,
     mask: Tensor,
-    kl_ctl: float,
+    kl_coef: float,
     reward_clip: float,
 ) -> Tensor:
     """Undiscounted return-to-go ``[B, T]`` of KL-shaped rewards, used as each token's advantage.
 
-    Every token is penalised by ``kl_ctl * (logp - ref)`` of the sampled response; the last
+    Every token is penalised by ``kl_coef * (logp - ref)`` of the sampled response; the last
     valid token also gets ``clip(sampled) - clip(greedy)``. Each score is clipped before the
     difference, as PPO clips its one score. 0 on padding and for empty rows.
     """
     clipped_sampled = sampled_scores.clamp(-reward_clip, reward_clip)
     baselined = clipped_sampled - greedy_scores.clamp(-reward_clip, reward_clip)
     # already clipped, so the shaping must not clip the difference again
-    rewards, _ = kl_shaped_rewards(baselined, logprobs, ref_logprobs, mask, kl_ctl, math.inf)
+    rewards, _ = kl_shaped_rewards(baselined, logprobs, ref_logprobs, mask, kl_coef, math.inf)
     returns = rewards.flip(1).cumsum(dim=1).flip(1)
     return torch.where(mask, returns, torch.zeros_like(returns))
 
@@ -108,7 +108,7 @@ class ReMaxActorInterface(LMInterface):
         adv = remax_advantages(
             batch.tensors["scores"].float(), batch.tensors["greedy_scores"].float(),
             padded(batch, "logprobs"), padded(batch, "ref_logprobs"), mask,
-            self.cfg.kl_ctl, self.cfg.reward_clip,
+            self.cfg.kl_coef, self.cfg.reward_clip,
         )  # fmt: skip
         if self.cfg.adv_norm:
             adv = masked_whiten(adv, mask)

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from rayhf.cli.config_cmd import app as config_app
 from rayhf.errors import RayhfError, RunFailed, RunInterrupted, RunPreempted
 from rayhf.k8s.cli import app as k8s_app
 from rayhf.serve.cli import serve as serve_command
@@ -24,7 +25,7 @@ app = typer.Typer(
 )
 
 Overrides = Annotated[
-    list[str] | None, typer.Argument(help="Config overrides, e.g. steps=5 algorithm.kl_ctl=0.05")
+    list[str] | None, typer.Argument(help="Config overrides, e.g. steps=5 algorithm.kl_coef=0.05")
 ]
 
 
@@ -39,7 +40,11 @@ def run(
     config: Annotated[str | None, typer.Argument(help="Experiment YAML")] = None,
     overrides: Overrides = None,
     resume: Annotated[
-        str | None, typer.Option(help="Continue the run in this directory from its last checkpoint")
+        str | None,
+        typer.Option(
+            help="Continue the run in this directory from its last checkpoint; key=value "
+            "arguments may then change steps, save_every, eval_every, eval_samples, metrics.*"
+        ),
     ] = None,
 ) -> None:
     """Train: plan the graph, start the role groups on Ray, run the steps, checkpoint."""
@@ -48,10 +53,14 @@ def run(
     _quiet_libraries()
     if resume is None and config is None:
         raise RayhfError("give a CONFIG file, or --resume RUN_DIR")
-    if resume is not None and (config or overrides):
-        raise RayhfError("--resume takes the config saved in the run directory; drop CONFIG")
-    cfg = rayhf.load_config(config, overrides or []) if config is not None else None
-    _report(rayhf.run(cfg, resume=resume))
+    if resume is not None:
+        if config is not None and "=" not in config:
+            raise RayhfError("--resume takes the config saved in the run directory; drop CONFIG")
+        changes = ([config] if config is not None else []) + (overrides or [])
+        _report(rayhf.run(resume=resume, overrides=changes))
+        return
+    assert config is not None
+    _report(rayhf.run(rayhf.load_config(config, overrides or [])))
 
 
 def _report(result) -> None:
@@ -206,6 +215,7 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
 
 app.add_typer(k8s_app, name="k8s", help="Render and validate KubeRay manifests offline.")
 app.command("serve")(serve_command)
+app.add_typer(config_app, name="config", help="Show a resolved config or write its JSON schema.")
 
 
 def main() -> None:

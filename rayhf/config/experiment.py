@@ -212,6 +212,10 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | list[str]) 
     return raw
 
 
+# fields renamed since a release: the old name is refused with a pointer to the new one
+RENAMED = {"algorithm.kl_ctl": "algorithm.kl_coef"}  # the KL weight's one name in every algorithm
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = [str(p) for p in first["loc"] if not str(p).startswith("function-after")]
@@ -221,6 +225,8 @@ def _format_error(err: ValidationError, source: str) -> str:
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key (remove it or check its spelling)"
+        if field in RENAMED:
+            msg = f"renamed: write {RENAMED[field]}"
     extra = (
         f" (got {first['input']!r})" if first["type"] not in ("extra_forbidden", "missing") else ""
     )
@@ -256,6 +262,19 @@ def validate_config(raw: Any, source: str) -> ExperimentConfig:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
         raise RayhfError(_format_error(e, source)) from None
+
+
+def config_json_schema() -> dict[str, Any]:
+    """The JSON schema of an experiment config. The algorithm section is one of the algorithms'
+    configs chosen by ``name`` (PPO without one): every other algorithm requires its name, so a
+    section matches exactly one of them, as validation picks it."""
+    schema = ExperimentConfig.model_json_schema()
+    variants = schema["properties"]["algorithm"]["oneOf"]
+    for ref in variants:
+        variant = schema["$defs"][ref["$ref"].rsplit("/", 1)[1]]
+        if variant["properties"]["name"].get("default") != "ppo":
+            variant.setdefault("required", []).append("name")
+    return schema
 
 
 def load_config(path: str | Path, overrides: list[str] | dict[str, Any] | None = None):

@@ -26,6 +26,7 @@ import ray
 
 from rayhf.algorithms import INTERFACES
 from rayhf.config import ExperimentConfig, dump_config, load_config
+from rayhf.config.experiment import parse_override
 from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
 from rayhf.errors import RayhfError, RunFailed, RunInterrupted, RunPreempted
@@ -115,9 +116,34 @@ def step_metrics(
     return metrics
 
 
-def _open_run(cfg: ExperimentConfig | None, resume: str | Path | None):
+# what ``--resume DIR key=value`` may change: how long the run goes on and what it reports,
+# never what a step computes (a prefix ending in "." covers the section)
+SAFE_ON_RESUME = ("steps", "save_every", "eval_every", "eval_samples", "metrics.",
+                  "fault_tolerance.max_restarts")  # fmt: skip
+
+
+def _resumed_with(saved: ExperimentConfig, run_dir: Path, overrides: list[str]) -> ExperimentConfig:
+    """The saved config with ``overrides`` that are safe to change on resume (saved back, so a
+    later resume keeps them); any other key is refused in one line."""
+    for item in overrides:
+        key = parse_override(item)[0]
+        if not any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME):
+            allowed = ", ".join(s + ("*" if s.endswith(".") else "") for s in SAFE_ON_RESUME)
+            raise RayhfError(
+                f"--resume {run_dir}: {key} cannot change on resume (the saved run computes with "
+                f"it); these can: {allowed}"
+            )
+    cfg = saved.with_overrides(overrides)
+    dump_config(cfg, run_dir / CONFIG_FILE)
+    return cfg
+
+
+def _open_run(
+    cfg: ExperimentConfig | None, resume: str | Path | None, overrides: list[str] | None = None
+):
     """(config, run_dir, checkpoint to resume from or None). A run directory is continued with
-    ``--resume DIR``, or by a config with ``resume: auto`` that names it."""
+    ``--resume DIR`` (``overrides``: safe changes to its saved config), or by a config with
+    ``resume: auto`` that names it."""
     if resume is None:
         assert cfg is not None
         run_dir = cfg.resolved_run_dir()
@@ -136,6 +162,8 @@ def _open_run(cfg: ExperimentConfig | None, resume: str | Path | None):
     ckpt = usable_checkpoint(run_dir, _say)
     if ckpt is None:
         raise RayhfError(f"--resume {run_dir}: no complete checkpoint to resume from")
+    if overrides:
+        saved = _resumed_with(saved, run_dir, overrides)
     return saved, run_dir, ckpt
 
 
@@ -330,11 +358,18 @@ def _add_ray_timeline(trace: TraceWriter, since: float) -> None:
         state_logger.setLevel(level)
 
 
-def run(cfg: ExperimentConfig | None = None, resume: str | Path | None = None) -> RunResult:
+def run(
+    cfg: ExperimentConfig | None = None,
+    resume: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> RunResult:
     """Run (or with ``resume``, continue) an experiment to its last step, recovering from
-    failures by itself (``fault_tolerance.max_restarts``)."""
+    failures by itself (``fault_tolerance.max_restarts``). ``overrides`` (with ``resume``):
+    ``key=value`` changes to the saved config that are safe on resume (``SAFE_ON_RESUME``)."""
     quiet_transformers()
-    cfg, run_dir, ckpt = _open_run(cfg, resume)
+    if overrides and resume is None:
+        raise RayhfError("overrides without resume: give them to load_config")
+    cfg, run_dir, ckpt = _open_run(cfg, resume, overrides)
     assets = prepare_run(cfg, run_dir)
     if ckpt is None:
         dump_config(cfg, run_dir / CONFIG_FILE)

@@ -16,6 +16,7 @@ Serve and blocks, for the CLI. ``GET /v1/stats`` reports the replica's batch siz
 # which it cannot resolve from strings once Serve's ingress has rewritten the methods.
 import asyncio
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -81,6 +82,9 @@ class ServeConfig(ServingEngineConfig):
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     num_replicas: int = Field(1, gt=0)
     num_cpus: float = Field(1.0, gt=0)  # per replica; also its torch threads (at least 1)
+    # requests to /v1/... must send "Authorization: Bearer <api_key>" (401 otherwise); /health
+    # stays open for probes. None: no key, as vLLM's server without --api-key.
+    api_key: str | None = Field(None, min_length=1, repr=False)
 
     @property
     def served_model_id(self) -> str:
@@ -230,6 +234,27 @@ async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
     return error_response(400, str(exc), "invalid_request_error", exc.code, exc.param)
 
 
+class Unauthorized(Exception):
+    """A /v1 request without the server's API key."""
+
+
+def check_api_key(expected: str | None, authorization: str | None) -> None:
+    """Raise ``Unauthorized`` unless ``authorization`` is ``Bearer <expected>`` (or no key is
+    set). The comparison takes the same time whatever the key's first wrong character."""
+    if expected is None:
+        return
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), expected):
+        raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+
+@api.exception_handler(Unauthorized)
+async def _unauthorized(request: Request, exc: Unauthorized) -> JSONResponse:
+    response = error_response(401, str(exc), "authentication_error", "invalid_api_key")
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
 @api.exception_handler(Exception)
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
     """A bug, not a bad request: 500 with the exception's first line."""
@@ -257,11 +282,13 @@ class PolicyServer:
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def models(self) -> ModelList:
+    async def models(self, request: Request) -> ModelList:
+        self._authorize(request)
         return ModelList(data=[ModelCard(id=self._model_id)])
 
     @api.get("/v1/stats")
-    async def stats(self) -> ServerStats:
+    async def stats(self, request: Request) -> ServerStats:
+        self._authorize(request)
         sizes = self._batch_sizes
         return ServerStats(
             requests=sum(n * k for n, k in sizes.items()),
@@ -272,6 +299,7 @@ class PolicyServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        self._authorize(request)
         body = CompletionRequest.model_validate_json(await request.body())
         outputs = await self._run(body.prompts(), body)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -282,6 +310,7 @@ class PolicyServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
         body = ChatCompletionRequest.model_validate_json(await request.body())
         messages = [m.model_dump() for m in body.messages]
         prompt = self._engine.render_chat(messages) or render_simple_chat(body.messages)
@@ -291,6 +320,9 @@ class PolicyServer:
             events = chat_events(rid, self._model_id, out, body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse(chat_response(rid, self._model_id, out).model_dump())
+
+    def _authorize(self, request: Request) -> None:
+        check_api_key(self._cfg.api_key, request.headers.get("authorization"))
 
     async def _run(self, prompts: list[str], body: GenerationRequest) -> list[EngineOutput]:
         """Check the request whole before queueing any of it, then generate its prompts."""
@@ -320,6 +352,8 @@ def build_app(args: dict[str, Any]) -> Application:
     """The Serve application for ``args`` (see ``ServeConfig``); ``checkpoint`` is required."""
     cfg = parse_args(args)
     if cfg.engine == "vllm":
+        if cfg.api_key is not None:
+            raise RayhfError("serve --api-key: the vllm engine (Ray Serve LLM) does not take it")
         return _vllm_app(cfg)
     check_checkpoint(cfg.checkpoint)
     return PolicyServer.options(  # type: ignore[attr-defined]  # a Deployment, once decorated

@@ -37,6 +37,14 @@ def serve(
     engine: Annotated[
         str, typer.Option(help="native (CPU/GPU, this repo) or vllm (Ray Serve LLM, GPUs)")
     ] = "native",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAYHF_API_KEY",
+            help="Requests to /v1 must send 'Authorization: Bearer KEY' (401 otherwise)",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve CHECKPOINT at http://HOST:PORT/v1 (completions, chat) until Ctrl-C."""
     from rayhf.serve.app import serve_checkpoint
@@ -57,4 +65,5 @@ def serve(
         num_replicas=num_replicas,
         num_cpus=num_cpus,
         engine=engine,
+        api_key=api_key,
     )

@@ -50,14 +50,27 @@ def test_sigkill_then_resume(ray_cluster, tmp_path):
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
 
-def test_resume_of_a_finished_run_is_a_no_op(ray_cluster, tmp_path, tiny_config):
+def test_resume_of_a_finished_run_is_a_no_op_and_steps_extend_it(
+    ray_cluster, tmp_path, tiny_config
+):
+    """A finished run resumed as it is does nothing; resumed with ``steps=2`` it runs step 2
+    and keeps the new length in its saved config; a key that changes what a step computes is
+    refused in one line, before anything starts."""
     import rayhf
+    from rayhf.errors import RayhfError
 
     cfg = tiny_config(steps=1)
     first = rayhf.run(cfg)
     again = rayhf.run(resume=str(first.run_dir))
     assert again.info["start_step"] == 1 and len(again.metrics) == 1
     assert Path(again.checkpoints[-1]) == first.checkpoints[-1]
+    with pytest.raises(RayhfError, match="algorithm.kl_coef cannot change on resume") as refused:
+        rayhf.run(resume=str(first.run_dir), overrides=["steps=2", "algorithm.kl_coef=0.5"])
+    assert "\n" not in str(refused.value)
+    longer = rayhf.run(resume=str(first.run_dir), overrides=["steps=2", "save_every=2"])
+    assert longer.info["start_step"] == 1 and [m["step"] for m in longer.metrics] == [1, 2]
+    assert [c.name for c in longer.checkpoints][-1] == "step_000002"
+    assert rayhf.load_config(first.run_dir / "config.yaml").steps == 2
 
 
 def test_a_corrupted_checkpoint_is_skipped_in_one_line_for_the_previous_one(

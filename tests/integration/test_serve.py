@@ -375,6 +375,40 @@ def test_cli_rejects_a_non_model_directory(tmp_path):
     assert "\n" not in str(result.exception)
 
 
+def test_with_an_api_key_v1_requests_need_it_and_health_does_not(server, checkpoint):
+    """A second app on the same Serve instance, under /keyed, started with ``api_key``: no key
+    or a wrong one is a 401 in OpenAI's error shape; the key as a bearer token is served."""
+    from ray import serve
+
+    from rayhf.serve.app import build_app
+
+    args = {"checkpoint": str(checkpoint), "max_prompt_tokens": MAX_PROMPT_TOKENS,
+            "max_tokens": MAX_TOKENS, "api_key": "s3cret"}  # fmt: skip
+    serve.run(build_app(args), name="keyed", route_prefix="/keyed")
+    try:
+        base = f"{server}/keyed"
+        body = {"prompt": "1 2 =", "max_tokens": 4, "temperature": 0}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            resp = requests.post(f"{base}/v1/completions", json=body, headers=headers,
+                                 timeout=TIMEOUT)  # fmt: skip
+            error = assert_error(resp, 401, "invalid_api_key")
+            assert error["type"] == "authentication_error" and "s3cret" not in resp.text
+            assert resp.headers["WWW-Authenticate"] == "Bearer"
+        assert_error(requests.get(f"{base}/v1/models", timeout=TIMEOUT), 401, "invalid_api_key")
+        assert requests.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+        good = {"Authorization": "Bearer s3cret"}
+        resp = requests.post(f"{base}/v1/completions", json=body, headers=good, timeout=TIMEOUT)
+        assert (
+            resp.status_code == 200
+            and resp.json()["choices"][0]["text"]
+            == post(server, "/v1/completions", body).json()["choices"][0]["text"]
+        )  # the same checkpoint, greedy: the same text
+        models = requests.get(f"{base}/v1/models", headers=good, timeout=TIMEOUT)
+        assert models.json()["data"][0]["id"] == checkpoint.name
+    finally:
+        serve.delete("keyed")
+
+
 def test_a_replica_killed_under_load_is_replaced_and_requests_after_it_succeed(server):
     """Last in this module: it kills the module's one replica. Serve's controller starts a new
     one; requests in flight at the kill may fail, every request after the new one is up must

@@ -31,7 +31,7 @@ from rayhf.algorithms.ppo import (
 
 def test_config_defaults_follow_realhf() -> None:
     cfg = PPOConfig()
-    assert (cfg.kl_ctl, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon) == (0.1, False, 6.0, 10000)
+    assert (cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon) == (0.1, False, 6.0, 10000)
     assert (cfg.gamma, cfg.lam, cfg.eps_clip, cfg.value_eps_clip) == (1.0, 1.0, 0.2, 0.2)
     assert (cfg.reward_clip, cfg.n_minibatches, cfg.ppo_epochs) == (20.0, 4, 1)
     assert (cfg.adv_norm, cfg.entropy_coef) == (True, 0.0)
@@ -50,7 +50,7 @@ def test_config_defaults_follow_realhf() -> None:
         {"ppo_epochs": 0},
         {"gamma": 1.5},
         {"lam": -0.1},
-        {"kl_ctl": -1.0},
+        {"kl_coef": -1.0},
         {"entropy_coef": -0.01},
         {"no_such_field": 1},
     ],
@@ -137,7 +137,7 @@ def test_kl_shaped_rewards_by_hand() -> None:
     scores = torch.tensor([30.0, -1.0, 5.0])
     logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 9.0, 9.0], [9.0, 9.0, 9.0]])
     ref = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    rewards, kl = kl_shaped_rewards(scores, logprobs, ref, mask, kl_ctl=0.1, reward_clip=20.0)
+    rewards, kl = kl_shaped_rewards(scores, logprobs, ref, mask, kl_coef=0.1, reward_clip=20.0)
     _close(kl, [[0.5, 0.0, -1.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], 1e-6)
     # row 0: -0.1 * kl, last token gets clip(30) = 20 -> 0.1 + 20; row 1: -0.05 - 1;
     # row 2 is empty, so its score is dropped
@@ -148,12 +148,12 @@ def test_kl_shaped_rewards_by_hand() -> None:
 def test_kl_shaped_rewards_matches_reference() -> None:
     scores = torch.tensor([50.0, -3.0, -40.0, 0.5, 19.0], dtype=torch.float64)
     logprobs, ref = _rand(4), _rand(5)
-    kl_ctl, clip = 0.05, 10.0
-    rewards, kl = kl_shaped_rewards(scores, logprobs, ref, _mask(LENGTHS), kl_ctl, clip)
+    kl_coef, clip = 0.05, 10.0
+    rewards, kl = kl_shaped_rewards(scores, logprobs, ref, _mask(LENGTHS), kl_coef, clip)
     exp_r, exp_k = [], []
     for lp, rp, s, n in zip(_valid(logprobs), _valid(ref), scores.tolist(), LENGTHS, strict=True):
         k = [a - b for a, b in zip(lp, rp, strict=True)]
-        r = [-kl_ctl * v for v in k]
+        r = [-kl_coef * v for v in k]
         if n:
             r[-1] += max(-clip, min(clip, s))
         exp_k.append(k + [0.0] * (T - n))
@@ -335,9 +335,9 @@ def test_kl_controllers_state_and_pickle() -> None:
 
 
 def test_make_kl_controller_follows_config() -> None:
-    fixed = make_kl_controller(PPOConfig(kl_ctl=0.05))
+    fixed = make_kl_controller(PPOConfig(kl_coef=0.05))
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.05
-    cfg = PPOConfig(kl_ctl=0.05, adaptive_kl=True, kl_target=2.0, kl_horizon=500)
+    cfg = PPOConfig(kl_coef=0.05, adaptive_kl=True, kl_target=2.0, kl_horizon=500)
     adaptive = make_kl_controller(cfg)
     assert isinstance(adaptive, AdaptiveKLController)
     assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.05, 2.0, 500)

@@ -22,12 +22,12 @@ from rayhf.sampling import GenerationConfig
 
 def test_config_defaults() -> None:
     r = ReMaxConfig()
-    assert (r.kl_ctl, r.reward_clip, r.n_minibatches, r.adv_norm) == (0.1, 20.0, 1, False)
+    assert (r.kl_coef, r.reward_clip, r.n_minibatches, r.adv_norm) == (0.1, 20.0, 1, False)
     assert all(f.description for f in ReMaxConfig.model_fields.values())  # attribute docstrings
 
 
 @pytest.mark.parametrize(
-    "bad", [{"kl_ctl": -1.0}, {"reward_clip": 0.0}, {"n_minibatches": 0}, {"no_such_field": 1}]
+    "bad", [{"kl_coef": -1.0}, {"reward_clip": 0.0}, {"n_minibatches": 0}, {"no_such_field": 1}]
 )
 def test_config_rejects_bad_values(bad: dict) -> None:
     with pytest.raises(pydantic.ValidationError):
@@ -43,7 +43,7 @@ def test_remax_advantages_by_hand() -> None:
     greedy = torch.tensor([10.0, -25.0, 3.0, 0.0])
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 9.0, 9.0], [-1.0, -1.0, 9.0], [9.0] * 3])
     ref = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, 0.0, 0.0], [-1.0, -1.0, 0.0], [0.0] * 3])
-    adv = remax_advantages(sampled, greedy, logp, ref, mask, kl_ctl=0.1, reward_clip=20.0)
+    adv = remax_advantages(sampled, greedy, logp, ref, mask, kl_coef=0.1, reward_clip=20.0)
     # row 0: kl 0.5, 0, -1 -> rewards -0.05, 0, 0.1 + (clip 30 - 10 = 10); return-to-go
     #        10.05, 10.1, 10.1 (clipping the difference 20 instead would give 20)
     # row 1: -0.05 + (-1 - clip(-25) = -1 + 20 = 19) = 18.95
@@ -67,14 +67,14 @@ def test_remax_advantages_match_reference() -> None:
     logp, ref = _rand(33), _rand(34)
     sampled = torch.tensor([50.0, -3.0, -40.0, 0.5, 19.0], dtype=torch.float64)
     greedy = torch.tensor([1.0, 30.0, -2.0, 0.7, -25.0], dtype=torch.float64)
-    kl_ctl, clip = 0.05, 10.0
-    adv = remax_advantages(sampled, greedy, logp, ref, _mask(LENGTHS), kl_ctl, clip)
+    kl_coef, clip = 0.05, 10.0
+    adv = remax_advantages(sampled, greedy, logp, ref, _mask(LENGTHS), kl_coef, clip)
     clamp = lambda v: max(-clip, min(clip, v))  # noqa: E731
     expected = []
     for lp, rp, s, g in zip(
         _valid(logp), _valid(ref), sampled.tolist(), greedy.tolist(), strict=True
     ):
-        rewards = [-kl_ctl * (a - b) for a, b in zip(lp, rp, strict=True)]
+        rewards = [-kl_coef * (a - b) for a, b in zip(lp, rp, strict=True)]
         if rewards:
             rewards[-1] += clamp(s) - clamp(g)
         expected.append([sum(rewards[t:]) for t in range(len(rewards))])
@@ -149,7 +149,7 @@ def _rollouts() -> PackedBatch:
 def test_remax_train_step_adds_return_to_go_advantages(adv_norm: bool) -> None:
     table = torch.randn(8, 8, generator=torch.Generator().manual_seed(37))
     batch, engine = _rollouts(), FakeEngine(table)
-    cfg = ReMaxConfig(kl_ctl=0.1, reward_clip=20.0, n_minibatches=1, adv_norm=adv_norm)
+    cfg = ReMaxConfig(kl_coef=0.1, reward_clip=20.0, n_minibatches=1, adv_norm=adv_norm)
     settings = InterfaceSettings(cfg, GenerationConfig(temperature=0.5))
     stats = make_interface("remax_actor", settings).train_step(
         engine, batch, CallContext(0, 0, 1, 0)

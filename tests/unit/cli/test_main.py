@@ -33,7 +33,7 @@ def test_plan_prints_the_table_the_moves_and_the_memory_without_starting_anythin
     as_json = CliRunner().invoke(app, ["plan", str(EXAMPLE), "--json", "plan=colocated"])
     assert as_json.exit_code == 0, as_json.output
     layouts = json.loads(as_json.output)
-    assert set(layouts) == set(load_graph(REPO / "graphs" / "ppo.yaml").by_name)
+    assert set(layouts) == set(load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml").by_name)
     assert layouts["actor_gen"] == {"mesh": [0, 1], "dp": 2, "tp": 1, "pp": 1, "n_mbs": 1}
 
 
@@ -151,3 +151,16 @@ def test_rayhf_plan_shows_memory_per_device_with_the_engines(tmp_path):
 
     with_engines, without = peak(), peak("engines={}")
     assert with_engines - without == pytest.approx(VLLM_KV_BYTES / 2**20, rel=0.01)
+
+
+def test_run_resume_passes_safe_overrides_to_the_run(monkeypatch):
+    seen = {}
+
+    def fake_run(cfg=None, resume=None, overrides=None):
+        seen.update(cfg=cfg, resume=resume, overrides=overrides)
+        return RunResult(Path("r"), [], [], None, "actor", {})
+
+    monkeypatch.setattr("rayhf.run", fake_run)
+    result = CliRunner().invoke(app, ["run", "--resume", "runs/x", "steps=9", "eval_every=3"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"cfg": None, "resume": "runs/x", "overrides": ["steps=9", "eval_every=3"]}

@@ -11,8 +11,8 @@ EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
 
 
 def test_overrides_parse_yaml_values_and_nested_keys():
-    cfg = load_config(EXAMPLE, ["steps=7", "algorithm.kl_ctl=0.3", "generation.greedy=true"])
-    assert cfg.steps == 7 and cfg.algorithm.kl_ctl == 0.3 and cfg.generation.greedy is True
+    cfg = load_config(EXAMPLE, ["steps=7", "algorithm.kl_coef=0.3", "generation.greedy=true"])
+    assert cfg.steps == 7 and cfg.algorithm.kl_coef == 0.3 and cfg.generation.greedy is True
     cfg2 = cfg.with_overrides({"models.actor.optimizer.lr": 1e-2})
     assert cfg2.models["actor"].optimizer.lr == 1e-2 and cfg.models["actor"].optimizer.lr != 1e-2
 
@@ -21,6 +21,11 @@ def test_overrides_parse_yaml_values_and_nested_keys():
     ("override", "needle"),
     [
         ("algorithm.gama=1", "config field algorithm.gama: unknown key"),
+        ("algorithm.kl_ctl=0.1", "config field algorithm.kl_ctl: renamed: write algorithm.kl_coef"),
+        (
+            "algorithm={name: grpo, kl_ctl: 0.1}",
+            "config field algorithm.kl_ctl: renamed: write algorithm.kl_coef",
+        ),
         ("batch_size=-3", "config field batch_size"),
         ("cluster.device=tpu", "config field cluster.device"),
         ("models.ref.path=/x", "config field models.ref"),

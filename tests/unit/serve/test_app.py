@@ -14,10 +14,12 @@ from pydantic import ValidationError
 from rayhf.errors import RayhfError
 from rayhf.serve.app import (
     ServeConfig,
+    Unauthorized,
     api,
     build_app,
     chat_events,
     chat_response,
+    check_api_key,
     completion_events,
     completion_response,
     parse_args,
@@ -155,3 +157,37 @@ def test_building_the_app_checks_the_checkpoint_before_ray_starts(tmp_path: Path
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(RayhfError, match="engine: vllm needs vLLM"):
         build_app({"checkpoint": str(tmp_path / "missing"), "engine": "vllm"})
+
+
+@pytest.mark.parametrize(
+    "header", [None, "", "Bearer", "Bearer wrong", "s3cret", "Basic s3cret", "Bearer s3cret2"]
+)
+def test_a_request_without_the_api_key_is_refused(header):
+    with pytest.raises(Unauthorized, match="Authorization: Bearer <key>"):
+        check_api_key("s3cret", header)
+
+
+def test_the_api_key_as_a_bearer_token_passes_and_no_key_lets_everything_through():
+    check_api_key("s3cret", "Bearer s3cret")
+    check_api_key("s3cret", "bearer  s3cret ")
+    check_api_key(None, None)
+    assert "s3cret" not in repr(ServeConfig(checkpoint="c", api_key="s3cret"))
+    with pytest.raises(RayhfError, match="api_key: String should have at least 1 character"):
+        parse_args({"checkpoint": "c", "api_key": ""})
+
+
+def test_the_cli_takes_the_api_key_from_the_environment(monkeypatch, tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from rayhf.serve import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "check_checkpoint", lambda path: None)
+    monkeypatch.setattr("rayhf.serve.app.serve_checkpoint", lambda c, **kw: seen.update(kw))
+    result = CliRunner().invoke(cli.app, [str(tmp_path)], env={"RAYHF_API_KEY": "from-env"})
+    assert result.exit_code == 0, result.output
+    assert seen["api_key"] == "from-env"
+    CliRunner().invoke(cli.app, [str(tmp_path), "--api-key", "flag"], env={"RAYHF_API_KEY": "e"})
+    assert seen["api_key"] == "flag"
+    with pytest.raises(RayhfError, match="serve --api-key: the vllm engine"):
+        build_app({"checkpoint": "c", "engine": "vllm", "api_key": "k"})
