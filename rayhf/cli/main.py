@@ -7,6 +7,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -219,6 +220,11 @@ app.add_typer(config_app, name="config", help="Show a resolved config or write i
 
 
 def main() -> None:
+    # Ctrl-C stops a run. A shell without job control starts a background job (`rayhf run ... &`
+    # in a script) with SIGINT ignored, and Python then keeps it ignored: a SIGINT sent to the
+    # run on purpose would be lost (seen when a test suite ran in the background).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         app()
     except RayhfError as e:

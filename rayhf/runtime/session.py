@@ -33,15 +33,25 @@ from rayhf.runtime.waits import group_wait
 
 
 @contextlib.contextmanager
-def _no_interrupts() -> Iterator[None]:
+def _interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C inside waits for the block to end, then raises ``KeyboardInterrupt``: a teardown
+    stopped half way would leave processes behind, and one that dropped the signal (SIG_IGN)
+    would let a run that was being recovered go on as if nobody had asked it to stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    except BaseException as e:
+        if caught and not isinstance(e, KeyboardInterrupt):
+            raise KeyboardInterrupt from e
+        raise
+    finally:  # a handler installed outside Python reads as None: Python's own then
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 class Session:
@@ -95,11 +105,11 @@ class Session:
         )
 
     def close(self, graceful: bool = True) -> None:
-        """Kill the actors, free the devices, stop an embedded cluster; a second Ctrl-C waits
-        until this is done (it would leave processes behind). ``graceful``: let the actors
-        leave their process groups first (after a failure they may be stuck in a collective
-        with a dead peer: they are killed at once)."""
-        with _no_interrupts():
+        """Kill the actors, free the devices, stop an embedded cluster; Ctrl-C meanwhile waits
+        until this is done (it would leave processes behind), then interrupts. ``graceful``:
+        let the actors leave their process groups first (after a failure they may be stuck in
+        a collective with a dead peer: they are killed at once)."""
+        with _interrupts_deferred():
             self._close(graceful)
 
     def _close(self, graceful: bool) -> None:

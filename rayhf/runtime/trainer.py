@@ -167,6 +167,15 @@ def _open_run(
     return saved, run_dir, ckpt
 
 
+def interrupted(run_dir: Path) -> RunInterrupted:
+    """What Ctrl-C ends a run with: how to go on from where it stopped."""
+    if usable_checkpoint(run_dir, lambda line: None) is None:
+        return RunInterrupted("interrupted before the first checkpoint; run the same command again")
+    return RunInterrupted(
+        f"interrupted; continue from the last checkpoint: rayhf run --resume {run_dir}"
+    )
+
+
 class Trainer:
     """Owns the step loop of one run."""
 
@@ -302,10 +311,7 @@ class Trainer:
                 if preemption.requested and last < cfg.steps:
                     self._preempted(last)
         except KeyboardInterrupt:
-            where = self.assets.run_dir
-            raise RunInterrupted(
-                f"interrupted; continue from the last checkpoint: rayhf run --resume {where}"
-            ) from None
+            raise interrupted(self.assets.run_dir) from None
         finally:
             self.executor.close()
             tracker.close()
@@ -373,7 +379,10 @@ def run(
     assets = prepare_run(cfg, run_dir)
     if ckpt is None:
         dump_config(cfg, run_dir / CONFIG_FILE)
-    info = _attempts(cfg, assets, ckpt)
+    try:
+        info = _attempts(cfg, assets, ckpt)
+    except KeyboardInterrupt:  # outside the step loop: starting, recovering, tearing down
+        raise interrupted(run_dir) from None
     rows = read_metrics(run_dir)
     plot = plot_run(rows, run_dir / "reward_kl.png", cfg.name) if cfg.metrics.plot else None
     policy = assets.graph.policy_role

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import GEN_APART, REPO, tiny_overrides
 
+from rayhf.runtime.checkpoint import usable_checkpoint
+
 pytestmark = pytest.mark.ray
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
 
@@ -64,23 +66,26 @@ def _cmdline(pid: int) -> str:
 class Run:
     """A `rayhf run` subprocess whose process tree is recorded while it runs."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, sigint_ignored: bool = False) -> None:
+        """``sigint_ignored``: start it as a shell without job control starts `cmd &`."""
         self.run_dir = tmp / "run"
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rayhf", "run", *args],
             cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # its own process group, as a shell gives a foreground job
+            preexec_fn=ignore,
         )  # fmt: skip
         self.seen: dict[int, int] = {}
 
-    def watch_until(self, done, timeout: float = 240) -> None:
+    def watch_until(self, done, timeout: float = 240, poll: float = 0.2) -> None:
         """Record the process tree until ``done()`` (or the run exits)."""
         end = time.monotonic() + timeout
         while self.proc.poll() is None and time.monotonic() < end:
             self.seen.update(_descendants(self.proc.pid))
             if done():
                 return
-            time.sleep(0.2)
+            time.sleep(poll)
         assert self.proc.poll() is not None or done(), "timed out"
 
     def steps_logged(self) -> int:
@@ -117,14 +122,38 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
-def test_ctrl_c_stops_the_run_and_leaves_no_process(tmp_path):
-    run = Run(tmp_path, *_args(tmp_path, steps=500, save_every=0))
-    run.watch_until(lambda: run.steps_logged() >= 1)
-    assert run.workers(), "no role-group worker was running"
+def _checkpoint_being_written(run: Run) -> bool:
+    return any((run.run_dir / "checkpoints").glob(".step_*.tmp"))
+
+
+# when Ctrl-C comes: while the role groups start (workers up, no step yet), between steps
+# (started with SIGINT ignored, as `rayhf run ... &` in a script: once the signal was lost so),
+# and while a checkpoint is being written
+PHASES = {
+    "setup": ({}, lambda run: bool(run.workers()) and run.steps_logged() == 0, 0.2),
+    "steps": ({}, lambda run: run.steps_logged() >= 1, 0.2),
+    "checkpoint": ({"save_every": 1}, _checkpoint_being_written, 0.005),
+}
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_ctrl_c_stops_the_run_with_130_and_leaves_no_process(tmp_path, phase):
+    extra, ready, poll = PHASES[phase]
+    run = Run(tmp_path, *_args(tmp_path, steps=500, **{"save_every": 0, **extra}),
+              sigint_ignored=phase == "steps")  # fmt: skip
+    run.watch_until(lambda: ready(run), poll=poll)
+    assert ready(run), f"the run ended before its {phase} phase"
     os.killpg(run.proc.pid, signal.SIGINT)  # what Ctrl-C in a shell sends the job
     code, err = run.finish(timeout=120)
     assert code == 130, err
-    assert "interrupted" in _one_line(err) and "--resume" in _one_line(err)
+    said = _one_line(err)
+    assert said.startswith("rayhf: interrupted"), said
+    if phase == "setup":
+        assert run.steps_logged() == 0 and "run the same command again" in said
+    if list((run.run_dir / "checkpoints").glob("step_*")):
+        assert f"rayhf run --resume {run.run_dir}" in said
+        assert usable_checkpoint(run.run_dir, pytest.fail) is not None, "a checkpoint was lost"
+    assert run.steps_logged() < 500
     assert not run.left_behind()
 
 

@@ -3,9 +3,12 @@ would start, where each role's first weights come from, and the placement the dr
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 import rayhf
 from rayhf.engines.config import EngineConfig
@@ -13,7 +16,7 @@ from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
 from rayhf.runtime.assets import RunAssets
-from rayhf.runtime.session import Session, _no_interrupts
+from rayhf.runtime.session import Session, _interrupts_deferred
 
 REPO = Path(__file__).resolve().parents[3]
 GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
@@ -107,8 +110,18 @@ def test_the_placement_names_groups_homes_and_moving_average_followers(tmp_path:
     assert _session(tmp_path).placement().followers == {}
 
 
-def test_teardown_cannot_be_interrupted_halfway():
+def test_ctrl_c_during_teardown_waits_for_it_then_interrupts():
     before = signal.getsignal(signal.SIGINT)
-    with _no_interrupts():
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    done = []
+    with pytest.raises(KeyboardInterrupt), _interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)  # handled at once, in this (the main) thread
+        done.append("the rest of the teardown")
+    assert done and signal.getsignal(signal.SIGINT) is before
+    with _interrupts_deferred():  # no Ctrl-C: nothing raised
+        pass
+    # a teardown that failed meanwhile
+    with pytest.raises(KeyboardInterrupt) as raised, _interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        raise RuntimeError("an actor would not die")
+    assert isinstance(raised.value.__cause__, RuntimeError)
     assert signal.getsignal(signal.SIGINT) is before
