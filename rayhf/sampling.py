@@ -37,14 +37,20 @@ from rayhf.errors import RayhfError
 class GenerationConfig(BaseModel):
     """How responses are sampled; shared by every engine that generates."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    max_new_tokens: int = Field(16, gt=0)  # response length cap, EOS included
-    min_new_tokens: int = Field(0, ge=0)  # EOS is masked out before this many tokens
-    greedy: bool = False  # argmax instead of sampling; temperature/top_k/top_p are ignored
-    temperature: float = Field(1.0, gt=0)  # logits are divided by this before softmax
-    top_k: int = Field(0, ge=0)  # sample among the k most likely tokens; 0 = off
-    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling mass; 1 = off
+    max_new_tokens: int = Field(16, gt=0)
+    """Response length cap, EOS included."""
+    min_new_tokens: int = Field(0, ge=0)
+    """EOS is masked out before this many tokens."""
+    greedy: bool = False
+    """Argmax instead of sampling; temperature/top_k/top_p are ignored."""
+    temperature: float = Field(1.0, gt=0)
+    """Logits are divided by this before softmax."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens; 0 = off."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1 = off."""
 
     @model_validator(mode="after")
     def _check_lengths(self) -> GenerationConfig:

@@ -10,20 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class DriverConfig(BaseModel):
     """How the driver runs each step's DAG."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    # auto: plain calls; compiled (Ray Compiled Graphs) on GPU when steps do not overlap
     executor: Literal["auto", "plain", "compiled"] = "auto"
-    # the longest any wait on the actors may take (a step, a checkpoint write, start-up, a weight
-    # move); past it the run fails naming the actor that has not answered
+    """Auto: plain calls; compiled (Ray Compiled Graphs) on GPU when steps do not overlap."""
     call_timeout_s: float = Field(3600.0, gt=0)
-    # submit step i+1 while step i runs (each unit waits only for what its dataflow needs:
-    # rayhf.planner.step.carried); false: one step at a time. Same results either way.
+    """The longest any wait on the actors may take (a step, a checkpoint write, start-up, a weight
+    move); past it the run fails naming the actor that has not answered."""
     overlap_steps: bool = True
-    # how a weight move's large messages between processes of one host travel: shm: through
-    # /dev/shm, a copy in and a copy out; group: over the transfer group's gloo sockets. Groups
-    # of GPUs that are not shared use NCCL either way.
+    """Submit step i+1 while step i runs (each unit waits only for what its dataflow needs:
+    rayhf.planner.step.carried); false: one step at a time. Same results either way."""
     same_host_transport: Literal["shm", "group"] = "shm"
+    """How a weight move's large messages between processes of one host travel: shm: through
+    /dev/shm, a copy in and a copy out; group: over the transfer group's gloo sockets. Groups of
+    GPUs that are not shared use NCCL either way."""
 
     @model_validator(mode="after")
     def _compiled_runs_one_step_at_a_time(self) -> DriverConfig:

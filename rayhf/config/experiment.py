@@ -65,23 +65,30 @@ AlgorithmConfig = Annotated[
 class RoleConfig(BaseModel):
     """Where a role's weights come from (exactly one source) and how it trains."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    path: str | None = None  # a local Hugging Face model directory
-    init: ModelInit | None = None  # create a small random model of this shape
-    init_from: str | None = None  # start from another role's initial weights (ref <- actor)
-    ema: float | None = Field(None, gt=0, le=1)  # with init_from: after each train step of that
-    # role, w = ema * source + (1 - ema) * w (a moving-average reference); None = frozen
-    function: str | None = None  # "module:function" reward instead of a model
-    value_head: bool = False  # scalar head per token (critic, reward model)
+    path: str | None = None
+    """A local Hugging Face model directory."""
+    init: ModelInit | None = None
+    """Create a small random model of this shape."""
+    init_from: str | None = None
+    """Start from another role's initial weights (ref <- actor)"""
+    ema: float | None = Field(None, gt=0, le=1)
+    """With init_from: after each train step of that."""
+    function: str | None = None
+    """Role, w = ema * source + (1 - ema) * w (a moving-average reference); None = frozen
+    "module:function" reward instead of a model."""
+    value_head: bool = False
+    """Scalar head per token (critic, reward model)"""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    # Keep only each layer's input in training and recompute the rest in backward: less
-    # activation memory (long responses) for one more forward of each layer (torch engine).
+    """AdamW's settings for a trained role."""
     activation_checkpointing: bool = False
-    # What the role's matmuls run in: bf16/fp16 keep fp32 master weights and optimizer state
-    # for a trained (or moving-average) role, and store frozen copies in the low dtype; auto
-    # is bf16 on GPUs and fp32 on CPU.
+    """Keep only each layer's input in training and recompute the rest in backward: less activation
+    memory (long responses) for one more forward of each layer (torch engine)."""
     precision: Precision = "auto"
+    """What the role's matmuls run in: bf16/fp16 keep fp32 master weights and optimizer state for a
+    trained (or moving-average) role, and store frozen copies in the low dtype; auto is bf16 on GPUs
+    and fp32 on CPU."""
 
     @model_validator(mode="after")
     def _one_source(self) -> RoleConfig:
@@ -96,46 +103,71 @@ class RoleConfig(BaseModel):
 class TokenizerConfig(BaseModel):
     """A local tokenizer directory, or a character tokenizer built from an alphabet."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    path: str | None = None  # None with no alphabet = the actor's model directory
-    alphabet: str | None = None  # build a character-level tokenizer over these characters
-    # A Jinja chat template that replaces the tokenizer's own (it renders a prompt column of
-    # chat messages); the run's tokenizer, template included, is saved under run_dir/tokenizer.
+    path: str | None = None
+    """None with no alphabet = the actor's model directory."""
+    alphabet: str | None = None
+    """Build a character-level tokenizer over these characters."""
     chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's own (it renders a prompt column of chat
+    messages); the run's tokenizer, template included, is saved under run_dir/tokenizer."""
 
 
 class ExperimentConfig(BaseModel):
     """Everything one run needs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     name: str = "ppo"
-    graph: str = "graphs/ppo.yaml"  # the dataflow graph file
-    run_dir: str | None = None  # None = runs/{name}
+    """The run's name: its directory is runs/{name} unless run_dir is set."""
+    graph: str = "graphs/ppo.yaml"
+    """The dataflow graph file."""
+    run_dir: str | None = None
+    """None = runs/{name}."""
     seed: int = 1
-    steps: int = Field(30, gt=0)  # iterations of the graph
-    batch_size: int = Field(16, gt=0)  # dataset rows per step (prompts, pairs, demonstrations)
-    eval_every: int = Field(0, ge=0)  # evaluate on dataset.eval_path every N steps (0 = never)
-    eval_samples: int = Field(1, gt=0)  # answers sampled per held-out prompt, for eval/pass@k
-    eval_correct_at: float = 1.0  # an answer scoring at least this counts as correct (pass@k)
-    save_every: int = Field(0, ge=0)  # checkpoint every N steps (0 = only at the end)
+    """Seeds the models' initialisation, the data order and sampling."""
+    steps: int = Field(30, gt=0)
+    """Iterations of the graph."""
+    batch_size: int = Field(16, gt=0)
+    """Dataset rows per step (prompts, pairs, demonstrations)"""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on dataset.eval_path every N steps (0 = never)"""
+    eval_samples: int = Field(1, gt=0)
+    """Answers sampled per held-out prompt, for eval/pass@k."""
+    eval_correct_at: float = 1.0
+    """An answer scoring at least this counts as correct (pass@k)"""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0 = only at the end)"""
     models: dict[str, RoleConfig]
+    """Role -> where its weights come from and how it trains (the graph names the roles)."""
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """The tokenizer every role shares, when the models do not bring one."""
     dataset: DatasetConfig
-    dataset_builder: str | None = None  # "module:function(path)" that writes a missing dataset
-    dataset_builder_args: dict[str, Any] = Field(default_factory=dict)  # its keyword arguments
-    algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)  # by ``name``; default ppo
+    """The prompts (or pairs, or demonstrations) and the held-out set."""
+    dataset_builder: str | None = None
+    """"module:function(path)" that writes a missing dataset."""
+    dataset_builder_args: dict[str, Any] = Field(default_factory=dict)
+    """The dataset builder's keyword arguments."""
+    algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)
+    """One algorithm's section, chosen by its ``name`` (default ppo)."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """How generate calls sample: lengths, temperature, top-k/top-p, group size."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    plan: PlanConfig = "auto"  # "auto" (searched), "colocated", call -> layouts, or a file of them
+    """The devices the plan uses and the Ray cluster they are on."""
+    plan: PlanConfig = "auto"
+    """"auto" (searched), "colocated", call -> layouts, or a file of them."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    driver: DriverConfig = Field(default_factory=DriverConfig)  # how each step's DAG runs
-    engines: dict[str, EngineConfig] = Field(default_factory=dict)  # call -> its backend
+    """Where each step's metrics go: console, metrics.jsonl, a plot, Ray metrics, trackers."""
+    driver: DriverConfig = Field(default_factory=DriverConfig)
+    """How each step's DAG runs."""
+    engines: dict[str, EngineConfig] = Field(default_factory=dict)
+    """Call -> its backend."""
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
-    # auto: a run directory holding a complete checkpoint continues from it (a retried RayJob
-    # resumes by itself); never: such a directory is an error that names --resume
+    """Recovery from dead actors and lost nodes, SIGTERM, injected faults."""
     resume: Literal["never", "auto"] = "never"
+    """Auto: a run directory holding a complete checkpoint continues from it (a retried RayJob
+    resumes by itself); never: such a directory is an error that names --resume."""
 
     @model_validator(mode="after")
     def _stale_steps_overlap(self) -> ExperimentConfig:

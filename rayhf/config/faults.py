@@ -17,28 +17,34 @@ class FaultInjection(BaseModel):
     """Kill one actor (SIGKILL, as the kernel's OOM killer or a lost node would) where it
     reaches ``site`` at ``step``; in one attempt of the run only, so a recovery gets past it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     site: FaultSite
-    step: int = Field(1, ge=0)  # the step it fires in (eval: the evaluation after that step)
-    role: str  # whose actor dies
-    rank: int = Field(0, ge=0)  # which rank (of each of the role's groups: the first to get there)
+    """Where the actor dies: a call, a weight move, a checkpoint write, start-up, an evaluation
+    call, a vLLM weight sync."""
+    step: int = Field(1, ge=0)
+    """The step it fires in (eval: the evaluation after that step)"""
+    role: str
+    """Whose actor dies."""
+    rank: int = Field(0, ge=0)
+    """Which rank (of each of the role's groups: the first to get there)"""
 
 
 class FaultToleranceConfig(BaseModel):
     """How a run survives a dead actor, a lost node and SIGTERM."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    # recoveries per run (tear down, wait for the devices, restore the last complete checkpoint,
-    # continue); 0: the first failure stops the run with the command that resumes it
     max_restarts: int = Field(3, ge=0)
-    resources_timeout_s: float = Field(300.0, gt=0)  # a recovery's wait for the devices
-    # after SIGTERM the run checkpoints at the next step boundary; past this it stops without
+    """Recoveries per run (tear down, wait for the devices, restore the last complete checkpoint,
+    continue); 0: the first failure stops the run with the command that resumes it."""
+    resources_timeout_s: float = Field(300.0, gt=0)
+    """A recovery's wait for the devices."""
     preempt_grace_s: float = Field(60.0, gt=0)
-    # faults to inject (drills and tests): the first in the run's first attempt, the second in
-    # the attempt after the first recovery, ...; a single fault is a list of one
+    """After SIGTERM the run checkpoints at the next step boundary; past this it stops without."""
     inject: list[FaultInjection] = []
+    """Faults to inject (drills and tests): the first in the run's first attempt, the second in the
+    attempt after the first recovery, ...; a single fault is a list of one."""
 
     @field_validator("inject", mode="before")
     @classmethod

@@ -66,17 +66,26 @@ SEQUENCE_COLUMNS: dict[DatasetKind, tuple[tuple[str, str], ...]] = {
 class DatasetConfig(BaseModel):
     """Where the rows are and how they are read."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    path: str  # a .parquet, .jsonl or .json (JSON lines) file, one sample per row
-    prompt_key: str = "prompt"  # the column holding the prompt: text, or a list of chat messages
-    response_key: str = "response"  # the column holding the target response (sft)
-    chosen_key: str = "chosen"  # the column holding the preferred response (pairs)
-    rejected_key: str = "rejected"  # the column holding the dispreferred response (pairs)
-    max_prompt_len: int = Field(64, gt=0)  # prompt tokens, counting the prepended bos
-    max_seq_len: int = Field(128, gt=0)  # bos + prompt + response + eos tokens (sft, pairs)
-    shuffle: bool = True  # reshuffle every epoch; False keeps file order
-    eval_path: str | None = None  # held-out rows in the same format, evaluated whole
+    path: str
+    """A .parquet, .jsonl or .json (JSON lines) file, one sample per row."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt: text, or a list of chat messages."""
+    response_key: str = "response"
+    """The column holding the target response (sft)"""
+    chosen_key: str = "chosen"
+    """The column holding the preferred response (pairs)"""
+    rejected_key: str = "rejected"
+    """The column holding the dispreferred response (pairs)"""
+    max_prompt_len: int = Field(64, gt=0)
+    """Prompt tokens, counting the prepended bos."""
+    max_seq_len: int = Field(128, gt=0)
+    """Bos + prompt + response + eos tokens (sft, pairs)"""
+    shuffle: bool = True
+    """Reshuffle every epoch; False keeps file order."""
+    eval_path: str | None = None
+    """Held-out rows in the same format, evaluated whole."""
 
 
 def kind_for_inputs(inputs: list[str]) -> DatasetKind:

@@ -28,13 +28,19 @@ class EngineConfig(BaseModel):
     (``max_rows``, ``cuda_graphs``, ``compile``, ``release_memory``) say how its decode engine
     runs (``rayhf.parallel.decode``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
 
     engine: Literal["native", "vllm", "torch", "deepspeed"]
+    """The backend: native or vllm for generate calls, torch or deepspeed for train calls, torch for
+    inference calls."""
     zero_stage: Literal[1, 2, 3] = 2
+    """deepspeed: the ZeRO stage."""
     offload: bool = False
+    """deepspeed: keep the optimizer state in CPU memory."""
     max_tokens_per_microbatch: int | None = Field(None, gt=0)
-    check_sync: bool = True  # vLLM: check every weight sync by checksums (false: skip)
+    """torch: cut a call's batch into micro-batches of at most this many tokens (None: one)."""
+    check_sync: bool = True
+    """VLLM: check every weight sync by checksums (false: skip)"""
     max_rows: int = Field(256, gt=0)
     """native: rows decoded at once; a call's further prompts wait for a row that has ended."""
     cuda_graphs: bool = True

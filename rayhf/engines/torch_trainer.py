@@ -59,14 +59,20 @@ def micro_batches(
 class OptimizerConfig(BaseModel):
     """AdamW settings of a trainable role."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     lr: float = Field(1e-4, gt=0)
+    """AdamW's learning rate (constant)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
     eps: float = Field(1e-8, gt=0)
-    grad_clip: float = Field(1.0, gt=0)  # max global grad norm
-    zero1: bool = False  # shard optimizer state over the data-parallel replicas (ZeRO stage 1)
+    """AdamW's epsilon."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm."""
+    zero1: bool = False
+    """Shard optimizer state over the data-parallel replicas (ZeRO stage 1)"""
 
 
 class Totals:

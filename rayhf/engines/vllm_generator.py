@@ -203,7 +203,7 @@ class VllmGenerator:
 
     def _load_and_check(self, weights: dict[str, torch.Tensor]) -> None:
         # the rank's checksums are taken on a thread while vLLM loads, off the sync's path
-        # where a core is free (docs/decisions.md has what the check costs)
+        # where a core is free (docs/decisions/ has what the check costs)
         sums = checksum_thread().submit(sent_checksums, weights, self.vllm.dtype)
         held = self.vllm.load_weights(weights.items(), check=True, skip=self._tied)
         assert held is not None

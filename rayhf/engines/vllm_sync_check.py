@@ -11,7 +11,7 @@ The checksum is the sum of the values' bit patterns read as integers of the valu
 wrapping at 2**32 (2**64 for 8-byte values). It is exact (any single changed value changes it),
 blind to order and layout (a transposed or fused copy sums the same) and additive, so a fused
 parameter's checksum is the sum of its parts'. fp32 bit patterns summed in int32 run at memory
-speed; widening them to int64 inside the sum cost 13x more (docs/decisions.md). 16-bit values do
+speed; widening them to int64 inside the sum cost 13x more (docs/decisions/). 16-bit values do
 widen, to int32: a sum wrapping at 2**16 would miss too many multi-value changes.
 """
 

@@ -20,13 +20,18 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsConfig(BaseModel):
     """Where step metrics go."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    jsonl: bool = True  # metrics.jsonl in the run directory
-    ray_metrics: bool = True  # ray.util.metrics gauges for the dashboard
-    plot: bool = True  # reward and KL against step, PNG, at the end
-    console: bool = True  # one line per step
-    progress: bool | None = None  # progress bar; None = when stdout is a terminal
+    jsonl: bool = True
+    """Metrics.jsonl in the run directory."""
+    ray_metrics: bool = True
+    """Ray.util.metrics gauges for the dashboard."""
+    plot: bool = True
+    """Reward and KL against step, PNG, at the end."""
+    console: bool = True
+    """One line per step."""
+    progress: bool | None = None
+    """Progress bar; None = when stdout is a terminal."""
 
 
 class Sink(Protocol):

@@ -199,7 +199,7 @@ class DecodeEngine:
         again (or refreshed in place) when the weights change: cast to the autocast dtype for a
         model kept in fp32 that computes in bf16 (a trained role's master weights: else every
         weight is cast at every token), oneDNN-packed on CPUs (faster matmuls at decode's few
-        rows: docs/decisions.md), none otherwise."""
+        rows: docs/decisions/), none otherwise."""
         m = self.model
         low = m.numerics.autocast
         pack = low is None and m.device.type == "cpu" and packable()

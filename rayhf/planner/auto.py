@@ -247,7 +247,7 @@ AUTO_ITERATIONS = 3000  # search steps for ``plan: auto`` (a fixed count keeps r
 
 def searches(cluster: ClusterConfig) -> bool:
     """Whether ``plan: auto`` searches for this run's cluster; else it is the colocated plan
-    (one device: the only plan; GPUs: see docs/decisions.md)."""
+    (one device: the only plan; GPUs: see docs/decisions/)."""
     return cluster.n_devices > 1 and cluster.device != "cuda"
 
 

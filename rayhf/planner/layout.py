@@ -11,13 +11,18 @@ from rayhf.parallel.layout import Layout
 class LayoutSpec(BaseModel):
     """A manual layout for one call in the config's ``plan:`` section."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    mesh: list[int] | None = None  # device indices; None = all devices
-    dp: int | None = Field(None, gt=0)  # None = whatever mesh size / (tp * pp) leaves
+    mesh: list[int] | None = None
+    """Device indices; None = all devices."""
+    dp: int | None = Field(None, gt=0)
+    """None = whatever mesh size / (tp * pp) leaves."""
     tp: int = Field(1, gt=0)
+    """Tensor-parallel degree."""
     pp: int = Field(1, gt=0)
-    n_mbs: int = Field(1, gt=0)  # micro-batches per forward (pipeline depth, memory)
+    """Pipeline stages."""
+    n_mbs: int = Field(1, gt=0)
+    """Micro-batches per forward (pipeline depth, memory)"""
 
 
 def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:

@@ -7,7 +7,7 @@ group's dp/tp/pp world and to any number of transfer groups at once. NCCL refuse
 with two ranks on one GPU ("Duplicate GPU detected"), which is what role groups colocated on the
 same GPUs are: their groups run gloo, each GPU slice staged through host memory. (Ray's
 ``ray.util.collective`` gloo groups reuse the process's default torch world, which our actors
-already own for their layout; see docs/decisions.md.) Between members on one host, a gloo
+already own for their layout; see docs/decisions/.) Between members on one host, a gloo
 group's large messages go through shared memory instead of its sockets (``shm.py``).
 
 Both sides of a hop walk the same transfers of a stream in the same order, so they cut the same

@@ -12,7 +12,7 @@ node also takes the previous node on its actor and, per unit it must follow, tha
 the same device, so both executors keep the schedule's order; a call on a copy also takes its
 move's first sender, whose result names the version of the weights it sent. ``DagExecutor``
 runs the same DAG with plain ``.remote()`` actor calls or compiled (``experimental_compile``);
-see docs/decisions.md for which one is the default where.
+see docs/decisions/ for which one is the default where.
 
 Steps overlap (plain calls, ``driver.overlap_steps``): step i+1 is submitted while step i runs,
 each of its nodes also taking the nodes of step i that ``planner.step.carried`` names (its
