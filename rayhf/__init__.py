@@ -26,11 +26,24 @@ __version__ = "0.1.0"
 
 
 def make_plan(cfg: ExperimentConfig) -> Plan:
-    """The plan ``rayhf run`` would use for ``cfg`` (no Ray started)."""
+    """The plan ``rayhf run`` would use for ``cfg`` (no Ray started). For ``plan: auto`` on
+    emulated devices that is the run's own search: the roles' models are made in a temporary
+    directory and timed on this machine (cached; the first time takes seconds per shape)."""
     from rayhf.planner import make_plan as _make_plan
+    from rayhf.planner.auto import searches
 
     graph = load_graph(cfg.graph_path())
     graph.validate_roles(set(cfg.models))
+    if cfg.plan == "auto" and searches(cfg.cluster):
+        import tempfile
+        from pathlib import Path
+
+        from rayhf.models.hf import quiet_transformers
+        from rayhf.runtime.assets import prepare_run
+
+        quiet_transformers()
+        with tempfile.TemporaryDirectory() as tmp:
+            return prepare_run(cfg, Path(tmp)).plan
     return _make_plan(graph, cfg.plan, cfg.cluster)
 
 

@@ -144,8 +144,10 @@ def plan(
     else:
         if cfg.plan == "auto" and cfg.cluster.n_devices > 1:
             typer.echo(
-                "plan: auto -- rayhf run searches the plan once the models exist and writes it "
-                "to the run directory's plan.json; shown here: the colocated plan it starts from"
+                "plan: auto -- the plan rayhf run searches for this config (the same search, "
+                "from the roles' models timed on this machine)"
+                if cfg.cluster.device == "cpu"
+                else "plan: auto -- on GPUs the colocated plan (docs/layouts-and-plans.md)"
             )
         typer.echo(rayhf.format_plan(the_plan, graph))
         typer.echo(format_reallocations(the_plan, graph, specs))

@@ -92,9 +92,9 @@ def colocated_plan(graph: Graph, n_devices: int) -> Plan:
 
 def make_plan(graph: Graph, plan_cfg: PlanConfig, cluster: ClusterConfig) -> Plan:
     """The plan for ``graph`` on ``cluster``: every call on every device, data parallel, for
-    ``colocated`` (and as the stand-in for ``auto`` where no models are at hand: ``rayhf plan``
-    without --cluster, and the runtime asks ``planner.auto.plan_for_run`` instead), else the
-    manual entries."""
+    ``colocated`` (and ``auto`` where it does not search: one device, GPUs; where it does,
+    ``planner.auto.plan_for_run`` searches from the roles' timed models), else the manual
+    entries."""
     if plan_cfg in ("auto", "colocated"):
         return colocated_plan(graph, cluster.n_devices)
     assert isinstance(plan_cfg, dict)

@@ -34,6 +34,8 @@ def test_graph_files_load(path):
 @pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: p.name)
 def test_example_configs_load_and_plan(path):
     cfg = rayhf.load_config(path)
+    if cfg.plan == "auto":  # its search needs the run's models: tests/integration/test_runtime_ppo
+        cfg = cfg.with_overrides({"plan": "colocated"})
     plan = rayhf.make_plan(cfg)
     graph = rayhf.load_graph(cfg.graph_path())
     assert set(plan.layouts) == {c.name for c in graph.calls}

@@ -64,7 +64,7 @@ def test_resume_of_a_finished_run_is_a_no_op_and_steps_extend_it(
     again = rayhf.run(resume=str(first.run_dir))
     assert again.info["start_step"] == 1 and len(again.metrics) == 1
     assert Path(again.checkpoints[-1]) == first.checkpoints[-1]
-    with pytest.raises(RayhfError, match="algorithm.kl_coef cannot change on resume") as refused:
+    with pytest.raises(RayhfError, match=r"algorithm\.kl_coef cannot change on resume") as refused:
         rayhf.run(resume=str(first.run_dir), overrides=["steps=2", "algorithm.kl_coef=0.5"])
     assert "\n" not in str(refused.value)
     longer = rayhf.run(resume=str(first.run_dir), overrides=["steps=2", "save_every=2"])

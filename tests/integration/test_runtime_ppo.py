@@ -9,6 +9,7 @@ import torch
 from conftest import alive_actors
 from transformers import AutoModelForCausalLM
 
+import rayhf
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
 from rayhf.runtime.trainer import Trainer, run
@@ -39,6 +40,8 @@ def test_two_ppo_steps_on_two_devices(ray_cluster, tiny_config):
     assert set(chosen) == {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train",
                            "critic_train"}  # fmt: skip
     assert all(set(lay["mesh"]) <= {0, 1} for lay in chosen.values())
+    shown = rayhf.make_plan(cfg)  # what `rayhf plan` shows: the same search, no Ray
+    assert json.loads(shown.to_json()) == chosen
 
 
 def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_config):

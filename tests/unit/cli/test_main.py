@@ -26,10 +26,16 @@ def test_plan_prints_the_table_the_moves_and_the_memory_without_starting_anythin
     result = CliRunner().invoke(app, ["plan", str(EXAMPLE), "cluster.n_devices=2"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].startswith("plan: auto -- rayhf run searches the plan once the models exist")
-    assert lines[1] == "plan (colocated) for graph 'ppo':" and len(lines) == 1 + 2 + 6 + 2
-    assert lines[-2] == "  reallocations per step: none (every call runs in its role's home layout)"
+    assert lines[0].startswith("plan: auto -- the plan rayhf run searches for this config")
+    assert lines[1] == "plan (auto) for graph 'ppo':"
     assert lines[-1].startswith("  memory per device (weights, optimizer state, engines, largest")
+    gpu = CliRunner().invoke(app, ["plan", str(EXAMPLE), "cluster.device=cuda"])
+    assert gpu.output.splitlines()[1] == "plan (colocated) for graph 'ppo':"
+    assert "colocated plan" in gpu.output.splitlines()[0]
+    colocated = CliRunner().invoke(app, ["plan", str(EXAMPLE), "plan=colocated"])
+    lines = colocated.output.splitlines()
+    assert lines[0] == "plan (colocated) for graph 'ppo':" and len(lines) == 2 + 6 + 2
+    assert lines[-2] == "  reallocations per step: none (every call runs in its role's home layout)"
     as_json = CliRunner().invoke(app, ["plan", str(EXAMPLE), "--json", "plan=colocated"])
     assert as_json.exit_code == 0, as_json.output
     layouts = json.loads(as_json.output)
