@@ -40,3 +40,29 @@ def test_every_config_field_is_documented():
     undocumented = [row.split("|")[1].strip() for row in rows if row.rstrip().endswith("|  |")]
     assert undocumented == [], f"give these fields a docstring: {undocumented}"
     assert "| `models.<role>.optimizer.lr` | float | `0.0001` |" in page
+
+
+def _links(page: Path) -> list[str]:
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", page.read_text()) if "://" not in t]
+
+
+def test_every_link_of_the_readme_and_the_user_docs_resolves():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) >= 13
+    broken = [
+        f"{page.relative_to(REPO)} -> {target}"
+        for page in pages
+        for target in _links(page)
+        if not (page.parent / target.split("#")[0]).exists()
+    ]
+    assert broken == []
+
+
+def test_the_readme_is_a_landing_page_whose_figures_link_to_their_pages():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"[a-f]", h)]
+    assert hashes == [], "commits belong on the benchmark pages"
+    results = text.split("## Results")[1].split("\n## ")[0]
+    rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 5 and all("](docs/" in row for row in rows[1:])
