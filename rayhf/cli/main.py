@@ -134,7 +134,8 @@ def plan(
 
     cfg = rayhf.load_config(config, overrides or [])
     graph = rayhf.load_graph(cfg.graph_path())
-    specs = _with_shapes(model_specs(cfg), cfg, shape or [])
+    shaped = frozenset(item.partition("=")[0] for item in shape or [])
+    specs = _with_shapes(model_specs(cfg, shaped), cfg, shape or [])
     if cluster is not None:
         _search_plan(cfg, graph, specs, cluster, search_seconds, json_out, gantt)
         return
@@ -183,6 +184,9 @@ def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
         rc = cfg.models[role]
         shape = public_shape(name, rc.value_head)
         specs[role] = priced(shape, rc.precision, rc.ema is not None)
+        for copy, other in cfg.models.items():  # a role copied from this one has its shape
+            if other.init_from == role and copy not in specs:
+                specs[copy] = priced(shape, other.precision, other.ema is not None)
     return specs
 
 

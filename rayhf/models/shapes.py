@@ -1,7 +1,8 @@
 """Public model shapes for planning at scale (configs only; no weights are involved).
 
 Sizes from the models' published ``config.json`` files: Llama-2 7B/13B/70B
-(meta-llama/Llama-2-{7,13,70}b-hf) and CodeLlama-34B (codellama/CodeLlama-34b-hf).
+(meta-llama/Llama-2-{7,13,70}b-hf), CodeLlama-34B (codellama/CodeLlama-34b-hf) and Qwen2.5
+0.5B/1.5B/7B (Qwen/Qwen2.5-{0.5,1.5,7}B-Instruct).
 """
 
 from __future__ import annotations
@@ -36,11 +37,24 @@ def _llama(hidden: int, layers: int, heads: int, kv: int, inter: int, positions:
     )
 
 
+def _qwen25(
+    hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool
+) -> ModelSpec:
+    """Qwen2.5: biased q/k/v, RoPE base 1e6, 32k positions."""
+    return replace(
+        _llama(hidden, layers, heads, kv, inter, 32768),
+        family="qwen2", vocab_size=vocab, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True, tied=tied,
+    )  # fmt: skip
+
+
 PUBLIC_SHAPES: dict[str, ModelSpec] = {
     "llama2-7b": _llama(4096, 32, 32, 32, 11008, 4096),
     "llama2-13b": _llama(5120, 40, 40, 40, 13824, 4096),
     "codellama-34b": _llama(8192, 48, 64, 8, 22016, 16384),
     "llama2-70b": _llama(8192, 80, 64, 8, 28672, 4096),
+    "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
+    "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
+    "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
 }
 
 

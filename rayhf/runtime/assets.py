@@ -148,30 +148,38 @@ def prepare_models(cfg: ExperimentConfig, run_dir: Path, tokenizer) -> dict[str,
     return dirs
 
 
-def model_configs(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Every model role's Hugging Face config, from the config alone (nothing written)."""
+def model_configs(cfg: ExperimentConfig, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Every model role's Hugging Face config, from the config alone (nothing written); roles
+    in ``skip`` (and those copied from them) are left out, their directories not read."""
     import tempfile
 
+    skipped = skip | {r for r, rc in cfg.models.items() if rc.init_from in skip}
+    wanted = {role: rc for role, rc in cfg.models.items() if role not in skipped}
     with tempfile.TemporaryDirectory() as tmp:
-        policy = load_graph(cfg.graph_path()).policy_role
-        tokenizer, _ = prepare_tokenizer(cfg, Path(tmp), policy)
+        tokenizer = None
+        if any(rc.init is not None for rc in wanted.values()):  # a tokenizer sizes their vocab
+            policy = load_graph(cfg.graph_path()).policy_role
+            tokenizer, _ = prepare_tokenizer(cfg, Path(tmp), policy)
         configs: dict[str, Any] = {}
-        for role, rc in cfg.models.items():
+        for role, rc in wanted.items():
             if rc.path is not None:
                 _check_model_dir(Path(rc.path), f"models.{role}.path")
                 configs[role] = AutoConfig.from_pretrained(rc.path, local_files_only=True)
             elif rc.init is not None:
+                assert tokenizer is not None
                 ids = (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
                 configs[role] = hf_config(rc.init, len(tokenizer), *ids)
-        for role, rc in cfg.models.items():
+        for role, rc in wanted.items():
             if rc.init_from is not None and rc.init_from in configs:
                 configs[role] = configs[rc.init_from]
     return configs
 
 
-def model_specs(cfg: ExperimentConfig) -> dict[str, ModelSpec]:
-    """Every model role's shape, from the config alone (nothing written; for ``rayhf plan``)."""
-    return {role: role_spec(config, cfg, role) for role, config in model_configs(cfg).items()}
+def model_specs(cfg: ExperimentConfig, skip: frozenset[str] = frozenset()) -> dict[str, ModelSpec]:
+    """Every model role's shape, from the config alone (nothing written; for ``rayhf plan``);
+    roles in ``skip`` get theirs elsewhere (``rayhf plan --shape``)."""
+    configs = model_configs(cfg, skip)
+    return {role: role_spec(config, cfg, role) for role, config in configs.items()}
 
 
 def role_spec(config: Any, cfg: ExperimentConfig, role: str) -> ModelSpec:

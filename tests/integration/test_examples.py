@@ -57,3 +57,25 @@ def test_driver_script_runs(ray_cluster, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "actor_gen" in proc.stdout and "steps: 2" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "actor" / "config.json").is_file()
+
+
+RECIPES = {  # recipe -> the `rayhf plan` arguments its header gives (the models are not here)
+    "grpo_qwen2.5_1.5b_gsm8k_1gpu.yaml": ["--shape", "actor=qwen2.5-1.5b", "--cluster", "1x1xH100"],
+    "ppo_qwen2.5_7b_gsm8k_16x8.yaml": ["--shape", "actor=qwen2.5-7b", "--shape",
+                                       "critic=qwen2.5-7b", "--cluster", "16x8xH100"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_real_model_recipes_plan_on_their_clusters(name):
+    from typer.testing import CliRunner
+
+    from rayhf.cli.main import app
+
+    path = REPO / "examples" / "recipes" / name
+    assert all(arg in path.read_text() for arg in RECIPES[name]), "the header says how to plan it"
+    args = ["plan", str(path), *RECIPES[name], "--search-seconds", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    searched = result.output.split("baselines")[0]
+    assert "estimated iteration:" in searched and "does not fit" not in searched

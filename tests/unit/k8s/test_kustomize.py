@@ -4,6 +4,7 @@ merge and JSON 6902 patches, renames, and the fields it refuses."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from k8s_support import K8S_MARKS, REPO
 from k8s_support import crds as crds
 
+from rayhf.config import load_config
 from rayhf.k8s import validate_paths
 from rayhf.k8s.kustomize import apply_json6902, build, strategic_merge
 from rayhf.k8s.yamlio import ManifestError
@@ -33,6 +35,10 @@ def test_overlays_resize_and_keep_n_devices_consistent(variant, workers, gpus) -
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (workers,) * 3
     assert limits["nvidia.com/gpu"] == str(gpus)
     assert _n_devices(job["spec"]["entrypoint"]) == workers * gpus
+    rayhf_, run, config, *overrides = shlex.split(job["spec"]["entrypoint"])
+    assert (rayhf_, run) == ("rayhf", "run") and config.startswith("/app/")
+    cfg = load_config(REPO / config.removeprefix("/app/"), overrides)  # the image's checkout
+    assert cfg.cluster.n_devices == workers * gpus and cfg.cluster.device == "cuda"
     dev = docs["RayCluster"]["spec"]["workerGroupSpecs"][0]
     assert dev["maxReplicas"] == workers
     assert dev["template"]["spec"]["containers"][0]["resources"]["limits"] == limits
