@@ -115,7 +115,7 @@ def test_plan_shows_the_reallocations_of_split_role_layouts(workdir):
     assert not (workdir / "runs").exists(), "rayhf plan writes nothing"
 
 
-def test_plan_auto_says_the_run_searches_it(workdir):
+def test_plan_auto_shows_the_plan_the_run_searches(workdir):
     path = workdir / "cfg.yaml"
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["plan"] = "auto"
@@ -123,7 +123,9 @@ def test_plan_auto_says_the_run_searches_it(workdir):
     path.write_text(yaml.safe_dump(cfg))
     proc = rayhf_cli("plan", str(path), cwd=workdir)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("plan: auto -- rayhf run searches the plan"), proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("plan: auto -- the plan rayhf run searches"), proc.stdout
+    assert lines[1] == "plan (auto) for graph 'ppo':", proc.stdout
 
 
 def _plan_file(workdir: Path, n_devices: int, **roles: dict) -> str:
