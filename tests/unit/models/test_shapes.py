@@ -11,17 +11,27 @@ from rayhf.models.sharding import param_shards
 
 @pytest.mark.parametrize(
     ("name", "billions"),
-    [("llama2-7b", 6.74), ("llama2-13b", 13.02), ("codellama-34b", 33.74), ("llama2-70b", 68.98)],
+    [
+        ("llama2-7b", 6.74),
+        ("llama2-13b", 13.02),
+        ("codellama-34b", 33.74),
+        ("llama2-70b", 68.98),
+        ("qwen2.5-0.5b", 0.494),
+        ("qwen2.5-1.5b", 1.544),
+        ("qwen2.5-7b", 7.616),
+    ],
 )
 def test_parameter_counts_are_the_published_ones(name, billions):
     count = sum(p.numel for p in param_shards(public_shape(name)))
-    assert count / 1e9 == pytest.approx(billions, abs=0.01)
+    assert count / 1e9 == pytest.approx(billions, abs=0.001 if name.startswith("qwen") else 0.01)
 
 
 def test_grouped_query_attention_of_the_large_models():
     assert public_shape("llama2-70b").n_kv_heads == 8 and public_shape("llama2-70b").n_heads == 64
     assert public_shape("llama2-7b").n_kv_heads == public_shape("llama2-7b").n_heads == 32
-    assert all(s.head_dim == 128 for s in PUBLIC_SHAPES.values())
+    assert all(s.head_dim == 128 for n, s in PUBLIC_SHAPES.items() if n != "qwen2.5-0.5b")
+    small = public_shape("qwen2.5-0.5b")
+    assert (small.head_dim, small.n_heads, small.n_kv_heads, small.tied) == (64, 14, 2, True)
 
 
 def test_a_critic_shape_swaps_the_head():
@@ -39,5 +49,5 @@ def test_an_unknown_name_lists_the_known_ones():
         public_shape("llama3-8b")
     assert str(info.value) == (
         "model shape 'llama3-8b' is unknown; use one of llama2-7b, llama2-13b, codellama-34b, "
-        "llama2-70b"
+        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b"
     )
