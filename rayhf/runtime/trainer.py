@@ -169,7 +169,7 @@ def _open_run(
 
 def interrupted(run_dir: Path) -> RunInterrupted:
     """What Ctrl-C ends a run with: how to go on from where it stopped."""
-    if usable_checkpoint(run_dir, lambda line: None) is None:
+    if not list_checkpoints(run_dir):  # names only: no checksums of GBs on the way out
         return RunInterrupted("interrupted before the first checkpoint; run the same command again")
     return RunInterrupted(
         f"interrupted; continue from the last checkpoint: rayhf run --resume {run_dir}"
