@@ -37,7 +37,18 @@ class ModelEngine(Protocol):
     @property
     def eos_id(self) -> int: ...
 
+    @property
+    def value_head(self) -> bool: ...
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+    def score(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = ...,
+    ) -> torch.Tensor: ...
 
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int

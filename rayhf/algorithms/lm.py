@@ -1,9 +1,10 @@
 """Shared language-model pieces: the ``lm`` interface and the helpers the algorithm interfaces use.
 
-It holds ``token_logprobs`` (per-token log-probs from logits), ``response_forward`` (log-probs or
-values of the response tokens), sampling a batch of responses (``sample_batch``), log-prob
-inference (``logprob_batch``), the rollout statistics of the critic-free actors
-(``rollout_stats``) and ``LMInterface``, the generate / log-prob interface every actor extends.
+It holds ``token_logprobs`` (per-token log-probs from logits), ``response_forward`` (log-probs
+and entropies, or values, of the response tokens), sampling a batch of responses
+(``sample_batch``), log-prob inference (``logprob_batch``), the rollout statistics of the
+critic-free actors (``rollout_stats``) and ``LMInterface``, the generate / log-prob interface
+every actor extends.
 
 A sample's ``seq`` is prompt + response ids and ``prompt_lens`` its prompt length; every
 per-response-token tensor is right-padded ``[B, R]`` with a bool mask (see ``seqs``).
@@ -42,23 +43,42 @@ def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> 
     return picked - torch.logsumexp(scaled, dim=-1)
 
 
-def response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float = 1.0):
-    """``(logprobs or values [B, R], logits [B, R, V] or None, mask [B, R])``.
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy ``[B, T]`` of the categorical distribution ``softmax(logits)``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
 
-    An LM gives the log-probs of the response tokens (and their logits); a value-head model
-    gives the value of the state before each response token. The log-probs, values and mask
-    are on the CPU, with the batch's other fields; the logits stay on the model's device (the
-    step's largest tensor: a GPU computes over them where they are).
+
+def scores_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """What ``engine.score`` returns, from whole logits ``[B, T, V]``: ``[B, T, 2]`` log-prob
+    of each target (-1: none, 0 out) and entropy under ``softmax(logits / temperature)``. The
+    plain path the sliced one is checked against, and what a test's fake engine scores with."""
+    keep = targets >= 0
+    logp = token_logprobs(logits, targets.clamp(min=0), temperature)
+    entropy = entropy_from_logits(logits.float() / temperature)
+    return torch.stack([logp, entropy], dim=-1) * keep.unsqueeze(-1)
+
+
+def response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float = 1.0):
+    """``(logprobs or values [B, R], entropy [B, R] or None, mask [B, R])``, on the CPU.
+
+    An LM gives the log-probs of the response tokens under ``softmax(logits / temperature)``
+    and the entropy of each of those distributions, computed by ``engine.score`` a slice of
+    tokens at a time (no ``[B, R, V]`` logits, in forward or backward); a value-head model gives
+    the value of the state before each response token (and None).
     """
     ids, attn = padded_inputs(batch, engine.pad_id)
     positions, mask = response_index(batch)
-    out = engine.forward(ids, attn)
-    at = positions.to(out.device)
-    if out.dim() == 2:
-        return gather_positions(out, at).cpu(), None, mask
-    logits = gather_positions(out, at)
-    logp = token_logprobs(logits, response_labels(ids.to(out.device), at), temperature)
-    return logp.cpu(), logits, mask
+    if temperature <= 0:
+        raise RayhfError(f"temperature must be > 0, got {temperature}; set a positive value")
+    if engine.value_head:
+        return gather_positions(engine.forward(ids, attn), positions).cpu(), None, mask
+    targets = torch.full_like(ids, -1)
+    rows = torch.arange(len(ids)).unsqueeze(1).expand_as(positions)
+    targets[rows[mask], positions[mask]] = response_labels(ids, positions)[mask]
+    scored = gather_positions(engine.score(ids, attn, targets, temperature), positions).cpu()
+    scored = scored * mask.unsqueeze(-1)  # padding: 0, not position 0's scores
+    return scored[..., 0], scored[..., 1], mask
 
 
 def padded(batch: PackedBatch, key: str) -> torch.Tensor:

@@ -99,12 +99,6 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(mask, whitened, torch.zeros_like(whitened))
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy ``[B, T]`` of the categorical distribution ``softmax(logits)``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
 def _lengths(mask: Tensor) -> Tensor:
     """Valid tokens per row; asserts the right-padded layout the callers rely on."""
     lengths = mask.sum(dim=1)
@@ -365,13 +359,13 @@ class PPOActorInterface(_PPOBase, LMInterface):
         reference = PolicyReference(engine, batch, self.temperature, cfg, cfg.ppo_epochs, ctx.step)
 
         def loss_fn(mb: PackedBatch):
-            logp, logits, mask = response_forward(engine, mb, self.temperature)
+            logp, entropies, mask = response_forward(engine, mb, self.temperature)
             old, behaviour = reference.old(mb, logp, mask)
             adv = padded(mb, "advantages")
             loss, s = ppo_policy_loss(
                 logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap
             )  # fmt: skip
-            entropy = masked_mean(entropy_from_logits(logits).cpu(), mask)
+            entropy = masked_mean(entropies, mask)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * entropy
             return loss, {"policy_loss": loss.item(), "entropy": entropy.item(), **s}

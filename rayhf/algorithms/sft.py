@@ -15,11 +15,10 @@ from pydantic import ConfigDict, Field
 from torch import Tensor
 
 from rayhf.algorithms.interface import ModelEngine, register
-from rayhf.algorithms.lm import response_forward, token_logprobs
+from rayhf.algorithms.lm import response_forward
 from rayhf.algorithms.offline import OfflineInterface
 from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.ppo import masked_mean
-from rayhf.algorithms.seqs import padded_inputs, response_index, response_labels
 from rayhf.data.batch import PackedBatch
 
 
@@ -34,16 +33,14 @@ class SFTConfig(OnPolicyConfig):
     """Optimizer steps per batch; the batch is split into this many minibatches."""
 
 
-def sft_loss(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
+def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
     """Cross entropy averaged over every valid response token of the batch.
 
-    ``logits[:, t]`` is the prediction of ``labels[:, t]`` (already shifted). Averaging over
-    tokens, not per sequence, matches Hugging Face's causal-LM loss. Labels on padding are
-    ignored, even ones such as -100 that do not index the vocabulary. ``stats``: ``nll``.
+    ``logprobs[:, t]`` is the log-probability of response token ``t``. Averaging over tokens,
+    not per sequence, matches Hugging Face's causal-LM loss; padding is ignored. ``stats``:
+    ``nll``.
     """
-    safe_labels = torch.where(mask, labels, torch.zeros_like(labels))
-    nll = -token_logprobs(logits, safe_labels)
-    loss = masked_mean(nll, mask)
+    loss = masked_mean(-logprobs, mask)
     return loss, {"nll": loss.item()}
 
 
@@ -58,8 +55,5 @@ class SFTInterface(OfflineInterface):
         return self.settings.algorithm
 
     def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        _, logits, mask = response_forward(engine, mb)
-        ids, _ = padded_inputs(mb, engine.pad_id)
-        positions, _ = response_index(mb)
-        labels = response_labels(ids, positions).to(logits.device)
-        return sft_loss(logits, labels, mask.to(logits.device))
+        logprobs, _, mask = response_forward(engine, mb)
+        return sft_loss(logprobs, mask)

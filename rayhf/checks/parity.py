@@ -8,7 +8,10 @@ model built from the same seed, in the same precision:
 
 - ``logits``: forward logits (and critic ``values``) of a padded batch from a frozen copy (its
   weights stored in the precision; Hugging Face's model cast to it), max abs error / max abs ref;
-- ``grads``: a trained copy's gradient shards (fp32 master weights; at bf16/fp16 the forward
+- ``scores``: the same copy's next-token log-probs and entropies from the sliced LM head
+  (``score``, ``SCORE_SLICE`` tokens a slice) against those of Hugging Face's logits;
+- ``grads``: a trained copy's gradient shards (its loss from ``score``, Hugging Face's from
+  logits) (fp32 master weights; at bf16/fp16 the forward
   under autocast, and Hugging Face's fp32 model under the same autocast) against the same
   slices of the reference gradients;
 - ``step``: parameters after one AdamW step (global-norm clipping on) on the same batch, max abs
@@ -90,6 +93,22 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+SCORE_SLICE = 3  # tokens per slice of the scoring head here: every row spans several
+
+
+def _targets(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each position's next token where it is in the row, else -1 (``score``'s targets)."""
+    targets = torch.full_like(ids, -1)
+    targets[:, :-1] = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)
+    return targets
+
+
+def _score_loss(scored: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``_loss`` from ``score``'s log-probs."""
+    m = mask[:, 1:].float()
+    return (-(scored[:, :-1, 0] * m).sum(1) / m.sum(1)).mean()
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -119,7 +138,8 @@ def _train_step(engine, ids: torch.Tensor, mask: torch.Tensor) -> None:
     from rayhf.data.batch import PackedBatch
 
     rows = PackedBatch(list(range(len(ids))))
-    engine.train([rows], lambda _: (_loss(engine.forward(ids, mask), ids, mask), {}))
+    targets = _targets(ids, mask)
+    engine.train([rows], lambda _: (_score_loss(engine.score(ids, mask, targets), mask), {}))
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -167,6 +187,7 @@ def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
 def _check(
     family: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32", device: str = "cpu"
 ) -> dict[str, Any] | None:
+    from rayhf.algorithms.lm import scores_from_logits
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
     from rayhf.parallel.groups import build_groups
@@ -185,9 +206,15 @@ def _check(
     frozen = engine_of(
         _model(family, False), Tok(), False, None, groups, device=device, precision=precision
     )
+    targets = _targets(my_ids, my_mask)
     with torch.no_grad():
         want = frozen_ref(input_ids=my_ids, attention_mask=my_mask).logits.float()
         logit_err = _rel(frozen.forward(my_ids, my_mask)[keep], want[keep])
+        scored = targets >= 0
+        score_err = _rel(
+            frozen.score(my_ids, my_mask, targets)[scored],
+            scores_from_logits(want, targets)[scored],
+        )
     value_err = _value_error(family, groups, my_ids, my_mask, precision, device)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
@@ -234,6 +261,7 @@ def _check(
         "pp": pp,
         "rank": rank,
         "logits": logit_err,
+        "scores": score_err,
         "values": value_err,
         "grads": grad_err,
         "step": step_err,
@@ -250,7 +278,10 @@ def _worker(
     rank: int, world: int, address: str, out: str, precisions: list[str], device: str
 ) -> None:
     torch.set_num_threads(1)
+    import rayhf.parallel.model
     from rayhf.models.hf import quiet_transformers
+
+    rayhf.parallel.model.LOGIT_CHUNK = SCORE_SLICE * VOCAB
 
     quiet_transformers()
     if device == "cuda":

@@ -101,6 +101,16 @@ class CallEngine:
         assert self.model is not None, "forward on a role without a model"
         return self.model.forward(input_ids, attention_mask)
 
+    def score(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        assert self.model is not None, "score on a role without a model"
+        return self.model.score(input_ids, attention_mask, targets, temperature)
+
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
     ) -> GenerateOutput:

@@ -91,6 +91,24 @@ class RankModel:
         padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
         return padded.index_put((keep.nonzero(as_tuple=True)), out)
 
+    def score(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """``[B, T, 2]``: at each position with a target id (``targets[b, t] >= 0``, the token
+        it predicts), the target's log-probability under ``softmax(logits / temperature)`` and
+        the distribution's entropy; 0 elsewhere. The LM head runs in slices, so no
+        ``[B, T, V]`` logits are made (``ShardedModel.score``)."""
+        keep = attention_mask.to(self.device).bool()
+        lengths = keep.sum(dim=1).tolist()
+        packed = targets.to(self.device)[keep]
+        out = self.pipe.forward(input_ids.to(self.device)[keep], lengths, packed, temperature)
+        padded = out.new_zeros(*input_ids.shape, 2)
+        return padded.index_put((keep.nonzero(as_tuple=True)), out)
+
     def source_shards(self) -> dict[str, torch.Tensor]:
         """What this rank sends when its role's weights move to another layout."""
         return self.module.local_state()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
@@ -227,31 +228,29 @@ class TorchTrainer:
         """Scale gradients so the whole model's gradient norm is at most ``max_norm``.
 
         A tp-replicated parameter has the same gradient on every tp rank, so it is counted once.
+        The norms are torch's foreach ones and the scaling is a tensor op, so the step reads
+        the device once, for the returned norm.
         """
         module = self.model.module
-        sharded = torch.zeros((), dtype=torch.float32, device=self.model.device)
-        replicated = torch.zeros((), dtype=torch.float32, device=self.model.device)
+        sharded: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
         params = module.local_state()
         for name, p in params.items():
             if p.grad is None or (module.tied_copy and name == embedding_name(module.spec)):
                 continue  # a tied embedding's last-stage copy counts once, on the first stage
-            sq = p.grad.detach().float().pow(2).sum()
-            if module.shards[name].tp_dim is None or self.groups.tp == 1:
-                replicated += sq
-            else:
-                sharded += sq
+            whole = module.shards[name].tp_dim is None or self.groups.tp == 1
+            (replicated if whole else sharded).append(p.grad.detach())
+        zero = torch.zeros((), dtype=torch.float32, device=self.model.device)
+        square = [get_total_norm(g).float().square() if g else zero for g in (sharded, replicated)]
         if self.groups.tp_group is not None:
-            dist.all_reduce(sharded, group=self.groups.tp_group)
-        total = sharded + replicated
+            dist.all_reduce(square[0], group=self.groups.tp_group)
+        total = square[0] + square[1]
         if self.groups.pp_group is not None:
             dist.all_reduce(total, group=self.groups.pp_group)
-        norm = float(total.sqrt())
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        norm = total.sqrt()
+        grads = [p for p in params.values() if p.grad is not None]
+        clip_grads_with_norm_(grads, max_norm, norm)  # a no-op factor of 1 below max_norm
+        return float(norm)
 
     def weights_loaded(self) -> None:
         """Weights written into the shards from outside (the optimizer steps them as they are)."""

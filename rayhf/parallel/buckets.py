@@ -1,5 +1,6 @@
-"""The shapes a decode step runs at: pure arithmetic shared by the native generator's engine
-(``rayhf.parallel.decode``) and the planner, which prices the step it runs.
+"""The shapes a decode step runs at, and the scoring head's slice: pure arithmetic shared by
+the engine (``rayhf.parallel.decode``, ``rayhf.parallel.model``) and the planner, which prices
+what it runs.
 
 A step runs over the first ``rows`` slots and attends over the first ``keys`` key slots. An
 eager step uses exactly the rows in use and the keys filled; a compiled or captured step rounds
@@ -9,6 +10,10 @@ both up (``row_bucket``, ``key_bucket``), so one graph serves many steps.
 from __future__ import annotations
 
 import functools
+
+# The scoring head (``ShardedModel.score``) computes the LM head over at most this many logits at
+# a time (tokens x vocabulary): 2**24 fp32 logits are 64 MiB, 110 tokens of a 151,936 vocabulary.
+LOGIT_CHUNK = 2**24
 
 CHECK_EVERY = 8  # decode steps between looks at which rows ended: one host sync per 8 tokens
 KEY_BLOCK = 64  # a bucketed step attends over the filled key slots rounded up to this many

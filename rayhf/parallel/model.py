@@ -33,6 +33,7 @@ from rayhf.models.sharding import (
 )
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
+from rayhf.parallel.buckets import LOGIT_CHUNK
 from rayhf.parallel.groups import ParallelGroups
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
@@ -231,13 +232,16 @@ class ShardedModel(torch.nn.Module):
         where: TokenLayout,
         cache: KVCache | None = None,
         select: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """Token ids ``[n]`` (first stage) or hidden ``[n, h]`` -> hidden (in the weights'
         dtype), or fp32 logits/values.
 
         ``select`` (token indices) keeps only those tokens' outputs on the last stage, so a
-        prefill computes the LM head for each row's last token only. With fp32 master weights
-        and a lower precision, matmuls run under autocast.
+        prefill computes the LM head for each row's last token only. ``targets`` (``[n]`` token
+        ids, -1 where none) makes the last stage return ``score``'s ``[n, 2]`` instead of
+        logits. With fp32 master weights and a lower precision, matmuls run under autocast.
         """
         low = self.numerics.autocast
         # without gradients no cast is reused; a cache kept across a CUDA graph capture breaks it
@@ -248,7 +252,7 @@ class ShardedModel(torch.nn.Module):
             else contextlib.nullcontext()
         )
         with cast:
-            return self._forward(x, where.to(x.device), cache, select)
+            return self._forward(x, where.to(x.device), cache, select, targets, temperature)
 
     def _forward(
         self,
@@ -256,6 +260,8 @@ class ShardedModel(torch.nn.Module):
         where: TokenLayout,
         cache: KVCache | None,
         select: torch.Tensor | None,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         if self.groups.is_first_stage:
             x = self.embed(x, where.positions)
@@ -266,6 +272,8 @@ class ShardedModel(torch.nn.Module):
                 x = checkpoint(self.layer, x, i, where, None, rot, use_reentrant=False)
             else:
                 x = self.layer(x, i, where, cache, rot)
+        if self.groups.is_last_stage and targets is not None:
+            return self.score(x, targets, temperature)
         if self.groups.is_last_stage:
             x = self.head(x if select is None else x[select]).float()
         return x
@@ -319,6 +327,44 @@ class ShardedModel(torch.nn.Module):
         logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def score(self, x: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``[n, 2]`` fp32: each token's log-probability of its target under
+        ``softmax(logits / temperature)`` and that distribution's entropy; 0 where the target is
+        -1. The LM head runs over ``LOGIT_CHUNK``-sized slices of the scored tokens, and in
+        training each slice's logits are recomputed in backward instead of kept, so no
+        ``[tokens, vocab]`` tensor exists beyond one slice's."""
+        out = torch.zeros(len(x), 2, dtype=torch.float32, device=x.device)
+        rows = (targets >= 0).nonzero().squeeze(1)
+        if not len(rows):
+            return out + 0 * x.sum()  # a graph to the input all the same (pp backward)
+        gpt2 = self.spec.family == "gpt2"
+        h = self.norm(x[rows], "transformer.ln_f" if gpt2 else "model.norm")
+        y = targets[rows]
+        step = max(1, LOGIT_CHUNK // self.spec.vocab_size)
+        recompute = torch.is_grad_enabled() and h.requires_grad
+        parts = []
+        for lo in range(0, len(rows), step):
+            args = (h[lo : lo + step], y[lo : lo + step], temperature)
+            if recompute:
+                parts.append(checkpoint(self._scores, *args, use_reentrant=False))
+            else:
+                parts.append(self._scores(*args))
+        return out.index_put((rows,), torch.cat(parts))
+
+    def _scores(self, h: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
+        """One slice of ``score``: normed hidden states ``[c, h]`` and targets ``[c]``."""
+        table = embedding_name(self.spec) if self.spec.tied else "lm_head.weight"
+        logits = self.matmul(copy_to_tp(h, self.groups.tp_group), table)
+        logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
+        cap = self.spec.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        z = logits.float() / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        return torch.stack([logp, entropy], dim=-1)
 
     def layer(
         self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations

@@ -56,14 +56,26 @@ class Pipeline:
         self.next = groups.pp_ranks[rank + 1] if rank + 1 < groups.pp else None
         self.last = groups.pp_ranks[-1]
 
-    def out_shape(self, n_tokens: int) -> tuple[int, ...]:
+    def out_shape(self, n_tokens: int, scored: bool = False) -> tuple[int, ...]:
         spec = self.model.spec
+        if scored:
+            return (n_tokens, 2)
         return (n_tokens,) if spec.value_head else (n_tokens, spec.vocab_size)
 
-    def forward(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Packed ids of rows of ``lengths`` tokens -> packed logits ``[n, V]``/values ``[n]``."""
+    def forward(
+        self,
+        ids: torch.Tensor,
+        lengths: list[int],
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """Packed ids of rows of ``lengths`` tokens -> packed logits ``[n, V]``/values ``[n]``,
+        or with ``targets`` (packed ``[n]``, -1 where none) ``ShardedModel.score``'s ``[n, 2]``
+        log-probs and entropies."""
         if self.groups.pp == 1:
-            return self.model(ids, TokenLayout.packed(lengths))
+            return self.model(
+                ids, TokenLayout.packed(lengths), targets=targets, temperature=temperature
+            )
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
@@ -78,7 +90,8 @@ class Pipeline:
                 x = self._recv((hi - lo, self._hidden), self.prev, tag, self._hidden_dtype)
             if keep and self.prev is not None:
                 x.requires_grad_(True)
-            y = self.model(x, where)
+            part = None if targets is None else targets[lo:hi]
+            y = self.model(x, where, targets=part, temperature=temperature)
             if self.next is not None:
                 sends.append(self._isend(y.detach(), self.next, tag))
             inputs.append(x)
@@ -89,7 +102,7 @@ class Pipeline:
         out = (
             torch.cat(outputs)
             if self.next is None
-            else torch.empty(self.out_shape(len(ids)), device=ids.device)  # fp32 logits/values
+            else torch.empty(self.out_shape(len(ids), targets is not None), device=ids.device)
         )
         out = self.broadcast(out.detach() if keep else out)
         if keep:

@@ -10,8 +10,9 @@ It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idea
   the layer's eager ops (``Efficiency.ops_per_layer``: rayhf has no CUDA graphs or fusion;
   launches overlap the GPU's work, so they only cost where the GPU would wait for them);
 - pp: every micro-batch crosses each stage boundary point to point (a latency plus its hidden
-  states); after a forward the last stage broadcasts the whole output (the logits) to its
-  pipeline (``Pipeline.broadcast``); tp gathers the logits of the vocab-parallel head;
+  states); after a forward the last stage broadcasts its output (values, or each token's
+  log-prob and entropy) to its pipeline (``Pipeline.broadcast``); tp gathers the logits of the
+  vocab-parallel head, a slice at a time;
 - training: per minibatch one forward+backward, one gradient all-reduce over dp and one AdamW
   step over the optimizer's shard (ZeRO 1-2: the state split over dp, a reduce-scatter and an
   all-gather moving what the all-reduce moves); ZeRO-3 gathers every weight before the forward
@@ -25,8 +26,8 @@ It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idea
   and one sync every ``CHECK_EVERY`` steps;
 - memory: weights, gradients and AdamW state (fp32 master + two moments; the ZeRO stage splits
   them over dp), activations of every micro-batch in flight (GPipe), the KV cache (every row's
-  prompt and response, in whole blocks), and the full logits of a replica's batch (rayhf
-  gathers logits over tp).
+  prompt and response, in whole blocks), and one slice of the scoring head's fp32 logits
+  (``scoring_bytes``: never the whole batch's).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Literal
 
 from rayhf.models.sharding import param_shards, shard_numel
 from rayhf.models.spec import ModelSpec
-from rayhf.parallel.buckets import CHECK_EVERY, cache_capacity, mean_keys
+from rayhf.parallel.buckets import CHECK_EVERY, LOGIT_CHUNK, cache_capacity, mean_keys
 from rayhf.parallel.layout import Layout
 from rayhf.planner.hardware import ClusterSpec
 
@@ -162,6 +163,15 @@ def _allreduce(n_bytes: float, n: int, bandwidth: float, latency: float) -> floa
     return 2 * (n - 1) / n * n_bytes / bandwidth + latency
 
 
+def scoring_bytes(spec: ModelSpec, tokens: float) -> float:
+    """The LM head's transient bytes while scoring ``tokens`` (``ShardedModel.score``): one
+    slice of at most ``LOGIT_CHUNK`` fp32 logits, three such tensors at once (the logits, their
+    softmax, and in backward a gradient); a value head's are negligible."""
+    if spec.value_head:
+        return 0.0
+    return 3 * 4 * min(tokens * spec.vocab_size, LOGIT_CHUNK)
+
+
 class AnalyticCost:
     """Costs from FLOPs and bytes on ``cluster``'s devices."""
 
@@ -230,14 +240,15 @@ class AnalyticCost:
         seconds = (n_mbs + layout.pp - 1) * stage
         if not full_output:
             return seconds
-        out_per_token = 1 if spec.value_head else spec.vocab_size
-        out_bytes = n_seqs * seq * out_per_token * b
-        if layout.tp > 1 and not spec.value_head:  # all-gather of the vocab-parallel logits
-            seconds += (layout.tp - 1) / layout.tp * out_bytes / self._tp_bandwidth(layout)
+        tokens_out = n_seqs * seq
+        if layout.tp > 1 and not spec.value_head:  # the vocab-parallel head's slices, gathered
+            gathered = tokens_out * spec.vocab_size * b
+            seconds += (layout.tp - 1) / layout.tp * gathered / self._tp_bandwidth(layout)
             seconds += self.cluster.link_latency
-        if layout.pp > 1:  # the last stage broadcasts the whole output to its pipeline
-            fp32 = out_bytes * 4 / b  # the output leaves the model in fp32
-            seconds += fp32 / self._pp_bandwidth(layout) + self.cluster.link_latency
+        if layout.pp > 1:  # the last stage broadcasts values, or log-probs and entropies (fp32)
+            per_token = 1 if spec.value_head else 2
+            seconds += tokens_out * per_token * 4 / self._pp_bandwidth(layout)
+            seconds += self.cluster.link_latency
         return seconds
 
     def forward_seconds(
@@ -378,7 +389,6 @@ class AnalyticCost:
         n_seqs = math.ceil(work.n_seqs / layout.dp)
         seq = work.prompt_len + work.gen_len
         layers = math.ceil(spec.n_layers / layout.pp)
-        logits = 0.0 if spec.value_head else n_seqs * seq * spec.vocab_size * 4
         if work.kind == "generate":
             slots = cache_capacity(work.prompt_len, work.gen_len, True)
             kv = 2 * layers * n_seqs * slots * spec.n_kv_heads * spec.head_dim * b / layout.tp
@@ -388,7 +398,7 @@ class AnalyticCost:
             k = work.micro_batches(n_seqs, seq)
             tokens = n_seqs * seq / k / layout.n_mbs
             acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
-            return self.resident(spec, layout, False) + acts + logits / k
+            return self.resident(spec, layout, False) + acts + scoring_bytes(spec, tokens)
         k = work.micro_batches(math.ceil(n_seqs / work.n_minibatches), seq)
         tokens = n_seqs * seq / work.n_minibatches / k
         layer = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
@@ -396,4 +406,4 @@ class AnalyticCost:
             acts = tokens * spec.hidden_size * 4 * layers + layer
         else:
             acts = layer * layers
-        return self.resident(spec, layout, True, work) + acts + logits / work.n_minibatches / k
+        return self.resident(spec, layout, True, work) + acts + scoring_bytes(spec, tokens)

@@ -39,8 +39,9 @@ GEN_GRID = [(4, 16, 4), (16, 16, 4), (32, 16, 4), (4, 16, 16), (16, 16, 16), (32
             (16, 8, 4), (16, 32, 4)]  # fmt: skip
 Timing = tuple[int, tuple[int, ...], float]  # (model depth, grid point, seconds)
 # What the engine's timings mean: bumped when its execution changes (2: the static decode
-# step of rayhf.parallel.decode), so profiles cached before are measured again.
-ENGINE_REVISION = 2
+# step of rayhf.parallel.decode; 3: train steps score through the sliced LM head), so profiles
+# cached before are measured again.
+ENGINE_REVISION = 3
 
 
 @dataclasses.dataclass(frozen=True)

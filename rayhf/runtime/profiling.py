@@ -118,10 +118,12 @@ def _time_op(engine: CallEngine, op: str, point: tuple[int, ...], vocab: int) ->
     if op == "forward":
         return _best_of(lambda: torch.no_grad()(engine.forward)(ids, mask))
 
-    def loss_fn(_mb):
-        out = engine.forward(ids, mask)
-        loss = out.pow(2).mean() if engine.value_head else torch.log_softmax(out, -1).mean()
-        return loss, {}
+    targets = torch.roll(ids, -1, dims=1)  # every position scored, as a train call's responses
+
+    def loss_fn(_mb):  # what a train call computes: values, or log-probs and entropies
+        if engine.value_head:
+            return engine.forward(ids, mask).pow(2).mean(), {}
+        return engine.score(ids, mask, targets).mean(), {}
 
     batch = PackedBatch(list(range(b)))
     return _best_of(lambda: engine.train([batch], loss_fn))

@@ -56,6 +56,7 @@ def test_every_layout_matches_hugging_face(rows, family, precision):
         for r in ranks:
             where = f"{precision} {family} dp{d}tp{t}pp{p} rank {r['rank']}"
             assert r["logits"] < tol.logits, f"{where}: logits off by {r['logits']:.2e}"
+            assert r["scores"] < tol.logits, f"{where}: scores off by {r['scores']:.2e}"
             assert r["values"] < tol.values, f"{where}: values off by {r['values']:.2e}"
             assert r["grads"] < tol.grads, f"{where}: gradients off by {r['grads']:.2e}"
             assert r["step_off"] <= tol.step_off, f"{where}: {r['step_off']:.2%} steps differ"

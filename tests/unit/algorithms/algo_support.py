@@ -44,3 +44,20 @@ def _close(a: torch.Tensor | None, b, tol: float = 1e-9) -> None:
 def _softplus(z: float) -> float:
     """-logsigmoid(-z) = log(1 + e^z), the reference for the logistic losses."""
     return math.log1p(math.exp(z))
+
+
+class ScoresFromForward:
+    """What a fake engine whose ``forward`` gives whole logits (or values, from a 1-D
+    ``table``) needs besides: ``value_head`` and ``score``, by the plain path."""
+
+    table: torch.Tensor
+
+    @property
+    def value_head(self) -> bool:
+        return self.table.dim() == 1
+
+    def score(self, input_ids, attention_mask, targets, temperature=1.0):
+        from rayhf.algorithms.lm import scores_from_logits
+
+        logits = self.forward(input_ids, attention_mask)  # type: ignore[attr-defined]
+        return scores_from_logits(logits, targets, temperature)

@@ -10,7 +10,7 @@ import math
 import pydantic
 import pytest
 import torch
-from algo_support import LENGTHS, _close, _mask, _rand, _softplus, _valid, _vec
+from algo_support import LENGTHS, ScoresFromForward, _close, _mask, _rand, _softplus, _valid, _vec
 
 from rayhf.algorithms.dpo import DPOConfig, dpo_loss, sequence_logprob
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
@@ -117,7 +117,7 @@ def test_dpo_loss_matches_reference() -> None:
 # ----- the dpo interface --------------------------------------------------------------------
 
 
-class BigramEngine:
+class BigramEngine(ScoresFromForward):
     """A model whose logits at a position are ``table[its token]``; trains by backpropagating
     each minibatch's loss."""
 

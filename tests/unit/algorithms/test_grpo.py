@@ -11,7 +11,7 @@ import statistics
 import pydantic
 import pytest
 import torch
-from algo_support import LENGTHS, LN, _close, _mask, _pad, _rand, _valid, _vec
+from algo_support import LENGTHS, LN, ScoresFromForward, _close, _mask, _pad, _rand, _valid, _vec
 
 from rayhf.algorithms.grpo import (
     GRPOConfig,
@@ -248,7 +248,7 @@ def test_grpo_loss_with_no_valid_tokens_is_zero_and_finite(dr_grpo: bool) -> Non
 # ----- the grpo_actor interface -------------------------------------------------------------
 
 
-class FakeEngine:
+class FakeEngine(ScoresFromForward):
     """A bigram model (logits at a position = ``table[its token]``), one of several dp ranks
     (``others``: the other ranks' gathered objects, in rank order around this one's ``rank``)."""
 

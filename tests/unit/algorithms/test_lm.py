@@ -5,10 +5,12 @@ import math
 
 import pytest
 import torch
+from algo_support import ScoresFromForward
 from pydantic import ValidationError
 
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.lm import (
+    entropy_from_logits,
     generation_config,
     logprob_batch,
     response_forward,
@@ -26,7 +28,7 @@ def _close(a: torch.Tensor, b, tol: float = 1e-9) -> None:
     torch.testing.assert_close(a, torch.as_tensor(b, dtype=a.dtype), rtol=tol, atol=tol)
 
 
-class BigramEngine:
+class BigramEngine(ScoresFromForward):
     """A ``ModelEngine`` whose output at a position depends on that position's token only:
     logits ``table[token]`` (``[V, V]``), or a value ``table[token]`` (``[V]``)."""
 
@@ -116,7 +118,7 @@ def test_token_logprobs_matches_reference() -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_response_forward_scores_each_response_token_by_the_position_before_it(temperature):
     table = _table()
-    logp, logits, mask = response_forward(
+    logp, entropy, mask = response_forward(
         BigramEngine(table), _batch(SEQS, PROMPT_LENS), temperature
     )
     assert mask.tolist() == [[True, True], [True, False], [False, False]]
@@ -126,14 +128,16 @@ def test_response_forward_scores_each_response_token_by_the_position_before_it(t
     ]
     _close(logp[0], expected, 1e-5)
     _close(logp[1, :1], [_bigram_logprob(table, 9, 10, temperature)], 1e-5)
-    _close(logits[0], table[[6, 7]])  # unscaled logits at the scoring positions
-    _close(logits[1, 0], table[9])
+    # the entropy of the sampling distribution, softmax(logits / temperature), at each position
+    _close(entropy[0], entropy_from_logits(table[[6, 7]] / temperature), 1e-5)
+    _close(entropy[1, 0], entropy_from_logits(table[9] / temperature), 1e-5)
+    assert entropy[~mask].eq(0).all() and logp[~mask].eq(0).all()
 
 
-def test_response_forward_of_a_value_head_gives_values_and_no_logits():
+def test_response_forward_of_a_value_head_gives_values_and_no_entropy():
     values = torch.arange(VOCAB, dtype=torch.float32) / 10
-    out, logits, mask = response_forward(BigramEngine(values), _batch(SEQS, PROMPT_LENS))
-    assert logits is None
+    out, entropy, mask = response_forward(BigramEngine(values), _batch(SEQS, PROMPT_LENS))
+    assert entropy is None
     _close(out[mask], [0.6, 0.7, 0.9])  # the value of the state before tokens 7, 8 and 10
 
 

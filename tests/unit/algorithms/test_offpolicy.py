@@ -5,7 +5,7 @@ from typing import Any, cast
 
 import pytest
 import torch
-from algo_support import _mask
+from algo_support import ScoresFromForward, _mask
 
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
 from rayhf.algorithms.interface import VERSION_EXTRA
@@ -67,7 +67,7 @@ def test_stale_samples_are_weighted_by_proximal_over_behaviour_and_capped():
     assert not torch.allclose(loss, unweighted)
 
 
-class _Bigram:
+class _Bigram(ScoresFromForward):
     """A bigram model (logits at a position = ``table[its token]``) that counts the rows it
     forwards; the test changes ``table`` between minibatches as an update would."""
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from algo_support import LENGTHS, T, _close, _mask, _rand, _valid
 
+from rayhf.algorithms.lm import entropy_from_logits
 from rayhf.algorithms.ppo import (
     AdaptiveKLController,
     FixedKLController,
     PPOConfig,
-    entropy_from_logits,
     gae_advantages,
     kl_shaped_rewards,
     make_kl_controller,

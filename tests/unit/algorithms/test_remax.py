@@ -10,7 +10,7 @@ import math
 import pydantic
 import pytest
 import torch
-from algo_support import LENGTHS, _close, _mask, _pad, _rand, _valid, _vec
+from algo_support import LENGTHS, ScoresFromForward, _close, _mask, _pad, _rand, _valid, _vec
 
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
 from rayhf.algorithms.remax import ReMaxConfig, reinforce_loss, remax_advantages
@@ -110,7 +110,7 @@ def test_reinforce_loss_matches_reference() -> None:
 # ----- the remax_actor interface ------------------------------------------------------------
 
 
-class FakeEngine:
+class FakeEngine(ScoresFromForward):
     """A bigram model (logits at a position = ``table[its token]``) and the only dp rank;
     trains by calling the loss on each minibatch."""
 

@@ -5,9 +5,10 @@ import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
-from algo_support import LENGTHS, LN, T, _close, _mask
+from algo_support import LENGTHS, LN, ScoresFromForward, T, _close, _mask
 
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.lm import token_logprobs
 from rayhf.algorithms.sft import SFTConfig, sft_loss
 from rayhf.data.batch import PackedBatch
 
@@ -25,11 +26,16 @@ def test_config_defaults_and_bad_values() -> None:
 # ----- SFT ----------------------------------------------------------------------------------
 
 
+def _logp(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return token_logprobs(logits, labels.masked_fill(~mask, 0))
+
+
 def test_sft_loss_by_hand() -> None:
     # logits [0, 0, ln 2] -> probs [1/4, 1/4, 1/2]: nll ln 2 and ln 4, mean 1.5 ln 2
     logits = torch.tensor([[[0.0, 0.0, LN(2.0)]] * 3, [[9.0, 0.0, 0.0]] * 3])
     labels = torch.tensor([[2, 0, -100], [-100, -100, -100]])
-    loss, stats = sft_loss(logits, labels, _mask([2, 0], 3))
+    mask = _mask([2, 0], 3)
+    loss, stats = sft_loss(_logp(logits, labels, mask), mask)
     _close(loss, 1.5 * LN(2.0), 1e-6)
     assert stats["nll"] == pytest.approx(1.5 * LN(2.0))
 
@@ -39,7 +45,7 @@ def test_sft_loss_equals_torch_cross_entropy() -> None:
     logits = torch.randn(len(LENGTHS), T, 11, generator=g, requires_grad=True)
     mask = _mask(LENGTHS)
     labels = torch.randint(0, 11, (len(LENGTHS), T), generator=g).masked_fill(~mask, -100)
-    loss, stats = sft_loss(logits, labels, mask)
+    loss, stats = sft_loss(_logp(logits, labels, mask), mask)
     expected = F.cross_entropy(logits[mask], labels[mask])
     _close(loss, expected, 1e-6)
     _close(loss, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100), 1e-6)
@@ -47,14 +53,14 @@ def test_sft_loss_equals_torch_cross_entropy() -> None:
     (grad,) = torch.autograd.grad(loss, logits)
     (expected_grad,) = torch.autograd.grad(expected, logits)
     _close(grad, expected_grad, 1e-6)
-    empty, _ = sft_loss(logits, labels, torch.zeros_like(mask))
+    empty, _ = sft_loss(_logp(logits, labels, mask), torch.zeros_like(mask))
     assert empty.item() == 0.0
 
 
 # ----- the sft interface --------------------------------------------------------------------
 
 
-class BigramEngine:
+class BigramEngine(ScoresFromForward):
     """A model whose logits at a position are ``table[its token]``."""
 
     pad_id = 0
