@@ -17,8 +17,10 @@ frozen copies store bf16.
   utilisation of the train calls (6 x matmul parameters + attention, per token, over bf16 peak).
 - Generation: rayhf's native generator (a bf16 copy) and Hugging Face ``generate`` (bf16, SDPA
   attention, its KV cache) on the same model and prompts, tokens/s.
-- Train step: one AdamW step of rayhf's torch trainer and of a plain Hugging Face
-  forward/backward/AdamW step (fp32 weights under bf16 autocast, SDPA) on the same batch.
+- Train step: one AdamW step of rayhf's torch trainer (its loss from the sliced scoring head,
+  as a train call computes it) and of a plain Hugging Face forward/backward/AdamW step (fp32
+  weights under bf16 autocast, SDPA) on the same batch.
+- Log-prob path memory: ``benchmarks/train_step.py``'s, on the GPU.
 
 Writes docs/benchmarks/gpu.{md,json}.
 """
@@ -373,6 +375,8 @@ def train_step(rows: int, seq: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(4, len(tok), (rows, seq), generator=gen).cuda()
     mask = torch.ones_like(ids)
+    targets = torch.full_like(ids, -1)
+    targets[:, :-1] = ids[:, 1:]
     opt = OptimizerConfig(lr=1e-6)
 
     def rayhf_times() -> list[float]:
@@ -380,7 +384,10 @@ def train_step(rows: int, seq: int) -> dict[str, Any]:
         one = [PackedBatch(list(range(rows)))]
 
         def loss(_: Any) -> tuple[torch.Tensor, dict[str, float]]:
-            return _loss(engine.forward(ids, mask), ids, mask), {}
+            # what a train call computes: log-probs through the sliced head (engine.score)
+            m = mask[:, 1:].float()
+            scored = engine.score(ids, mask, targets)
+            return -(scored[:, :-1, 0] * m).sum() / m.sum(), {}
 
         return _timed(lambda: engine.train(one, loss))
 
@@ -502,6 +509,31 @@ def generation_lines(g: dict[str, Any]) -> list[str]:
     return [head, "", *generation_table(g)]
 
 
+def logprob_memory() -> dict[str, Any]:
+    """``benchmarks/train_step.py``'s memory part on the GPU: the peak of the log-prob path
+    through whole logits and through the sliced head, at a 151,936-entry vocabulary."""
+    import train_step as bench  # benchmarks/ is on the path, as for _common
+
+    return bench.memory("cuda")
+
+
+def memory_lines(m: dict[str, Any]) -> list[str]:
+    mib = 2**20
+    return [
+        f"## Log-prob path memory: {m['tokens']} tokens, vocabulary {m['vocab']:,}",
+        "",
+        "Forward and backward of a PPO-shaped loss on a tiny body (`benchmarks/train_step.py`),",
+        "peak allocated:",
+        "",
+        "| path | peak MiB |",
+        "| --- | ---: |",
+        f"| whole logits, then fp32 log-softmax and entropy | {m['before_peak'] / mib:.0f} |",
+        f"| sliced scoring head | {m['after_peak'] / mib:.0f} |",
+        "",
+        f"{m['ratio']:.1f}x smaller.",
+    ]
+
+
 def train_lines(t: dict[str, Any]) -> list[str]:
     return [
         f"## One train step: {t['rows']} rows x {t['seq']} tokens, AdamW, bf16 autocast",
@@ -534,6 +566,7 @@ def report(res: dict[str, Any]) -> str:
         "ppo": lambda: ppo_lines(res),
         "generation": lambda: generation_lines(res["generation"]),
         "train_step": lambda: train_lines(res["train_step"]),
+        "logprob_memory": lambda: memory_lines(res["logprob_memory"]),
     }
     for name, lines_of in parts.items():
         if name == "generation" and "hf_static" in res["errors"]:
@@ -571,6 +604,7 @@ def main() -> None:
         "ppo": lambda: ppo(args.steps, args.warmup, args.batch, args.new_tokens),
         "generation": lambda: generation(args.batch, args.new_tokens),
         "train_step": lambda: train_step(args.train_rows, 24 + args.new_tokens),
+        "logprob_memory": logprob_memory,
         "hf_static": lambda: hf_static(res["generation"]),
     }
     for name, measure in parts.items():
