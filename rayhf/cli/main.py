@@ -146,11 +146,16 @@ def plan(
         if cfg.plan == "auto" and cfg.cluster.n_devices > 1:
             typer.echo(
                 "plan: auto -- the plan rayhf run searches for this config (the same search, "
-                "from the roles' models timed on this machine)"
-                if cfg.cluster.device == "cpu"
-                else "plan: auto -- on GPUs the colocated plan (docs/layouts-and-plans.md)"
+                "from the roles' models timed on this machine's "
+                + ("emulated devices)" if cfg.cluster.device == "cpu" else "GPU)")
             )
         typer.echo(rayhf.format_plan(the_plan, graph))
+        if the_plan.estimates:
+            est = the_plan.estimates
+            typer.echo(
+                f"  estimated {est['auto']:.3f} s a step; the colocated plan "
+                f"{est['colocated']:.3f} s ({est['colocated'] / est['auto']:.2f}x this plan)"
+            )
         typer.echo(format_reallocations(the_plan, graph, specs))
         if cfg.cluster.device == "cpu":
             typer.echo(_memory_per_device(cfg, graph, the_plan, specs))

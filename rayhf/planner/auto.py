@@ -21,7 +21,13 @@ from rayhf.models.spec import ModelSpec
 from rayhf.planner import baselines
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.cost import AnalyticCost, Workload
-from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, ClusterSpec, cpu_cluster
+from rayhf.planner.hardware import (
+    CPU_ACTOR,
+    CPU_CALL_OVERHEAD,
+    ClusterSpec,
+    cpu_cluster,
+    gpu_cluster,
+)
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.profile import ModelProfile, ProfiledCost
 from rayhf.planner.search import SearchResult, _powers, candidates, search
@@ -245,10 +251,27 @@ def write_gantt(sim: Simulation, out: Path, iteration: int = 1) -> Path:
 AUTO_ITERATIONS = 3000  # search steps for ``plan: auto`` (a fixed count keeps runs reproducible)
 
 
+# The driver's cost of one call on GPUs (dispatch, splitting and joining the batch, Ray): host
+# work, so the CPU figure until a multi-GPU machine fits its own (benchmarks/planner_calibration)
+GPU_CALL_OVERHEAD = CPU_CALL_OVERHEAD
+
+
 def searches(cluster: ClusterConfig) -> bool:
-    """Whether ``plan: auto`` searches for this run's cluster; else it is the colocated plan
-    (one device: the only plan; GPUs: see docs/decisions/)."""
-    return cluster.n_devices > 1 and cluster.device != "cuda"
+    """Whether ``plan: auto`` searches for this run's cluster; else (one device) it is the
+    colocated plan, the only one."""
+    return cluster.n_devices > 1
+
+
+def priced(
+    graph: Graph,
+    plan: Plan,
+    specs: dict[str, ModelSpec],
+    works: dict[str, Workload],
+    cost: AnalyticCost,
+    step: StepOptions,
+) -> float:
+    """Seconds per step ``cost`` gives ``plan``."""
+    return simulate(graph, plan, specs, works, cost, step=step).iteration_seconds
 
 
 def plan_for_run(
@@ -260,20 +283,35 @@ def plan_for_run(
     seed: int = 0,
     step: StepOptions = StepOptions(),
     shm: bool = True,
+    device_name: str = "",
 ) -> Plan:
-    """``plan: auto`` for a run on emulated CPU devices: search with the profiled cost of
-    rayhf's driver (which runs units on disjoint meshes at the same time, and with
-    ``step.overlap`` the next step's as its dataflow allows), from the measured ``profiles``
-    of the roles' model shapes (``rayhf.runtime.profiling``); ``shm``: weight moves go through
-    shared memory."""
+    """``plan: auto`` for a run: search with the profiled cost of rayhf's driver (which runs
+    units on disjoint meshes at the same time, and with ``step.overlap`` the next step's as its
+    dataflow allows), from the measured ``profiles`` of the roles' model shapes
+    (``rayhf.runtime.profiling``, on the devices the run uses). Emulated CPU devices: this
+    machine's measured links; ``shm``: weight moves go through shared memory. GPUs (named
+    ``device_name``): their kind's datasheet links (a kind ``DEVICES`` lacks keeps the colocated
+    plan). The plan carries its and the colocated plan's estimated seconds per step."""
     n = cluster.n_devices
+    colocated = Plan(colocated_plan(graph, n).layouts, "auto")
     if not searches(cluster):
-        return Plan(colocated_plan(graph, n).layouts, "auto")
-    spec = cpu_cluster(n, cluster.device_memory_gb, cluster.num_cpus or os.cpu_count() or 1, shm)
-    cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
+        return colocated
+    if cluster.device == "cuda":
+        gpus = gpu_cluster(n, device_name)
+        if gpus is None:
+            return colocated
+        cost: ProfiledCost = ProfiledCost(gpus, profiles, GPU_CALL_OVERHEAD)
+    else:
+        cores = cluster.num_cpus or os.cpu_count() or 1
+        spec = cpu_cluster(n, cluster.device_memory_gb, cores, shm)
+        cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
     check_fits(graph, specs, works, cost)
 
     setting = baselines.Setting.priced(graph, specs, works, cost, step)
     starts = [baselines.colocated(setting), baselines.disjoint(setting)]
     found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, step=step)
-    return Plan(found.plan.layouts, "auto")
+    estimates = {
+        "auto": found.simulation.iteration_seconds,
+        "colocated": priced(graph, colocated, specs, works, cost, step),
+    }
+    return Plan(found.plan.layouts, "auto", estimates=estimates)

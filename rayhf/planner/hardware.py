@@ -121,6 +121,25 @@ def cpu_cluster(
     )  # fmt: skip
 
 
+def gpu_kind(device_name: str) -> str | None:
+    """The ``DEVICES`` kind a GPU's name (``torch.cuda.get_device_name``) is, if any:
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"H100"``."""
+    return next((kind for kind in DEVICES if kind in device_name.upper()), None)
+
+
+def gpu_cluster(n_devices: int, device_name: str, per_node: int = 8) -> ClusterSpec | None:
+    """A run's ``n_devices`` GPUs named ``device_name``, ``per_node`` to a node (NVLink within
+    it, the kind's InfiniBand between): their datasheet entry; None for a kind it lacks."""
+    kind = gpu_kind(device_name)
+    if kind is None:
+        return None
+    per = min(per_node, n_devices)
+    if n_devices % per:  # not whole nodes of ``per_node``: taken as one node
+        per = n_devices
+    intra, inter = LINKS[kind]
+    return ClusterSpec(n_devices // per, per, DEVICES[kind], intra, inter)
+
+
 def parse_cluster(text: str) -> ClusterSpec:
     """``16x8xH100`` -> 16 nodes of 8 H100s."""
     m = re.fullmatch(r"(\d+)x(\d+)x(\w+)", text.strip())

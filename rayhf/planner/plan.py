@@ -31,6 +31,9 @@ class Plan:
     layouts: dict[str, Layout]
     source: str  # "colocated", "auto" or "manual"
     zero: dict[str, int] = field(default_factory=dict)  # train call -> the ZeRO stage it gets
+    # a searched plan's estimated seconds per step, and the colocated plan's ("auto",
+    # "colocated"), under the cost the search used; not saved with the plan
+    estimates: dict[str, float] = field(default_factory=dict)
 
     def home_layouts(self, graph: Graph) -> dict[str, Layout]:
         """Where each role's weights live: its train call's layout, else its first call's."""

@@ -37,6 +37,10 @@ from rayhf.planner.hardware import CPU_ZERO3_PER_TENSOR, ClusterSpec
 GRID = [(4, 16), (16, 16), (32, 16), (4, 48), (16, 48), (32, 48)]
 GEN_GRID = [(4, 16, 4), (16, 16, 4), (32, 16, 4), (4, 16, 16), (16, 16, 16), (32, 16, 16),
             (16, 8, 4), (16, 32, 4)]  # fmt: skip
+# the same on a GPU, where the CPU's points are too small to time anything but launches
+GPU_GRID = [(8, 128), (32, 128), (64, 128), (8, 512), (32, 512), (64, 512)]
+GPU_GEN_GRID = [(8, 64, 32), (32, 64, 32), (64, 64, 32), (8, 64, 128), (32, 64, 128),
+                (64, 64, 128), (32, 32, 32), (32, 256, 32)]  # fmt: skip
 Timing = tuple[int, tuple[int, ...], float]  # (model depth, grid point, seconds)
 # What the engine's timings mean: bumped when its execution changes (2: the static decode
 # step of rayhf.parallel.decode; 3: train steps score through the sliced LM head), so profiles
@@ -75,11 +79,11 @@ class ModelProfile:
 OPS = ("forward", "train", "generate")
 
 
-def profile_key(spec: ModelSpec, threads: int, torch_version: str) -> str:
-    """What a profile depends on: the model's shape except its depth, threads, torch, and the
-    engine's revision."""
+def profile_key(spec: ModelSpec, threads: int, torch_version: str, device: str = "cpu") -> str:
+    """What a profile depends on: the model's shape except its depth, threads, torch, the
+    device it was timed on (``cpu`` or the GPU's name) and the engine's revision."""
     shape = dataclasses.asdict(dataclasses.replace(spec, n_layers=0))
-    text = json.dumps([shape, threads, torch_version, ENGINE_REVISION], sort_keys=True)
+    text = json.dumps([shape, threads, torch_version, ENGINE_REVISION, device], sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

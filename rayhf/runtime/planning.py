@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -22,11 +23,13 @@ from rayhf.config import ExperimentConfig
 from rayhf.data.datasets import PromptDataset
 from rayhf.engines.config import EngineConfig
 from rayhf.graph import Graph
+from rayhf.models.spec import ModelSpec
 from rayhf.planner.auto import plan_for_run, searches, workloads
 from rayhf.planner.cost import Workload
 from rayhf.planner.plan import Plan, plan_from_json
+from rayhf.planner.profile import ModelProfile
 from rayhf.planner.step import StepOptions, leading, plan_step
-from rayhf.runtime.profiling import profiles_for
+from rayhf.runtime.profiling import gpu_profiles, profiles_for
 
 PLAN_FILE = "plan.json"
 
@@ -122,11 +125,26 @@ def auto_plan(
     }
     n = cfg.cluster.n_devices
     threads = max(1, int((cfg.cluster.num_cpus or os.cpu_count() or 1) / n))
-    specs, profiles = profiles_for(configs, threads) if searches(cfg.cluster) else ({}, {})
+    specs: dict[str, ModelSpec] = {}
+    profiles: dict[ModelSpec, ModelProfile] = {}
+    device_name = ""
+    if searches(cfg.cluster) and cfg.cluster.device == "cuda":
+        measured = gpu_profiles(configs)
+        if measured is None:
+            print(
+                "rayhf: plan: auto keeps the colocated plan: no GPU visible here to time the "
+                "models on",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            specs, profiles, device_name = measured
+    elif searches(cfg.cluster):
+        specs, profiles = profiles_for(configs, threads)
     works = planner_workloads(cfg, graph, dataset)
     shm = cfg.driver.moves_through_shm
     plan = plan_for_run(
-        graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg), shm
+        graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg), shm, device_name
     )
     saved.write_text(plan.to_json())
     return plan

@@ -26,6 +26,8 @@ from rayhf.models.hf import build_model
 from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.planner.profile import (
     GEN_GRID,
+    GPU_GEN_GRID,
+    GPU_GRID,
     GRID,
     OPS,
     ModelProfile,
@@ -45,22 +47,29 @@ def profile_cache() -> Path:
 
 
 def profile_model(
-    config: Any, value_head: bool, threads: int, cache: Path | None = None
+    config: Any, value_head: bool, threads: int, cache: Path | None = None, device: str = "cpu"
 ) -> ModelProfile:
-    """The fitted profile of ``config``'s model shape (from ``cache`` when it is there)."""
+    """The fitted profile of ``config``'s model shape (from ``cache`` when it is there), timed
+    on ``device``: ``cpu`` with ``threads`` threads, or ``cuda`` (GPU 0, bf16 as a run's
+    ``precision: auto`` gives there, over ``GPU_GRID``)."""
     spec = model_spec(config, value_head)
-    key = profile_key(spec, threads, torch.__version__)
+    cuda = device == "cuda"
+    key = profile_key(
+        spec, threads, torch.__version__, torch.cuda.get_device_name(0) if cuda else "cpu"
+    )
     path = cache / f"{key}.json" if cache is not None else None
     if path is not None and path.exists():
         return ModelProfile.from_json(path.read_text())
-    torch.set_num_threads(threads)
+    if not cuda:
+        torch.set_num_threads(threads)
+    grid, gen_grid = (GPU_GRID, GPU_GEN_GRID) if cuda else (GRID, GEN_GRID)
     timings: dict[str, list[Timing]] = {op: [] for op in OPS}
     for depth in (1, 2):
-        engine = _engine(_with_depth(config, depth), value_head)
+        engine = _engine(_with_depth(config, depth), value_head, device)
         for op in OPS:
             if op == "generate" and value_head:
                 continue
-            points = GEN_GRID if op == "generate" else GRID
+            points = gen_grid if op == "generate" else grid
             _time_op(engine, op, points[0], spec.vocab_size)  # warm-up
             for pt in points:
                 timings[op].append((depth, pt, _time_op(engine, op, pt, spec.vocab_size)))
@@ -72,7 +81,7 @@ def profile_model(
 
 
 def profiles_for(
-    configs: dict[str, tuple[Any, bool]], threads: int
+    configs: dict[str, tuple[Any, bool]], threads: int, device: str = "cpu"
 ) -> tuple[dict[str, ModelSpec], dict[ModelSpec, ModelProfile]]:
     """Every role's spec and its shape's profile (cached); ``configs``: role -> (Hugging Face
     config, value head)."""
@@ -80,8 +89,27 @@ def profiles_for(
     for role, (config, value_head) in configs.items():
         specs[role] = model_spec(config, value_head)
         key = dataclasses.replace(specs[role], n_layers=0)
-        profiles[key] = profile_model(config, value_head, threads, profile_cache())
+        profiles[key] = profile_model(config, value_head, threads, profile_cache(), device)
     return specs, profiles
+
+
+def gpu_profiles(
+    configs: dict[str, tuple[Any, bool]],
+) -> tuple[dict[str, ModelSpec], dict[ModelSpec, ModelProfile], str] | None:
+    """``profiles_for`` on this machine's first GPU, in a process of its own (the driver keeps
+    no CUDA context for the run), with the GPU's name; None where the driver sees no GPU (a
+    Ray cluster whose GPUs are on other nodes)."""
+    if not torch.cuda.is_available():
+        return None
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_profiles_on_gpu, (configs,))
+
+
+def _profiles_on_gpu(configs: dict[str, tuple[Any, bool]]):
+    specs, profiles = profiles_for(configs, 0, "cuda")
+    return specs, profiles, torch.cuda.get_device_name(0)
 
 
 def _with_depth(config: Any, depth: int) -> Any:
@@ -90,33 +118,39 @@ def _with_depth(config: Any, depth: int) -> Any:
     return out
 
 
-def _engine(config: Any, value_head: bool) -> CallEngine:
+def _engine(config: Any, value_head: bool, device: str = "cpu") -> CallEngine:
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     model = build_model(config, value_head)
-    return standalone_engine(model, tokenizer, value_head, OptimizerConfig(lr=1e-5))
+    precision = "bf16" if device == "cuda" else "fp32"
+    return standalone_engine(
+        model, tokenizer, value_head, OptimizerConfig(lr=1e-5), device=device, precision=precision
+    )
 
 
-def _best_of(fn: Callable[[], object]) -> float:
+def _best_of(fn: Callable[[], object], cuda: bool) -> float:
     times = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
 def _time_op(engine: CallEngine, op: str, point: tuple[int, ...], vocab: int) -> float:
+    cuda = engine.model is not None and engine.model.device.type == "cuda"
     gen = torch.Generator().manual_seed(0)
     if op == "generate":
         b, p, g = point
         ids_list = torch.randint(2, vocab, (b, p), generator=gen).tolist()
         cfg = GenerationConfig(max_new_tokens=g, min_new_tokens=g)
-        return _best_of(lambda: engine.generate(ids_list, cfg, seed=0))
+        return _best_of(lambda: engine.generate(ids_list, cfg, seed=0), cuda)
     b, s = point
     ids = torch.randint(2, vocab, (b, s), generator=gen)
     mask = torch.ones_like(ids)
     if op == "forward":
-        return _best_of(lambda: torch.no_grad()(engine.forward)(ids, mask))
+        return _best_of(lambda: torch.no_grad()(engine.forward)(ids, mask), cuda)
 
     targets = torch.roll(ids, -1, dims=1)  # every position scored, as a train call's responses
 
@@ -126,4 +160,4 @@ def _time_op(engine: CallEngine, op: str, point: tuple[int, ...], vocab: int) ->
         return engine.score(ids, mask, targets).mean(), {}
 
     batch = PackedBatch(list(range(b)))
-    return _best_of(lambda: engine.train([batch], loss_fn))
+    return _best_of(lambda: engine.train([batch], loss_fn), cuda)

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from parity_support import TOLERANCES
 
+import rayhf
 from rayhf.checks.parity import FAMILY_SHAPES
 from rayhf.parallel.groups import host_store
 
@@ -45,6 +46,7 @@ def test_every_family_matches_hugging_face_on_cuda_in_fp32_and_bf16(tmp_path):
         tol = TOLERANCES[r["precision"]]
         assert r["device"] == "cuda:0"
         assert r["logits"] <= tol.logits and r["values"] <= tol.values, r
+        assert r["scores"] <= tol.logits, r
         assert r["grads"] <= tol.grads and r["step_off"] <= tol.step_off, r
         assert r["generate"] >= tol.same_tokens, r
         assert r["moved"] > 0, "the step changed no weight"
@@ -268,3 +270,31 @@ def test_a_dead_actor_on_a_gpu_is_recovered_to_the_uninterrupted_weights(tmp_pat
     worst = max(((a[k] - b[k]).abs().max().item() for k in differ), default=0.0)
     print(f"{len(differ)} of {len(a)} tensors differ after the recovery (largest {worst:.3g})")
     assert not differ
+
+
+def test_models_are_timed_on_the_gpu_for_plan_auto(tmp_path, monkeypatch):
+    """``plan: auto`` on cuda: the roles' shapes timed on the GPU in a process of their own
+    (cached under the GPU's name), then searched for two GPUs with the GPU's datasheet."""
+    from rayhf.checks.common import tiny_model
+    from rayhf.planner.auto import plan_for_run, workloads
+    from rayhf.planner.cluster import ClusterConfig
+    from rayhf.runtime.profiling import gpu_profiles
+
+    monkeypatch.setenv("RAYHF_CACHE_DIR", str(tmp_path))
+    actor = tiny_model("llama", {"n_heads": 4}).config
+    critic = tiny_model("llama", {"n_heads": 4}, value_head=True).config
+    configs = {"actor": (actor, False), "ref": (actor, False), "critic": (critic, True),
+               "reward": (critic, True)}  # fmt: skip
+    measured = gpu_profiles(configs)
+    assert measured is not None
+    specs, profiles, name = measured
+    assert name == torch.cuda.get_device_name(0) and len(profiles) == 2
+    for prof in profiles.values():
+        assert sum(prof.train.base) + sum(prof.train.layer) > 0, "the train step was timed"
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
+    graph = rayhf.load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    works = workloads(graph, 64, 24, 128, 4)
+    cluster = ClusterConfig(n_devices=2, device="cuda")
+    plan = plan_for_run(graph, specs, profiles, works, cluster, device_name=name)
+    if "H100" in name or "H200" in name or "A100" in name:
+        assert plan.estimates["auto"] <= plan.estimates["colocated"]

@@ -30,8 +30,8 @@ def test_plan_prints_the_table_the_moves_and_the_memory_without_starting_anythin
     assert lines[1] == "plan (auto) for graph 'ppo':"
     assert lines[-1].startswith("  memory per device (weights, optimizer state, engines, largest")
     gpu = CliRunner().invoke(app, ["plan", str(EXAMPLE), "cluster.device=cuda"])
-    assert gpu.output.splitlines()[1] == "plan (colocated) for graph 'ppo':"
-    assert "colocated plan" in gpu.output.splitlines()[0]
+    assert "keeps the colocated plan: no GPU visible here" in gpu.output  # this machine
+    assert "plan (auto) for graph 'ppo':" in gpu.output and "estimated" not in gpu.output
     colocated = CliRunner().invoke(app, ["plan", str(EXAMPLE), "plan=colocated"])
     lines = colocated.output.splitlines()
     assert lines[0] == "plan (colocated) for graph 'ppo':" and len(lines) == 2 + 6 + 2
@@ -41,6 +41,39 @@ def test_plan_prints_the_table_the_moves_and_the_memory_without_starting_anythin
     layouts = json.loads(as_json.output)
     assert set(layouts) == set(load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml").by_name)
     assert layouts["actor_gen"] == {"mesh": [0, 1], "dp": 2, "tp": 1, "pp": 1, "n_mbs": 1}
+
+
+def test_plan_on_gpus_prints_the_searched_plan_and_its_priced_gain(monkeypatch):
+    """A GPU's profile injected where ``rayhf run`` would time the models on the GPU."""
+    import dataclasses
+
+    import rayhf.runtime.planning
+    from rayhf.models.spec import model_spec
+    from rayhf.planner.profile import ModelProfile, OpFit
+
+    def gpu_profiles(configs):
+        specs = {role: model_spec(c, value_head) for role, (c, value_head) in configs.items()}
+        prof = ModelProfile(
+            "injected", 0,
+            forward=OpFit((0.05, 2e-7, 0.0), (0.0, 4e-8, 0.0)),
+            train=OpFit((0.15, 6e-7, 0.0), (0.0, 1.2e-7, 0.0)),
+            generate=OpFit((0.05, 0.0, 2e-3, 0.0), (0.0, 0.0, 4e-4, 1e-6)),
+        )  # fmt: skip
+        profiles = {dataclasses.replace(s, n_layers=0): prof for s in specs.values()}
+        return specs, profiles, "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setattr(rayhf.runtime.planning, "gpu_profiles", gpu_profiles)
+    result = CliRunner().invoke(app, ["plan", str(EXAMPLE), "cluster.device=cuda"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert (
+        lines[0].endswith("timed on this machine's GPU)")
+        and lines[1] == "plan (auto) for graph 'ppo':"
+    )
+    meshes = {line.split()[3] for line in lines[3:9]}
+    assert meshes != {"0-1"}, "not every call on both GPUs: the colocated plan is slower here"
+    gain = re.search(r"estimated ([\d.]+) s a step; the colocated plan ([\d.]+) s", result.output)
+    assert gain is not None and float(gain[1]) < float(gain[2])
 
 
 @pytest.mark.parametrize(

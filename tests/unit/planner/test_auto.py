@@ -26,6 +26,7 @@ from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.profile import ModelProfile, OpFit
 from rayhf.planner.search import SearchResult
 from rayhf.planner.simulate import Simulation, simulate
 from rayhf.planner.step import StepOptions
@@ -54,13 +55,54 @@ def test_workloads_carry_each_call_s_engine_and_optimizer_sharding():
     assert works["actor_gen"].whole_model_ranks and not works["actor_train"].whole_model_ranks
 
 
-def test_only_several_emulated_devices_are_searched():
+def test_several_devices_are_searched_one_is_the_colocated_plan():
     assert searches(ClusterConfig(n_devices=2))
+    assert searches(ClusterConfig(n_devices=8, device="cuda"))
     assert not searches(ClusterConfig(n_devices=1))
-    assert not searches(ClusterConfig(n_devices=8, device="cuda"))
-    works = workloads(GRAPH, 8, 4, 4, 1)
-    plan = plan_for_run(GRAPH, SPECS, {}, works, ClusterConfig(n_devices=4, device="cuda"))
-    assert plan.source == "auto" and plan.layouts == colocated_plan(GRAPH, 4).layouts
+    assert not searches(ClusterConfig(n_devices=1, device="cuda"))
+
+
+QWEN = "qwen2.5-0.5b"
+GPU_SPECS = {
+    "actor": public_shape(QWEN),
+    "ref": public_shape(QWEN),
+    "critic": public_shape(QWEN, value_head=True),
+    "reward": public_shape(QWEN, value_head=True),
+}
+
+
+def gpu_profiles(fixed: float) -> dict:
+    """A GPU-like profile per shape: ``fixed`` seconds a call whatever its size (launches, the
+    interface's Python), the rest linear in tokens; decoding a fixed cost per new token."""
+    prof = ModelProfile(
+        "injected", 0,
+        forward=OpFit((fixed, 2e-7, 0.0), (0.0, 4e-8, 0.0)),
+        train=OpFit((3 * fixed, 6e-7, 0.0), (0.0, 1.2e-7, 0.0)),
+        generate=OpFit((fixed, 0.0, 2e-3, 0.0), (0.0, 0.0, 4e-4, 1e-6)),
+    )  # fmt: skip
+    return {dataclasses.replace(s, n_layers=0): prof for s in GPU_SPECS.values()}
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_on_gpus_auto_searches_from_the_device_profile_and_prices_its_gain():
+    works = workloads(GRAPH, 64, 128, 256, 4)
+    cuda = ClusterConfig(n_devices=2, device="cuda")
+    plan = plan_for_run(GRAPH, GPU_SPECS, gpu_profiles(0.05), works, cuda, device_name=H100)
+    assert plan.source == "auto"
+    assert plan.layouts != colocated_plan(GRAPH, 2).layouts, "calls of a fixed cost split"
+    assert plan.estimates["auto"] < 0.9 * plan.estimates["colocated"]
+    trains = {plan.layouts["actor_train"].mesh, plan.layouts["critic_train"].mesh}
+    assert len(trains) == 2, "the two train calls run side by side"
+
+
+def test_on_a_gpu_the_datasheet_lacks_auto_keeps_the_colocated_plan():
+    works = workloads(GRAPH, 64, 128, 256, 4)
+    cuda = ClusterConfig(n_devices=2, device="cuda")
+    for name in ("Tesla T4", ""):  # a kind with no entry; no GPU seen (no name)
+        plan = plan_for_run(GRAPH, GPU_SPECS, gpu_profiles(0.05), works, cuda, device_name=name)
+        assert plan.layouts == colocated_plan(GRAPH, 2).layouts and not plan.estimates
 
 
 def test_the_chosen_plan_is_reported_beside_the_baselines():

@@ -38,3 +38,19 @@ def test_emulated_cpu_devices_share_one_node_and_the_measured_link():
     assert (c.n_nodes, c.devices_per_node, c.n_devices) == (1, 3, 3)
     assert c.device.memory_bytes == 2.5e9 and c.device.dtype_bytes == 4
     assert c.bandwidth((0, 2)) == CPU_LINK_BANDWIDTH and c.link_latency == CPU_LINK_LATENCY
+
+
+def test_a_gpu_s_name_gives_its_datasheet_and_nodes_of_eight():
+    from rayhf.planner.hardware import DEVICES, gpu_cluster, gpu_kind
+
+    assert gpu_kind("NVIDIA H100 80GB HBM3") == "H100"
+    assert gpu_kind("NVIDIA H200") == "H200" and gpu_kind("NVIDIA A100-SXM4-80GB") == "A100"
+    assert gpu_kind("Tesla T4") is None and gpu_cluster(2, "Tesla T4") is None
+    one = gpu_cluster(1, "NVIDIA H200")
+    assert one is not None and (one.n_nodes, one.devices_per_node) == (1, 1)
+    assert one.device == DEVICES["H200"]
+    many = gpu_cluster(16, "NVIDIA H100 80GB HBM3")
+    assert many is not None and (many.n_nodes, many.devices_per_node) == (2, 8)
+    assert many.bandwidth([0, 8]) < many.bandwidth([0, 7])  # InfiniBand between nodes
+    odd = gpu_cluster(12, "NVIDIA H100 80GB HBM3")
+    assert odd is not None and (odd.n_nodes, odd.devices_per_node) == (1, 12)
