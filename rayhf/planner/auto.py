@@ -262,18 +262,6 @@ def searches(cluster: ClusterConfig) -> bool:
     return cluster.n_devices > 1
 
 
-def priced(
-    graph: Graph,
-    plan: Plan,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cost: AnalyticCost,
-    step: StepOptions,
-) -> float:
-    """Seconds per step ``cost`` gives ``plan``."""
-    return simulate(graph, plan, specs, works, cost, step=step).iteration_seconds
-
-
 def plan_for_run(
     graph: Graph,
     specs: dict[str, ModelSpec],
@@ -312,6 +300,6 @@ def plan_for_run(
     found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, step=step)
     estimates = {
         "auto": found.simulation.iteration_seconds,
-        "colocated": priced(graph, colocated, specs, works, cost, step),
+        "colocated": simulate(graph, colocated, specs, works, cost, step=step).iteration_seconds,
     }
     return Plan(found.plan.layouts, "auto", estimates=estimates)
