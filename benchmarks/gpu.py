@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from _common import git_commit, write_results
+from train_step import matmul_params, train_flops_per_token
 
 import rayhf
 from rayhf.models.hf import ModelInit, build_model, hf_config
@@ -55,24 +56,6 @@ HF_TIMED = 3  # of Hugging Face's generate, a call 5-10x slower
 def peak_flops() -> float | None:
     name = torch.cuda.get_device_name(0)
     return next((v for k, v in BF16_PEAK.items() if k in name), None)
-
-
-def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters a token multiplies by: the 2-D weights except the embedding lookup, plus the
-    LM head when it is the tied embedding."""
-    named = model.named_parameters()
-    n = sum(p.numel() for name, p in named if p.dim() == 2 and "embed" not in name)
-    config = model.config
-    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-        n += config.vocab_size * config.hidden_size
-    return n
-
-
-def train_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
-    """Forward and backward: 6 x matmul parameters, plus 12 x layers x width x sequence for the
-    attention scores and their weighted sums."""
-    c = model.config
-    return 6 * matmul_params(model) + 12 * c.num_hidden_layers * c.hidden_size * seq_len
 
 
 class GpuMemory:
@@ -357,81 +340,6 @@ def _hf_generate(
     return _timed(hf_generate, check, HF_TIMED)
 
 
-def _loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the real tokens (the parity check's loss)."""
-    logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    m = mask[:, 1:].float()
-    return -(logp * m).sum() / m.sum()
-
-
-def train_step(rows: int, seq: int) -> dict[str, Any]:
-    from rayhf.data.batch import PackedBatch
-    from rayhf.engines.build import standalone_engine
-    from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.models.tokenizer import build_char_tokenizer
-    from rayhf.tasks.demo import ALPHABET
-
-    tok = build_char_tokenizer(ALPHABET)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, len(tok), (rows, seq), generator=gen).cuda()
-    mask = torch.ones_like(ids)
-    targets = torch.full_like(ids, -1)
-    targets[:, :-1] = ids[:, 1:]
-    opt = OptimizerConfig(lr=1e-6)
-
-    def rayhf_times() -> list[float]:
-        engine = standalone_engine(_model(tok), tok, False, opt, device="cuda", precision="bf16")
-        one = [PackedBatch(list(range(rows)))]
-
-        def loss(_: Any) -> tuple[torch.Tensor, dict[str, float]]:
-            # what a train call computes: log-probs through the sliced head (engine.score)
-            m = mask[:, 1:].float()
-            scored = engine.score(ids, mask, targets)
-            return -(scored[:, :-1, 0] * m).sum() / m.sum(), {}
-
-        return _timed(lambda: engine.train(one, loss))
-
-    torch.cuda.reset_peak_memory_stats()
-    ours = rayhf_times()
-    rayhf_mib = torch.cuda.max_memory_allocated() / 2**20
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = _model(tok)
-    flops = train_flops_per_token(model, seq) * rows * seq
-    hf_times = _hf_train(model, ids, mask, opt)
-    hf_mib = torch.cuda.max_memory_allocated() / 2**20
-    torch.cuda.empty_cache()
-    peak = peak_flops()
-    r, h = statistics.median(ours), statistics.median(hf_times)
-    return {
-        "rows": rows,
-        "seq": seq,
-        "rayhf_seconds": ours,
-        "hf_seconds": hf_times,
-        "rayhf_peak_mib": rayhf_mib,
-        "hf_peak_mib": hf_mib,
-        "rayhf_mfu": flops / r / peak if peak else None,
-        "hf_mfu": flops / h / peak if peak else None,
-        "overhead": r / h - 1,
-    }
-
-
-def _hf_train(model: Any, ids: torch.Tensor, mask: torch.Tensor, opt: Any) -> list[float]:
-    """A plain step: forward under bf16 autocast, backward, clipping, fused AdamW."""
-    hf = model.cuda().train()
-    adamw = torch.optim.AdamW(hf.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True)
-
-    def hf_step() -> None:
-        adamw.zero_grad(set_to_none=False)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = hf(input_ids=ids, attention_mask=mask).logits
-        _loss(logits.float(), ids, mask).backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), opt.grad_clip)
-        adamw.step()
-
-    return _timed(hf_step)
-
-
 def generation_table(g: dict[str, Any]) -> list[str]:
     """The generation rows (median of the timed calls), each against Hugging Face's best, and
     the memory floor; then what capturing and refreshing the weights cost."""
@@ -509,44 +417,33 @@ def generation_lines(g: dict[str, Any]) -> list[str]:
     return [head, "", *generation_table(g)]
 
 
+def _bench(name: str) -> Any:
+    """Another benchmark script's module (``benchmarks/`` is on the path, as for _common)."""
+    import importlib
+
+    return importlib.import_module(name)
+
+
 def logprob_memory() -> dict[str, Any]:
     """``benchmarks/train_step.py``'s memory part on the GPU: the peak of the log-prob path
     through whole logits and through the sliced head, at a 151,936-entry vocabulary."""
-    import train_step as bench  # benchmarks/ is on the path, as for _common
-
-    return bench.memory("cuda")
-
-
-def memory_lines(m: dict[str, Any]) -> list[str]:
-    mib = 2**20
-    return [
-        f"## Log-prob path memory: {m['tokens']} tokens, vocabulary {m['vocab']:,}",
-        "",
-        "Forward and backward of a PPO-shaped loss on a tiny body (`benchmarks/train_step.py`),",
-        "peak allocated:",
-        "",
-        "| path | peak MiB |",
-        "| --- | ---: |",
-        f"| whole logits, then fp32 log-softmax and entropy | {m['before_peak'] / mib:.0f} |",
-        f"| sliced scoring head | {m['after_peak'] / mib:.0f} |",
-        "",
-        f"{m['ratio']:.1f}x smaller.",
-    ]
+    return _bench("train_step").memory("cuda")
 
 
 def train_lines(t: dict[str, Any]) -> list[str]:
     return [
-        f"## One train step: {t['rows']} rows x {t['seq']} tokens, AdamW, bf16 autocast",
+        f"## One train step: {t['rows']} rows x {t['tokens'] // t['rows']} tokens, AdamW, bf16 "
+        "autocast (`benchmarks/train_step.py`)",
         "",
         "| step | median seconds | MFU | peak allocated |",
         "| --- | ---: | ---: | ---: |",
-        f"| rayhf torch trainer | {statistics.median(t['rayhf_seconds']):.3f} | "
-        f"{_pct(t['rayhf_mfu'])} | {t['rayhf_peak_mib'] / 1024:.1f} GiB |",
-        f"| plain Hugging Face (fused AdamW) | {statistics.median(t['hf_seconds']):.3f} | "
-        f"{_pct(t['hf_mfu'])} | {t['hf_peak_mib'] / 1024:.1f} GiB |",
+        f"| rayhf torch trainer | {t['rayhf_s']:.3f} | {_pct(t.get('rayhf_mfu'))} | "
+        f"{t['rayhf_peak_mib'] / 1024:.1f} GiB |",
+        f"| plain Hugging Face (fused AdamW) | {t['hf_s']:.3f} | {_pct(t.get('hf_mfu'))} | "
+        f"{t['hf_peak_mib'] / 1024:.1f} GiB |",
         "",
-        f"rayhf's engine overhead over the plain step: {t['overhead']:+.1%}. Times are medians of "
-        f"{TIMED} after one warm-up.",
+        f"rayhf's step over the plain step: {t['ratio'] - 1:+.1%}. Times are medians of "
+        f"{TIMED} after two warm-ups.",
     ]
 
 
@@ -566,7 +463,7 @@ def report(res: dict[str, Any]) -> str:
         "ppo": lambda: ppo_lines(res),
         "generation": lambda: generation_lines(res["generation"]),
         "train_step": lambda: train_lines(res["train_step"]),
-        "logprob_memory": lambda: memory_lines(res["logprob_memory"]),
+        "logprob_memory": lambda: _bench("train_step").memory_lines(res["logprob_memory"]),
     }
     for name, lines_of in parts.items():
         if name == "generation" and "hf_static" in res["errors"]:
@@ -584,7 +481,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--train-rows", type=int, default=16)
     ap.add_argument("--commit", default=None, help="the commit measured (no .git on the machine)")
     ap.add_argument("--skip-ppo", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also copy the results here")
@@ -603,7 +499,7 @@ def main() -> None:
     parts = {
         "ppo": lambda: ppo(args.steps, args.warmup, args.batch, args.new_tokens),
         "generation": lambda: generation(args.batch, args.new_tokens),
-        "train_step": lambda: train_step(args.train_rows, 24 + args.new_tokens),
+        "train_step": lambda: _bench("train_step").time_sizes("cuda", ["qwen2-0.5B"], TIMED)[0],
         "logprob_memory": logprob_memory,
         "hf_static": lambda: hf_static(res["generation"]),
     }

@@ -9,8 +9,8 @@ plain Hugging Face (``model(...).logits``, log-softmax of the response positions
 ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)``, as fast as torch's AdamW gets: the
 same option rayhf takes). Seconds per
 step, median and minimum over ``--repeats`` after two warm-up steps; on CUDA both run bf16
-autocast over fp32 weights, and MFU is reported (6 x parameters x tokens / time / the GPU's
-bf16 peak).
+autocast over fp32 weights (SDPA attention for Hugging Face), and the peak memory and MFU are
+reported (``train_flops_per_token`` x tokens / time / the GPU's bf16 peak).
 
 Memory: the peak of one forward and backward of a PPO-shaped loss (log-probs and entropy of the
 response tokens) on a model with Qwen2.5's 151,936-entry vocabulary and a tiny body, through
@@ -46,7 +46,8 @@ SIZES: dict[str, dict[str, Any]] = {  # name -> (model, rows, prompt, response t
     "llama-45M": {"init": {"hidden_size": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4},
                   "vocab": 32000, "rows": 4, "prompt": 64, "response": 64},
     "qwen2-0.5B": {"init": {"family": "qwen2", "hidden_size": 896, "n_layers": 24,
-                            "n_heads": 14, "n_kv_heads": 2, "intermediate_size": 4864},
+                            "n_heads": 14, "n_kv_heads": 2, "intermediate_size": 4864,
+                            "tied": True, "max_positions": 1024},
                    "vocab": 151936, "rows": 16, "prompt": 24, "response": 256},
 }  # fmt: skip
 GPU_SIZES = ["qwen2-0.5B"]
@@ -56,13 +57,33 @@ MEMORY = {"init": {"hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads":
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters a token multiplies by: the 2-D weights except the embedding lookup, plus the
+    LM head when it is the tied embedding."""
+    named = model.named_parameters()
+    n = sum(p.numel() for name, p in named if p.dim() == 2 and "embed" not in name)
+    config = model.config
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        n += config.vocab_size * config.hidden_size
+    return n
+
+
+def train_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+    """Forward and backward: 6 x matmul parameters, plus 12 x layers x width x sequence for the
+    attention scores and their weighted sums."""
+    c = model.config
+    return 6 * matmul_params(model) + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+
+
 class Tok:
     pad_token_id, eos_token_id = PAD, EOS
 
 
 def model_of(size: dict[str, Any], seed: int = 0):
     init = ModelInit(**{"family": "llama", **size["init"]})
-    return build_model(hf_config(init, size["vocab"], PAD, BOS, EOS), False, seed=seed)
+    model = build_model(hf_config(init, size["vocab"], PAD, BOS, EOS), False, seed=seed)
+    model.config._attn_implementation = "sdpa"  # Hugging Face's default on GPUs
+    return model
 
 
 def batch_of(size: dict[str, Any]) -> PackedBatch:
@@ -130,19 +151,32 @@ def hf_step(size: dict[str, Any], device: str, precision: str):
     return step
 
 
+def _measured(step, device: str, repeats: int) -> tuple[list[float], int]:
+    """``_timed``, and on CUDA the peak bytes allocated meanwhile (0 on CPU)."""
+    if not device.startswith("cuda"):
+        return _timed(step, device, repeats), 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    times = _timed(step, device, repeats)
+    return times, int(torch.cuda.max_memory_allocated())
+
+
 def time_sizes(device: str, names: list[str], repeats: int) -> list[dict[str, Any]]:
     precision = "bf16" if device.startswith("cuda") else "fp32"
     peak = next((v for k, v in BF16_PEAK.items() if k in _device_name(device)), None)
     rows = []
     for name in names:
         size = SIZES[name]
-        ours = _timed(rayhf_step(size, device, precision), device, repeats)
-        plain = _timed(hf_step(size, device, precision), device, repeats)
-        params = n_params(model_of(size))
+        ours, ours_peak = _measured(rayhf_step(size, device, precision), device, repeats)
+        plain, plain_peak = _measured(hf_step(size, device, precision), device, repeats)
+        model = model_of(size)
         tokens = size["rows"] * (size["prompt"] + size["response"])
+        seq = size["prompt"] + size["response"]
+        flops = train_flops_per_token(model, seq) * tokens
         row = {
             "size": name,
-            "params": params,
+            "params": n_params(model),
+            "rows": size["rows"],
             "tokens": tokens,
             "precision": precision,
             "rayhf_s": statistics.median(ours),
@@ -151,9 +185,11 @@ def time_sizes(device: str, names: list[str], repeats: int) -> list[dict[str, An
             "hf_min_s": min(plain),
         }
         row["ratio"] = row["rayhf_s"] / row["hf_s"]
+        if device.startswith("cuda"):
+            row["rayhf_peak_mib"], row["hf_peak_mib"] = ours_peak / 2**20, plain_peak / 2**20
         if peak is not None:
-            row["rayhf_mfu"] = 6 * params * tokens / row["rayhf_s"] / peak
-            row["hf_mfu"] = 6 * params * tokens / row["hf_s"] / peak
+            row["rayhf_mfu"] = flops / row["rayhf_s"] / peak
+            row["hf_mfu"] = flops / row["hf_s"] / peak
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -210,8 +246,26 @@ def memory(device: str) -> dict[str, Any]:
     }
 
 
-def report(device: str, rows: list[dict[str, Any]], mem: dict[str, Any]) -> str:
+def memory_lines(mem: dict[str, Any]) -> list[str]:
+    """The memory part of the page (``benchmarks/gpu.py`` prints it too)."""
     mib = 2**20
+    return [
+        "## Memory of the log-prob path",
+        "",
+        f"Forward and backward of a PPO-shaped loss, {mem['tokens']} tokens (half of them",
+        f"response), a {mem['vocab']:,}-entry vocabulary on a tiny body (whole fp32 logits:",
+        f"{mem['whole_logits_bytes'] / mib:.0f} MiB).",
+        "",
+        "| path | peak MiB |",
+        "| --- | ---: |",
+        f"| whole logits, then fp32 log-softmax and entropy | {mem['before_peak'] / mib:.0f} |",
+        f"| sliced scoring head (`RankModel.score`) | {mem['after_peak'] / mib:.0f} |",
+        "",
+        f"{mem['ratio']:.1f}x smaller.",
+    ]
+
+
+def report(device: str, rows: list[dict[str, Any]], mem: dict[str, Any]) -> str:
     lines = [
         f"# Train step: rayhf against plain Hugging Face ({_device_name(device)})",
         "",
@@ -232,21 +286,7 @@ def report(device: str, rows: list[dict[str, Any]], mem: dict[str, Any]) -> str:
         if "rayhf_mfu" in r:
             line += f" {r['rayhf_mfu']:.1%} | {r['hf_mfu']:.1%} |"
         lines.append(line)
-    lines += [
-        "",
-        "## Memory of the log-prob path",
-        "",
-        f"Forward and backward of a PPO-shaped loss, {mem['tokens']} tokens (half of them",
-        f"response), a {mem['vocab']:,}-entry vocabulary on a tiny body (whole fp32 logits:",
-        f"{mem['whole_logits_bytes'] / mib:.0f} MiB).",
-        "",
-        "| path | peak MiB |",
-        "| --- | ---: |",
-        f"| whole logits, then fp32 log-softmax and entropy | {mem['before_peak'] / mib:.0f} |",
-        f"| sliced scoring head (`RankModel.score`) | {mem['after_peak'] / mib:.0f} |",
-        "",
-        f"{mem['ratio']:.1f}x smaller.",
-    ]
+    lines += ["", *memory_lines(mem)]
     return "\n".join(lines) + "\n"
 
 
