@@ -3,6 +3,11 @@
 
     source scripts/gpu_env.sh install   # on a bare GPU machine: Ray, pydantic, ...
     python benchmarks/gpu.py [--steps 4] [--batch 64] [--new-tokens 256] [--commit HASH]
+        [--skip PART ...] [--page NAME]
+
+Under 10 minutes a call, the 1.5B parts go in a second one: ``--skip ppo_1.5b planner_1.5b``,
+then ``--skip-ppo --skip generation train_step logprob_memory planner_0.5b hf_static --page
+gpu_1.5b``.
 
 The model has Qwen2-0.5B's shape (24 layers, 896 wide, 14 query and 2 key/value heads, MLP 4864,
 tied embedding, vocabulary padded to 151,936 rows) and random weights; prompts are the demo task's
@@ -21,6 +26,9 @@ frozen copies store bf16.
   as a train call computes it) and of a plain Hugging Face forward/backward/AdamW step (fp32
   weights under bf16 autocast, SDPA) on the same batch.
 - Log-prob path memory: ``benchmarks/train_step.py``'s, on the GPU.
+- ``plan: auto``'s prediction: each PPO call priced from the models timed on this GPU (as a
+  cuda run times them) against its measured mean, for this shape and Qwen2.5-1.5B's (a PPO run
+  of that shape first).
 
 Writes docs/benchmarks/gpu.{md,json}.
 """
@@ -48,6 +56,9 @@ REPO = Path(__file__).resolve().parents[1]
 QWEN2_05B = {"family": "qwen2", "hidden_size": 896, "n_layers": 24, "n_heads": 14,
              "n_kv_heads": 2, "intermediate_size": 4864, "tied": True, "max_positions": 1024,
              "config": {"vocab_size": 151936}}  # fmt: skip
+QWEN25_15B = {"family": "qwen2", "hidden_size": 1536, "n_layers": 28, "n_heads": 12,
+              "n_kv_heads": 2, "intermediate_size": 8960, "tied": True, "max_positions": 1024,
+              "config": {"vocab_size": 151936}}  # fmt: skip
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
 TIMED = 5  # timed repetitions of each micro-benchmark, after one warm-up
 HF_TIMED = 3  # of Hugging Face's generate, a call 5-10x slower
@@ -86,36 +97,40 @@ class GpuMemory:
         self._proc.wait()
 
 
-def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
+def ppo_config(tmp: str, steps: int, batch: int, new_tokens: int, shape: dict) -> Any:
+    """The PPO run's config: ``shape`` as actor and critic, every role on the one GPU."""
+    return rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").with_overrides(
+        {
+            "run_dir": f"{tmp}/run",
+            "dataset.path": f"{tmp}/data.parquet",
+            "steps": steps,
+            "batch_size": batch,
+            "save_every": 0,
+            "generation.max_new_tokens": new_tokens,
+            "generation.min_new_tokens": new_tokens,
+            "models.actor.init": shape,
+            "models.actor.optimizer": {"lr": 1e-6},
+            "models.critic.init": {**shape, "seed": 7},
+            "models.critic.optimizer": {"lr": 1e-6},
+            # inference and train forwards over at most 16 full rows at a time
+            "engines": {
+                call: {"engine": "torch", "max_tokens_per_microbatch": 16 * 24 + 16 * new_tokens}
+                for call in ("ref_inf", "critic_inf", "actor_train", "critic_train")
+            },
+            "cluster.device": "cuda",
+            "cluster.n_devices": 1,
+            "metrics.console": False,
+            "metrics.plot": False,
+            "metrics.ray_metrics": False,
+        }
+    )
+
+
+def ppo(
+    steps: int, warmup: int, batch: int, new_tokens: int, shape: dict = QWEN2_05B
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").with_overrides(
-            {
-                "run_dir": f"{tmp}/run",
-                "dataset.path": f"{tmp}/data.parquet",
-                "steps": steps + warmup,
-                "batch_size": batch,
-                "save_every": 0,
-                "generation.max_new_tokens": new_tokens,
-                "generation.min_new_tokens": new_tokens,
-                "models.actor.init": QWEN2_05B,
-                "models.actor.optimizer": {"lr": 1e-6},
-                "models.critic.init": {**QWEN2_05B, "seed": 7},
-                "models.critic.optimizer": {"lr": 1e-6},
-                # inference and train forwards over at most 16 full rows (their logits: 2.5 GB)
-                "engines": {
-                    call: {
-                        "engine": "torch",
-                        "max_tokens_per_microbatch": 16 * 24 + 16 * new_tokens,
-                    }
-                    for call in ("ref_inf", "critic_inf", "actor_train", "critic_train")
-                },
-                "cluster.device": "cuda",
-                "cluster.n_devices": 1,
-                "metrics.console": False,
-                "metrics.plot": False,
-                "metrics.ray_metrics": False,
-            }
-        )
+        cfg = ppo_config(tmp, steps + warmup, batch, new_tokens, shape)
         start = time.perf_counter()
         with GpuMemory() as memory:
             result = rayhf.run(cfg)
@@ -150,6 +165,56 @@ def ppo(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
         "reward": [r.get("task_reward") for r in result.metrics],
         "logprob_mismatch": [r.get("logprob_mismatch") for r in result.metrics],
     }
+
+
+def planner_check(
+    batch: int, new_tokens: int, measured: dict[str, float], shape: dict = QWEN2_05B
+) -> dict[str, Any]:
+    """What ``plan: auto`` predicts for each call of the PPO run against what it took: the
+    roles' shapes timed on this GPU as a cuda run times them (``gpu_profiles``), priced on
+    the one-GPU plan the run used (``measured``: the run's mean ``seconds/<call>``)."""
+    from rayhf.planner.auto import GPU_CALL_OVERHEAD
+    from rayhf.planner.hardware import gpu_cluster
+    from rayhf.planner.plan import colocated_plan
+    from rayhf.planner.profile import ProfiledCost
+    from rayhf.runtime.assets import model_configs
+    from rayhf.runtime.planning import planner_workloads
+    from rayhf.runtime.profiling import gpu_profiles
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ppo_config(tmp, 1, batch, new_tokens, shape)
+        configs = {r: (c, cfg.models[r].value_head) for r, c in model_configs(cfg).items()}
+    graph = rayhf.load_graph(cfg.graph_path())
+    timed = gpu_profiles(configs)
+    assert timed is not None, "no GPU visible"
+    specs, profiles, name = timed
+    gpus = gpu_cluster(1, name)
+    assert gpus is not None, f"{name}: no datasheet entry"
+    cost = ProfiledCost(gpus, profiles, GPU_CALL_OVERHEAD)
+    works = planner_workloads(cfg, graph, None)
+    layout = colocated_plan(graph, 1).layouts
+    rows = {}
+    for call in graph.calls:
+        if call.role in specs and f"seconds/{call.name}" in measured:
+            predicted = cost.call(specs[call.role], layout[call.name], works[call.name]).seconds
+            rows[call.name] = (predicted, measured[f"seconds/{call.name}"])
+    return {"device": name, "calls": rows}
+
+
+def planner_lines(name: str, p: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## plan: auto's prediction against the PPO run ({name})",
+        "",
+        "Each call priced from the models timed on this GPU (`gpu_profiles`), against its mean",
+        "measured seconds in the PPO run above (goal: within 25%).",
+        "",
+        "| call | predicted s | measured s | predicted / measured |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for call, (pred, meas) in p["calls"].items():
+        lines.append(f"| {call} | {pred:.3f} | {meas:.3f} | {pred / meas:.2f} |")
+    worst = max((abs(pr / me - 1) for pr, me in p["calls"].values()), default=float("nan"))
+    return [*lines, "", f"Largest error: {worst:.0%}."]
 
 
 def _timed(fn, check=None, repeat: int = TIMED) -> list[float]:
@@ -464,6 +529,12 @@ def report(res: dict[str, Any]) -> str:
         "generation": lambda: generation_lines(res["generation"]),
         "train_step": lambda: train_lines(res["train_step"]),
         "logprob_memory": lambda: _bench("train_step").memory_lines(res["logprob_memory"]),
+        "planner_0.5b": lambda: planner_lines("Qwen2-0.5B shape", res["planner_0.5b"]),
+        "ppo_1.5b": lambda: [
+            "## PPO, Qwen2.5-1.5B shape",
+            *ppo_lines({**res, "ppo": res["ppo_1.5b"]})[1:],
+        ],
+        "planner_1.5b": lambda: planner_lines("Qwen2.5-1.5B shape", res["planner_1.5b"]),
     }
     for name, lines_of in parts.items():
         if name == "generation" and "hf_static" in res["errors"]:
@@ -483,6 +554,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--commit", default=None, help="the commit measured (no .git on the machine)")
     ap.add_argument("--skip-ppo", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], help="parts not to run (e.g. ppo_1.5b)")
+    ap.add_argument("--page", default="gpu", help="docs/benchmarks/PAGE.{md,json} (a 2nd call)")
     ap.add_argument("--out", type=Path, default=None, help="also copy the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -501,10 +574,16 @@ def main() -> None:
         "generation": lambda: generation(args.batch, args.new_tokens),
         "train_step": lambda: _bench("train_step").time_sizes("cuda", ["qwen2-0.5B"], TIMED)[0],
         "logprob_memory": logprob_memory,
+        "planner_0.5b": lambda: planner_check(args.batch, args.new_tokens, res["ppo"]["mean"]),
+        "ppo_1.5b": lambda: ppo(args.steps, args.warmup, args.batch, args.new_tokens, QWEN25_15B),
+        "planner_1.5b": lambda: planner_check(
+            args.batch, args.new_tokens, res["ppo_1.5b"]["mean"], QWEN25_15B
+        ),
         "hf_static": lambda: hf_static(res["generation"]),
     }
     for name, measure in parts.items():
-        if name == "ppo" and args.skip_ppo:
+        if (name == "ppo" and args.skip_ppo) or name in args.skip:
+            res["errors"][name] = "not run in this call (--skip)"
             continue
         try:  # each part measures and is written at once, whatever the next one does
             res[name] = measure()
@@ -516,12 +595,12 @@ def main() -> None:
             res["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         torch.cuda.empty_cache()
         text = report(res)
-        write_results("gpu", text, res, res["commit"])
+        write_results(args.page, text, res, res["commit"])
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             for suffix in ("md", "json"):
-                src = REPO / "docs" / "benchmarks" / f"gpu.{suffix}"
-                (args.out / f"gpu.{suffix}").write_text(src.read_text())
+                src = REPO / "docs" / "benchmarks" / f"{args.page}.{suffix}"
+                (args.out / f"{args.page}.{suffix}").write_text(src.read_text())
     print(report(res))
 
 
