@@ -332,8 +332,8 @@ class ShardedModel(torch.nn.Module):
         """``[n, 2]`` fp32: each token's log-probability of its target under
         ``softmax(logits / temperature)`` and that distribution's entropy; 0 where the target is
         -1. The LM head runs over ``LOGIT_CHUNK``-sized slices of the scored tokens, and in
-        training each slice's logits are recomputed in backward instead of kept, so no
-        ``[tokens, vocab]`` tensor exists beyond one slice's."""
+        training (of more than one slice) each slice's logits are recomputed in backward
+        instead of kept, so no ``[tokens, vocab]`` tensor exists beyond one slice's."""
         out = torch.zeros(len(x), 2, dtype=torch.float32, device=x.device)
         rows = (targets >= 0).nonzero().squeeze(1)
         if not len(rows):
@@ -342,7 +342,8 @@ class ShardedModel(torch.nn.Module):
         h = self.norm(x[rows], "transformer.ln_f" if gpt2 else "model.norm")
         y = targets[rows]
         step = max(1, LOGIT_CHUNK // self.spec.vocab_size)
-        recompute = torch.is_grad_enabled() and h.requires_grad
+        # one slice holds every scored token: nothing to save by recomputing it in backward
+        recompute = torch.is_grad_enabled() and h.requires_grad and len(rows) > step
         parts = []
         for lo in range(0, len(rows), step):
             args = (h[lo : lo + step], y[lo : lo + step], temperature)

@@ -1,6 +1,7 @@
 """The sliced scoring head (``RankModel.score``): log-probs, entropies and their gradients equal
 the plain path's (whole logits, then ``scores_from_logits``), with the LM head cut into slices of
-3 tokens. Every layout and bf16 are checked by the parity harness (``scores`` and ``grads``)."""
+3 tokens and in one slice. Every layout and bf16 are checked by the parity harness (``scores``
+and ``grads``)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from rayhf.engines.build import standalone_engine
 from rayhf.parallel.groups import single
 
 
-@pytest.fixture(autouse=True)
-def three_tokens_a_slice(monkeypatch):
-    monkeypatch.setattr(rayhf.parallel.model, "LOGIT_CHUNK", 3 * VOCAB)
+@pytest.fixture(autouse=True, params=[3, None], ids=["3-token slices", "one slice"])
+def slices(request, monkeypatch):
+    """Slices of 3 tokens, recomputed in backward; or the default, one slice kept."""
+    if request.param is not None:
+        monkeypatch.setattr(rayhf.parallel.model, "LOGIT_CHUNK", request.param * VOCAB)
 
 
 def _grads(engine, loss_of) -> dict[str, torch.Tensor]:
