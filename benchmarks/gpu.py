@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import train_step as train_bench
 from _common import git_commit, write_results
 from train_step import matmul_params, train_flops_per_token
 
@@ -482,17 +483,10 @@ def generation_lines(g: dict[str, Any]) -> list[str]:
     return [head, "", *generation_table(g)]
 
 
-def _bench(name: str) -> Any:
-    """Another benchmark script's module (``benchmarks/`` is on the path, as for _common)."""
-    import importlib
-
-    return importlib.import_module(name)
-
-
 def logprob_memory() -> dict[str, Any]:
     """``benchmarks/train_step.py``'s memory part on the GPU: the peak of the log-prob path
     through whole logits and through the sliced head, at a 151,936-entry vocabulary."""
-    return _bench("train_step").memory("cuda")
+    return train_bench.memory("cuda")
 
 
 def train_lines(t: dict[str, Any]) -> list[str]:
@@ -528,7 +522,7 @@ def report(res: dict[str, Any]) -> str:
         "ppo": lambda: ppo_lines(res),
         "generation": lambda: generation_lines(res["generation"]),
         "train_step": lambda: train_lines(res["train_step"]),
-        "logprob_memory": lambda: _bench("train_step").memory_lines(res["logprob_memory"]),
+        "logprob_memory": lambda: train_bench.memory_lines(res["logprob_memory"]),
         "planner_0.5b": lambda: planner_lines("Qwen2-0.5B shape", res["planner_0.5b"]),
         "ppo_1.5b": lambda: [
             "## PPO, Qwen2.5-1.5B shape",
@@ -572,7 +566,7 @@ def main() -> None:
     parts = {
         "ppo": lambda: ppo(args.steps, args.warmup, args.batch, args.new_tokens),
         "generation": lambda: generation(args.batch, args.new_tokens),
-        "train_step": lambda: _bench("train_step").time_sizes("cuda", ["qwen2-0.5B"], TIMED)[0],
+        "train_step": lambda: train_bench.time_sizes("cuda", ["qwen2-0.5B"], TIMED)[0],
         "logprob_memory": logprob_memory,
         "planner_0.5b": lambda: planner_check(args.batch, args.new_tokens, res["ppo"]["mean"]),
         "ppo_1.5b": lambda: ppo(args.steps, args.warmup, args.batch, args.new_tokens, QWEN25_15B),

@@ -85,11 +85,7 @@ class RankModel:
 
         Rows are packed (padding dropped) for the model; padded positions of the result are 0.
         """
-        keep = attention_mask.to(self.device).bool()
-        lengths = keep.sum(dim=1).tolist()
-        out = self.pipe.forward(input_ids.to(self.device)[keep], lengths)
-        padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
-        return padded.index_put((keep.nonzero(as_tuple=True)), out)
+        return self._packed(input_ids, attention_mask)
 
     def score(
         self,
@@ -102,11 +98,21 @@ class RankModel:
         it predicts), the target's log-probability under ``softmax(logits / temperature)`` and
         the distribution's entropy; 0 elsewhere. The LM head runs in slices, so no
         ``[B, T, V]`` logits are made (``ShardedModel.score``)."""
+        return self._packed(input_ids, attention_mask, targets, temperature)
+
+    def _packed(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """The pipeline over the rows packed (padding dropped), its output padded back with 0."""
         keep = attention_mask.to(self.device).bool()
         lengths = keep.sum(dim=1).tolist()
-        packed = targets.to(self.device)[keep]
+        packed = None if targets is None else targets.to(self.device)[keep]
         out = self.pipe.forward(input_ids.to(self.device)[keep], lengths, packed, temperature)
-        padded = out.new_zeros(*input_ids.shape, 2)
+        padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
         return padded.index_put((keep.nonzero(as_tuple=True)), out)
 
     def source_shards(self) -> dict[str, torch.Tensor]:

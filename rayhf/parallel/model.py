@@ -318,10 +318,17 @@ class ShardedModel(torch.nn.Module):
         return self._scaled(weight, x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        gpt2 = self.spec.family == "gpt2"
-        x = self.norm(x, "transformer.ln_f" if gpt2 else "model.norm")
+        x = self.final_norm(x)
         if self.spec.value_head:
             return self.matmul(x, "score.weight").squeeze(-1)
+        return self.lm_logits(x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, "transformer.ln_f" if self.spec.family == "gpt2" else "model.norm")
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The vocab-parallel LM head over normed hidden states: whole-vocabulary logits (gathered
+        over tp), soft-capped where the family caps them."""
         table = embedding_name(self.spec) if self.spec.tied else "lm_head.weight"
         logits = self.matmul(copy_to_tp(x, self.groups.tp_group), table)
         logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
@@ -338,8 +345,7 @@ class ShardedModel(torch.nn.Module):
         rows = (targets >= 0).nonzero().squeeze(1)
         if not len(rows):
             return out + 0 * x.sum()  # a graph to the input all the same (pp backward)
-        gpt2 = self.spec.family == "gpt2"
-        h = self.norm(x[rows], "transformer.ln_f" if gpt2 else "model.norm")
+        h = self.final_norm(x[rows])
         y = targets[rows]
         step = max(1, LOGIT_CHUNK // self.spec.vocab_size)
         # one slice holds every scored token: nothing to save by recomputing it in backward
@@ -355,13 +361,7 @@ class ShardedModel(torch.nn.Module):
 
     def _scores(self, h: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
         """One slice of ``score``: normed hidden states ``[c, h]`` and targets ``[c]``."""
-        table = embedding_name(self.spec) if self.spec.tied else "lm_head.weight"
-        logits = self.matmul(copy_to_tp(h, self.groups.tp_group), table)
-        logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
-        cap = self.spec.final_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        z = logits.float() / temperature
+        z = self.lm_logits(h).float() / temperature
         lse = torch.logsumexp(z, dim=-1)
         logp = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
         entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
