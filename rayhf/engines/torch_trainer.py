@@ -1,8 +1,9 @@
 """Training on rayhf's own engine: AdamW over this rank's shards.
 
 Every rank of a data-parallel replica runs the same algorithm code on the same batch and gets
-the same outputs; gradients are averaged over the replicas before each optimizer step (one flat
-all-reduce), and the clipping norm is taken over the whole model (all tp shards, all pp stages).
+the same outputs; gradients are averaged over the replicas before each optimizer step (in
+buckets that overlap backward: ``rayhf.engines.grad_buckets``), and the clipping norm is taken
+over the whole model (all tp shards, all pp stages).
 With ``zero1`` the optimizer state is split over the replicas (torch's ZeroRedundancyOptimizer).
 The weights, their gradients and the optimizer state are fp32 at every precision (the forward
 runs under autocast at bf16/fp16); fp16 scales the loss (torch's GradScaler) and skips a step
@@ -24,6 +25,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
+from rayhf.engines.grad_buckets import GradBuckets
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.sharding import embedding_name
 
@@ -132,6 +134,7 @@ class TorchTrainer:
         self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
         fp16 = model.numerics.autocast == torch.float16
         self.scaler = torch.amp.GradScaler(model.device.type) if fp16 else None
+        self.buckets: GradBuckets | None = None
 
     def train(
         self,
@@ -151,18 +154,24 @@ class TorchTrainer:
         module.train(True)
         pipe.record = True
         totals = Totals(len(minibatches))
+        reducer = self._reducer()
         try:
             for mb in minibatches:
                 self.optimizer.zero_grad(set_to_none=False)
                 parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
                 if token_budget is not None:  # how many the budget cut, per minibatch
                     totals.add({"micro_batches": float(len(parts))})
-                for part, share in parts:
+                for i, (part, share) in enumerate(parts):
+                    # the last backward of the minibatch reduces buckets as it fills them
+                    # (with pp > 1 a minibatch runs one backward per pipeline micro-batch)
+                    if reducer is not None and i == len(parts) - 1 and self.groups.pp == 1:
+                        reducer.arm()
                     loss, stats = loss_fn(part)
                     self._backward(loss * share)
                     pipe.backward_pending()
                     totals.add(stats, share)
-                self._all_reduce_grads()
+                if reducer is not None:
+                    reducer.finish()
                 self._sum_tied_grads()
                 if self.scaler is not None:
                     self.scaler.unscale_(self.optimizer)
@@ -194,23 +203,18 @@ class TorchTrainer:
             totals.count("skipped_steps")
             self.scaler.update(scale * self.scaler.get_backoff_factor())
 
-    def _all_reduce_grads(self) -> None:
-        """Average gradients over the data-parallel replicas (one flat all-reduce)."""
+    def _reducer(self) -> GradBuckets | None:
+        """The dp replicas' gradient buckets (None: one replica), built again if a parameter
+        was replaced or its gradient dropped since the last call."""
         group = self.groups.dp_group
         if group is None:
-            return
+            return None
         params = list(self.model.module.parameters())
-        for p in params:
-            if p.grad is None:  # a rank whose minibatch was empty still joins the all-reduce
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat /= dist.get_world_size(group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if self.buckets is None or not self.buckets.holds(params):
+            if self.buckets is not None:
+                self.buckets.close()
+            self.buckets = GradBuckets(params, group)
+        return self.buckets
 
     def _sum_tied_grads(self) -> None:
         """A tied embedding held by the first and the last stage: both copies take the sum of
