@@ -5,9 +5,9 @@
     python benchmarks/gpu.py [--steps 4] [--batch 64] [--new-tokens 256] [--commit HASH]
         [--skip PART ...] [--page NAME]
 
-Under 10 minutes a call, the 1.5B parts go in a second one: ``--skip ppo_1.5b planner_1.5b``,
-then ``--skip-ppo --skip generation train_step logprob_memory planner_0.5b hf_static --page
-gpu_1.5b``.
+Under 10 minutes a call, the 1.5B parts and the weight-move transports go in a second one:
+``--skip ppo_1.5b planner_1.5b transports colocated_move``, then ``--skip-ppo --skip generation
+train_step logprob_memory planner_0.5b hf_static --page gpu_1.5b``.
 
 The model has Qwen2-0.5B's shape (24 layers, 896 wide, 14 query and 2 key/value heads, MLP 4864,
 tied embedding, vocabulary padded to 151,936 rows) and random weights; prompts are the demo task's
@@ -29,6 +29,9 @@ frozen copies store bf16.
 - ``plan: auto``'s prediction: each PPO call priced from the models timed on this GPU (as a
   cuda run times them) against its measured mean, for this shape and Qwen2.5-1.5B's (a PPO run
   of that shape first).
+- Weight-move transports between processes on the one GPU: the PPO run with the reference's
+  first move and any later ones through /dev/shm and through CUDA IPC (``transports``), and
+  ``benchmarks/gpu_colocated_move.py``'s bytes/s of each (``colocated_move``, its own page).
 
 Writes docs/benchmarks/gpu.{md,json}.
 """
@@ -128,10 +131,16 @@ def ppo_config(tmp: str, steps: int, batch: int, new_tokens: int, shape: dict) -
 
 
 def ppo(
-    steps: int, warmup: int, batch: int, new_tokens: int, shape: dict = QWEN2_05B
+    steps: int,
+    warmup: int,
+    batch: int,
+    new_tokens: int,
+    shape: dict = QWEN2_05B,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = ppo_config(tmp, steps + warmup, batch, new_tokens, shape)
+        cfg = cfg.with_overrides(overrides or {})
         start = time.perf_counter()
         with GpuMemory() as memory:
             result = rayhf.run(cfg)
@@ -165,7 +174,66 @@ def ppo(
         "train_mfu": mfu,
         "reward": [r.get("task_reward") for r in result.metrics],
         "logprob_mismatch": [r.get("logprob_mismatch") for r in result.metrics],
+        "init_realloc_seconds": result.info.get("init_realloc_seconds"),
+        "init_realloc_bytes": result.info.get("init_realloc_bytes"),
+        "realloc_seconds": statistics.mean(r.get("realloc_seconds", 0.0) for r in rows),
     }
+
+
+def transports(steps: int, warmup: int, batch: int, new_tokens: int) -> dict[str, Any]:
+    """The PPO run with weight moves through /dev/shm, then through CUDA IPC."""
+    out = {}
+    for transport in ("shm", "ipc"):
+        r = ppo(
+            steps,
+            warmup,
+            batch,
+            new_tokens,
+            overrides={"driver.same_host_transport": transport},
+        )
+        keep = (
+            "median_step_seconds",
+            "init_realloc_seconds",
+            "init_realloc_bytes",
+            "realloc_seconds",
+        )
+        out[transport] = {"step_seconds": r["mean"]["step_seconds"], **{k: r[k] for k in keep}}
+    return out
+
+
+def transport_lines(t: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Weight moves between role groups on the one GPU: /dev/shm against CUDA IPC",
+        "",
+        "The Qwen2-0.5B-shape PPO run, once per `driver.same_host_transport`. The reference's "
+        "first move (the actor's weights, fp32 to the reference's bf16) is between processes on "
+        "the GPU; later moves are 0 where the one-GPU plan moves nothing. Bytes/s of each on "
+        "larger moves: "
+        "[gpu_colocated_move.md](gpu_colocated_move.md).",
+        "",
+        "| transport | step s (mean; median) | first move s | first move GB/s | moves a step s |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in t.items():
+        seconds, size = r["init_realloc_seconds"], r["init_realloc_bytes"]
+        rate = f"{size / seconds / 1e9:.2f}" if seconds and size else "-"
+        first = f"{seconds:.3f}" if seconds else "-"
+        lines.append(
+            f"| {name} | {r['step_seconds']:.2f}; {r['median_step_seconds']:.2f} | {first} | "
+            f"{rate} | {r['realloc_seconds']:.3f} |"
+        )
+    return lines
+
+
+def colocated_move(commit: str) -> dict[str, Any]:
+    """``benchmarks/gpu_colocated_move.py`` (its own processes and page), read back."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    cmd = ["python", str(here / "gpu_colocated_move.py"), "--commit", commit]
+    subprocess.run(cmd, check=True, timeout=420, cwd=here)
+    page = json.loads((REPO / "docs" / "benchmarks" / "gpu_colocated_move.json").read_text())
+    return page.get("results", page)
 
 
 def planner_check(
@@ -529,6 +597,10 @@ def report(res: dict[str, Any]) -> str:
             *ppo_lines({**res, "ppo": res["ppo_1.5b"]})[1:],
         ],
         "planner_1.5b": lambda: planner_lines("Qwen2.5-1.5B shape", res["planner_1.5b"]),
+        "transports": lambda: transport_lines(res["transports"]),
+        "colocated_move": lambda: [
+            "## Colocated weight moves: [gpu_colocated_move.md](gpu_colocated_move.md)"
+        ],
     }
     for name, lines_of in parts.items():
         if name == "generation" and "hf_static" in res["errors"]:
@@ -574,6 +646,8 @@ def main() -> None:
             args.batch, args.new_tokens, res["ppo_1.5b"]["mean"], QWEN25_15B
         ),
         "hf_static": lambda: hf_static(res["generation"]),
+        "transports": lambda: transports(args.steps, args.warmup, args.batch, args.new_tokens),
+        "colocated_move": lambda: colocated_move(res["commit"]),
     }
     for name, measure in parts.items():
         if (name == "ppo" and args.skip_ppo) or name in args.skip:

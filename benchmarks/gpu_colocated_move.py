@@ -1,12 +1,15 @@
-"""Weight moves between processes that share one GPU: through a shared-memory segment against
-through pinned host buffers over gloo's sockets.
+"""Weight moves between processes that share one GPU: through a segment on the GPU opened by
+CUDA IPC handle, through a shared-memory segment, and through pinned host buffers over gloo's
+sockets.
 
 Role groups colocated on a GPU cannot join an NCCL group (NCCL refuses two ranks on one
 device), so their transfer group stages GPU tensors through host memory. Two ways are built:
 with ``same_host`` (the default) a bucket of 1 MiB or more is copied from the GPU shards into the
 sender's ``/dev/shm`` segment and from there into the receiver's GPU shards; without it, the
 sender copies each message to the host and gloo carries it over a socket into a pinned buffer,
-which is copied to the GPU. This times both on real moves of a Qwen2-0.5B-shaped model in bf16:
+which is copied to the GPU; with ``ipc`` the sender's segment is a buffer on the GPU that its
+peers open by CUDA IPC handle, so a message is two device copies (``rayhf.realloc.cuda_ipc``).
+This times the three on real moves of a Qwen2-0.5B-shaped model in bf16:
 1 process -> 1 other, and tp2 -> dp2 on other processes (a relayed move), all processes on the
 one GPU; every destination's shards are checked against the source bit for bit.
 
@@ -44,7 +47,7 @@ MOVES = [  # (name, source layout, destination layout); destination ranks follow
     ("1 process -> 1 other", Layout((0,), 1), Layout((1,), 1)),
     ("tp2 -> dp2 on others (relayed)", Layout((0, 1), 1, 2), Layout((2, 3), 2)),
 ]
-TRANSPORTS = ("segment", "pinned")
+TRANSPORTS = ("ipc", "segment", "pinned")
 
 
 def _spec(layers: int) -> Any:
@@ -67,7 +70,9 @@ def _worker(rank: int, address: str, stores: list[str], args: Any, queue: Any) -
     torch.set_num_threads(1)  # one copy thread each: 4 processes share the cores
     dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=WORLD)
     groups = {
-        t: TransferGroup(join_store(s), rank, WORLD, args.device, True, same_host=t == "segment")
+        t: TransferGroup(
+            join_store(s), rank, WORLD, args.device, True, same_host=t != "pinned", ipc=t == "ipc"
+        )
         for t, s in zip(TRANSPORTS, stores, strict=True)
     }
     spec = _spec(args.layers)
@@ -87,8 +92,8 @@ def _worker(rank: int, address: str, stores: list[str], args: Any, queue: Any) -
                                device=args.device)
                 for n, p in shards.items()
             }  # fmt: skip
-        for i in range(args.reps + 1):  # one warm-up, then alternating transports
-            for transport in TRANSPORTS if i % 2 else reversed(TRANSPORTS):
+        for i in range(args.reps + 1):  # one warm-up, then transports in turn
+            for transport in TRANSPORTS[i % 3 :] + TRANSPORTS[: i % 3]:
                 seconds = _one_move(groups[transport], plan, rank, dst0, mine)
                 if i and rank == 0:
                     rows.append({"move": name, "transport": transport, "seconds": seconds})
@@ -126,9 +131,11 @@ def _one_move(group, plan, rank: int, dst0: int, mine) -> float:
 
 
 def _table(rows: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    lines = ["| move | GB per destination rank | through the segment s | through pinned "
-             "buffers s | segment / pinned | segment GB/s |", "| --- | ---: | ---: | ---: | ---: "
-             "| ---: |"]  # fmt: skip
+    lines = [
+        "| move | GB per destination rank | CUDA IPC s | /dev/shm segment s | pinned buffers s "
+        "| IPC / segment | IPC GB/s | segment GB/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     summary = []
     for name, _, _ in MOVES:
         size = next(r["bytes_per_destination_rank"] for r in rows if r.get("move") == name
@@ -136,9 +143,12 @@ def _table(rows: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
         med = {t: statistics.median(r["seconds"] for r in rows if r.get("move") == name
                                     and r.get("transport") == t) for t in TRANSPORTS}  # fmt: skip
         summary.append({"move": name, "bytes": size, **{f"{t}_s": med[t] for t in TRANSPORTS}})
-        lines.append(f"| {name} | {size / 1e9:.3f} | {med['segment']:.3f} | {med['pinned']:.3f} "
-                     f"| {med['segment'] / med['pinned']:.2f}x | {size / med['segment'] / 1e9:.2f} "
-                     "|")  # fmt: skip
+        gb = size / 1e9
+        lines.append(
+            f"| {name} | {gb:.3f} | {med['ipc']:.3f} | {med['segment']:.3f} | "
+            f"{med['pinned']:.3f} | {med['ipc'] / med['segment']:.2f}x | "
+            f"{gb / med['ipc']:.2f} | {gb / med['segment']:.2f} |"
+        )
     return "\n".join(lines), summary
 
 
@@ -171,9 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         f"`python benchmarks/gpu_colocated_move.py --reps {args.reps} --layers {args.layers}` "
         f"({args.device}, torch {torch.__version__}): a Qwen2-0.5B-shaped model ({args.layers} "
         "layers) in bf16, 4 processes on the one device in a gloo transfer group; median of "
-        f"{args.reps} moves each, the slowest rank's time, alternating transports. Every "
+        f"{args.reps} moves each, the slowest rank's time, transports in turn. Every "
         "destination rank's shards equal the source's bit for bit.\n\n"
         f"{table}\n\n"
+        "- **CUDA IPC:** the sender copies its shards into a buffer on the GPU, the receiver "
+        "opens it by handle and copies out of it on the device (`driver.same_host_transport: "
+        "ipc`).\n"
         "- **Through the segment:** the sender copies its GPU shards into its `/dev/shm` "
         "segment, the receiver from it into its GPU shards (`TransferGroup` with `same_host`, "
         "the default).\n"

@@ -10,11 +10,14 @@ every destination replica reports whether its shards equal the originals' bit fo
 whether the whole model it gathers back (``RankModel.full_state``) does; each replica's logits
 are compared with the whole model's. The pairs are drawn class by class so
 every class is covered: expand, shrink, equal, overlapping and disjoint meshes, tp <-> pp, and a
-ZeRO-3 flat source. Pairs alternate between two transfer groups: one sends every message over
-gloo, the other through shared memory (``rayhf.realloc.shm``).
-``tests/integration/test_realloc_exec.py`` asserts on it; with ``--device cuda`` the models live
-on the one GPU all processes share, and the transfer groups stage GPU tensors through host
-memory (``tests/integration/test_gpu.py``); logits are compared on CPU only (a pipeline's sends
+ZeRO-3 flat source. Pairs take turns over three transfer groups: one sends every message over
+gloo, one through shared memory (``rayhf.realloc.shm``), one through GPU segments between ranks
+on one GPU (``rayhf.realloc.cuda_ipc``) and shared memory between the others. On CPU the GPU
+segments are files standing in for CUDA IPC (``_standin``), and the ranks are on two "GPUs" by
+parity, so moves and relays mix both kinds. ``tests/integration/test_realloc_exec.py`` asserts
+on it; with ``--device cuda`` the models live on the one GPU all processes share, the first two
+groups stage GPU tensors through host memory and the third opens CUDA IPC handles
+(``tests/integration/test_gpu.py``); logits are compared on CPU only (a pipeline's sends
 between ranks on one GPU would need NCCL, which refuses them).
 """
 
@@ -38,6 +41,7 @@ from rayhf.parallel.layout import Layout
 
 N_DEVICES, POOL, DST0 = 4, 8, 4  # destination ranks are DST0..POOL-1
 FAMILIES = {"llama": {"n_heads": 4, "n_kv_heads": 2}, "gpt2": {"n_heads": 4}}
+TRANSPORTS = ("gloo", "shm", "ipc")
 CLASSES = ("expand", "shrink", "equal", "overlapping", "disjoint", "tp<->pp", "zero3 flat", "relay")
 
 
@@ -131,7 +135,7 @@ def _one_pair(
     ids = torch.randint(3, 37, (2, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mine: dict[str, Any] = {}
-    through_shm = group.shm_messages
+    through_shm, through_ipc = group.shm_messages, group.ipc_messages
     if rank < src.world_size:
         source: Any = (
             _FlatSource(full, src.dp, rank, device)
@@ -154,6 +158,7 @@ def _one_pair(
                 logits = model.forward(ids, mask)
             mine["logits"] = logits if dst_groups.is_head else None
     mine["shm_messages"] = group.shm_messages - through_shm
+    mine["ipc_messages"] = group.ipc_messages - through_ipc
     results: list[Any] = [None] * POOL
     dist.all_gather_object(results, mine)
     if rank != DST0:
@@ -181,6 +186,7 @@ def _one_pair(
         "max_sent": plan.max_sent,
         "max_received": plan.max_received,
         "shm_messages": sum(x["shm_messages"] for x in results),
+        "ipc_messages": sum(x["ipc_messages"] for x in results),
     }
 
 
@@ -197,6 +203,37 @@ def _shards_exact(model, spec, full: dict[str, torch.Tensor], dst: Layout, r: in
     )
 
 
+def _standin(rank: int):
+    """CUDA IPC's stand-in on CPU: a segment is a file in /dev/shm, its handle the file's name
+    (removed with the segment, or by ``shm.sweep`` once this process is gone); ranks are on two
+    "GPUs", even and odd."""
+    import weakref
+
+    from rayhf.realloc import shm
+    from rayhf.realloc.cuda_ipc import Sharing
+
+    made = itertools.count()
+
+    def new(n: int) -> torch.Tensor:
+        path = shm.SHM_DIR / f"{shm.PREFIX}standin-p{os.getpid()}-{next(made)}"
+        t = torch.from_file(str(path), shared=True, size=n, dtype=torch.uint8)
+        weakref.finalize(t, path.unlink, missing_ok=True)
+        t.path = str(path)  # type: ignore[attr-defined]
+        return t
+
+    def open_(blob: bytes) -> torch.Tensor:
+        path = blob.decode()
+        return torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+
+    return Sharing(
+        gpu=f"standin{rank % 2}",
+        new=new,
+        export=lambda t: t.path.encode(),  # type: ignore[attr-defined]
+        open=open_,
+        sync=lambda: None,
+    )
+
+
 def _worker(
     rank: int, address: str, store_addresses: tuple[str, str], pairs: list, out: str, device: str
 ) -> None:
@@ -207,14 +244,18 @@ def _worker(
     torch.set_num_threads(1)
     quiet_transformers()
     dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=POOL)
-    gloo, shm = (join_store(a) for a in store_addresses)
-    groups = {  # pairs alternate: every message over gloo, every message through shared memory
+    gloo, shm, ipc = (join_store(a) for a in store_addresses)
+    sharing = None if device.startswith("cuda") else _standin(rank)
+    groups = {  # pairs take turns: every message over gloo, through shared memory, or GPU ones
         "gloo": TransferGroup(gloo, rank, POOL, device, True, same_host=False),
         "shm": TransferGroup(shm, rank, POOL, device, True, shm_min_bytes=0),
+        "ipc": TransferGroup(
+            ipc, rank, POOL, device, True, shm_min_bytes=0, ipc=True, sharing=sharing
+        ),
     }
     rows = []
     for i, (family, src, dst, flat) in enumerate(pairs):
-        transport = ("gloo", "shm")[i % 2]
+        transport = TRANSPORTS[i % len(TRANSPORTS)]
         row = _one_pair(family, src, dst, flat, rank, groups[transport], device)
         if row is not None:
             rows.append(row | {"transport": transport})
@@ -240,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
         jobs += [(family, *pair) for pair in sample_pairs(spec, args.pairs, args.seed)]
-    stores = [host_store() for _ in range(3)]  # open here while the ranks meet through them
+    # open here while the ranks meet through them
+    stores = [host_store() for _ in range(1 + len(TRANSPORTS))]
     address, *transfer = (a for _, a in stores)
     mp.spawn(_worker, args=(address, tuple(transfer), jobs, args.out, args.device), nprocs=POOL)
 

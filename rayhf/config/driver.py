@@ -20,10 +20,12 @@ class DriverConfig(BaseModel):
     overlap_steps: bool = True
     """Submit step i+1 while step i runs (each unit waits only for what its dataflow needs:
     rayhf.planner.step.carried); false: one step at a time. Same results either way."""
-    same_host_transport: Literal["shm", "group"] = "shm"
+    same_host_transport: Literal["ipc", "shm", "group"] = "shm"
     """How a weight move's large messages between processes of one host travel: shm: through
-    /dev/shm, a copy in and a copy out; group: over the transfer group's gloo sockets. Groups of
-    GPUs that are not shared use NCCL either way."""
+    /dev/shm, a copy in and a copy out; ipc: as shm, but between processes on the same GPU
+    through a buffer on it opened by CUDA IPC handle (device copies only; not yet run on a GPU);
+    group: over the transfer group's gloo sockets. Groups of GPUs that are not shared use NCCL
+    either way."""
 
     @model_validator(mode="after")
     def _compiled_runs_one_step_at_a_time(self) -> DriverConfig:
@@ -37,7 +39,12 @@ class DriverConfig(BaseModel):
     @property
     def moves_through_shm(self) -> bool:
         """Whether weight moves between processes of one host go through shared memory."""
-        return self.same_host_transport == "shm"
+        return self.same_host_transport in ("shm", "ipc")
+
+    @property
+    def moves_through_ipc(self) -> bool:
+        """Whether weight moves between processes on the same GPU go through its memory."""
+        return self.same_host_transport == "ipc"
 
     def compiled(self, device: str) -> bool:
         """Whether steps run as Ray compiled graphs on ``device`` (``cuda`` or ``cpu``)."""

@@ -272,6 +272,7 @@ def plan_for_run(
     step: StepOptions = StepOptions(),
     shm: bool = True,
     device_name: str = "",
+    ipc: bool = False,
 ) -> Plan:
     """``plan: auto`` for a run: search with the profiled cost of rayhf's driver (which runs
     units on disjoint meshes at the same time, and with ``step.overlap`` the next step's as its
@@ -279,13 +280,14 @@ def plan_for_run(
     (``rayhf.runtime.profiling``, on the devices the run uses). Emulated CPU devices: this
     machine's measured links; ``shm``: weight moves go through shared memory. GPUs (named
     ``device_name``): their kind's datasheet links (a kind ``DEVICES`` lacks keeps the colocated
-    plan). The plan carries its and the colocated plan's estimated seconds per step."""
+    plan); ``ipc``: moves on one GPU through CUDA IPC. The plan carries its and the colocated
+    plan's estimated seconds per step."""
     n = cluster.n_devices
     colocated = Plan(colocated_plan(graph, n).layouts, "auto")
     if not searches(cluster):
         return colocated
     if cluster.device == "cuda":
-        gpus = gpu_cluster(n, device_name)
+        gpus = gpu_cluster(n, device_name, ipc=ipc)
         if gpus is None:
             return colocated
         cost: ProfiledCost = ProfiledCost(gpus, profiles, GPU_CALL_OVERHEAD)

@@ -43,6 +43,9 @@ DEVICES: dict[str, DeviceSpec] = {
         "A100-SXM4-80GB", 80e9, 312e12, 2.039e12, 2, "NVIDIA A100 datasheet", 19.5e12
     ),
 }
+# A weight move between processes sharing a GPU, staged through /dev/shm: 0.988 GB in 0.227 s
+# on an H200 (docs/benchmarks/gpu_colocated_move.md, "1 process -> 1 other").
+GPU_STAGED_BANDWIDTH = 4.35e9
 LINKS: dict[str, tuple[float, float]] = {  # kind -> (intra-node, inter-node) bytes/s per device
     "H100": (450e9, 50e9),  # NVLink 4: 900 GB/s bidirectional; NDR 400 Gb/s
     "H200": (450e9, 50e9),
@@ -65,6 +68,11 @@ class ClusterSpec:
     # bytes/s a weight move's large messages reach between processes of one node through shared
     # memory (``rayhf.realloc.shm``); 0: moves take the links (GPUs not shared: NCCL)
     shm_bandwidth: float = 0.0
+    # GPUs: bytes/s of a move between role groups that share a device (NCCL refuses them, so
+    # their transfer group stages through host memory); 0: the links
+    shared_gpu_bandwidth: float = 0.0
+    # the same when the move stays on one GPU and goes through CUDA IPC (device copies)
+    ipc_bandwidth: float = 0.0
 
     @property
     def n_devices(self) -> int:
@@ -127,9 +135,12 @@ def gpu_kind(device_name: str) -> str | None:
     return next((kind for kind in DEVICES if kind in device_name.upper()), None)
 
 
-def gpu_cluster(n_devices: int, device_name: str, per_node: int = 8) -> ClusterSpec | None:
+def gpu_cluster(
+    n_devices: int, device_name: str, per_node: int = 8, ipc: bool = False
+) -> ClusterSpec | None:
     """A run's ``n_devices`` GPUs named ``device_name``, ``per_node`` to a node (NVLink within
-    it, the kind's InfiniBand between): their datasheet entry; None for a kind it lacks."""
+    it, the kind's InfiniBand between): their datasheet entry; None for a kind it lacks.
+    ``ipc``: moves on one GPU go through CUDA IPC (``driver.same_host_transport: ipc``)."""
     kind = gpu_kind(device_name)
     if kind is None:
         return None
@@ -137,7 +148,13 @@ def gpu_cluster(n_devices: int, device_name: str, per_node: int = 8) -> ClusterS
     if n_devices % per:  # not whole nodes of ``per_node``: taken as one node
         per = n_devices
     intra, inter = LINKS[kind]
-    return ClusterSpec(n_devices // per, per, DEVICES[kind], intra, inter)
+    device = DEVICES[kind]
+    # CUDA IPC: two device copies a message, each reading and writing it (not yet measured)
+    ipc_rate = device.memory_bandwidth / 4 if ipc else 0.0
+    return ClusterSpec(
+        n_devices // per, per, device, intra, inter,
+        shared_gpu_bandwidth=GPU_STAGED_BANDWIDTH, ipc_bandwidth=ipc_rate,
+    )  # fmt: skip
 
 
 def parse_cluster(text: str) -> ClusterSpec:
@@ -150,4 +167,6 @@ def parse_cluster(text: str) -> ClusterSpec:
     if nodes < 1 or per_node < 1:
         raise RayhfError(f"--cluster {text!r}: nodes and devices per node must be at least 1")
     intra, inter = LINKS[kind]
+    # moves between groups sharing GPUs priced at NVLink, as if NCCL could join them (the
+    # runtime stages them through host memory: docs/layouts-and-plans.md, "Known limits")
     return ClusterSpec(nodes, per_node, DEVICES[kind], intra, inter)

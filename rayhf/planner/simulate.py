@@ -71,11 +71,17 @@ def realloc_seconds(
     whichever is more, plus what it copies between its own processes) at the link bandwidth,
     the relays' pipeline fill (a stream's first message, up to 4 MiB, per hop past the first)
     and a latency per hop. Within a node whose moves go through shared memory, a move of
-    ``SHM_MIN_BYTES`` or more runs at that copy speed, and relays pass on only headers."""
+    ``SHM_MIN_BYTES`` or more runs at that copy speed, and relays pass on only headers. GPUs
+    shared by both groups stage the move through host memory at ``shared_gpu_bandwidth``
+    (one GPU with CUDA IPC: ``ipc_bandwidth``)."""
     load = move_load(spec, src, dst, cost.weight_bytes(spec), flat)
     devices = tuple(sorted(set(src.mesh) | set(dst.mesh)))
     cluster = cost.cluster
     hops = max(1, load.depth) * cluster.link_latency
+    if cluster.shared_gpu_bandwidth and set(src.mesh) & set(dst.mesh):
+        one_gpu = len(devices) == 1 and cluster.ipc_bandwidth > 0
+        rate = cluster.ipc_bandwidth if one_gpu else cluster.shared_gpu_bandwidth
+        return load.busiest / rate + hops
     if cluster.shm_bandwidth and cluster.one_node(devices) and load.busiest >= SHM_MIN_BYTES:
         return load.busiest / cluster.shm_bandwidth + hops
     return (load.busiest + load.fill) / cluster.bandwidth(devices) + hops

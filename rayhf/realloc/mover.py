@@ -73,10 +73,13 @@ class WeightMover(Protocol):
 class TransferGroupMover:
     """Slices move directly between the actors that hold and need them, relayed from replica to
     replica (``relay=False``: every replica gets its slices from a source rank), through shared
-    memory between processes of one host (``shm=False``: over the transfer group's sockets)."""
+    memory between processes of one host (``shm=False``: over the transfer group's sockets),
+    and with ``ipc`` between processes on one GPU through its memory."""
 
-    def __init__(self, relay: bool = True, wait: Wait = ray_get_all, shm: bool = True) -> None:
-        self.relay, self.wait, self.shm = relay, wait, shm
+    def __init__(
+        self, relay: bool = True, wait: Wait = ray_get_all, shm: bool = True, ipc: bool = False
+    ) -> None:
+        self.relay, self.wait, self.shm, self.ipc = relay, wait, shm, ipc
         self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
@@ -108,7 +111,7 @@ class TransferGroupMover:
                     g,
                     r,
                     g.actors[r].join_transfer_group.remote(
-                        name, address, i, len(ranks), shared, self.shm
+                        name, address, i, len(ranks), shared, self.shm, self.ipc
                     ),
                 )
                 for i, (g, r) in enumerate(ranks)

@@ -82,11 +82,13 @@ def _unlink(paths: list[Path]) -> None:
 class Segments:
     """This rank's outgoing segment in one transfer group, and its peers' that it reads."""
 
-    def __init__(self, token: str, rank: int) -> None:
+    def __init__(self, token: str, rank: int, marker: bool = True) -> None:
+        """``marker``: leave the file by which peers on this host find this rank."""
         self.token, self.rank, self.pid = token, rank, os.getpid()
         self.marker = _path(token, rank, self.pid, 0)
-        self.marker.touch()
-        self._owned = [self.marker]
+        if marker:
+            self.marker.touch()
+        self._owned = [self.marker] if marker else []
         self._finalizer = weakref.finalize(self, _unlink, self._owned)
         self.generation, self.offset = 0, 0
         self.segment = torch.empty(0, dtype=torch.uint8)
@@ -105,20 +107,17 @@ class Segments:
         self.offset = 0
         if n_bytes <= self.segment.numel():
             return
-        old = _path(self.token, self.rank, self.pid, self.generation)
         self.generation += 1
-        path = _path(self.token, self.rank, self.pid, self.generation)
-        self._owned.append(path)
-        self.segment = torch.from_file(str(path), shared=True, size=n_bytes, dtype=torch.uint8)
+        self.segment = self._allocate(n_bytes)
         if self.generation > 1:
-            _unlink([old])
-            self._owned.remove(old)
+            self._retire(self.generation - 1)
 
     def put(self, message: Parts) -> torch.Tensor:
         """Copy ``message`` into the segment; returns the header its peer needs to find it."""
         n = message.nbytes
         assert self.offset + n <= self.segment.numel(), "a move sends more than it reserved"
         self._copy(self.segment, self.offset, message, out=False)
+        self._written()
         header = torch.tensor([self.rank, self.generation, self.offset], dtype=torch.int64)
         self.offset += padded(n)
         return header
@@ -130,10 +129,35 @@ class Segments:
         if key not in self._peers:
             for old in [k for k in self._peers if k[0] == owner]:
                 del self._peers[old]
-            path = _path(self.token, owner, self._pids[owner], generation)
-            size = path.stat().st_size
-            self._peers[key] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            self._peers[key] = self._open(owner, generation)
         self._copy(self._peers[key], offset, message, out=True)
+        self._read()
+
+    # Where segments live: files in /dev/shm here; ``rayhf.realloc.cuda_ipc`` keeps them on a GPU.
+
+    def _allocate(self, n_bytes: int) -> torch.Tensor:
+        """This rank's segment of the current generation."""
+        path = _path(self.token, self.rank, self.pid, self.generation)
+        self._owned.append(path)
+        return torch.from_file(str(path), shared=True, size=n_bytes, dtype=torch.uint8)
+
+    def _retire(self, generation: int) -> None:
+        """Drop this rank's segment of an older generation."""
+        old = _path(self.token, self.rank, self.pid, generation)
+        _unlink([old])
+        self._owned.remove(old)
+
+    def _open(self, owner: int, generation: int) -> torch.Tensor:
+        """A peer's segment of ``generation``."""
+        path = _path(self.token, owner, self._pids[owner], generation)
+        size = path.stat().st_size
+        return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+    def _written(self) -> None:
+        """A message is in the segment: its peer may read it once the header is sent."""
+
+    def _read(self) -> None:
+        """A message is out of a peer's segment: its owner may overwrite it next move."""
 
     @staticmethod
     def _copy(segment: torch.Tensor, offset: int, message: Parts, out: bool) -> None:

@@ -8,7 +8,8 @@ with two ranks on one GPU ("Duplicate GPU detected"), which is what role groups 
 same GPUs are: their groups run gloo, each GPU slice staged through host memory. (Ray's
 ``ray.util.collective`` gloo groups reuse the process's default torch world, which our actors
 already own for their layout; see docs/decisions/.) Between members on one host, a gloo
-group's large messages go through shared memory instead of its sockets (``shm.py``).
+group's large messages go through shared memory instead of its sockets (``shm.py``), and with
+``ipc`` between members on one GPU through its memory (``cuda_ipc.py``).
 
 Both sides of a hop walk the same transfers of a stream in the same order, so they cut the same
 buckets (at most ``bucket_bytes``) and the same messages (at most ``CHUNK_BYTES`` of a bucket);
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rayhf.parallel.groups import STORE_TIMEOUT
-from rayhf.realloc import shm
+from rayhf.realloc import cuda_ipc, shm
 from rayhf.realloc.plan import CHUNK_BYTES, SHM_MIN_BYTES, Transfer
 
 
@@ -61,7 +62,7 @@ class TransferGroup:
     """A process group over ``size`` actors that meet through ``store`` (one of its own:
     ``rayhf.parallel.groups.host_store``). With ``same_host`` (and gloo), messages of
     ``shm_min_bytes`` or more between members that share this host's ``/dev/shm`` travel
-    through it."""
+    through it, or with ``ipc`` between members on one GPU through a segment on it."""
 
     def __init__(
         self,
@@ -72,7 +73,10 @@ class TransferGroup:
         shared_devices: bool = False,
         same_host: bool = True,
         shm_min_bytes: int = SHM_MIN_BYTES,
+        ipc: bool = False,
+        sharing: cuda_ipc.Sharing | None = None,
     ) -> None:
+        """``sharing``: how GPU segments are made and opened (CUDA IPC unless a test says)."""
         self.rank, self.size = rank, size
         self.pg: Any
         # GPU tensors through host memory: the members share GPUs, so NCCL cannot join them
@@ -80,12 +84,54 @@ class TransferGroup:
         self.shm: shm.Segments | None = None
         self.local: set[int] = set()  # peers whose messages go through shared memory
         self.shm_min_bytes, self.shm_messages = shm_min_bytes, 0  # the latter: sent so far
+        self.gpus: dict[int, str] = {}  # with ipc: each local member's GPU, when it has one
+        self.ipc: cuda_ipc.DeviceSegments | None = None
+        self.ipc_messages = 0  # sent through GPU segments so far
         if device.startswith("cuda") and not shared_devices:
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009 (CUDA builds only)
             self.pg = nccl(store, rank, size)
             return
         self.pg = dist.ProcessGroupGloo(store, rank, size, STORE_TIMEOUT)
         self._meet(store, same_host and shm.available())
+        if ipc and self.shm is not None:
+            if sharing is None and cuda_ipc.available(torch.device(device)):
+                sharing = cuda_ipc.cuda_sharing(torch.device(device))
+            self._meet_gpus(store, "" if sharing is None else sharing.gpu)
+            if sharing is not None:
+                self.ipc = cuda_ipc.DeviceSegments(self.shm.token, rank, store, sharing)
+
+    def _meet_gpus(self, store: Any, gpu: str) -> None:
+        """Which local members share this rank's GPU (each says which it has, or none)."""
+        store.set(f"gpu/{self.rank}", gpu)
+        for peer in sorted(self.local | {self.rank}):
+            self.gpus[peer] = store.get(f"gpu/{peer}").decode()
+
+    def same_gpu(self, a: int, b: int) -> bool:
+        """Whether members ``a`` and ``b`` exchange messages through GPU segments."""
+        return (
+            self.ipc is not None and bool(self.gpus.get(a)) and self.gpus.get(a) == self.gpus.get(b)
+        )
+
+    def _segments(self, peer: int) -> shm.Segments:
+        """Where this rank puts a message for ``peer`` (and reads one ``peer`` put)."""
+        if self.same_gpu(self.rank, peer):
+            assert self.ipc is not None
+            return self.ipc
+        assert self.shm is not None
+        return self.shm
+
+    def get(self, header: torch.Tensor, message: shm.Parts) -> None:
+        """Copy out the message ``header`` locates: in its owner's GPU segment if the owner
+        shares this rank's GPU, else in its shared-memory segment."""
+        self._segments(int(header[0])).get(header, message)
+
+    def passes_header(self, received: Any, message: Message, peer: int) -> bool:
+        """Whether a relay of ``message`` (``received``: its receive, done) to ``peer`` sends
+        only where it lies: ``peer`` reads it where its owner put it for this rank."""
+        if not (isinstance(received, _FromSegment) and isinstance(message, shm.Parts)):
+            return False
+        owner = int(received.header[0])
+        return self.same_gpu(owner, peer) == self.same_gpu(owner, self.rank)
 
     def _meet(self, store: Any, use_shm: bool) -> None:
         """Find the members that share this host's /dev/shm (every member says whether it
@@ -111,24 +157,30 @@ class TransferGroup:
 
     def begin(self, outgoing: list[tuple[int, Message]]) -> None:
         """Start a move in which this rank sends these (peer, message)s."""
-        if self.shm is not None:
-            self.shm.reserve(sum(shm.padded(m.nbytes) for _, m in outgoing
-                                 if isinstance(m, shm.Parts)))  # fmt: skip
+        sizes: dict[int, int] = {}  # id of the segments -> bytes this move puts there
+        for peer, m in outgoing:
+            if isinstance(m, shm.Parts):
+                key = id(self._segments(peer))
+                sizes[key] = sizes.get(key, 0) + shm.padded(m.nbytes)
+        for segments in (self.shm, self.ipc):
+            if segments is not None:
+                segments.reserve(sizes.get(id(segments), 0))
 
     def isend(self, message: Message, peer: int, tag: int):
         if isinstance(message, shm.Parts):
-            assert self.shm is not None
-            self.shm_messages += 1
-            return self.pg.send([self.shm.put(message)], peer, tag)
+            if self.same_gpu(self.rank, peer):
+                self.ipc_messages += 1
+            else:
+                self.shm_messages += 1
+            return self.pg.send([self._segments(peer).put(message)], peer, tag)
         if self.staged and message.is_cuda:
             message = message.cpu()  # gloo's work keeps the host copy alive until it is sent
         return self.pg.send([message], peer, tag)
 
     def irecv(self, message: Message, peer: int, tag: int):
         if isinstance(message, shm.Parts):
-            assert self.shm is not None
             header = torch.empty(3, dtype=torch.int64)
-            return _FromSegment(self.pg.recv([header], peer, tag), header, self.shm, message)
+            return _FromSegment(self.pg.recv([header], peer, tag), header, self, message)
         if not (self.staged and message.is_cuda):
             return self.pg.recv([message], peer, tag)
         host = torch.empty(message.shape, dtype=message.dtype, pin_memory=True)
@@ -137,14 +189,15 @@ class TransferGroup:
     def forward(self, received: Any, message: Message, peer: int, tag: int):
         """Relay ``message``, which ``received`` (an ``irecv``'s work) brought, to ``peer``: a
         message that came through shared memory goes on as its header (``peer`` shares the
-        owner's host: it shares this one)."""
-        if isinstance(received, _FromSegment) and isinstance(message, shm.Parts):
+        owner's host: it shares this one; ``passes_header``)."""
+        if self.passes_header(received, message, peer):
             return self.pg.send([received.header], peer, tag)
         return self.isend(message, peer, tag)
 
     def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
+        for segments in (self.shm, self.ipc):
+            if segments is not None:
+                segments.close()
 
 
 class _Staged:
@@ -163,15 +216,15 @@ class _FromSegment:
     copy it out (a relay passes the header on in between, so the next rank copies alongside)."""
 
     def __init__(
-        self, work: Any, header: torch.Tensor, segments: shm.Segments, target: shm.Parts
+        self, work: Any, header: torch.Tensor, group: TransferGroup, target: shm.Parts
     ) -> None:
-        self.work, self.header, self.segments, self.target = work, header, segments, target
+        self.work, self.header, self.group, self.target = work, header, group, target
 
     def wait(self) -> None:
         self.work.wait()
 
     def land(self) -> None:
-        self.segments.get(self.header, self.target)
+        self.group.get(self.header, self.target)
 
 
 def buckets(transfers: list[Transfer], bucket_bytes: int = BUCKET_BYTES) -> list[list[Transfer]]:
@@ -399,7 +452,7 @@ def recv_all(
             (m, stream), landing = i.key, i.bucket
             # what only passes a header on need not wait for this rank's own copy
             later = isinstance(work, _FromSegment) and all(
-                isinstance(msg, shm.Parts) for _, msg in relays
+                group.passes_header(work, msg, p) for p, msg in relays
             )
             if isinstance(work, _FromSegment) and not later:
                 work.land()

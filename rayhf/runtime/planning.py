@@ -142,9 +142,10 @@ def auto_plan(
     elif searches(cfg.cluster):
         specs, profiles = profiles_for(configs, threads)
     works = planner_workloads(cfg, graph, dataset)
-    shm = cfg.driver.moves_through_shm
+    driver = cfg.driver
     plan = plan_for_run(
-        graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg), shm, device_name
-    )
+        graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg),
+        driver.moves_through_shm, device_name, driver.moves_through_ipc,
+    )  # fmt: skip
     saved.write_text(plan.to_json())
     return plan

@@ -71,8 +71,11 @@ class Session:
         self.groups: dict[str, RoleGroup] = {}  # role -> its home group (weights, optimizer)
         self.copies: dict[str, RoleGroup] = {}  # group key -> a role's group in another layout
         self.timeout_s = cfg.driver.call_timeout_s  # the longest any wait on the actors takes
-        shm = cfg.driver.moves_through_shm
-        self.mover = TransferGroupMover(wait=group_wait(self.timeout_s), shm=shm)
+        self.mover = TransferGroupMover(
+            wait=group_wait(self.timeout_s),
+            shm=cfg.driver.moves_through_shm,
+            ipc=cfg.driver.moves_through_ipc,
+        )
         self.devices: DeviceCluster | None = None
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
         self.init_realloc: ReallocStats | None = None

@@ -247,12 +247,20 @@ class RoleWorker:
         size: int,
         shared_devices: bool = False,
         shm: bool = True,
+        ipc: bool = False,
     ) -> None:
         """Join the reallocation transfer group ``name`` (made once per pair of role groups;
         ``shared_devices``: the two groups have devices in common; ``shm``: messages to members
-        on this host go through shared memory)."""
+        on this host go through shared memory; ``ipc``: those on this rank's GPU through its
+        memory)."""
         self.transfer_groups[name] = TransferGroup(
-            self._store(address), rank, size, self.spec.device, shared_devices, same_host=shm
+            self._store(address),
+            rank,
+            size,
+            self.spec.device,
+            shared_devices,
+            same_host=shm,
+            ipc=ipc,
         )
 
     def realloc_send(

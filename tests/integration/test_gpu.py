@@ -170,31 +170,39 @@ def test_role_groups_on_one_gpu_move_weights_through_host_memory():
 def test_relayed_reallocation_of_gpu_tensors_is_bit_exact_on_every_rank(tmp_path):
     """The reallocation harness with every model on the GPU: 8 processes share it, so the
     transfer group stages each message through host memory, relays forwarding what they got;
-    every destination rank's shards and gathered model equal the source's bit for bit, both
-    through pinned buffers over gloo and through the senders' shared-memory segments."""
+    every destination rank's shards and gathered model equal the source's bit for bit, through
+    pinned buffers over gloo, through the senders' shared-memory segments, and through their
+    segments on the GPU opened by CUDA IPC handle (``rayhf.realloc.cuda_ipc``)."""
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "rayhf.checks.reallocation", str(out), "--pairs", "16"]
     subprocess.run([*cmd, "--device", "cuda"], check=True, timeout=600)
     rows = json.loads(out.read_text())
     assert len(rows) == 32 and {r["device"] for r in rows} == {"cuda"}
     assert any(r["relayed"] for r in rows) and any(r["flat"] for r in rows)
-    through_shm = [r for r in rows if r["transport"] == "shm"]  # every other pair
-    assert len(through_shm) == 16 and all(r["shm_messages"] > 0 for r in through_shm)
+    through_shm = [r for r in rows if r["transport"] == "shm"]  # every third pair
+    assert len(through_shm) == 11 and all(r["shm_messages"] > 0 for r in through_shm)
+    through_ipc = [r for r in rows if r["transport"] == "ipc"]  # all 8 ranks on one GPU
+    assert len(through_ipc) == 10
+    assert all(r["ipc_messages"] > 0 and r["shm_messages"] == 0 for r in through_ipc)
+    assert any(r["relayed"] for r in through_ipc)
     for r in rows:
-        pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']})"
+        pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']}, {r['transport']})"
         assert r["bit_exact"] and r["gathered_exact"], pair
         assert r["ranks_checked"] == r["dst"][1] * r["dst"][2] * r["dst"][3], pair
 
 
-@pytest.mark.parametrize("executor", ["plain", "compiled"])
+@pytest.mark.parametrize("executor", ["plain", "compiled", "plain+ipc"])
 def test_ppo_on_one_gpu(tmp_path, executor):
     """`rayhf run` with cluster.device=cuda: every role on the one GPU in bf16 (auto), the
     reference initialised by a move from the actor, the plain (overlapped steps) or compiled
-    executor; the actor trains and every metric is finite."""
+    executor, moves through /dev/shm or CUDA IPC; the actor trains and every metric is
+    finite."""
     run = tmp_path / "run"
-    extra = ["save_every=3", f"driver.executor={executor}"]  # later overrides win
+    extra = ["save_every=3", f"driver.executor={executor.split('+')[0]}"]  # later ones win
     if executor == "compiled":
         extra.append("driver.overlap_steps=false")
+    if executor.endswith("+ipc"):
+        extra.append("driver.same_host_transport=ipc")
     proc = _run_on_gpu(run, tmp_path / "data.parquet", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -45,11 +45,17 @@ def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_pairs_move_over_gloo_and_through_shared_memory_alike(rows, family):
+def test_pairs_move_over_gloo_through_shared_memory_and_gpu_segments_alike(rows, family):
     mine = [r for r in rows if r["family"] == family]
     shm = [r for r in mine if r["transport"] == "shm"]
     gloo = [r for r in mine if r["transport"] == "gloo"]
-    assert len(shm) >= 20 and len(gloo) >= 20
-    assert all(r["shm_messages"] > 0 for r in shm), "every message of these goes through /dev/shm"
-    assert all(r["shm_messages"] == 0 for r in gloo)
+    ipc = [r for r in mine if r["transport"] == "ipc"]
+    assert min(len(shm), len(gloo), len(ipc)) >= 15
+    assert all(r["shm_messages"] > 0 and r["ipc_messages"] == 0 for r in shm), "all /dev/shm"
+    assert all(r["shm_messages"] == r["ipc_messages"] == 0 for r in gloo)
+    # ranks on the same (stand-in) GPU use its segments, the others /dev/shm, in one move
+    assert sum(r["ipc_messages"] > 0 for r in ipc) >= 10
+    both = [r for r in ipc if r["ipc_messages"] > 0 and r["shm_messages"] > 0]
+    assert len(both) >= 5
     assert sum(r["relayed"] for r in shm) >= 3, "relays forward through shared memory too"
+    assert sum(r["relayed"] for r in both) >= 3, "and across both kinds of segment"

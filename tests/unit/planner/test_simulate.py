@@ -95,6 +95,35 @@ def test_a_small_relayed_stream_fills_the_pipeline_with_itself_not_a_whole_messa
     assert fill < 6 * CHUNK_BYTES
 
 
+def test_role_groups_sharing_gpus_move_at_the_staged_speed_and_disjoint_ones_over_nvlink():
+    """NCCL refuses two ranks on one GPU, so groups whose meshes overlap stage every message
+    through host memory (priced at the speed measured for it); disjoint meshes use NVLink; on
+    one GPU with CUDA IPC, device copies. (A ``--cluster`` not at hand prices NVLink for all.)"""
+    from rayhf.planner.hardware import GPU_STAGED_BANDWIDTH, gpu_cluster
+
+    gpus = gpu_cluster(8, "NVIDIA H100 80GB HBM3")
+    assert gpus is not None
+    cost = AnalyticCost(gpus)
+    spec = public_shape("llama2-7b")
+    tp2, dp2, other = Layout((0, 1), 1, 2), Layout((0, 1), 2), Layout((2, 3), 2)
+    staged = plan_realloc(spec, tp2, dp2, cost.weight_bytes(spec))
+    busiest = max(max(staged.sent.get(d, 0), staged.received.get(d, 0)) + staged.local.get(d, 0)
+                  for d in (0, 1))  # fmt: skip
+    hops = max(1, staged.depth) * cost.cluster.link_latency
+    want = busiest / GPU_STAGED_BANDWIDTH + hops
+    assert realloc_seconds(cost, spec, tp2, dp2) == pytest.approx(want)
+    assert realloc_seconds(cost, spec, tp2, other) < want / 20, "NVLink: about 100x the rate"
+    datasheet = AnalyticCost(parse_cluster("1x8xH100"))
+    assert realloc_seconds(datasheet, spec, tp2, dp2) < want / 20
+    one, moved = Layout((0,), 1), Layout((0,), 1)
+    for ipc, rate in ((False, GPU_STAGED_BANDWIDTH), (True, 3.35e12 / 4)):
+        gpu = gpu_cluster(1, "NVIDIA H100 80GB HBM3", ipc=ipc)
+        assert gpu is not None
+        got = realloc_seconds(AnalyticCost(gpu), spec, one, moved)
+        plan = plan_realloc(spec, one, moved, cost.weight_bytes(spec))
+        assert got == pytest.approx(plan.local[0] / rate + gpu.link_latency)
+
+
 def test_a_large_move_between_emulated_devices_is_priced_at_shared_memory_speed():
     """On one host a move's large messages go through shared memory (relays pass headers on):
     the busiest device's bytes at the copy speed measured for it; a tiny model's move still

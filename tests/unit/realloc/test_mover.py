@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import rayhf.realloc.mover as mover
+from rayhf.config.driver import DriverConfig
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
@@ -76,6 +77,16 @@ def test_role_groups_sharing_a_device_are_told_so(log):
     dst = FakeGroup("ref.a", Layout((1,), 1), [FakeActor("d0", log)])
     TransferGroupMover().routes(src, dst, _spec())
     assert [e[6] for e in log if e[0] == "join"] == [True, True, True]
+    assert [e[7:] for e in log if e[0] == "join"] == [(True, False)] * 3  # shm; not CUDA IPC
+
+
+def test_moves_through_cuda_ipc_when_the_driver_says(log):
+    src, dst = _groups(log)
+    TransferGroupMover(ipc=True).routes(src, dst, _spec())
+    assert {e[8] for e in log if e[0] == "join"} == {True}
+    cfg = DriverConfig(same_host_transport="ipc")
+    assert cfg.moves_through_shm and cfg.moves_through_ipc  # shm where a peer is on another GPU
+    assert not DriverConfig().moves_through_ipc
 
 
 def test_one_transfer_group_per_pair_numbers_both_sides(log):
