@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, f"{tmp}/store", args, out)) for r in range(2)
-        ]
+        procs = [ctx.Process(target=_worker, args=(r, f"{tmp}/store", args, out)) for r in range(2)]
         for p in procs:
             p.start()
         res = out.get()
