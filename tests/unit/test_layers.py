@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel",),
     ("engines",),
     ("algorithms", "rewards"),
+    ("envs",),
     ("tasks",),
     ("realloc",),
     ("planner",),

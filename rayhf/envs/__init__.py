@@ -1,0 +1,1 @@
+"""Environments and tools for multi-turn rollouts: the sandboxed code runner (``sandbox``)."""
