@@ -1,1 +1,2 @@
-"""Environments and tools for multi-turn rollouts: the sandboxed code runner (``sandbox``)."""
+"""Environments and tools for multi-turn rollouts: the tool registry, tool-call parsing and the
+built-in tools (``tools``), and the sandboxed code runner (``sandbox``)."""
