@@ -1,0 +1,175 @@
+"""Environments and the multi-turn rollout loop: each trajectory advances on its own, so a call's
+time is set by the work, not by the slowest environment each turn.
+
+An environment is a plain Python class named ``module:Class`` in the config, made once per
+trajectory from the dataset row (its columns reach it as they reach reward functions)::
+
+    class Env:
+        def __init__(self, row: dict): ...
+        async def reset(self) -> list[dict]            # the first messages
+        async def step(self, turn: str) -> Step        # the model's turn (text) -> what follows
+
+``rollout`` drives one trajectory: generate a turn (``Generate``: prompt ids -> sampled ids and
+their log-probs), hand its text to ``step`` under a timeout, append what comes back as the chat
+template renders it (``rayhf.envs.trajectory``), until the environment says done or a budget
+(turns, tokens) runs out. A ``step`` that raises or times out ends its trajectory with a flag and
+``EnvConfig.error_reward``; the run goes on. ``rollouts`` runs many at once, at most
+``concurrency`` of them inside their environment at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
+from rayhf.errors import RayhfError
+
+# prompt ids -> (sampled ids, their log-probs, the policy version that sampled them)
+Generate = Callable[[list[int]], Awaitable[tuple[list[int], list[float], int]]]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What an environment returns for a model turn."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)  # appended before the next turn
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    async def reset(self) -> list[dict[str, Any]]: ...
+
+    async def step(self, turn: str) -> Step: ...
+
+
+class EnvConfig(BaseModel):
+    """The environment of a multi-turn generate call."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    cls: str
+    """The environment class, ``module:Class``; made from each dataset row."""
+    max_turns: int = Field(4, gt=0)
+    """Model turns a trajectory may take."""
+    max_tokens: int = Field(1024, gt=0)
+    """Tokens a trajectory may hold (prompt, turns and environment messages)."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Seconds one ``step`` (or ``reset``) may take before its trajectory ends, flagged."""
+    error_reward: float = 0.0
+    """The reward of a trajectory whose environment raised or timed out."""
+    concurrency: int = Field(64, gt=0)
+    """Trajectories inside their environment at once."""
+
+    @field_validator("cls")
+    @classmethod
+    def _module_and_class(cls, v: str) -> str:
+        if v.count(":") != 1 or not all(v.split(":")):
+            raise ValueError(f"{v!r}: write the environment class as module:Class")
+        return v
+
+
+def load_env_class(path: str) -> type:
+    """The class ``module:Class`` names; a one-line error naming what is missing."""
+    module_name, _, name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RayhfError(f"env.cls {path!r}: cannot import {module_name} ({e})") from None
+    env_cls = getattr(module, name, None)
+    if not isinstance(env_cls, type):
+        raise RayhfError(f"env.cls {path!r}: {module_name} has no class {name}")
+    for method in ("reset", "step"):
+        if not asyncio.iscoroutinefunction(getattr(env_cls, method, None)):
+            raise RayhfError(f"env.cls {path!r}: {name}.{method} must be an async method")
+    return env_cls
+
+
+@dataclass
+class Outcome:
+    """A finished trajectory: its tokens and mask, reward and what happened."""
+
+    trajectory: Trajectory
+    reward: float
+    ended: str  # "done", "turns", "tokens", "error", "timeout"
+    env_seconds: float
+    tool_calls: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+async def rollout(
+    env: Environment,
+    generate: Generate,
+    tok: Any,
+    cfg: EnvConfig,
+    gate: asyncio.Semaphore,
+    tools: list[dict[str, Any]] | None = None,
+) -> Outcome:
+    """One trajectory from ``env.reset`` to done or a budget (see the module's docstring)."""
+    env_s = 0.0
+
+    async def in_env(aw: Awaitable[Any]) -> Any:
+        nonlocal env_s
+        t0 = time.monotonic()
+        try:
+            async with gate:
+                return await asyncio.wait_for(aw, cfg.step_timeout_s)
+        finally:
+            env_s += time.monotonic() - t0
+
+    traj = Trajectory([], [], [], [], [])
+    try:
+        traj = start(tok, await in_env(env.reset()), tools)
+        while True:
+            if traj.turns >= cfg.max_turns:
+                return Outcome(traj, 0.0, "turns", env_s)
+            if len(traj.tokens) >= cfg.max_tokens:
+                return Outcome(traj, 0.0, "tokens", env_s)
+            ids, logprobs, version = await generate(traj.tokens)
+            room = cfg.max_tokens - len(traj.tokens)
+            text = add_model_turn(traj, tok, ids[:room], logprobs[:room], version)
+            result: Step = await in_env(env.step(text))
+            if result.done:
+                return Outcome(traj, result.reward, "done", env_s, info=result.info)
+            add_messages(traj, tok, result.messages)
+    except (asyncio.TimeoutError, TimeoutError):  # distinct types before Python 3.11
+        return Outcome(traj, cfg.error_reward, "timeout", env_s)
+    except RayhfError:
+        raise  # the template: a configuration error, not the environment's
+    except Exception as e:  # the environment's failure ends this trajectory, not the run
+        return Outcome(traj, cfg.error_reward, "error", env_s, info={"error": repr(e)})
+
+
+async def rollouts(
+    rows: list[dict[str, Any]],
+    generate: Generate,
+    tok: Any,
+    cfg: EnvConfig,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[Outcome]:
+    """A trajectory per row, all advancing independently; in row order."""
+    env_cls = load_env_class(cfg.cls)
+    gate = asyncio.Semaphore(cfg.concurrency)
+    jobs = [rollout(env_cls(row), generate, tok, cfg, gate, tools) for row in rows]
+    return list(await asyncio.gather(*jobs))
+
+
+def metrics(outcomes: list[Outcome]) -> dict[str, float]:
+    """Counts and means over a call's trajectories, for the run's metrics."""
+    n = max(1, len(outcomes))
+    out: dict[str, float] = {
+        "turns_mean": sum(o.trajectory.turns for o in outcomes) / n,
+        "env_seconds_mean": sum(o.env_seconds for o in outcomes) / n,
+        "reward_mean": sum(o.reward for o in outcomes) / n,
+    }
+    for ended in ("done", "turns", "tokens", "error", "timeout"):
+        out[f"ended_{ended}"] = float(sum(o.ended == ended for o in outcomes))
+    return out
