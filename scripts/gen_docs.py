@@ -43,6 +43,7 @@ AREAS = (
     "GPUs",
     "Training stages and the pipeline example",
     "Planner",
+    "Environments and tools",
 )
 _META = re.compile(r"^\*Area: (?P<area>[^·]+) · (?P<date>[^·]+) · (?P<status>.+)\*$")
 
