@@ -29,8 +29,7 @@ class _Bucket:
     flat: torch.Tensor
     params: list[torch.nn.Parameter]
     waiting: int = 0  # parameters whose gradient this backward has not finished yet
-    work: dist.Work | None = None
-    launched: bool = False
+    work: dist.Work | None = None  # its all-reduce, once launched
 
 
 @dataclass(eq=False)
@@ -42,6 +41,7 @@ class GradBuckets:
     bucket_bytes: int = BUCKET_BYTES
     buckets: list[_Bucket] = field(default_factory=list)
     armed: bool = False
+    launched: int = 0  # buckets 0..launched-1 are being reduced
     in_backward: int = 0  # buckets launched from backward, last minibatch (for tests, metrics)
 
     def __post_init__(self) -> None:
@@ -86,38 +86,35 @@ class GradBuckets:
         """The next backward is the minibatch's last: reduce buckets as they fill."""
         self.armed, self.in_backward = True, 0
         for b in self.buckets:
-            b.waiting, b.work, b.launched = len(b.params), None, False
+            b.waiting = len(b.params)
 
     def _done(self, p: torch.Tensor) -> None:
         if not self.armed:
             return
-        bucket = self.of[id(p)]
-        bucket.waiting -= 1
-        for b in self.buckets:  # launch in order: a later full bucket waits for earlier ones
-            if b.launched:
-                continue
-            if b.waiting > 0:
-                return
-            self._launch(b)
+        self.of[id(p)].waiting -= 1
+        # launch in order: a later full bucket waits for the earlier ones
+        while self.launched < len(self.buckets) and self.buckets[self.launched].waiting == 0:
+            self._launch_next()
             self.in_backward += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch_next(self) -> None:
+        b = self.buckets[self.launched]
         b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        b.launched = True
+        self.launched += 1
 
     def finish(self) -> None:
         """Launch the buckets backward did not (all of them on a rank that ran none), wait for
         every reduction and average."""
         self.armed = False
         world = dist.get_world_size(self.group)
-        for b in self.buckets:
-            if not b.launched:
-                self._launch(b)
+        while self.launched < len(self.buckets):
+            self._launch_next()
         for b in self.buckets:
             assert b.work is not None
             b.work.wait()
             b.flat.div_(world)
-            b.work, b.launched = None, False
+            b.work = None
+        self.launched = 0
 
 
 def _within(t: torch.Tensor, flat: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ where they part).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rayhf.errors import RayhfError
@@ -40,11 +40,6 @@ class Trajectory:
     messages: list[dict[str, Any]]  # the conversation as text (what the environment reads)
     tools: list[dict[str, Any]] | None = None
     turns: int = 0  # model turns so far
-    turn_starts: list[int] = field(default_factory=list)  # token index of each model turn
-
-    @property
-    def n_trained(self) -> int:
-        return sum(self.trained)
 
 
 def _render(tok: Any, messages: list[dict[str, Any]], tools: Any, gen: bool) -> str:
@@ -70,7 +65,6 @@ def add_model_turn(
     """Append the model's sampled ``ids`` as they are; returns the turn's text (its content,
     without the eos that ends it), which joins ``traj.messages`` as the assistant's message."""
     assert len(ids) == len(logprobs), "a log-prob per sampled token"
-    traj.turn_starts.append(len(traj.tokens))
     traj.tokens += ids
     traj.trained += [True] * len(ids)
     traj.logprobs += logprobs

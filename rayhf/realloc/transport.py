@@ -168,11 +168,12 @@ class TransferGroup:
 
     def isend(self, message: Message, peer: int, tag: int):
         if isinstance(message, shm.Parts):
-            if self.same_gpu(self.rank, peer):
+            segments = self._segments(peer)
+            if segments is self.ipc:
                 self.ipc_messages += 1
             else:
                 self.shm_messages += 1
-            return self.pg.send([self._segments(peer).put(message)], peer, tag)
+            return self.pg.send([segments.put(message)], peer, tag)
         if self.staged and message.is_cuda:
             message = message.cpu()  # gloo's work keeps the host copy alive until it is sent
         return self.pg.send([message], peer, tag)
