@@ -20,7 +20,6 @@ template renders it (``rayhf.envs.trajectory``), until the environment says done
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rayhf.algorithms.reward import resolve_function
 from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
 from rayhf.errors import RayhfError
 
@@ -79,14 +79,10 @@ class EnvConfig(BaseModel):
 
 def load_env_class(path: str) -> type:
     """The class ``module:Class`` names; a one-line error naming what is missing."""
-    module_name, _, name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RayhfError(f"env.cls {path!r}: cannot import {module_name} ({e})") from None
-    env_cls = getattr(module, name, None)
+    env_cls = resolve_function(path, "env.cls")  # imports it, errors naming the field
     if not isinstance(env_cls, type):
-        raise RayhfError(f"env.cls {path!r}: {module_name} has no class {name}")
+        raise RayhfError(f"env.cls {path!r}: not a class")
+    name = env_cls.__name__
     for method in ("reset", "step"):
         if not asyncio.iscoroutinefunction(getattr(env_cls, method, None)):
             raise RayhfError(f"env.cls {path!r}: {name}.{method} must be an async method")

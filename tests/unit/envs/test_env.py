@@ -142,8 +142,9 @@ def test_trajectories_advance_without_waiting_for_each_other():
 @pytest.mark.parametrize(
     ("cls", "says"),
     [
-        ("no_such_module_xyz:Env", "cannot import no_such_module_xyz"),
-        (f"{__name__}:Missing", "has no class Missing"),
+        ("no_such_module_xyz:Env", "cannot import 'no_such_module_xyz:Env'"),
+        (f"{__name__}:Missing", "has no attribute 'Missing'"),
+        (f"{__name__}:_agent", "not a class"),
         (f"{__name__}:SyncEnv", "SyncEnv.reset must be an async method"),
     ],
 )
