@@ -155,7 +155,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x [n, heads, dim]`` (the half-split layout Hugging Face uses), the tables cast
     to ``x``'s dtype. With a table narrower than ``dim``, the first dims rotate and the rest pass
     unchanged (partial RoPE)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:
         turned = apply_rotary(x[..., :rotary_dim], cos, sin)
@@ -250,7 +251,8 @@ def decode_attention(
     else:
         scores = _fp32_scores(torch.zeros_like(key_bias), grouped, keys_t, scale)
         scores = torch.tanh(scores / softcap) * softcap + key_bias
-    probs = scores.softmax(-1).to(values.dtype)
+    probs = scores.softmax(-1)
+    probs = probs if probs.dtype == values.dtype else probs.to(values.dtype)
     return torch.bmm(probs, values.flatten(0, 1)).view(rows, n_heads, dim)
 
 

@@ -195,13 +195,19 @@ class ShardedModel(torch.nn.Module):
         """``h`` through the linear layers ``prefix.{names}``, one output per ``sizes`` entry: one
         matmul where a generator lends them fused (``lendable``'s ``prefix.group``), or where
         the checkpoint keeps them in one weight (split after)."""
-        if self.lent is not None and f"{prefix}.{group}" in self.lent:
-            key = f"{prefix}.{group}"
-            fused = self.matmul(h, key, self.lent.get(f"{key}.bias"))
+        fused = self._lent_fused(h, f"{prefix}.{group}")
+        if fused is not None:
             return list(fused.split(sizes, dim=-1))
         outs = [self.matmul(h, f"{prefix}.{n}.weight", self.b(f"{prefix}.{n}.bias"))
                 for n in names]  # fmt: skip
         return outs if len(outs) == len(sizes) else list(outs[0].split(sizes, dim=-1))
+
+    def _lent_fused(self, h: torch.Tensor, key: str) -> torch.Tensor | None:
+        """``h`` times the fused weights a generator lends under ``key`` (with their joined
+        bias); None where none are lent."""
+        if self.lent is None or key not in self.lent:
+            return None
+        return self.matmul(h, key, self.lent.get(f"{key}.bias"))
 
     def _rope_freq(self, local: bool, device: torch.device) -> torch.Tensor:
         """The RoPE frequencies on ``device``, made once (a captured step copies nothing in)."""
@@ -282,6 +288,9 @@ class ShardedModel(torch.nn.Module):
         """Vocab-parallel lookup: rows outside this rank's range give 0, then sum over tp."""
         lo, hi = self.vocab_range
         table = self.w(embedding_name(self.spec))
+        spec = self.spec
+        if self.groups.tp_group is None and spec.embed_scale == 1.0 and spec.family != "gpt2":
+            return F.embedding(ids, table, padding_idx=self.spec.padding_idx)
         inside = (ids >= lo) & (ids < hi)
         pad = self.spec.padding_idx
         pad = pad - lo if pad is not None and lo <= pad < hi else None
@@ -305,7 +314,11 @@ class ShardedModel(torch.nn.Module):
     def _scaled(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` times ``weight``: Llama-style (normalize in fp32, cast, times the
         weight) or Gemma's (times 1 + weight in fp32, then cast)."""
-        h = F.rms_norm(x.float(), x.shape[-1:], eps=self.spec.norm_eps)
+        eps = self.spec.norm_eps
+        if x.dtype == weight.dtype == torch.float32 and not self.spec.gemma:
+            # the same rounding in one op (a decode step's 9+ norms are most of its small ops)
+            return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
+        h = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
         if self.spec.gemma:
             return (h * (1.0 + weight.float())).to(x.dtype)
         return weight * h.to(x.dtype)
@@ -399,17 +412,22 @@ class ShardedModel(torch.nn.Module):
         # this rank's heads of q, k and v (Phi-3 keeps them in one weight)
         names = ["qkv_proj"] if self.spec.family == "phi3" else list(QKV)
         sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
-        q, k, v = self._linears(h, p, names, sizes, "qkv")
-        q = q.reshape(-1, self.n_heads, d)
-        k = k.reshape(-1, self.n_kv_heads, d)
-        v = v.reshape(-1, self.n_kv_heads, d)
-        if self.spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
-            q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
         spec = self.spec
         local = spec.window_layers is None or i in spec.window_layers  # a sliding-window layer
         window = spec.sliding_window if local else None
         cos, sin = rot[local and spec.rope_inv_freq_local is not None]  # Gemma 3's local layers
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        fused = None if spec.qk_norm else self._lent_fused(h, f"{p}.qkv")
+        if fused is not None:  # q and k side by side: one rotation of both
+            qk, v = fused.split([sizes[0] + sizes[1], sizes[2]], dim=-1)
+            qk = apply_rotary(qk.reshape(-1, self.n_heads + self.n_kv_heads, d), cos, sin)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+        else:
+            q, k, v = self._linears(h, p, names, sizes, "qkv")
+            q, k = q.reshape(-1, self.n_heads, d), k.reshape(-1, self.n_kv_heads, d)
+            if spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+                q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.reshape(-1, self.n_kv_heads, d)
         out = attention(
             q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap
         ).flatten(1)
