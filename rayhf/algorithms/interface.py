@@ -88,6 +88,7 @@ class InterfaceSettings:
     algorithm: Any  # the algorithm's config model, e.g. PPOConfig
     generation: GenerationConfig
     function: str | None = None  # "module:function" for a function-valued role (rewards)
+    env: Any = None  # the experiment's ``env:`` (rayhf.envs.EnvConfig) for multi-turn calls
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Interface:
     sequence_keys: ClassVar[tuple[str, ...]] = ("seq",)  # token sequences a train call learns
     # from (the step's tokens/s counts them)
     takes_function: ClassVar[bool] = False  # may run on a function-valued role (no model)
+    needs_env: ClassVar[bool] = False  # its generate call runs the experiment's ``env:``
 
     def __init__(self, settings: InterfaceSettings) -> None:
         self.settings = settings

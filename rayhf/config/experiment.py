@@ -33,6 +33,7 @@ from rayhf.config.faults import FaultToleranceConfig
 from rayhf.data.datasets import DatasetConfig
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
+from rayhf.envs.env import EnvConfig
 from rayhf.errors import RayhfError
 from rayhf.metrics.tracker import MetricsConfig
 from rayhf.models.hf import ModelInit
@@ -165,6 +166,8 @@ class ExperimentConfig(BaseModel):
     """Call -> its backend."""
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """Recovery from dead actors and lost nodes, SIGTERM, injected faults."""
+    env: EnvConfig | None = None
+    """The environment of a multi-turn generate call (interface ``grpo_agent``)."""
     resume: Literal["never", "auto"] = "never"
     """Auto: a run directory holding a complete checkpoint continues from it (a retried RayJob
     resumes by itself); never: such a directory is an error that names --resume."""

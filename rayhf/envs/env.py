@@ -97,7 +97,8 @@ class Outcome:
     reward: float
     ended: str  # "done", "turns", "tokens", "error", "timeout"
     env_seconds: float
-    tool_calls: int = 0
+    tool_calls: int = 0  # as the environment's steps count them (``Step.info["tool_calls"]``)
+    tool_errors: int = 0  # ``Step.info["tool_errors"]``
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -111,6 +112,7 @@ async def rollout(
 ) -> Outcome:
     """One trajectory from ``env.reset`` to done or a budget (see the module's docstring)."""
     env_s = 0.0
+    calls = {"tool_calls": 0, "tool_errors": 0}
 
     async def in_env(aw: Awaitable[Any]) -> Any:
         nonlocal env_s
@@ -121,27 +123,32 @@ async def rollout(
         finally:
             env_s += time.monotonic() - t0
 
+    def end(reward: float, ended: str, info: dict[str, Any] | None = None) -> Outcome:
+        return Outcome(traj, reward, ended, env_s, info=info or {}, **calls)
+
     traj = Trajectory([], [], [], [], [])
     try:
         traj = start(tok, await in_env(env.reset()), tools)
         while True:
             if traj.turns >= cfg.max_turns:
-                return Outcome(traj, 0.0, "turns", env_s)
+                return end(0.0, "turns")
             if len(traj.tokens) >= cfg.max_tokens:
-                return Outcome(traj, 0.0, "tokens", env_s)
+                return end(0.0, "tokens")
             ids, logprobs, version = await generate(traj.tokens)
             room = cfg.max_tokens - len(traj.tokens)
             text = add_model_turn(traj, tok, ids[:room], logprobs[:room], version)
             result: Step = await in_env(env.step(text))
+            for key in calls:
+                calls[key] += int(result.info.get(key, 0))
             if result.done:
-                return Outcome(traj, result.reward, "done", env_s, info=result.info)
+                return end(result.reward, "done", result.info)
             add_messages(traj, tok, result.messages)
     except (asyncio.TimeoutError, TimeoutError):  # distinct types before Python 3.11
-        return Outcome(traj, cfg.error_reward, "timeout", env_s)
+        return end(cfg.error_reward, "timeout")
     except RayhfError:
         raise  # the template: a configuration error, not the environment's
     except Exception as e:  # the environment's failure ends this trajectory, not the run
-        return Outcome(traj, cfg.error_reward, "error", env_s, info={"error": repr(e)})
+        return end(cfg.error_reward, "error", {"error": repr(e)})
 
 
 async def rollouts(

@@ -21,6 +21,7 @@ from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
 from rayhf.engines.config import check_kind
 from rayhf.engines.deepspeed_trainer import check_deepspeed
 from rayhf.engines.vllm_generator import check_vllm
+from rayhf.envs.env import load_env_class
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
@@ -189,7 +190,10 @@ def role_spec(config: Any, cfg: ExperimentConfig, role: str) -> ModelSpec:
 
 
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
-    """Interfaces exist and fit the algorithm; function-valued roles only score."""
+    """Interfaces exist and fit the algorithm; function-valued roles only score; the ``env:``
+    class imports and has async ``reset`` and ``step``."""
+    if cfg.env is not None:
+        load_env_class(cfg.env.cls)
     for c in graph.calls:
         iface = INTERFACES.get(c.interface)
         if iface is None:
@@ -203,6 +207,11 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
                 f"graph '{graph.name}': call '{c.name}' (interface {c.interface}) needs "
                 f"algorithm.name: {needs.model_fields['name'].default}, the config has "
                 f"'{cfg.algorithm.name}'"
+            )
+        if iface.needs_env and cfg.env is None:
+            raise RayhfError(
+                f"graph '{graph.name}': call '{c.name}' (interface {c.interface}) runs an "
+                "environment: add an `env:` section naming its class (env.cls: module:Class)"
             )
         if cfg.models[c.role].function is not None and not iface.takes_function:
             raise RayhfError(

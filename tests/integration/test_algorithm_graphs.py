@@ -132,3 +132,36 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
             assert m["eval/pass@1"] <= m["eval/task_reward"] + 1e-6  # a score of 1 counts only
     trained = next(p for p in result.final_checkpoint.iterdir() if (p / "config.json").exists())
     assert trained.name in ("actor", "reward")
+
+
+@pytest.mark.ray
+def test_multi_turn_grpo_runs_on_the_shared_runtime(ray_cluster, tmp_path):
+    """A calculator environment's trajectories train on the runtime: the loss sees the model's
+    tokens only (the step's loss-masked share), and the environment's metrics are logged."""
+    from conftest import tiny_overrides
+
+    from rayhf.tasks.calculator import build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    ov = tiny_overrides(tmp_path / "run", **{
+        "graph": "graphs/grpo_agent.yaml",
+        "tokenizer": {"path": str(tmp_path / "tok")},
+        "dataset.path": str(tmp_path / "data" / "calc.parquet"),
+        "dataset.max_prompt_len": 32,
+        "dataset_builder": "rayhf.tasks.calculator:make_dataset",
+        "env": {"cls": "rayhf.tasks.calculator:CalculatorEnv", "max_turns": 3, "max_tokens": 500},
+        "generation.max_new_tokens": 12,
+        "models": {"actor": {"init": {"family": "qwen2", "hidden_size": 32, "n_layers": 1,
+                                      "n_heads": 2, "n_kv_heads": 1, "max_positions": 512}},
+                   "ref": {"init_from": "actor"}},
+        "cluster.n_devices": 1,
+    })  # fmt: skip
+    cfg = _cfg("grpo", **ov)
+    result = rayhf.run(cfg)
+    rows = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        # a random model never answers: every trajectory runs its 3 turns, each turn followed by
+        # the environment's nudge, so its response holds model and environment tokens
+        assert m["turns"] == 3 and m["ended_turns"] == 1
+        assert 0.0 <= m["generator_idle"] < 1.0 and m["logprob_mismatch"] < 1e-3

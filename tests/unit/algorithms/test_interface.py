@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-import rayhf.algorithms  # noqa: F401  (importing registers every interface)
+import rayhf.algorithms  # importing registers every interface
+import rayhf.envs.agent  # noqa: F401  (and the multi-turn one)
 from rayhf.algorithms import interface as iface_mod
 from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
@@ -29,6 +30,7 @@ CONFIG_OF = {
     "ppo_actor": PPOConfig,
     "ppo_critic": PPOConfig,
     "grpo_actor": GRPOConfig,
+    "grpo_agent": GRPOConfig,  # rayhf.envs.agent, registered on importing rayhf.runtime
     "remax_actor": ReMaxConfig,
     "dpo": DPOConfig,
     "rm": RMConfig,

@@ -1,0 +1,88 @@
+"""The calculator task: multiply two numbers with a tool, over several turns.
+
+A row asks for a product of two 2-3 digit numbers (``{"prompt": "What is 37 * 412?", "answer":
+15244}``). The environment (``CalculatorEnv``, named ``rayhf.tasks.calculator:CalculatorEnv``
+in a config's ``env.cls``) offers the calculator tool; each model turn is either
+
+- tool calls (Hermes ``<tool_call>`` JSON): each call's result comes back as a ``tool``
+  message, and the model takes another turn;
+- a final answer, ``Answer: <number>``: the trajectory ends with its reward;
+- neither: a user message says how to go on, and the model takes another turn.
+
+The reward is 1 only for the right answer that a calculator result in the same trajectory
+showed, else 0. So the degenerate behaviours score 0: no call (an answer, however right, that no
+tool result showed), the same call repeated (never an answer: the turn budget ends it), an
+answer that copies a wrong result, text that is neither call nor answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from rayhf.data.datasets import write_rows
+from rayhf.envs.env import Step
+from rayhf.envs.tools import CALCULATOR, ToolRegistry, parse_tool_calls
+from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
+
+ANSWER = re.compile(r"answer:\s*(-?\d+)", re.IGNORECASE)
+NUDGE = "Call the calculator, or reply with Answer: <number>."
+
+
+def make_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows ``{"prompt", "answer"}``, a pure function of ``seed``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        rows.append({"prompt": f"What is {a} * {b}?", "answer": a * b})
+    return rows
+
+
+def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400) -> Any:
+    """A ChatML byte-level BPE tokenizer (tools section in its template) trained on the task's
+    own conversations: questions, the calculator's schema, calls, results, answers."""
+    texts = []
+    schema = json.dumps(CALCULATOR.schema())
+    for r in make_rows(256, 1):
+        call = {"name": "calculator", "arguments": {"expression": r["prompt"][8:-1]}}
+        result = f"<tool_response>\n{r['answer']}\n</tool_response>"
+        texts += [r["prompt"], schema, f"<tool_call>{json.dumps(call)}</tool_call>", NUDGE,
+                  result, f"Answer: {r['answer']}"]  # fmt: skip
+    return train_bpe_tokenizer(texts, vocab_size, out_dir, chat_format=CHATML)
+
+
+def make_dataset(path: str | Path, n: int = 256, seed: int = 0) -> Path:
+    """Write ``make_rows(n, seed)`` to ``path`` (.parquet or .jsonl) and return the path."""
+    return write_rows(make_rows(n, seed), path)
+
+
+class CalculatorEnv:
+    """One trajectory of the calculator task (see the module's docstring)."""
+
+    tools = (CALCULATOR,)
+    registry = ToolRegistry(list(tools))
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.question, self.answer = str(row["prompt"]), int(row["answer"])
+        self.shown: set[str] = set()  # what the calculator said back
+
+    async def reset(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": self.question}]
+
+    async def step(self, turn: str) -> Step:
+        calls = parse_tool_calls(turn, "hermes")
+        if calls:
+            results = [self.registry.call(c) for c in calls]
+            self.shown |= {r.content.strip() for r in results if not r.error}
+            errors = sum(r.error for r in results)
+            return Step([{"role": "tool", "content": r.content} for r in results],
+                        info={"tool_calls": len(calls), "tool_errors": errors})  # fmt: skip
+        said = ANSWER.search(turn)
+        if said is None:
+            return Step([{"role": "user", "content": NUDGE}])
+        right = int(said.group(1)) == self.answer and said.group(1) in self.shown
+        return Step(reward=float(right), done=True)
