@@ -25,7 +25,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -66,6 +66,23 @@ class GenerateOutput:
     tokens: list[list[int]] = field(default_factory=list)  # response tokens, EOS included
     logprobs: list[list[float]] = field(default_factory=list)  # one per response token
     finished: list[bool] = field(default_factory=list)  # True if the row ended with EOS
+
+
+class Feed(Protocol):
+    """Prompts that join a generate call while it decodes (continuous batching across callers,
+    e.g. multi-turn trajectories whose next turn is ready), and where each response goes as
+    soon as its row ends. The call's own prompts are indices ``0..n-1``; fed ones follow."""
+
+    rows: int  # slots the call keeps (the callers that may be waiting at once)
+    longest: int  # the longest prompt that may be fed (sizes the KV cache)
+
+    def more(self, free: int, max_len: int) -> list[list[int]]:
+        """Up to ``free`` waiting prompts of at most ``max_len`` tokens (without blocking)."""
+        ...
+
+    def ended(self, index: int, tokens: list[int], logprobs: list[float], finished: bool):
+        """Prompt ``index``'s response (EOS included when ``finished``)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -207,12 +224,20 @@ def cut_at_eos(tokens: Tensor, logprobs: Tensor, eos_token_id: int) -> GenerateO
     """Keep each row up to and including its first EOS."""
     out = GenerateOutput()
     for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist(), strict=True):
-        ended = eos_token_id in row_tokens
-        n = row_tokens.index(eos_token_id) + 1 if ended else len(row_tokens)
-        out.tokens.append(row_tokens[:n])
-        out.logprobs.append(row_logprobs[:n])
+        t, lp, ended = cut_row(row_tokens, row_logprobs, eos_token_id)
+        out.tokens.append(t)
+        out.logprobs.append(lp)
         out.finished.append(ended)
     return out
+
+
+def cut_row(
+    tokens: list[int], logprobs: list[float], eos_token_id: int
+) -> tuple[list[int], list[float], bool]:
+    """One row up to and including its first EOS, and whether it has one."""
+    ended = eos_token_id in tokens
+    n = tokens.index(eos_token_id) + 1 if ended else len(tokens)
+    return tokens[:n], logprobs[:n], ended
 
 
 def generate(

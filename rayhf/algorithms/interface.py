@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel
 
 from rayhf.data.batch import PackedBatch
-from rayhf.sampling import GenerateOutput, GenerationConfig
+from rayhf.sampling import Feed, GenerateOutput, GenerationConfig
 
 # per sample a generate call made: the step whose update made the weights that sampled it
 VERSION_EXTRA = "policy_version"
@@ -51,7 +51,7 @@ class ModelEngine(Protocol):
     ) -> torch.Tensor: ...
 
     def generate(
-        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int, feed: Feed | None = ...
     ) -> GenerateOutput: ...
 
     def train(

@@ -24,7 +24,7 @@ from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import LossFn, Weight, response_tokens
-from rayhf.sampling import GenerateOutput, GenerationConfig
+from rayhf.sampling import Feed, GenerateOutput, GenerationConfig
 
 
 class Generator(Protocol):
@@ -111,10 +111,19 @@ class CallEngine:
         assert self.model is not None, "score on a role without a model"
         return self.model.score(input_ids, attention_mask, targets, temperature)
 
+    @property
+    def streams(self) -> bool:
+        """Whether the call's generator takes a ``Feed``."""
+        return bool(getattr(self.generator, "streams", False))
+
     def generate(
-        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int, feed: Feed | None = None
     ) -> GenerateOutput:
+        """The call's responses; a ``feed`` reaches a generator that streams (the native one),
+        others answer the given prompts only."""
         assert self.generator is not None, "generate outside a generate call"
+        if feed is not None and self.streams:
+            return self.generator.generate(prompts, cfg, seed, feed)  # type: ignore[call-arg]
         return self.generator.generate(prompts, cfg, seed)
 
     def train(

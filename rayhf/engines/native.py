@@ -10,7 +10,7 @@ import torch.distributed as dist
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.rank_model import RankModel
 from rayhf.parallel.decode import DecodeEngine, DecodeOptions
-from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, check_prompts
+from rayhf.sampling import DecodeRules, Feed, GenerateOutput, GenerationConfig, check_prompts
 
 
 def decode_options(engine: EngineConfig | None, model: RankModel) -> DecodeOptions:
@@ -35,14 +35,17 @@ class NativeGenerator:
         self.engine = DecodeEngine(model.pipe, decode_options(engine, model))
         self.release_memory = engine is not None and engine.release_memory
 
+    streams = True  # takes a ``Feed`` (rayhf.sampling): prompts join while it decodes
+
     def generate(
-        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
+        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int, feed: Feed | None = None
     ) -> GenerateOutput:
         if not prompts:
             return GenerateOutput()
         check_prompts(prompts)
         m = self.model
-        out = self.engine.generate(prompts, DecodeRules.of(cfg, m.eos_id, m.pad_id), seed)
+        rules = DecodeRules.of(cfg, m.eos_id, m.pad_id)
+        out = self.engine.generate(prompts, rules, seed, feed)
         if self.release_memory:
             self.engine.release()
         return out

@@ -62,7 +62,9 @@ def agent_batch(
     seed = ctx.seed * 100_003 + ctx.step * 101 + ctx.dp_rank
 
     async def run() -> tuple[list[Outcome], float]:
-        async with ArrivalBatcher(engine, cfg, version=ctx.step, seed=seed) as generate:
+        batcher = ArrivalBatcher(engine, cfg, ctx.step, seed=seed, rows=len(rows),
+                                 longest=env.max_tokens)  # fmt: skip
+        async with batcher as generate:
             outcomes = await rollouts(rows, generate, tok, env, tools)
         return outcomes, generate.busy_seconds
 

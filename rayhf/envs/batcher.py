@@ -1,6 +1,7 @@
 """One generator serving many trajectories: every ``Generate`` request waiting when a batch
-starts joins it, so no trajectory waits for another's environment (a request that arrives
-while a batch decodes goes into the next one).
+starts joins it, so no trajectory waits for another's environment; a request that arrives
+while a batch decodes joins that call at its next look at the rows when the generator streams
+(the native one: continuous batching), else the next call.
 
     async with ArrivalBatcher(generator, cfg) as generate:
         outcomes = await rollouts(rows, generate, tok, env_cfg)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from typing import Any, Protocol
 
@@ -27,7 +29,12 @@ class Generator(Protocol):
 
 
 class ArrivalBatcher:
-    """``await batcher(prompt_ids) -> (ids, logprobs, version)`` over one generator."""
+    """``await batcher(prompt_ids) -> (ids, logprobs, version)`` over one generator.
+
+    A generator that ``streams`` (the native one) also takes requests that arrive while it
+    decodes: they join its call at its next look at the rows (``rayhf.sampling.Feed``), and
+    each answer goes back as soon as its row ends. ``rows`` and ``longest`` size such a call
+    (the trajectories that may wait at once, the longest prompt one may send)."""
 
     def __init__(
         self,
@@ -36,10 +43,14 @@ class ArrivalBatcher:
         version: int = 0,
         max_batch: int = 256,
         seed: int = 0,
+        rows: int | None = None,
+        longest: int = 0,
     ) -> None:
         self.generator, self.cfg, self.version = generator, cfg, version
         self.max_batch, self.seed = max_batch, seed
+        self.rows, self.longest = rows or max_batch, longest
         self.waiting: list[tuple[list[int], asyncio.Future[Any]]] = []
+        self.lock = threading.Lock()  # ``waiting`` is also taken from the decoding thread
         self.busy_seconds, self.batches = 0.0, 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -58,31 +69,72 @@ class ArrivalBatcher:
     async def __call__(self, prompt: list[int]) -> tuple[list[int], list[float], int]:
         assert self._wake is not None, "use the batcher in `async with`"
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.waiting.append((prompt, future))
+        with self.lock:
+            self.waiting.append((prompt, future))
         self._wake.set()
         result: tuple[list[int], list[float], int] = await future
         return result
 
     async def _serve(self) -> None:
         assert self._wake is not None
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.waiting:
-                batch, self.waiting = self.waiting[: self.max_batch], self.waiting[self.max_batch :]
-                prompts = [p for p, _ in batch]
+            while True:
+                with self.lock:
+                    batch = self.waiting[: self.max_batch]
+                    self.waiting = self.waiting[self.max_batch :]
+                if not batch:
+                    break
+                feed = _Feed(self, loop, [f for _, f in batch])
                 start = time.monotonic()
                 try:
-                    out = await asyncio.to_thread(
-                        self.generator.generate, prompts, self.cfg, self.seed + self.batches
-                    )
+                    out = await asyncio.to_thread(self._generate, [p for p, _ in batch], feed)
                 except Exception as e:  # every waiting trajectory sees the generator's failure
-                    for _, f in batch:
-                        f.set_exception(e)
+                    for f in feed.futures:
+                        if not f.done():
+                            f.set_exception(e)
                     continue
                 finally:
                     self.busy_seconds += time.monotonic() - start
                     self.batches += 1
-                for i, (_, f) in enumerate(batch):
-                    if not f.cancelled():
-                        f.set_result((out.tokens[i], out.logprobs[i], self.version))
+                for i, f in enumerate(feed.futures):
+                    _resolve(f, (out.tokens[i], out.logprobs[i], self.version))
+
+    def _generate(self, prompts: list[list[int]], feed: _Feed) -> GenerateOutput:
+        seed = self.seed + self.batches
+        if getattr(self.generator, "streams", False):
+            return self.generator.generate(prompts, self.cfg, seed, feed)  # type: ignore[call-arg]
+        return self.generator.generate(prompts, self.cfg, seed)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():  # cancelled, or answered already as its row ended
+        future.set_result(value)
+
+
+class _Feed:
+    """The batcher's waiting requests as a ``rayhf.sampling.Feed`` of one generate call (its
+    methods run on the decoding thread)."""
+
+    def __init__(
+        self, batcher: ArrivalBatcher, loop: asyncio.AbstractEventLoop, futures: list[Any]
+    ) -> None:
+        self.batcher, self.loop, self.futures = batcher, loop, futures
+        self.rows, self.longest = batcher.rows, batcher.longest
+
+    def more(self, free: int, max_len: int) -> list[list[int]]:
+        taken: list[tuple[list[int], Any]] = []
+        keep: list[tuple[list[int], Any]] = []
+        with self.batcher.lock:
+            for p, f in self.batcher.waiting:
+                (taken if len(taken) < free and len(p) <= max_len else keep).append((p, f))
+            self.batcher.waiting = keep
+        self.futures += [f for _, f in taken]
+        return [p for p, _ in taken]
+
+    def ended(self, index: int, tokens: list[int], logprobs: list[float], finished: bool):
+        del finished
+        value = (tokens, logprobs, self.batcher.version)
+        self.loop.call_soon_threadsafe(_resolve, self.futures[index], value)

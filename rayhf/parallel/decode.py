@@ -30,17 +30,19 @@ from typing import Any
 
 import torch
 
+from rayhf.errors import RayhfError
 from rayhf.parallel.attention import KVCache, TokenLayout
 from rayhf.parallel.buckets import CHECK_EVERY, cache_capacity, key_bucket, row_bucket
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.pipeline import Pipeline
 from rayhf.sampling import (
     DecodeRules,
+    Feed,
     GenerateOutput,
     GenerationConfig,
     check_prompts,
     choose,
-    cut_at_eos,
+    cut_row,
     uniforms,
 )
 
@@ -152,6 +154,17 @@ class _Row:
     started: int  # the engine's step count when its prefill chose its first token
 
 
+@dataclass
+class _Call:
+    """One generate call's prompts (growing when fed), their results so far and its rules."""
+
+    prompts: list[list[int]]
+    results: list[tuple[list[int], list[float], bool] | None]
+    rules: DecodeRules
+    seed: int
+    feed: Feed | None
+
+
 class DecodeEngine:
     """Generates on one rank's pipeline stage; keeps its buffers (and graphs) between calls
     while they fit, until ``release``."""
@@ -235,38 +248,59 @@ class DecodeEngine:
 
     # the call ----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], rules: DecodeRules, seed: int) -> GenerateOutput:
-        """One response per prompt; every rank of the pipeline returns the same output."""
+    def generate(
+        self, prompts: list[list[int]], rules: DecodeRules, seed: int, feed: Feed | None = None
+    ) -> GenerateOutput:
+        """One response per prompt; every rank of the pipeline returns the same output. With a
+        ``feed`` (pp = tp = 1), prompts it hands over at each look take free slots, every
+        response goes to it as its row ends, and the output holds the fed prompts' too."""
+        prompts = list(prompts)
         n, m = len(prompts), rules.max_new_tokens
-        device = self.model.device
-        n_slots = self._bucket(min(n, self.options.max_rows))
-        capacity = cache_capacity(max(len(p) for p in prompts), m, self._bucketed)
+        if feed is not None and self.pipe.groups.pp * self.pipe.groups.tp > 1:
+            raise RayhfError("a fed generate call (multi-turn rollouts) needs tp = pp = 1")
+        rows_wanted = n if feed is None else max(n, feed.rows)
+        longest = (
+            max(len(p) for p in prompts) if feed is None else max(feed.longest, *map(len, prompts))
+        )
+        n_slots = self._bucket(min(rows_wanted, self.options.max_rows))
+        capacity = cache_capacity(longest, m, self._bucketed)
         self._ensure(n_slots, capacity, m)
-        assert self.slots is not None
+        assert self.slots is not None and self.cache is not None
         self.slots.live.zero_()  # slots a previous call left are empty
         pointers = tuple(p.data_ptr() for p in self.model.parameters())
         if pointers != self.captured_weights:  # new storage (a release, a move): recapture
             self._forget_graphs()
             self.captured_weights = pointers
         self._lend_weights()
-        draws = uniforms(seed, torch.arange(n, device=device), m)
-        out_tokens = torch.full((n, m), rules.pad, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros(n, m, device=device)
+        results: list[tuple[list[int], list[float], bool] | None] = [None] * n
         waiting = deque(range(n))
         rows: list[_Row | None] = [None] * n_slots
+        call = _Call(prompts, results, rules, seed, feed)
         with torch.inference_mode(), self.model.lend(self.lent):
-            self._fill(rows, waiting, prompts, draws, rules)
+            self._fill(rows, waiting, call)
             while any(r is not None for r in rows):
                 b = self._bucket(max(i for i, r in enumerate(rows) if r is not None) + 1)
                 left = max(m - 1 - (self.n_steps - r.started) for r in rows if r is not None)
                 for _ in range(min(CHECK_EVERY, left)):
                     self._step(rules, b, self._n_keys(rows, m))
-                self._collect(rows, b, out_tokens, out_logprobs)
+                self._collect(rows, b, call)
+                if feed is not None:
+                    free = sum(r is None for r in rows) - len(waiting)
+                    for p in feed.more(max(free, 0), self.cache.capacity - m):
+                        waiting.append(len(prompts))
+                        prompts.append(p)
+                        results.append(None)
                 if waiting:
-                    self._fill(rows, waiting, prompts, draws, rules)
+                    self._fill(rows, waiting, call)
                 elif self.options.compact:
                     self._compact(rows)
-        return cut_at_eos(out_tokens.cpu(), out_logprobs.cpu(), rules.eos)
+        out = GenerateOutput()
+        for r in results:
+            assert r is not None
+            out.tokens.append(r[0])
+            out.logprobs.append(r[1])
+            out.finished.append(r[2])
+        return out
 
     def _bucket(self, n_rows: int) -> int:
         return row_bucket(n_rows, self._bucketed)
@@ -284,8 +318,9 @@ class DecodeEngine:
         assert self.cache is not None
         return key_bucket(far + 1, self.cache.capacity, self._bucketed)
 
-    def _fill(self, rows, waiting: deque, prompts, draws: torch.Tensor, rules: DecodeRules):
+    def _fill(self, rows: list[_Row | None], waiting: deque, call: _Call) -> None:
         """Prefill waiting prompts into free slots and choose their first tokens."""
+        prompts, rules = call.prompts, call.rules
         free = [i for i, r in enumerate(rows) if r is None]
         taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
         if not taken:
@@ -313,7 +348,8 @@ class DecodeEngine:
             cache.copy_rows(dst, src, max(len(prompts[p]) for p in taken))
         idx = torch.tensor(where, device=device)
         lengths = torch.tensor([len(prompts[p]) for p in taken], device=device)
-        slots.u[idx, : rules.max_new_tokens] = draws[torch.tensor(taken, device=device)]
+        draws = uniforms(call.seed, torch.tensor(taken, device=device), rules.max_new_tokens)
+        slots.u[idx, : rules.max_new_tokens] = draws
         slots.steps[idx] = 0
         slots.live[idx] = True
         slots.positions[idx] = lengths
@@ -342,20 +378,23 @@ class DecodeEngine:
         assert self.cache is not None
         return self.pipe.step(ids, where, self.cache, last)
 
-    def _collect(self, rows, b: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor):
+    def _collect(self, rows: list[_Row | None], b: int, call: _Call) -> None:
         """The one host sync per look: rows that ended hand their outputs over."""
         assert self.slots is not None
         live = self.slots.live[:b].tolist()
         ended = [i for i in range(b) if rows[i] is not None and not live[i]]
         if not ended:
             return
-        device = self.model.device
-        idx = torch.tensor(ended, device=device)
-        prompts = torch.tensor([rows[i].prompt for i in ended], device=device)
-        m = out_tokens.shape[1]
-        out_tokens[prompts] = self.slots.out_tokens[idx, :m]
-        out_logprobs[prompts] = self.slots.out_logprobs[idx, :m]
-        for i in ended:
+        idx = torch.tensor(ended, device=self.model.device)
+        m = call.rules.max_new_tokens
+        tokens = self.slots.out_tokens[idx, :m].tolist()
+        logprobs = self.slots.out_logprobs[idx, :m].tolist()
+        for i, t, lp in zip(ended, tokens, logprobs, strict=True):
+            row = rows[i]
+            assert row is not None
+            cut = call.results[row.prompt] = cut_row(t, lp, call.rules.eos)
+            if call.feed is not None:
+                call.feed.ended(row.prompt, *cut)
             rows[i] = None
 
     def _compact(self, rows: list[_Row | None]) -> None:

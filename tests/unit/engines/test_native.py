@@ -83,3 +83,38 @@ def test_a_call_s_engine_settings_reach_its_decode_engine(hf):
     assert gen.engine.cache is None and gen.engine.slots is None  # released after the call
     compiled = NativeGenerator(model, EngineConfig(engine="native", compile=True))
     assert compiled.engine.options.compile
+
+
+class _Feed:
+    """Hands over ``later`` one prompt per look, and records what ends when."""
+
+    def __init__(self, later: list[list[int]], rows: int) -> None:
+        self.later, self.rows, self.longest = list(later), rows, 8
+        self.ended_at: list[int] = []  # prompt indices, in the order their rows ended
+        self.looks = 0
+
+    def more(self, free: int, max_len: int) -> list[list[int]]:
+        self.looks += 1
+        if not free or not self.later or self.looks < 2:  # the first look gives nothing
+            return []
+        assert len(self.later[0]) <= max_len
+        return [self.later.pop(0)]
+
+    def ended(self, index, tokens, logprobs, finished) -> None:
+        assert len(tokens) == len(logprobs) and finished == (tokens[-1] == EOS)
+        self.ended_at.append(index)
+
+
+def test_fed_prompts_join_a_running_call_and_get_what_a_plain_call_gives(hf):
+    gen = NativeGenerator(RankModel.from_hf(hf, Tok(), False))
+    cfg = GenerationConfig(max_new_tokens=12, min_new_tokens=2, temperature=1.2)
+    later = [[12, 13], [14, 15, 16, 17], [5, 6, 7]]
+    feed = _Feed(later, rows=4)
+    out = gen.generate(PROMPTS, cfg, seed=5, feed=feed)
+    plain = gen.generate(PROMPTS + later, cfg, seed=5)  # the same prompt indices, so draws
+    assert out.tokens == plain.tokens and len(out.tokens) == 6
+    for got, expected in zip(out.logprobs, plain.logprobs, strict=True):
+        assert got == pytest.approx(expected, abs=1e-5)
+    # every response went out as its row ended, the first ones before the last prompt joined
+    assert sorted(feed.ended_at) == list(range(6)) and feed.ended_at.index(5) > 0
+    assert not feed.later and feed.looks >= 4  # they joined at different looks
