@@ -220,6 +220,19 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
             )
 
 
+def _check_env_layouts(graph: Graph, plan: Plan) -> None:
+    """A call that runs an environment decodes what its trajectories send as they send it,
+    which the ranks of a tp or pp layout would have to agree on: it needs tp = pp = 1."""
+    for c in graph.calls:
+        iface = INTERFACES.get(c.interface)
+        lay = plan.layouts[c.name]
+        if iface is not None and iface.needs_env and c.kind == "generate" and lay.tp * lay.pp > 1:
+            raise RayhfError(
+                f"call '{c.name}' runs an environment, which needs tp = pp = 1 (the plan gives "
+                f"tp = {lay.tp}, pp = {lay.pp}): give it a dp-only layout in plan"
+            )
+
+
 def _model_specs(cfg: ExperimentConfig, model_dirs: dict[str, Path]) -> dict[str, ModelSpec]:
     specs = {}
     for role, path in model_dirs.items():
@@ -302,6 +315,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
         plan = auto_plan(cfg, graph, model_dirs, dataset, run_dir)
         _check_batch(cfg, plan)
     check_plan_fits(plan, graph, specs)
+    _check_env_layouts(graph, plan)
     check_engines(cfg, graph, plan, specs)
     check_staleness(cfg, graph, plan)
     for role, rc in cfg.models.items():

@@ -73,6 +73,16 @@ def prompt_tokens(cfg: ExperimentConfig, dataset: PromptDataset | None) -> int:
     return round(dataset.mean_prompt_len())
 
 
+def response_tokens(cfg: ExperimentConfig, prompt: int) -> int:
+    """Tokens a sequence holds after its prompt, as priced: ``max_new_tokens``, or with an
+    ``env:`` every turn's (``max_turns`` of them) within ``env.max_tokens``. The environment's
+    own messages and its seconds occupy no device and are not priced."""
+    new = cfg.generation.max_new_tokens
+    if cfg.env is None:
+        return new
+    return max(1, min(cfg.env.max_turns * new, cfg.env.max_tokens - prompt))
+
+
 def call_shapes(cfg: ExperimentConfig, graph: Graph) -> dict[str, WorkShape]:
     """Each call's work beyond one pass over the step's batch, as its interface runs it under
     the run's algorithm (a group of samples per prompt, epochs, a proximal forward)."""
@@ -93,9 +103,10 @@ def planner_workloads(
     recompute = {role for role, rc in cfg.models.items() if rc.activation_checkpointing}
     shapes = call_shapes(cfg, graph)
     seqs = cfg.batch_size * max((s.samples_per_prompt for s in shapes.values()), default=1)
+    prompt = prompt_tokens(cfg, dataset)
     works = workloads(
-        graph, seqs, prompt_tokens(cfg, dataset), cfg.generation.max_new_tokens,
-        minibatches, call_engines(cfg, graph), zero1, recompute,
+        graph, seqs, prompt, response_tokens(cfg, prompt), minibatches, call_engines(cfg, graph),
+        zero1, recompute,
     )  # fmt: skip
     return {
         name: dataclasses.replace(

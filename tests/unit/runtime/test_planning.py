@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 import rayhf
 from rayhf.engines.config import EngineConfig
 from rayhf.graph import load_graph
@@ -85,3 +87,24 @@ def test_a_plan_that_no_longer_fits_is_made_again_and_kept(tmp_path):
     other_graph = Plan({"train": Layout((0,), 1)}, "auto")
     (tmp_path / PLAN_FILE).write_text(other_graph.to_json())
     assert auto_plan(cfg, GRAPH, {}, None, tmp_path) == plan  # type: ignore[arg-type]
+
+
+def test_multi_turn_calls_are_priced_by_their_turns_and_need_a_dp_layout():
+    """With an env, a sequence holds up to max_turns turns of max_new_tokens (within
+    env.max_tokens); its generate call decodes what trajectories send as they send it, so a tp
+    or pp layout for it is refused in one line."""
+    from rayhf.errors import RayhfError
+    from rayhf.runtime.assets import _check_env_layouts
+
+    grpo = rayhf.load_config(REPO / "examples" / "grpo_tiny.yaml")  # prompts <= 24, 16 new
+    graph = load_graph(REPO / "rayhf" / "graphs" / "grpo_agent.yaml")
+    env = {"env": {"cls": "rayhf.tasks.calculator:CalculatorEnv", "max_turns": 3}}
+    works = planner_workloads(grpo.with_overrides(env), graph, None)
+    assert works["actor_gen"].gen_len == 48 and works["actor_train"].gen_len == 48
+    capped = grpo.with_overrides({**env, "env": {**env["env"], "max_tokens": 40}})
+    assert planner_workloads(capped, graph, None)["ref_inf"].gen_len == 40 - 24
+    plan = colocated_plan(graph, 2)
+    _check_env_layouts(graph, plan)  # dp only: fine
+    layouts = {**plan.layouts, "actor_gen": Layout(mesh=(0, 1), dp=1, tp=2)}
+    with pytest.raises(RayhfError, match=r"call 'actor_gen' runs an environment.*tp = 2, pp = 1"):
+        _check_env_layouts(graph, Plan(layouts, "manual"))
