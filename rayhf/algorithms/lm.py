@@ -133,8 +133,8 @@ def logprob_batch(
     parts = []
     for part in engine.micro_batches(batch):
         with torch.no_grad():
-            values, _, mask = response_forward(engine, part, temperature)
-        packed, lens = pack_rows(values, mask)
+            values, _, _ = response_forward(engine, part, temperature)
+        packed, lens = pack_rows(values, response_index(part, trained_only=False)[1])
         parts.append(PackedBatch(list(part.sample_ids), {key: packed}, {key: lens}))
     return PackedBatch.concat(parts)
 

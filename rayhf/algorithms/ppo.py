@@ -129,6 +129,23 @@ def kl_shaped_rewards(
     return rewards.scatter_add(1, last, bonus), kl
 
 
+def compact(x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's entries where ``keep`` moved left in order, right-padded with 0:
+    ``(compacted [B, K], its mask, order)``; ``spread`` puts them back. With a right-padded
+    ``keep`` (no multi-turn loss mask) it is the identity."""
+    n = keep.sum(dim=1)
+    width = int(n.max()) if len(n) else 0
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept first, in order
+    mask = torch.arange(width, device=x.device).unsqueeze(0) < n.unsqueeze(1)
+    out = x.gather(1, order[:, :width])
+    return torch.where(mask, out, torch.zeros_like(out)), mask, order
+
+
+def spread(y: Tensor, order: Tensor, shape: torch.Size) -> Tensor:
+    """``compact``'s inverse: row entries back at their places, 0 elsewhere."""
+    return y.new_zeros(shape).scatter(1, order[:, : y.shape[1]], y)
+
+
 def gae_advantages(
     rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
@@ -296,20 +313,23 @@ class _PPOBase(Interface):
         return WorkShape(epochs=algorithm.ppo_epochs if kind == "train" else 1)
 
     def advantages(self, batch: PackedBatch, mask: torch.Tensor):
-        """``(advantages, returns, kl, rewards)``, each ``[B, R]``."""
+        """``(advantages, returns, kl, rewards)``, each ``[B, R]``: the KL-shaped rewards and
+        GAE over the tokens ``mask`` keeps (a multi-turn call's model tokens: the environment's
+        tokens between turns are skipped, not steps of the episode), 0 elsewhere."""
         logp, ref_logp = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
+        values = padded(batch, "values")
+        (logp, kept, order), shape = compact(logp, mask), mask.shape
+        ref_logp, values = compact(ref_logp, mask)[0], compact(values, mask)[0]
         rewards, kl = kl_shaped_rewards(
             batch.tensors["scores"].float(),
             logp,
             ref_logp,
-            mask,
+            kept,
             self.kl_ctl.value,
             self.cfg.reward_clip,
         )
-        adv, returns = gae_advantages(
-            rewards, padded(batch, "values"), mask, self.cfg.gamma, self.cfg.lam
-        )
-        return adv, returns, kl, rewards
+        adv, returns = gae_advantages(rewards, values, kept, self.cfg.gamma, self.cfg.lam)
+        return tuple(spread(x, order, shape) for x in (adv, returns, kl, rewards))
 
     def add_targets(self, engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
         """Put advantages and returns into ``batch``; returns the step's reward statistics."""
@@ -317,8 +337,9 @@ class _PPOBase(Interface):
         adv, returns, kl, _ = self.advantages(batch, mask)
         if self.cfg.adv_norm:
             adv = _global_whiten(engine, adv, mask)
+        every = response_index(batch, trained_only=False)[1]  # a key's entry per token
         for key, value in (("advantages", adv), ("returns", returns)):
-            packed, lens = pack_rows(value, mask)
+            packed, lens = pack_rows(value, every)
             batch.add(key, packed, lens)
         resp_len = mask.sum(1).float()
         stats = {

@@ -22,17 +22,20 @@ def padded_inputs(batch: PackedBatch, pad_id: int) -> tuple[torch.Tensor, torch.
     return ids.long(), mask.long()
 
 
-def response_index(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def response_index(
+    batch: PackedBatch, trained_only: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions [B, R], mask [B, R])``: the position that scores each response token; with
     a ``loss_mask`` key (one flag per response token: a multi-turn call's model tokens) the mask
-    keeps only the flagged tokens."""
+    keeps only the flagged tokens, unless not ``trained_only``. Per-response-token keys keep
+    one entry per response token either way (0 where a token is not trained)."""
     prompt_lens = batch.tensors["prompt_lens"].long()
     seq_lens = torch.tensor(batch.seqlens["seq"], dtype=torch.long)
     resp_lens = seq_lens - prompt_lens
     width = int(resp_lens.max().item()) if len(resp_lens) else 0
     j = torch.arange(width).unsqueeze(0)
     mask = j < resp_lens.unsqueeze(1)
-    if "loss_mask" in batch.tensors:
+    if trained_only and "loss_mask" in batch.tensors:
         flags = batch.to_padded("loss_mask", 0)[0].bool()
         assert flags.shape == mask.shape, "loss_mask: one flag per response token"
         mask = mask & flags

@@ -1,5 +1,6 @@
-"""The multi-turn generate call: GRPO's actor (interface ``grpo_agent``) whose samples are
-trajectories through the experiment's environment (``env:``), kept as tokens.
+"""The multi-turn generate call: GRPO's and PPO's actors (interfaces ``grpo_agent`` and
+``ppo_agent``) whose samples are trajectories through the experiment's environment (``env:``),
+kept as tokens.
 
     prompts --(group_size rows each: the dataset row's columns + "prompt", the prompt's text)-->
     rollouts (one environment per sample, ArrivalBatcher over the call's generator)
@@ -12,7 +13,8 @@ trajectories through the experiment's environment (``env:``), kept as tokens.
 
 Everything after the first prompt is the "response" the PPO-family math already handles; the
 loss mask (``rayhf.algorithms.seqs.response_index``) keeps the environment's tokens out of the
-loss, the KL and ``logprob_mismatch``. Advantages stay one per trajectory (GRPO's).
+loss, the KL and ``logprob_mismatch``. GRPO's advantage stays one per trajectory; PPO's
+rewards and GAE run over the model's tokens, the environment's skipped.
 
 The environment class may carry ``tools`` (``rayhf.envs.tools.Tool``s): their schemas go into
 the chat template's tools section of every trajectory's first prompt.
@@ -26,8 +28,9 @@ import time
 import torch
 
 from rayhf.algorithms.grpo import GRPOActorInterface
-from rayhf.algorithms.interface import CallContext, ModelEngine, register
+from rayhf.algorithms.interface import CallContext, InterfaceSettings, ModelEngine, register
 from rayhf.algorithms.lm import generation_config
+from rayhf.algorithms.ppo import PPOActorInterface
 from rayhf.data.batch import PackedBatch
 from rayhf.envs.batcher import ArrivalBatcher
 from rayhf.envs.env import EnvConfig, Outcome, load_env_class, rollouts
@@ -109,8 +112,9 @@ def _pack(
     out.add(
         "scores", torch.tensor([o.reward for o in outcomes], dtype=torch.float32), [1] * len(seqs)
     )
-    groups = [sid for sid in batch.sample_ids for _ in range(n_samples)]
-    out.add("group_ids", torch.tensor(groups), [1] * len(groups))
+    if n_samples > 1:
+        groups = [sid for sid in batch.sample_ids for _ in range(n_samples)]
+        out.add("group_ids", torch.tensor(groups), [1] * len(groups))
     out.add("env_stats", torch.tensor(stats, dtype=torch.float32), [1] * len(seqs))
     for key, values in batch.extras.items():
         out.add_extra(key, [v for v in values for _ in range(n_samples)])
@@ -125,22 +129,44 @@ def env_metrics(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
     return engine.all_reduce_mean(dict(zip(ENV_STATS, columns, strict=True)))
 
 
-@register("grpo_agent")
-class GRPOAgentInterface(GRPOActorInterface):
-    """GRPO over multi-turn trajectories: generate through the experiment's ``env:``; train as
-    ``grpo_actor`` does, on the model's tokens only (``loss_mask``)."""
+class _Agent:
+    """What makes an actor interface multi-turn: its generate call runs the experiment's
+    ``env:`` (``agent_batch``), its train call adds the environment's metrics."""
 
     needs_env = True
+    name: str
+    settings: InterfaceSettings
+
+    def samples_per_prompt(self) -> int:
+        return 1
 
     def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         env = self.settings.env
         if env is None:
-            raise RayhfError("interface grpo_agent: add an `env:` section (env.cls) to the config")
+            raise RayhfError(
+                f"interface {self.name}: add an `env:` section (env.cls) to the config"
+            )
         cfg = generation_config(self.settings.generation, ctx.args)
-        return agent_batch(engine, batch, cfg, ctx, self.cfg.group_size, env)
+        return agent_batch(engine, batch, cfg, ctx, self.samples_per_prompt(), env)
 
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
-        stats = super().train_step(engine, batch, ctx)
+        stats = super().train_step(engine, batch, ctx)  # type: ignore[misc]
         return {**stats, **env_metrics(engine, batch)}
+
+
+@register("grpo_agent")
+class GRPOAgentInterface(_Agent, GRPOActorInterface):
+    """GRPO over multi-turn trajectories: ``group_size`` trajectories per prompt; trains as
+    ``grpo_actor`` does, on the model's tokens only (``loss_mask``)."""
+
+    def samples_per_prompt(self) -> int:
+        return self.cfg.group_size
+
+
+@register("ppo_agent")
+class PPOAgentInterface(_Agent, PPOActorInterface):
+    """PPO's actor over multi-turn trajectories: one trajectory per prompt; rewards and GAE
+    over the model's tokens (``loss_mask``: the environment's tokens between turns are
+    skipped), the critic as ``ppo_critic``."""

@@ -135,29 +135,33 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
 
 
 @pytest.mark.ray
-def test_multi_turn_grpo_runs_on_the_shared_runtime(ray_cluster, tmp_path):
-    """A calculator environment's trajectories train on the runtime: the loss sees the model's
-    tokens only (the step's loss-masked share), and the environment's metrics are logged."""
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
+    """A calculator environment's trajectories train on the runtime, GRPO and PPO (its critic
+    too): the loss sees the model's tokens only, the trainer's log-probs of them are the
+    generator's, and the environment's metrics are logged."""
     from conftest import tiny_overrides
 
     from rayhf.tasks.calculator import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
+    shape = {"family": "qwen2", "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+             "max_positions": 512}  # fmt: skip
+    models = {"actor": {"init": shape}, "ref": {"init_from": "actor"}}
+    if name == "ppo":
+        models["critic"] = {"init": {**shape, "seed": 7}, "value_head": True}
     ov = tiny_overrides(tmp_path / "run", **{
-        "graph": "graphs/grpo_agent.yaml",
+        "graph": f"graphs/{name}_agent.yaml",
         "tokenizer": {"path": str(tmp_path / "tok")},
         "dataset.path": str(tmp_path / "data" / "calc.parquet"),
         "dataset.max_prompt_len": 32,
         "dataset_builder": "rayhf.tasks.calculator:make_dataset",
         "env": {"cls": "rayhf.tasks.calculator:CalculatorEnv", "max_turns": 3, "max_tokens": 500},
         "generation.max_new_tokens": 12,
-        "models": {"actor": {"init": {"family": "qwen2", "hidden_size": 32, "n_layers": 1,
-                                      "n_heads": 2, "n_kv_heads": 1, "max_positions": 512}},
-                   "ref": {"init_from": "actor"}},
+        "models": models,
         "cluster.n_devices": 1,
     })  # fmt: skip
-    cfg = _cfg("grpo", **ov)
-    result = rayhf.run(cfg)
+    result = rayhf.run(_cfg(name, **ov))
     rows = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in rows] == [1, 2]
     for m in rows:
@@ -165,3 +169,5 @@ def test_multi_turn_grpo_runs_on_the_shared_runtime(ray_cluster, tmp_path):
         # the environment's nudge, so its response holds model and environment tokens
         assert m["turns"] == 3 and m["ended_turns"] == 1
         assert 0.0 <= m["generator_idle"] < 1.0 and m["logprob_mismatch"] < 1e-3
+        if name == "ppo":
+            assert "value_loss" in m

@@ -31,6 +31,7 @@ CONFIG_OF = {
     "ppo_critic": PPOConfig,
     "grpo_actor": GRPOConfig,
     "grpo_agent": GRPOConfig,  # rayhf.envs.agent, registered on importing rayhf.runtime
+    "ppo_agent": PPOConfig,
     "remax_actor": ReMaxConfig,
     "dpo": DPOConfig,
     "rm": RMConfig,

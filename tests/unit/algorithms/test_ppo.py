@@ -341,3 +341,59 @@ def test_make_kl_controller_follows_config() -> None:
     adaptive = make_kl_controller(cfg)
     assert isinstance(adaptive, AdaptiveKLController)
     assert (adaptive.value, adaptive.target, adaptive.horizon) == (0.05, 2.0, 500)
+
+
+def _multi_turn(flags: list[list[bool]], seed: int = 0):
+    """A batch of right-padded-free multi-turn samples: every response token has a log-prob, a
+    reference log-prob and a value; ``flags`` marks the model's tokens (``loss_mask``)."""
+    from rayhf.data.batch import PackedBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = PackedBatch(list(range(len(flags))))
+    lens = [len(f) for f in flags]
+    batch.add("seq", torch.arange(sum(lens) + 3 * len(lens)), [n + 3 for n in lens])
+    batch.add("prompt_lens", torch.full((len(lens),), 3), [1] * len(lens))
+    for key in ("logprobs", "ref_logprobs", "values"):
+        batch.add(key, torch.randn(sum(lens), generator=gen), lens)
+    batch.add("scores", torch.tensor([1.0, -0.5][: len(lens)]), [1] * len(lens))
+    batch.add("loss_mask", torch.tensor([x for f in flags for x in f]), lens)
+    return batch
+
+
+def test_multi_turn_gae_runs_over_the_model_s_tokens_only() -> None:
+    """Advantages and returns of a trajectory with environment tokens between its turns are
+    those of the model's tokens alone (the environment's skipped, not steps), and 0 on the
+    environment's tokens; the reward lands on the last model token."""
+    from rayhf.algorithms.interface import InterfaceSettings
+    from rayhf.algorithms.ppo import PPOActorInterface
+    from rayhf.algorithms.seqs import response_index
+    from rayhf.sampling import GenerationConfig
+
+    flags = [[True, True, False, False, True, True, False], [True, False, True, True]]
+    batch = _multi_turn(flags)
+    cfg = PPOConfig(gamma=0.9, lam=0.8)
+    iface = PPOActorInterface(InterfaceSettings(cfg, GenerationConfig()))
+    _, mask = response_index(batch)
+    adv, returns, _, rewards = iface.advantages(batch, mask)
+    for i, row in enumerate(flags):
+        keep, n = torch.tensor(row), len(row)
+        logp, ref, values = (batch.sample(k, i)[keep].unsqueeze(0)
+                             for k in ("logprobs", "ref_logprobs", "values"))  # fmt: skip
+        one = torch.ones(1, int(keep.sum()), dtype=torch.bool)
+        scores = batch.tensors["scores"][i : i + 1]
+        r, _ = kl_shaped_rewards(scores, logp, ref, one, cfg.kl_coef, cfg.reward_clip)
+        a, ret = gae_advantages(r, values, one, cfg.gamma, cfg.lam)
+        _close(adv[i, :n][keep], a[0])
+        _close(returns[i, :n][keep], ret[0])
+        _close(rewards[i, :n][keep], r[0])
+        assert torch.all(adv[i, :n][~keep] == 0) and torch.all(rewards[i, :n][~keep] == 0)
+    # without a loss mask nothing moves: the same numbers as the single-turn path
+    plain = _multi_turn([[True] * 7, [True] * 4])
+    del plain.tensors["loss_mask"], plain.seqlens["loss_mask"]
+    _, full = response_index(plain)
+    a2, _, _, _ = iface.advantages(plain, full)
+    r, _ = kl_shaped_rewards(plain.tensors["scores"], plain.to_padded("logprobs")[0],
+                             plain.to_padded("ref_logprobs")[0], full, cfg.kl_coef,
+                             cfg.reward_clip)  # fmt: skip
+    a, _ = gae_advantages(r, plain.to_padded("values")[0], full, cfg.gamma, cfg.lam)
+    assert torch.equal(a2, a)
