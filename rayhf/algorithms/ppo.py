@@ -129,16 +129,16 @@ def kl_shaped_rewards(
     return rewards.scatter_add(1, last, bonus), kl
 
 
-def compact(x: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's entries where ``keep`` moved left in order, right-padded with 0:
-    ``(compacted [B, K], its mask, order)``; ``spread`` puts them back. With a right-padded
-    ``keep`` (no multi-turn loss mask) it is the identity."""
+def compact(xs: list[Tensor], keep: Tensor) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Each row's entries where ``keep`` moved left in order, right-padded with 0, for every
+    tensor of ``xs``: ``(compacted [B, K] each, their mask, order)``; ``spread`` puts them back.
+    With a right-padded ``keep`` (no multi-turn loss mask) it is the identity."""
     n = keep.sum(dim=1)
     width = int(n.max()) if len(n) else 0
     order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept first, in order
-    mask = torch.arange(width, device=x.device).unsqueeze(0) < n.unsqueeze(1)
-    out = x.gather(1, order[:, :width])
-    return torch.where(mask, out, torch.zeros_like(out)), mask, order
+    mask = torch.arange(width, device=keep.device).unsqueeze(0) < n.unsqueeze(1)
+    outs = [x.gather(1, order[:, :width]) for x in xs]
+    return [torch.where(mask, o, torch.zeros_like(o)) for o in outs], mask, order
 
 
 def spread(y: Tensor, order: Tensor, shape: torch.Size) -> Tensor:
@@ -316,10 +316,8 @@ class _PPOBase(Interface):
         """``(advantages, returns, kl, rewards)``, each ``[B, R]``: the KL-shaped rewards and
         GAE over the tokens ``mask`` keeps (a multi-turn call's model tokens: the environment's
         tokens between turns are skipped, not steps of the episode), 0 elsewhere."""
-        logp, ref_logp = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
-        values = padded(batch, "values")
-        (logp, kept, order), shape = compact(logp, mask), mask.shape
-        ref_logp, values = compact(ref_logp, mask)[0], compact(values, mask)[0]
+        keys = ("logprobs", "ref_logprobs", "values")
+        (logp, ref_logp, values), kept, order = compact([padded(batch, k) for k in keys], mask)
         rewards, kl = kl_shaped_rewards(
             batch.tensors["scores"].float(),
             logp,
@@ -329,7 +327,7 @@ class _PPOBase(Interface):
             self.cfg.reward_clip,
         )
         adv, returns = gae_advantages(rewards, values, kept, self.cfg.gamma, self.cfg.lam)
-        return tuple(spread(x, order, shape) for x in (adv, returns, kl, rewards))
+        return tuple(spread(x, order, mask.shape) for x in (adv, returns, kl, rewards))
 
     def add_targets(self, engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
         """Put advantages and returns into ``batch``; returns the step's reward statistics."""

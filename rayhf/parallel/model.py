@@ -290,7 +290,7 @@ class ShardedModel(torch.nn.Module):
         table = self.w(embedding_name(self.spec))
         spec = self.spec
         if self.groups.tp_group is None and spec.embed_scale == 1.0 and spec.family != "gpt2":
-            return F.embedding(ids, table, padding_idx=self.spec.padding_idx)
+            return F.embedding(ids, table, padding_idx=spec.padding_idx)
         inside = (ids >= lo) & (ids < hi)
         pad = self.spec.padding_idx
         pad = pad - lo if pad is not None and lo <= pad < hi else None
