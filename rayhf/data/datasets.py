@@ -72,6 +72,9 @@ class DatasetConfig(BaseModel):
     """A .parquet, .jsonl or .json (JSON lines) file, one sample per row."""
     prompt_key: str = "prompt"
     """The column holding the prompt: text, or a list of chat messages."""
+    tools_key: str = "tools"
+    """The column, if the file has it, holding the tools a chat prompt offers (a list of JSON
+    schemas, or that list as JSON text): the chat template renders them in its tools section."""
     response_key: str = "response"
     """The column holding the target response (sft)"""
     chosen_key: str = "chosen"
@@ -191,9 +194,12 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def render_messages(tokenizer: PreTrainedTokenizerBase, messages: list[Any], where: str) -> str:
+def render_messages(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Any], where: str, tools: Any = None
+) -> str:
     """Chat ``messages`` as the prompt text the tokenizer's chat template makes of them, with the
-    assistant's turn opened; ``where`` (file and row) starts every error."""
+    assistant's turn opened and ``tools`` (JSON schemas, or a JSON list of them) in the
+    template's tools section; ``where`` (file and row) starts every error."""
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise RayhfError(
@@ -209,8 +215,21 @@ def render_messages(tokenizer: PreTrainedTokenizerBase, messages: list[Any], whe
             f"{where}: the prompt is chat messages but the tokenizer has no chat template; "
             "set tokenizer.chat_template or use a tokenizer directory that has one"
         )
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise RayhfError(
+                f"{where}: the tools column is not JSON ({err}); fix the file"
+            ) from err
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise RayhfError(f"{where}: the tools column is not a list of JSON schemas; fix the file")
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        chat, tools=tools or None, tokenize=False, add_generation_prompt=True
+    )
     return str(text)
 
 
@@ -300,7 +319,8 @@ class PromptDataset:
         don't) + the text, or chat messages rendered by the tokenizer's chat template."""
         key = self.config.prompt_key
         if isinstance(row.get(key), list):
-            text = render_messages(tokenizer, row[key], f"dataset file {self.config.path} row {i}")
+            where = f"dataset file {self.config.path} row {i}"
+            text = render_messages(tokenizer, row[key], where, row.get(self.config.tools_key))
             return text, tokenizer.encode(text, add_special_tokens=False)
         text = self._text(row, i, "prompt_key")
         bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]

@@ -37,27 +37,60 @@ def make_rows(n: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
         rows.append({"prompt": f"What is {a} * {b}?", "answer": a * b})
     return rows
 
 
-def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400) -> Any:
-    """A ChatML byte-level BPE tokenizer (tools section in its template) trained on the task's
-    own conversations: questions, the calculator's schema, calls, results, answers."""
+def tool_call(question: str) -> str:
+    """The call that answers ``question``: its expression, as a Hermes ``<tool_call>``."""
+    call = {"name": CALCULATOR.name, "arguments": {"expression": question[8:-1]}}
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 512) -> Any:
+    """A ChatML byte-level BPE tokenizer (tools section in its template, a token per digit)
+    trained on the task's own conversations as the template renders them: the tools section,
+    questions, calls, results, answers, the nudge."""
+    tok = train_bpe_tokenizer([], 300, chat_format=CHATML)  # only to render conversations
     texts = []
-    schema = json.dumps(CALCULATOR.schema())
     for r in make_rows(256, 1):
-        call = {"name": "calculator", "arguments": {"expression": r["prompt"][8:-1]}}
-        result = f"<tool_response>\n{r['answer']}\n</tool_response>"
-        texts += [r["prompt"], schema, f"<tool_call>{json.dumps(call)}</tool_call>", NUDGE,
-                  result, f"Answer: {r['answer']}"]  # fmt: skip
-    return train_bpe_tokenizer(texts, vocab_size, out_dir, chat_format=CHATML)
+        chat = [{"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": tool_call(r["prompt"])},
+                {"role": "tool", "content": str(r["answer"])},
+                {"role": "assistant", "content": f"Answer: {r['answer']}"},
+                {"role": "user", "content": NUDGE}]  # fmt: skip
+        texts.append(
+            str(tok.apply_chat_template(chat, tools=[CALCULATOR.schema()], tokenize=False))
+        )
+    return train_bpe_tokenizer(texts, vocab_size, out_dir, chat_format=CHATML, split_digits=True)
 
 
 def make_dataset(path: str | Path, n: int = 256, seed: int = 0) -> Path:
     """Write ``make_rows(n, seed)`` to ``path`` (.parquet or .jsonl) and return the path."""
     return write_rows(make_rows(n, seed), path)
+
+
+def make_sft_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Demonstrations of the tool format for the SFT stage, two rows per question of
+    ``make_rows(n, seed)``: the first turn (question -> the calculator call) and the second
+    (question, call, the calculator's result -> ``Answer: <result>``). Each row's ``tools``
+    column (JSON) puts the calculator in the template's tools section, as the environment does."""
+    tools = json.dumps([CALCULATOR.schema()])
+    rows = []
+    for r in make_rows(n, seed):
+        ask = {"role": "user", "content": r["prompt"]}
+        call = {"role": "assistant", "content": tool_call(r["prompt"])}
+        result = {"role": "tool", "content": str(r["answer"])}
+        rows += [{"prompt": [ask], "tools": tools, "response": call["content"]},
+                 {"prompt": [ask, call, result], "tools": tools,
+                  "response": f"Answer: {r['answer']}"}]  # fmt: skip
+    return rows
+
+
+def make_sft_dataset(path: str | Path, n: int = 512, seed: int = 1) -> Path:
+    """Write ``make_sft_rows(n, seed)`` to ``path`` (.parquet or .jsonl) and return the path."""
+    return write_rows(make_sft_rows(n, seed), path)
 
 
 class CalculatorEnv:

@@ -135,11 +135,11 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", ["ppo"])  # GRPO's: tests/integration/test_calculator_example.py
 def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
-    """A calculator environment's trajectories train on the runtime, GRPO and PPO (its critic
-    too): the loss sees the model's tokens only, the trainer's log-probs of them are the
-    generator's, and the environment's metrics are logged."""
+    """A calculator environment's trajectories train on the runtime with PPO (its critic too):
+    the loss sees the model's tokens only, the trainer's log-probs of them are the generator's,
+    and the environment's metrics are logged."""
     from conftest import tiny_overrides
 
     from rayhf.tasks.calculator import build_tokenizer
