@@ -17,7 +17,8 @@ loss, the KL and ``logprob_mismatch``. GRPO's advantage stays one per trajectory
 rewards and GAE run over the model's tokens, the environment's skipped.
 
 The environment class may carry ``tools`` (``rayhf.envs.tools.Tool``s): their schemas go into
-the chat template's tools section of every trajectory's first prompt.
+the chat template's tools section of every trajectory's first prompt. With ``env.agent``
+instead, each trajectory is an OpenAI-API agent's run, recorded by ``rayhf.envs.proxy``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rayhf.algorithms.ppo import PPOActorInterface
 from rayhf.data.batch import PackedBatch
 from rayhf.envs.batcher import ArrivalBatcher
 from rayhf.envs.env import EnvConfig, Outcome, load_env_class, rollouts
+from rayhf.envs.proxy import agent_rollouts
 from rayhf.errors import RayhfError
 from rayhf.sampling import GenerationConfig
 
@@ -60,15 +62,17 @@ def agent_batch(
         row = {k: v[i] for k, v in batch.extras.items()}
         row.setdefault("prompt", tok.decode(p, skip_special_tokens=True))
         rows += [row] * n_samples
-    env_cls = load_env_class(env.cls)
-    tools = [t.schema() for t in getattr(env_cls, "tools", ())] or None
     seed = ctx.seed * 100_003 + ctx.step * 101 + ctx.dp_rank
 
     async def run() -> tuple[list[Outcome], float]:
         batcher = ArrivalBatcher(engine, cfg, ctx.step, seed=seed, rows=len(rows),
                                  longest=env.max_tokens)  # fmt: skip
         async with batcher as generate:
-            outcomes = await rollouts(rows, generate, tok, env, tools)
+            if env.cls is None:
+                outcomes = await agent_rollouts(rows, generate, tok, env)
+            else:
+                tools = [t.schema() for t in getattr(load_env_class(env.cls), "tools", ())]
+                outcomes = await rollouts(rows, generate, tok, env, tools or None)
         return outcomes, generate.busy_seconds
 
     began = time.monotonic()
@@ -144,7 +148,7 @@ class _Agent:
         env = self.settings.env
         if env is None:
             raise RayhfError(
-                f"interface {self.name}: add an `env:` section (env.cls) to the config"
+                f"interface {self.name}: add an `env:` section (env.cls or env.agent) to the config"
             )
         cfg = generation_config(self.settings.generation, ctx.args)
         return agent_batch(engine, batch, cfg, ctx, self.samples_per_prompt(), env)

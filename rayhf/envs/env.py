@@ -25,9 +25,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayhf.algorithms.reward import resolve_function
+from rayhf.envs.tools import CallStyle
 from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
 from rayhf.errors import RayhfError
 
@@ -56,25 +57,39 @@ class EnvConfig(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    cls: str
+    cls: str | None = None
     """The environment class, ``module:Class``; made from each dataset row."""
+    agent: str | None = None
+    """Instead of ``cls``: an agent written against the OpenAI API, ``module:function``, an
+    ``async def agent(client: openai.AsyncOpenAI, row: dict) -> float`` returning the reward;
+    rayhf serves the policy to it and records its trajectory (``rayhf.envs.proxy``)."""
+    tool_parser: CallStyle = "hermes"
+    """How the agent server reads tool calls from the model's text: ``hermes``
+    (``<tool_call>`` JSON: Qwen, ChatML) or ``llama3`` (a JSON object)."""
     max_turns: int = Field(4, gt=0)
     """Model turns a trajectory may take."""
     max_tokens: int = Field(1024, gt=0)
     """Tokens a trajectory may hold (prompt, turns and environment messages)."""
     step_timeout_s: float = Field(30.0, gt=0)
-    """Seconds one ``step`` (or ``reset``) may take before its trajectory ends, flagged."""
+    """Seconds one ``step`` (or ``reset``), or an agent between two model turns, may take
+    before its trajectory ends, flagged."""
     error_reward: float = 0.0
     """The reward of a trajectory whose environment raised or timed out."""
     concurrency: int = Field(64, gt=0)
     """Trajectories inside their environment at once."""
 
-    @field_validator("cls")
+    @field_validator("cls", "agent")
     @classmethod
-    def _module_and_class(cls, v: str) -> str:
-        if v.count(":") != 1 or not all(v.split(":")):
-            raise ValueError(f"{v!r}: write the environment class as module:Class")
+    def _module_and_name(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f"{v!r}: write it as module:Name")
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvConfig:
+        if (self.cls is None) == (self.agent is None):
+            raise ValueError("set exactly one of env.cls (an environment class) and env.agent")
+        return self
 
 
 def load_env_class(path: str) -> type:
@@ -87,6 +102,22 @@ def load_env_class(path: str) -> type:
         if not asyncio.iscoroutinefunction(getattr(env_cls, method, None)):
             raise RayhfError(f"env.cls {path!r}: {name}.{method} must be an async method")
     return env_cls
+
+
+def load_agent(path: str) -> Callable[..., Awaitable[float]]:
+    """The agent function ``module:function`` names; a one-line error naming what is wrong."""
+    fn = resolve_function(path, "env.agent")
+    if not asyncio.iscoroutinefunction(fn):
+        raise RayhfError(f"env.agent {path!r}: write it as async def agent(client, row) -> reward")
+    return fn
+
+
+def check_env(cfg: EnvConfig) -> None:
+    """The environment class or the agent function imports and has the right shape."""
+    if cfg.cls is not None:
+        load_env_class(cfg.cls)
+    if cfg.agent is not None:
+        load_agent(cfg.agent)
 
 
 @dataclass
@@ -159,6 +190,7 @@ async def rollouts(
     tools: list[dict[str, Any]] | None = None,
 ) -> list[Outcome]:
     """A trajectory per row, all advancing independently; in row order."""
+    assert cfg.cls is not None, "an environment class (env.agent runs in rayhf.envs.proxy)"
     env_cls = load_env_class(cfg.cls)
     gate = asyncio.Semaphore(cfg.concurrency)
     jobs = [rollout(env_cls(row), generate, tok, cfg, gate, tools) for row in rows]

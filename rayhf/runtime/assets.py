@@ -21,7 +21,7 @@ from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
 from rayhf.engines.config import check_kind
 from rayhf.engines.deepspeed_trainer import check_deepspeed
 from rayhf.engines.vllm_generator import check_vllm
-from rayhf.envs.env import load_env_class
+from rayhf.envs.env import check_env
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.models.hf import build_model, hf_config, save_model
@@ -191,9 +191,9 @@ def role_spec(config: Any, cfg: ExperimentConfig, role: str) -> ModelSpec:
 
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
     """Interfaces exist and fit the algorithm; function-valued roles only score; the ``env:``
-    class imports and has async ``reset`` and ``step``."""
+    class imports and has async ``reset`` and ``step`` (or its agent is an async function)."""
     if cfg.env is not None:
-        load_env_class(cfg.env.cls)
+        check_env(cfg.env)
     for c in graph.calls:
         iface = INTERFACES.get(c.interface)
         if iface is None:

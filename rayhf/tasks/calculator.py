@@ -25,11 +25,12 @@ from typing import Any
 
 from rayhf.data.datasets import write_rows
 from rayhf.envs.env import Step
-from rayhf.envs.tools import CALCULATOR, ToolRegistry, parse_tool_calls
+from rayhf.envs.tools import CALCULATOR, ToolCall, ToolRegistry, parse_tool_calls
 from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
 
 ANSWER = re.compile(r"answer:\s*(-?\d+)", re.IGNORECASE)
 NUDGE = "Call the calculator, or reply with Answer: <number>."
+MAX_TURNS = 3  # the agent's own budget (an environment's is env.max_turns)
 
 
 def make_rows(n: int, seed: int) -> list[dict[str, Any]]:
@@ -119,3 +120,31 @@ class CalculatorEnv:
             return Step([{"role": "user", "content": NUDGE}])
         right = int(said.group(1)) == self.answer and said.group(1) in self.shown
         return Step(reward=float(right), done=True)
+
+
+async def openai_agent(client: Any, row: dict[str, Any]) -> float:
+    """The calculator task as an agent written against the OpenAI API (``env.agent:
+    rayhf.tasks.calculator:openai_agent``): chat completions with the calculator offered as a
+    tool, its calls run here and answered as ``tool`` messages, the same reward and turn budget
+    as ``CalculatorEnv``. ``client`` is an ``openai.AsyncOpenAI`` at rayhf's server."""
+    answer, shown = int(row["answer"]), set()
+    messages: list[Any] = [{"role": "user", "content": str(row["prompt"])}]
+    for _ in range(MAX_TURNS):
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALCULATOR.schema()]
+        )
+        message = reply.choices[0].message
+        messages.append(message)  # as the client returned it: the server checks the history
+        for call in message.tool_calls or []:
+            args = json.loads(call.function.arguments)
+            result = CalculatorEnv.registry.call(ToolCall(call.function.name, args))
+            shown |= {result.content.strip()} if not result.error else set()
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result.content})
+        if message.tool_calls:
+            continue
+        said = ANSWER.search(message.content or "")
+        if said is None:
+            messages.append({"role": "user", "content": NUDGE})
+            continue
+        return float(int(said.group(1)) == answer and said.group(1) in shown)
+    return 0.0

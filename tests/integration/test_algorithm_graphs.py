@@ -135,39 +135,44 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("name", ["ppo"])  # GRPO's: tests/integration/test_calculator_example.py
+@pytest.mark.parametrize("name", ["ppo", "grpo-openai"])  # GRPO's env: test_calculator_example
 def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
-    """A calculator environment's trajectories train on the runtime with PPO (its critic too):
-    the loss sees the model's tokens only, the trainer's log-probs of them are the generator's,
-    and the environment's metrics are logged."""
+    """Calculator trajectories train on the runtime: PPO (its critic too) through the
+    environment, GRPO through the same task written as an ``openai``-client agent, which the
+    worker serves over HTTP. The loss sees the model's tokens only, the trainer's log-probs of
+    them are the generator's, and the environment's metrics are logged."""
     from conftest import tiny_overrides
 
     from rayhf.tasks.calculator import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
+    algo, agent = name.split("-")[0], name.endswith("openai")
     shape = {"family": "qwen2", "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
              "max_positions": 512}  # fmt: skip
     models = {"actor": {"init": shape}, "ref": {"init_from": "actor"}}
-    if name == "ppo":
+    if algo == "ppo":
         models["critic"] = {"init": {**shape, "seed": 7}, "value_head": True}
+    source = ({"agent": "rayhf.tasks.calculator:openai_agent"} if agent
+              else {"cls": "rayhf.tasks.calculator:CalculatorEnv"})  # fmt: skip
     ov = tiny_overrides(tmp_path / "run", **{
-        "graph": f"graphs/{name}_agent.yaml",
+        "graph": f"graphs/{algo}_agent.yaml",
         "tokenizer": {"path": str(tmp_path / "tok")},
         "dataset.path": str(tmp_path / "data" / "calc.parquet"),
         "dataset.max_prompt_len": 32,
         "dataset_builder": "rayhf.tasks.calculator:make_dataset",
-        "env": {"cls": "rayhf.tasks.calculator:CalculatorEnv", "max_turns": 3, "max_tokens": 500},
+        "env": {**source, "max_turns": 3, "max_tokens": 500},
         "generation.max_new_tokens": 12,
         "models": models,
         "cluster.n_devices": 1,
     })  # fmt: skip
-    result = rayhf.run(_cfg(name, **ov))
+    result = rayhf.run(_cfg(algo, **ov))
     rows = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in rows] == [1, 2]
     for m in rows:
         # a random model never answers: every trajectory runs its 3 turns, each turn followed by
-        # the environment's nudge, so its response holds model and environment tokens
-        assert m["turns"] == 3 and m["ended_turns"] == 1
+        # the nudge, so its response holds model and environment tokens; the environment's
+        # budget ends it, or the agent's own (it returns 0 after 3 turns)
+        assert m["turns"] == 3 and m["ended_done" if agent else "ended_turns"] == 1
         assert 0.0 <= m["generator_idle"] < 1.0 and m["logprob_mismatch"] < 1e-3
-        if name == "ppo":
+        if algo == "ppo":
             assert "value_loss" in m

@@ -25,6 +25,8 @@ from rayhf.tasks.calculator import CalculatorEnv, make_rows
 
 TOK = train_bpe_tokenizer(["What is 12 * 7? calculator Answer: 84"] * 20, 400, chat_format=CHATML)
 ENV = EnvConfig(cls="rayhf.tasks.calculator:CalculatorEnv", max_turns=4)
+# the same task as an agent written with the openai client, run against rayhf's server
+AGENT = EnvConfig(agent="rayhf.tasks.calculator:openai_agent", max_turns=4)
 
 
 class ScriptedEngine:
@@ -77,10 +79,13 @@ def _generate(env: EnvConfig | None = ENV, rows: list[dict] | None = None):
     return out, engine
 
 
-def test_trajectories_are_sampled_tokens_plus_rendered_messages():
-    out, engine = _generate()
+@pytest.mark.parametrize("env", [ENV, AGENT], ids=["environment", "openai_agent"])
+def test_trajectories_are_sampled_tokens_plus_rendered_messages(env):
+    out, engine = _generate(env)
     assert out.n_samples == 6 and out.tensors["scores"].tolist() == [1.0] * 6
-    assert engine.calls[0] == 6  # every trajectory's first turn in one batch
+    assert sum(engine.calls) == 12  # two turns each
+    if env is ENV:
+        assert engine.calls[0] == 6  # every trajectory's first turn in one batch
     _, mask = response_index(out)
     for i in range(out.n_samples):
         seq = out.sample("seq", i).tolist()
@@ -133,9 +138,10 @@ class Degenerate(ScriptedEngine):
         "Answer: 2",
     ],
 )
-def test_degenerate_behaviours_score_nothing(text):
+@pytest.mark.parametrize("env", [ENV, AGENT], ids=["environment", "openai_agent"])
+def test_degenerate_behaviours_score_nothing(text, env):
     rows = make_rows(4, 1)
-    settings = InterfaceSettings(GRPOConfig(group_size=2), GenerationConfig(), env=ENV)
+    settings = InterfaceSettings(GRPOConfig(group_size=2), GenerationConfig(), env=env)
     scores = []
     for row in rows:
         engine = Degenerate(text.format(answer=row["answer"]))

@@ -154,7 +154,11 @@ def test_a_bad_environment_class_is_one_line(cls, says):
 
 
 def test_bad_environment_settings_are_refused():
-    with pytest.raises(ValidationError, match="module:Class"):
+    with pytest.raises(ValidationError, match="module:Name"):
         EnvConfig(cls="just_a_name")
+    with pytest.raises(ValidationError, match=r"exactly one of env\.cls"):
+        EnvConfig(cls="m:C", agent="m:f")
+    with pytest.raises(ValidationError, match=r"exactly one of env\.cls"):
+        EnvConfig()
     with pytest.raises(ValidationError, match="max_turns"):
         EnvConfig(cls="m:C", max_turns=0)

@@ -1,0 +1,101 @@
+"""The agent server (``rayhf.envs.proxy``) as agents that misbehave meet it: an edited history,
+a hang, an exception, a run past the turn budget, a reward that is not a number. Each ends its
+own trajectory, flagged, and the others go on; the one that behaves is recorded exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from rayhf.envs.env import EnvConfig, check_env
+from rayhf.envs.proxy import agent_rollouts
+from rayhf.errors import RayhfError
+from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
+
+TOK = train_bpe_tokenizer(["Hello there, agent. Done."] * 20, 300, chat_format=CHATML)
+REPLY = [*TOK.encode("Hello", add_special_tokens=False), TOK.eos_token_id]
+ASK = [{"role": "user", "content": "Hi"}]
+
+
+async def _generate(prompt: list[int]) -> tuple[list[int], list[float], int]:
+    await asyncio.sleep(0)
+    return REPLY, [-0.25] * len(REPLY), 3
+
+
+async def _ask(client, messages):
+    return await client.chat.completions.create(model="m", messages=messages)
+
+
+async def behaves(client, row):
+    reply = await _ask(client, ASK)
+    await _ask(client, [*ASK, reply.choices[0].message, {"role": "user", "content": "Done."}])
+    return 1.0
+
+
+async def edits_history(client, row):
+    reply = await _ask(client, ASK)
+    edited = {"role": "assistant", "content": reply.choices[0].message.content + " there"}
+    await _ask(client, [*ASK, edited, {"role": "user", "content": "Done."}])
+    return 1.0
+
+
+async def hangs(client, row):
+    await _ask(client, ASK)
+    await asyncio.sleep(60)
+    return 1.0
+
+
+async def raises(client, row):
+    await _ask(client, ASK)
+    raise ValueError("the agent's own bug")
+
+
+async def loops(client, row):
+    messages = list(ASK)
+    while True:
+        reply = await _ask(client, messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "Again."}]
+
+
+async def says_high(client, row):
+    await _ask(client, ASK)
+    return "high"
+
+
+def _run(agent: str, **kw):
+    cfg = EnvConfig(agent=f"{__name__}:{agent}", max_turns=3, step_timeout_s=0.5, **kw)
+    return asyncio.run(agent_rollouts([{"prompt": "Hi"}], _generate, TOK, cfg))[0]
+
+
+def test_a_behaving_agent_is_recorded_token_for_token():
+    out = _run("behaves")
+    t = out.trajectory
+    assert (out.ended, out.reward, t.turns) == ("done", 1.0, 2)
+    sampled = [tok for tok, f in zip(t.tokens, t.trained, strict=True) if f]
+    assert sampled == REPLY * 2 and t.versions.count(3) == len(sampled)
+    chat = [*ASK, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Done."},
+            {"role": "assistant", "content": "Hello"}]  # fmt: skip
+    assert TOK.decode(t.tokens) + "\n" == TOK.apply_chat_template(chat, tokenize=False)
+
+
+def test_misbehaving_agents_end_their_own_trajectory_flagged():
+    edited = _run("edits_history")
+    assert edited.ended == "error" and "history differs" in edited.info["error"]
+    began = time.monotonic()
+    hung = _run("hangs", error_reward=-1.0)
+    assert (hung.ended, hung.reward) == ("timeout", -1.0) and time.monotonic() - began < 5
+    assert hung.env_seconds >= 0.5
+    raised = _run("raises")
+    assert raised.ended == "error" and "the agent's own bug" in raised.info["error"]
+    looped = _run("loops")
+    assert (looped.ended, looped.reward, looped.trajectory.turns) == ("turns", 0.0, 3)
+    assert "not a reward" in _run("says_high").info["error"]
+
+
+def test_the_agent_must_be_an_async_function():
+    check_env(EnvConfig(agent=f"{__name__}:behaves"))
+    with pytest.raises(RayhfError, match=re.escape("async def agent(client, row) -> reward")):
+        check_env(EnvConfig(agent=f"{__name__}:_run"))
