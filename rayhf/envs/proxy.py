@@ -206,17 +206,16 @@ class AgentServer:
             },
         }
 
-    async def run(self, agent: Agent, sid: int, row: dict[str, Any], base: str) -> Outcome:
+    async def run(
+        self, agent: Agent, sid: int, row: dict[str, Any], base: str, http: Any
+    ) -> Outcome:
         """One agent to its end; its trajectory as the server recorded it."""
         import openai
 
         s = self.sessions[sid] = _Session(waiting_since=time.monotonic())
         client = openai.AsyncOpenAI(base_url=f"{base}/sessions/{sid}/v1", api_key="rayhf",
-                                    max_retries=0, timeout=None)  # fmt: skip
-        try:
-            ended, reward, info = await self._watch(asyncio.ensure_future(agent(client, row)), s)
-        finally:
-            await client.close()
+                                    max_retries=0, timeout=None, http_client=http)  # fmt: skip
+        ended, reward, info = await self._watch(asyncio.ensure_future(agent(client, row)), s)
         if s.failure is not None:
             raise s.failure
         if s.waiting_since is not None:
@@ -294,9 +293,29 @@ async def agent_rollouts(
     server = AgentServer(generate, tok, cfg)
     gate = asyncio.Semaphore(cfg.concurrency)
 
+    http = _shared_http()  # one connection pool: a client of its own each cost ~20 ms to make
+
     async def one(sid: int, row: dict[str, Any], base: str) -> Outcome:
         async with gate:
-            return await server.run(agent, sid, dict(row), base)
+            return await server.run(agent, sid, dict(row), base, http)
 
-    async with serving(server.app) as base:
-        return list(await asyncio.gather(*(one(i, r, base) for i, r in enumerate(rows))))
+    try:
+        async with serving(server.app) as base:
+            return list(await asyncio.gather(*(one(i, r, base) for i, r in enumerate(rows))))
+    finally:
+        await http.close_pool()
+
+
+def _shared_http() -> Any:
+    """The call's agents' connection pool (the openai package's own HTTP client class, which
+    differs between its versions); an agent closing its client leaves the pool open."""
+    import openai
+
+    class Shared(openai.DefaultAsyncHttpxClient):  # type: ignore[misc]
+        async def aclose(self) -> None:
+            pass
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    return Shared(timeout=None)
