@@ -4,8 +4,8 @@ A row asks for a product of two 2-3 digit numbers (``{"prompt": "What is 37 * 41
 15244}``). The environment (``CalculatorEnv``, named ``rayhf.tasks.calculator:CalculatorEnv``
 in a config's ``env.cls``) offers the calculator tool; each model turn is either
 
-- tool calls (Hermes ``<tool_call>`` JSON): each call's result comes back as a ``tool``
-  message, and the model takes another turn;
+- tool calls (Hermes ``<tool_call>`` JSON, or a Llama 3 JSON object): each call's result comes
+  back as a ``tool`` message, and the model takes another turn;
 - a final answer, ``Answer: <number>``: the trajectory ends with its reward;
 - neither: a user message says how to go on, and the model takes another turn.
 
@@ -26,7 +26,7 @@ from typing import Any
 from rayhf.data.datasets import write_rows
 from rayhf.envs.env import Step
 from rayhf.envs.tools import CALCULATOR, ToolCall, ToolRegistry, parse_tool_calls
-from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
+from rayhf.models.tokenizer import CHAT_FORMATS, train_bpe_tokenizer
 
 ANSWER = re.compile(r"answer:\s*(-?\d+)", re.IGNORECASE)
 NUDGE = "Call the calculator, or reply with Answer: <number>."
@@ -49,11 +49,15 @@ def tool_call(question: str) -> str:
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
-def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 512) -> Any:
-    """A ChatML byte-level BPE tokenizer (tools section in its template, a token per digit)
-    trained on the task's own conversations as the template renders them: the tools section,
-    questions, calls, results, answers, the nudge."""
-    tok = train_bpe_tokenizer([], 300, chat_format=CHATML)  # only to render conversations
+def build_tokenizer(
+    out_dir: str | Path | None = None, vocab_size: int = 512, chat_format: str = "chatml"
+) -> Any:
+    """A byte-level BPE tokenizer (a token per digit) with ``chat_format``'s template (tools
+    section included: ``rayhf.models.tokenizer.CHAT_FORMATS``), trained on the task's own
+    conversations as the template renders them: the tools section, questions, calls, results,
+    answers, the nudge."""
+    fmt = CHAT_FORMATS[chat_format]
+    tok = train_bpe_tokenizer([], 300, chat_format=fmt)  # only to render conversations
     texts = []
     for r in make_rows(256, 1):
         chat = [{"role": "user", "content": r["prompt"]},
@@ -64,7 +68,7 @@ def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 512) ->
         texts.append(
             str(tok.apply_chat_template(chat, tools=[CALCULATOR.schema()], tokenize=False))
         )
-    return train_bpe_tokenizer(texts, vocab_size, out_dir, chat_format=CHATML, split_digits=True)
+    return train_bpe_tokenizer(texts, vocab_size, out_dir, chat_format=fmt, split_digits=True)
 
 
 def make_dataset(path: str | Path, n: int = 256, seed: int = 0) -> Path:
@@ -108,7 +112,7 @@ class CalculatorEnv:
         return [{"role": "user", "content": self.question}]
 
     async def step(self, turn: str) -> Step:
-        calls = parse_tool_calls(turn, "hermes")
+        calls = parse_tool_calls(turn, "hermes") or parse_tool_calls(turn, "llama3")
         if calls:
             results = [self.registry.call(c) for c in calls]
             self.shown |= {r.content.strip() for r in results if not r.error}

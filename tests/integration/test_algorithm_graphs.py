@@ -138,15 +138,17 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
 @pytest.mark.parametrize("name", ["ppo", "grpo-openai"])  # GRPO's env: test_calculator_example
 def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
     """Calculator trajectories train on the runtime: PPO (its critic too) through the
-    environment, GRPO through the same task written as an ``openai``-client agent, which the
-    worker serves over HTTP. The loss sees the model's tokens only, the trainer's log-probs of
-    them are the generator's, and the environment's metrics are logged."""
+    environment in Llama 3's chat template, GRPO through the same task written as an
+    ``openai``-client agent, which the worker serves over HTTP, in Gemma's. The loss sees the
+    model's tokens only, the trainer's log-probs of them are the generator's, and the
+    environment's metrics are logged."""
     from conftest import tiny_overrides
 
     from rayhf.tasks.calculator import build_tokenizer
 
-    build_tokenizer(tmp_path / "tok")
     algo, agent = name.split("-")[0], name.endswith("openai")
+    # the other two chat templates (ChatML's: test_calculator_example.py)
+    build_tokenizer(tmp_path / "tok", chat_format="gemma" if agent else "llama3")
     shape = {"family": "qwen2", "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
              "max_positions": 512}  # fmt: skip
     models = {"actor": {"init": shape}, "ref": {"init_from": "actor"}}

@@ -5,6 +5,7 @@ own trajectory, flagged, and the others go on; the one that behaves is recorded 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -12,10 +13,13 @@ import pytest
 
 from rayhf.envs.env import EnvConfig, check_env
 from rayhf.envs.proxy import agent_rollouts
+from rayhf.envs.tools import CALCULATOR
 from rayhf.errors import RayhfError
-from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
+from rayhf.models.tokenizer import CHAT_FORMATS, CHATML, train_bpe_tokenizer
 
 TOK = train_bpe_tokenizer(["Hello there, agent. Done."] * 20, 300, chat_format=CHATML)
+TOOLS = [CALCULATOR.schema()]
+TEXTS = ["What is 12 * 7? It is 84.", '{"name": "calculator", "expression": "12 * 7"}']
 REPLY = [*TOK.encode("Hello", add_special_tokens=False), TOK.eos_token_id]
 ASK = [{"role": "user", "content": "Hi"}]
 
@@ -65,9 +69,54 @@ async def says_high(client, row):
     return "high"
 
 
-def _run(agent: str, **kw):
+async def calls_a_tool(client, row):
+    messages = [{"role": "user", "content": "What is 12 * 7?"}]
+    reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls"
+    messages += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id,
+                                            "content": "84"}]  # fmt: skip
+    reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    right = json.loads(call.function.arguments) == {"expression": "12 * 7"}
+    return float(right and reply.choices[0].message.content == "It is 84.")
+
+
+def _run(agent: str, generate=_generate, tok=TOK, **kw):
     cfg = EnvConfig(agent=f"{__name__}:{agent}", max_turns=3, step_timeout_s=0.5, **kw)
-    return asyncio.run(agent_rollouts([{"prompt": "Hi"}], _generate, TOK, cfg))[0]
+    return asyncio.run(agent_rollouts([{"prompt": "Hi"}], generate, tok, cfg))[0]
+
+
+@pytest.mark.parametrize("fmt", sorted(CHAT_FORMATS))
+def test_tool_calls_in_each_template_come_back_parsed_and_recorded_exactly(fmt):
+    tok = train_bpe_tokenizer(TEXTS * 20, 400, chat_format=CHAT_FORMATS[fmt])
+    parser = "llama3" if fmt == "llama3" else "hermes"
+    args = {"expression": "12 * 7"}
+    if parser == "llama3":
+        call = json.dumps({"name": "calculator", "parameters": args})
+    else:
+        call = f"<tool_call>{json.dumps({'name': 'calculator', 'arguments': args})}</tool_call>"
+
+    sampled = []
+
+    async def generate(prompt):
+        text = "It is 84." if "84" in tok.decode(prompt) else call
+        sampled.append([*tok.encode(text, add_special_tokens=False), tok.eos_token_id])
+        return sampled[-1], [-0.5] * len(sampled[-1]), 0
+
+    out = _run("calls_a_tool", generate, tok, tool_parser=parser)
+    assert (out.ended, out.reward, out.tool_calls) == ("done", 1.0, 1)
+    t = out.trajectory
+    chat = [
+        {"role": "user", "content": "What is 12 * 7?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "84"},
+        {"role": "assistant", "content": "It is 84."},
+    ]
+    whole = tok.apply_chat_template(chat, tools=TOOLS, tokenize=False)
+    recorded = tok.decode(t.tokens, skip_special_tokens=False)
+    assert whole.startswith(recorded) and not whole[len(recorded) :].strip()
+    trained = [x for x, f in zip(t.tokens, t.trained, strict=True) if f]
+    assert trained == [x for ids in sampled for x in ids]  # as sampled, and only they
 
 
 def test_a_behaving_agent_is_recorded_token_for_token():
