@@ -211,7 +211,8 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
         if iface.needs_env and cfg.env is None:
             raise RayhfError(
                 f"graph '{graph.name}': call '{c.name}' (interface {c.interface}) runs an "
-                "environment: add an `env:` section naming its class (env.cls: module:Class)"
+                "environment: add an `env:` section naming its class (env.cls: module:Class) or "
+                "agent (env.agent: module:function)"
             )
         if cfg.models[c.role].function is not None and not iface.takes_function:
             raise RayhfError(
