@@ -139,9 +139,9 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
 def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
     """Calculator trajectories train on the runtime: PPO (its critic too) through the
     environment in Llama 3's chat template, GRPO through the same task written as an
-    ``openai``-client agent, which the worker serves over HTTP, in Gemma's. The loss sees the
-    model's tokens only, the trainer's log-probs of them are the generator's, and the
-    environment's metrics are logged."""
+    ``openai``-client agent, which the worker serves over HTTP, in Gemma's and one step ahead
+    (``max_staleness: 1``). The loss sees the model's tokens only, the trainer's log-probs of
+    them are the generator's (on-policy), and the environment's metrics are logged."""
     from conftest import tiny_overrides
 
     from rayhf.tasks.calculator import build_tokenizer
@@ -167,6 +167,8 @@ def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
         "models": models,
         "cluster.n_devices": 1,
     })  # fmt: skip
+    if agent:  # and one step ahead: step 2's trajectories sample while step 1 trains
+        ov.update({"algorithm.max_staleness": 1, "driver.overlap_steps": True, "save_every": 2})
     result = rayhf.run(_cfg(algo, **ov))
     rows = [m for m in result.metrics if m["step"] > 0]
     assert [m["step"] for m in rows] == [1, 2]
@@ -175,6 +177,12 @@ def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
         # the nudge, so its response holds model and environment tokens; the environment's
         # budget ends it, or the agent's own (it returns 0 after 3 turns)
         assert m["turns"] == 3 and m["ended_done" if agent else "ended_turns"] == 1
-        assert 0.0 <= m["generator_idle"] < 1.0 and m["logprob_mismatch"] < 1e-3
+        assert 0.0 <= m["generator_idle"] < 1.0
         if algo == "ppo":
             assert "value_loss" in m
+    assert rows[0]["logprob_mismatch"] < 1e-3  # on-policy; step 2 is a step stale if agent
+    if agent:
+        assert [m["async/staleness"] for m in rows] == [0.0, 1.0]
+        assert rows[1]["is_weight_mean"] > 0
+    else:
+        assert rows[1]["logprob_mismatch"] < 1e-3
