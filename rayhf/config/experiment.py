@@ -183,6 +183,18 @@ class ExperimentConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> ExperimentConfig:
+        for role, rc in self.models.items():
+            sched = rc.optimizer.schedule
+            total = sched.total_steps or self.steps
+            if sched.warmup_steps >= total:
+                raise ValueError(
+                    f"models.{role}.optimizer.schedule.warmup_steps: {sched.warmup_steps} is "
+                    f"not shorter than the schedule's {total} steps; lower it or raise steps"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _injected_role_exists(self) -> ExperimentConfig:
         for i, inject in enumerate(self.fault_tolerance.inject):
             if inject.role not in self.models:
@@ -268,6 +280,10 @@ def _format_error(err: ValidationError, source: str) -> str:
     if len(extra) > 80:
         extra = ""
     more = f" [+{err.error_count() - 1} more]" if err.error_count() > 1 else ""
+    if first["type"] == "value_error":  # a validator's message names its fields itself
+        msg = msg.removeprefix("Value error, ")
+        if not field:
+            return f"{source}: {msg}{more}"
     return f"{source}: config field {field}: {msg}{extra}{more}"
 
 

@@ -27,6 +27,7 @@ from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.grad_buckets import GradBuckets
 from rayhf.engines.rank_model import RankModel
+from rayhf.engines.schedule import ScheduleConfig
 from rayhf.models.sharding import embedding_name
 
 LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -65,7 +66,9 @@ class OptimizerConfig(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     lr: float = Field(1e-4, gt=0)
-    """AdamW's learning rate (constant)."""
+    """AdamW's learning rate: the peak of ``schedule``."""
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    """Warm-up and decay of the rate over the run's steps (``rayhf.engines.schedule``)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)

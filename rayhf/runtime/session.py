@@ -200,6 +200,11 @@ class Session:
             for c in assets.graph.calls
             if c.role == role and assets.plan.layouts[c.name] == layout
         )
+        # the schedule's decay ends at the run's last step unless it names its own
+        schedule = rc.optimizer.schedule
+        if schedule.total_steps is None:
+            schedule = schedule.model_copy(update={"total_steps": cfg.steps})
+        optimizer = rc.optimizer.model_copy(update={"schedule": schedule})
         return WorkerSpec(
             role=role,
             layout_name=layout.name,
@@ -214,7 +219,7 @@ class Session:
             model_dir=model_dir,
             config_dir=config_dir,
             value_head=rc.value_head,
-            optimizer=rc.optimizer if role in assets.trainable and home else None,
+            optimizer=optimizer if role in assets.trainable and home else None,
             activation_checkpointing=rc.activation_checkpointing,
             numerics=self.numerics(role, layout),
             seed=cfg.seed,

@@ -34,6 +34,7 @@ from rayhf.config import ExperimentConfig, dump_config
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs, to_packed
 from rayhf.engines.build import standalone_engine
 from rayhf.engines.call import CallEngine
+from rayhf.engines.schedule import step_to
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.models.hf import load_model, quiet_transformers
@@ -117,8 +118,12 @@ def stage_worker(config: dict[str, Any]) -> None:
     for step in range(1, cfg.steps + 1):
         begin = time.perf_counter()
         shard = to_packed(data.next_batch(cfg.batch_size, cfg.seed)).split(world)[rank]
+        assert engine.trainer is not None
+        total = optim.schedule.total_steps or cfg.steps
+        lr = step_to(engine.trainer.optimizer, optim.schedule, optim.lr, step, total)
         stats = iface.train_step(engine, shard, CallContext(step, rank, world, cfg.seed))
-        metrics = {"step": step, **stats, "step_seconds": time.perf_counter() - begin}
+        metrics = {"step": step, **stats, f"lr/{spec.role}": lr}
+        metrics["step_seconds"] = time.perf_counter() - begin
         last = step == cfg.steps
         if held_out is not None and (last or step % cfg.eval_every == 0):
             metrics.update(_evaluate(iface, engine, held_out, rank, world, step))

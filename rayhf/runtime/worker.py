@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from rayhf.algorithms import CallContext, make_interface
-from rayhf.algorithms.interface import VERSION_EXTRA
+from rayhf.algorithms.interface import VERSION_EXTRA, Interface
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import make_generators, make_trainer
 from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
+from rayhf.engines.schedule import step_to
 from rayhf.models.hf import quiet_transformers
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
@@ -169,13 +170,23 @@ class RoleWorker:
         elif req.evaluate:
             stats = interface.evaluate(engine, req.batch, ctx)
         else:
-            stats = interface.train_step(engine, req.batch, ctx)
+            stats = self._train(interface, engine, req, ctx)
         if self.model is not None and self.model.device.type == "cuda":
             # role groups colocated on a GPU are separate processes, each with its own caching
             # allocator: a call hands back what it cached, for the next call in another process
             torch.cuda.empty_cache()
         seconds = time.perf_counter() - start
         return CallResult(req.call, self.spec.rank, batch, stats, seconds, engine.name)
+
+    def _train(
+        self, interface: Interface, engine: CallEngine, req: CallRequest, ctx: CallContext
+    ) -> dict[str, float]:
+        """A train call at the step's learning rate (the role's schedule), logged per role."""
+        opt = self.spec.optimizer
+        assert self.trainer is not None and opt is not None, f"{req.call}: train a frozen role"
+        total = opt.schedule.total_steps or req.step
+        lr = step_to(self.trainer.optimizer, opt.schedule, opt.lr, req.step, total)
+        return {**interface.train_step(engine, req.batch, ctx), f"lr/{self.spec.role}": lr}
 
     def dag_call(self, step: StepInput, node: CallNode, *upstream: Any) -> CallResult:
         """A call as a node of the step's DAG: assemble the batch from the step input and the

@@ -1,4 +1,5 @@
-"""A run killed with SIGKILL mid-run resumes from its last complete checkpoint and finishes."""
+"""A run killed with SIGKILL mid-run resumes from its last complete checkpoint and finishes, its
+learning rates those of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_overrides
 
+import rayhf
+from rayhf.engines.schedule import ScheduleConfig, rate
 from rayhf.runtime.checkpoint import damage
 
 pytestmark = pytest.mark.ray
@@ -24,7 +27,9 @@ def _cli(args: list[str]) -> list[str]:
 
 def test_sigkill_then_resume(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
+    schedule = {"kind": "cosine", "warmup_steps": 3}  # the rates must go on as they would have
     ov = tiny_overrides(run_dir, steps=12, save_every=3, **{"cluster.address": ray_cluster})
+    ov.update({f"models.actor.optimizer.schedule.{k}": v for k, v in schedule.items()})
     args = ["run", str(REPO / "examples" / "ppo_tiny.yaml")] + [f"{k}={v}" for k, v in ov.items()]
     proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first_ckpt = run_dir / "checkpoints" / "step_000003" / "state.json"
@@ -43,6 +48,9 @@ def test_sigkill_then_resume(ray_cluster, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13)), "each step logged exactly once"
+    lr = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").models["actor"].optimizer.lr
+    expected = [rate(ScheduleConfig(**schedule), lr, step, 12) for step in range(1, 13)]
+    assert [r["lr/actor"] for r in rows] == pytest.approx(expected)
     final = run_dir / "checkpoints" / "step_000012"
     assert json.loads((final / "state.json").read_text())["step"] == 12
     assert (final / "actor" / "config.json").is_file()
