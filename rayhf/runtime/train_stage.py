@@ -207,7 +207,7 @@ def run_train_stage(cfg: ExperimentConfig) -> RunResult:
     dump_config(cfg, run_dir / CONFIG_FILE)
     # Each ray.train.report waits for the controller's next poll (every 2 s by default), which
     # made a 0.05 s step take ~1.6 s here; at 0.2 s a 0.1 s step took 0.22 s, at 0.05 s 0.13 s
-    # (examples/calculator/sft.yaml). The embedded cluster's processes inherit this.
+    # (the calculator example's first stage). The embedded cluster's processes inherit this.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05")
     # Ray Train's controller watches itself through the state API, which the dashboard serves
     started = connect(cfg.cluster.model_copy(update={"dashboard": True}))
