@@ -1,4 +1,5 @@
-"""Step metrics fan out to sinks: console line, JSONL file, progress bar, Ray metrics.
+"""Step metrics fan out to sinks: console line, JSONL file, progress bar, Ray metrics, and the
+experiment trackers of ``rayhf.metrics.sinks`` (TensorBoard, wandb, MLflow).
 
 Each sink takes ``(step, metrics)``; a run owns one ``Tracker``. On resume the JSONL file is
 cut back to the checkpoint's step first, so the file holds each step once.
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
+
+from rayhf.errors import RayhfError
+from rayhf.metrics.sinks import MlflowConfig, MlflowSink, TensorBoardSink, WandbConfig, WandbSink
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -32,6 +36,12 @@ class MetricsConfig(BaseModel):
     """One line per step."""
     progress: bool | None = None
     """Progress bar; None = when stdout is a terminal."""
+    tensorboard: bool = False
+    """TensorBoard event files in <run_dir>/tensorboard."""
+    wandb: WandbConfig | None = None
+    """A Weights & Biases run (offline unless wandb.mode: online)."""
+    mlflow: MlflowConfig | None = None
+    """An MLflow run (a file store in <run_dir>/mlruns unless mlflow.tracking_uri)."""
 
 
 class Sink(Protocol):
@@ -191,7 +201,28 @@ def make_tracker(
         sinks.append(ProgressSink(total, start))
     if cfg.ray_metrics:
         sinks.append(RayMetricsSink(run_name, roles))
+    check_trackers(cfg)
+    if cfg.tensorboard:
+        sinks.append(TensorBoardSink(run_dir, start))
+    if cfg.wandb is not None:
+        sinks.append(WandbSink(cfg.wandb, run_dir, run_name))
+    if cfg.mlflow is not None:
+        sinks.append(MlflowSink(cfg.mlflow, run_dir, run_name))
     return Tracker(sinks)
+
+
+def check_trackers(cfg: MetricsConfig) -> None:
+    """Every experiment tracker ``cfg`` asks for is installed (a one-line error if not)."""
+    import importlib.util
+
+    wanted = {"tensorboard": cfg.tensorboard, "wandb": cfg.wandb is not None,
+              "mlflow": cfg.mlflow is not None}  # fmt: skip
+    for name, on in wanted.items():
+        if on and importlib.util.find_spec(name) is None:
+            raise RayhfError(
+                f"metrics.{name}: {name} is not installed; pip install 'rayhf[tracking]' or "
+                f"turn metrics.{name} off"
+            )
 
 
 def _bar_safe_print(line: str) -> None:

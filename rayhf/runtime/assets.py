@@ -24,6 +24,7 @@ from rayhf.engines.vllm_generator import check_vllm
 from rayhf.envs.env import check_env
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
+from rayhf.metrics.tracker import check_trackers
 from rayhf.models.hf import build_model, hf_config, save_model
 from rayhf.models.precision import priced
 from rayhf.models.spec import ModelSpec, model_spec
@@ -298,6 +299,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
     check_graph_against_config(graph, cfg)
+    check_trackers(cfg.metrics)
     plan = make_plan(graph, cfg.plan, cfg.cluster) if cfg.plan != "auto" else None
     if plan is not None:
         _check_batch(cfg, plan)

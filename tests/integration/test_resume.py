@@ -1,5 +1,6 @@
 """A run killed with SIGKILL mid-run resumes from its last complete checkpoint and finishes, its
-learning rates those of an uninterrupted run."""
+learning rates those of an uninterrupted run, its tracked runs (TensorBoard, wandb, MLflow)
+continued."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, tiny_overrides
+from tracking_support import mlflow_runs, tensorboard_scalars, wandb_runs
 
 import rayhf
 from rayhf.engines.schedule import ScheduleConfig, rate
+from rayhf.metrics.sinks import TRACKING_FILE
 from rayhf.runtime.checkpoint import damage
 
 pytestmark = pytest.mark.ray
@@ -30,6 +33,9 @@ def test_sigkill_then_resume(ray_cluster, tmp_path):
     schedule = {"kind": "cosine", "warmup_steps": 3}  # the rates must go on as they would have
     ov = tiny_overrides(run_dir, steps=12, save_every=3, **{"cluster.address": ray_cluster})
     ov.update({f"models.actor.optimizer.schedule.{k}": v for k, v in schedule.items()})
+    # and every experiment tracker, whose resumed run must be the same run
+    ov.update({"metrics.tensorboard": True, "metrics.wandb.project": "t",
+               "metrics.mlflow.experiment": "t"})  # fmt: skip
     args = ["run", str(REPO / "examples" / "ppo_tiny.yaml")] + [f"{k}={v}" for k, v in ov.items()]
     proc = subprocess.Popen(_cli(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first_ckpt = run_dir / "checkpoints" / "step_000003" / "state.json"
@@ -51,6 +57,15 @@ def test_sigkill_then_resume(ray_cluster, tmp_path):
     lr = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml").models["actor"].optimizer.lr
     expected = [rate(ScheduleConfig(**schedule), lr, step, 12) for step in range(1, 13)]
     assert [r["lr/actor"] for r in rows] == pytest.approx(expected)
+    rewards = [r["task_reward"] for r in rows]  # the resume's, after the killed attempt's
+    assert [v for _, v in tensorboard_scalars(run_dir, "task_reward")] == pytest.approx(rewards)
+    # wandb: the resume writes under the id the killed attempt chose (whose own offline records
+    # the kill may lose: wandb's service process had not written them yet)
+    wandb_id = json.loads((run_dir / TRACKING_FILE).read_text())["wandb"]
+    resumed = wandb_runs(run_dir)[-1]
+    assert resumed["id"] == wandb_id and resumed["history"][-1]["_step"] == 12
+    (tracked,) = mlflow_runs(run_dir)
+    assert tracked.data.metrics["task_reward"] == pytest.approx(rewards[-1])
     final = run_dir / "checkpoints" / "step_000012"
     assert json.loads((final / "state.json").read_text())["step"] == 12
     assert (final / "actor" / "config.json").is_file()
