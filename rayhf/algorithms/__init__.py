@@ -1,7 +1,8 @@
 """RLHF algorithms, one module per algorithm, and the interfaces that bind them to graph calls.
 
-Each algorithm module (``ppo``, ``grpo``, ``remax``, ``dpo``, ``rm``, ``sft``) holds its config,
-its math as pure torch functions and its interfaces; ``interface`` (the base class and registry),
+Each algorithm module (``ppo``, ``grpo``, ``rloo``, ``remax``, ``dpo``, ``rm``, ``sft``) holds its
+config, its math as pure torch functions and its interfaces; ``interface`` (the base class and
+registry),
 ``lm``, ``offline``, ``reward`` and ``seqs`` are the pieces they share. Importing this package
 registers every interface in ``INTERFACES``.
 """
@@ -13,6 +14,7 @@ from rayhf.algorithms import (  # noqa: F401  (importing registers the interface
     ppo,
     remax,
     reward,
+    rloo,
     rm,
     sft,
 )

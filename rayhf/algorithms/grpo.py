@@ -184,6 +184,11 @@ class GRPOActorInterface(LMInterface):
     def cfg(self) -> GRPOConfig:
         return self.settings.algorithm
 
+    @property
+    def loss_config(self) -> GRPOConfig:
+        """The settings ``grpo_loss`` runs with (RLOO's leave out the KL term)."""
+        return self.cfg
+
     @classmethod
     def work_shape(cls, algorithm: GRPOConfig, kind: str) -> WorkShape:
         """``group_size`` samples per prompt; a train call's epochs and proximal share."""
@@ -221,7 +226,7 @@ class GRPOActorInterface(LMInterface):
             logp, _, mask = response_forward(engine, mb, temperature)
             (old, behaviour), ref = reference.old(mb, logp, mask), padded(mb, "ref_logprobs")
             adv = mb.tensors["advantages"]
-            loss, s = grpo_loss(logp, old, ref, adv, mask, self.cfg, behaviour)
+            loss, s = grpo_loss(logp, old, ref, adv, mask, self.loss_config, behaviour)
             return loss, {"policy_loss": loss.item(), **s}
 
         weight = samples if self.cfg.dr_grpo else response_tokens  # what the loss averages over

@@ -26,6 +26,7 @@ from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.algorithms.remax import ReMaxConfig
+from rayhf.algorithms.rloo import RLOOConfig
 from rayhf.algorithms.rm import RMConfig
 from rayhf.algorithms.sft import SFTConfig
 from rayhf.config.driver import DriverConfig
@@ -55,6 +56,7 @@ def _algorithm_name(value: Any) -> str:
 AlgorithmConfig = Annotated[
     Annotated[PPOConfig, Tag("ppo")]
     | Annotated[GRPOConfig, Tag("grpo")]
+    | Annotated[RLOOConfig, Tag("rloo")]
     | Annotated[ReMaxConfig, Tag("remax")]
     | Annotated[DPOConfig, Tag("dpo")]
     | Annotated[RMConfig, Tag("rm")]

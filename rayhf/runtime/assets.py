@@ -203,7 +203,7 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
                 f"(have: {', '.join(sorted(INTERFACES))})"
             )
         needs = iface.config_type
-        if needs is not None and not isinstance(cfg.algorithm, needs):
+        if needs is not None and type(cfg.algorithm) is not needs:  # a subclass: another algorithm
             raise RayhfError(
                 f"graph '{graph.name}': call '{c.name}' (interface {c.interface}) needs "
                 f"algorithm.name: {needs.model_fields['name'].default}, the config has "

@@ -18,7 +18,7 @@ from rayhf.errors import RayhfError
 from rayhf.runtime.assets import check_graph_against_config
 from rayhf.sampling import GenerationConfig
 
-ALGORITHM_WORDS = re.compile(r"\b(ppo|grpo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE)
+ALGORITHM_WORDS = re.compile(r"\b(ppo|grpo|rloo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE)
 
 
 def test_runtime_names_no_algorithm():
@@ -80,6 +80,9 @@ def test_graph_and_algorithm_must_match():
     graph = rayhf.load_graph(cfg.graph_path())
     with pytest.raises(RayhfError, match=r"call 'actor_gen' .* needs algorithm\.name: grpo"):
         check_graph_against_config(graph, cfg)
+    cfg = _cfg("grpo", **{"algorithm": {"name": "rloo"}})  # a subclass of GRPO's config
+    with pytest.raises(RayhfError, match=r"call 'actor_gen' .* needs algorithm\.name: grpo"):
+        check_graph_against_config(graph, cfg)
 
 
 def test_remap_to_missing_key_names_call_and_key(tmp_path: Path):
@@ -94,6 +97,7 @@ def test_remap_to_missing_key_names_call_and_key(tmp_path: Path):
 RUNS = {
     "grpo": {"cluster.n_devices": 2, "eval_every": 2, "eval_samples": 2},
     "remax": {},
+    "rloo": {},
     "dpo": {"eval_every": 1},
     "rm": {"eval_every": 1},
     "sft": {"eval_every": 1},
@@ -114,6 +118,7 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
     assert [m["step"] for m in train_rows] == [1, 2]
     expect = {
         "grpo": "clip_frac",
+        "rloo": "clip_frac",
         "remax": "greedy_reward",
         "dpo": "reward_margin",
         "rm": "accuracy",
