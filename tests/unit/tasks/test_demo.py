@@ -59,3 +59,22 @@ def test_candidates_are_runs_of_digits_and_letters_of_every_quality():
         assert all(len(t) == 1 and t in "0123456789abcdefghij" for t in tokens)
         scores.append(digit_share(prompt, answer))
     assert min(scores) == 0.0 and max(scores) == 1.0 and 0.0 < sum(scores) / len(scores) < 1.0
+
+
+def test_degenerate_answers_score_little():
+    """What a policy could game the echo reward with scores far below the echo's 1.0: a
+    constant answer, one prompt digit, letters, the echo cut off before its EOS."""
+    from rayhf.tasks.demo import echo, make_prompts, reward
+
+    prompts = [r["prompt"] for r in make_prompts(256, 3)]
+
+    def mean(answers: list[str], finished: list[bool] | None = None) -> float:
+        return sum(reward(prompts, answers, finished)) / len(prompts)
+
+    for digit in "0123456789":
+        for n in (1, 4, 8):
+            assert mean([" ".join([digit] * n)] * len(prompts)) <= 0.3
+    assert mean([p.split()[0] for p in prompts]) <= 0.25
+    assert mean(["a b c d e"] * len(prompts)) == 0.0
+    assert mean([echo(p) for p in prompts], [False] * len(prompts)) == 0.0
+    assert mean([echo(p) for p in prompts]) == 1.0
