@@ -20,6 +20,7 @@ from rayhf.algorithms.interface import (
 )
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.algorithms.remax import ReMaxConfig
+from rayhf.algorithms.rloo import RLOOConfig
 from rayhf.algorithms.rm import RMConfig
 from rayhf.algorithms.sft import SFTConfig
 from rayhf.sampling import GenerationConfig
@@ -31,6 +32,7 @@ CONFIG_OF = {
     "ppo_critic": PPOConfig,
     "grpo_actor": GRPOConfig,
     "grpo_agent": GRPOConfig,  # rayhf.envs.agent, registered on importing rayhf.runtime
+    "rloo_actor": RLOOConfig,
     "ppo_agent": PPOConfig,
     "remax_actor": ReMaxConfig,
     "dpo": DPOConfig,

@@ -45,7 +45,11 @@ def test_each_rank_s_spec_follows_the_plan(tmp_path: Path):
     shape = (home.role, home.rank, home.dp_size, home.tp_size, home.pp_size, home.n_mbs)
     assert shape == ("actor", 1, 2, 1, 1, 1)
     assert (home.layout_name, home.threads, home.device) == ("d0-1.dp2tp1pp1", 3, "cpu")
-    assert home.optimizer == session.cfg.models["actor"].optimizer, "trained at home"
+    optimizer = session.cfg.models["actor"].optimizer
+    assert home.optimizer is not None, "trained at home"
+    # the same settings, its schedule's decay ending at the run's last step
+    assert home.optimizer.schedule.total_steps == session.cfg.steps
+    assert home.optimizer.model_copy(update={"schedule": optimizer.schedule}) == optimizer
     assert home.tokenizer_dir == str((tmp_path / "tokenizer").resolve())
     copy = session._spec("actor", GEN, 0, threads=1)
     assert [c.name for c in copy.calls] == ["actor_gen"] and copy.optimizer is None
