@@ -42,7 +42,7 @@ from rayhf.algorithms.offpolicy import (
 )
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.torch_trainer import response_tokens, samples
+from rayhf.engines.torch_trainer import Weight, response_tokens, samples
 from rayhf.errors import RayhfError
 
 
@@ -189,6 +189,18 @@ class GRPOActorInterface(LMInterface):
         """The settings ``grpo_loss`` runs with (RLOO's leave out the KL term)."""
         return self.cfg
 
+    @property
+    def loss_weight(self) -> Weight:
+        """What the loss averages over, for the trainer's micro-batches."""
+        return samples if self.cfg.dr_grpo else response_tokens
+
+    def policy_loss(
+        self, logp: Tensor, old: Tensor, ref: Tensor, adv: Tensor, mask: Tensor,
+        behaviour: Tensor | None,
+    ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+        """The update's loss and stats on one micro-batch (GSPO's is per sequence)."""
+        return grpo_loss(logp, old, ref, adv, mask, self.loss_config, behaviour)
+
     @classmethod
     def work_shape(cls, algorithm: GRPOConfig, kind: str) -> WorkShape:
         """``group_size`` samples per prompt; a train call's epochs and proximal share."""
@@ -226,10 +238,10 @@ class GRPOActorInterface(LMInterface):
             logp, _, mask = response_forward(engine, mb, temperature)
             (old, behaviour), ref = reference.old(mb, logp, mask), padded(mb, "ref_logprobs")
             adv = mb.tensors["advantages"]
-            loss, s = grpo_loss(logp, old, ref, adv, mask, self.loss_config, behaviour)
+            loss, s = self.policy_loss(logp, old, ref, adv, mask, behaviour)
             return loss, {"policy_loss": loss.item(), **s}
 
-        weight = samples if self.cfg.dr_grpo else response_tokens  # what the loss averages over
+        weight = self.loss_weight
         for epoch in range(self.cfg.ppo_epochs):
             minibatches = batch.split(self.cfg.n_minibatches, "seq")
             reference.start_epoch(epoch, minibatches)

@@ -24,6 +24,7 @@ from pydantic import (
 
 from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
+from rayhf.algorithms.gspo import GSPOConfig
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rloo import RLOOConfig
@@ -57,6 +58,7 @@ AlgorithmConfig = Annotated[
     Annotated[PPOConfig, Tag("ppo")]
     | Annotated[GRPOConfig, Tag("grpo")]
     | Annotated[RLOOConfig, Tag("rloo")]
+    | Annotated[GSPOConfig, Tag("gspo")]
     | Annotated[ReMaxConfig, Tag("remax")]
     | Annotated[DPOConfig, Tag("dpo")]
     | Annotated[RMConfig, Tag("rm")]

@@ -18,7 +18,9 @@ from rayhf.errors import RayhfError
 from rayhf.runtime.assets import check_graph_against_config
 from rayhf.sampling import GenerationConfig
 
-ALGORITHM_WORDS = re.compile(r"\b(ppo|grpo|rloo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE)
+ALGORITHM_WORDS = re.compile(
+    r"\b(ppo|grpo|rloo|gspo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE
+)
 
 
 def test_runtime_names_no_algorithm():
@@ -98,6 +100,7 @@ RUNS = {
     "grpo": {"cluster.n_devices": 2, "eval_every": 2, "eval_samples": 2},
     "remax": {},
     "rloo": {},
+    "gspo": {},
     "dpo": {"eval_every": 1},
     "rm": {"eval_every": 1},
     "sft": {"eval_every": 1},
@@ -119,6 +122,7 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
     expect = {
         "grpo": "clip_frac",
         "rloo": "clip_frac",
+        "gspo": "seq_ratio_mean",
         "remax": "greedy_reward",
         "dpo": "reward_margin",
         "rm": "accuracy",

@@ -10,6 +10,7 @@ import rayhf.envs.agent  # noqa: F401  (and the multi-turn one)
 from rayhf.algorithms import interface as iface_mod
 from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
+from rayhf.algorithms.gspo import GSPOConfig
 from rayhf.algorithms.interface import (
     INTERFACES,
     CallContext,
@@ -33,6 +34,7 @@ CONFIG_OF = {
     "grpo_actor": GRPOConfig,
     "grpo_agent": GRPOConfig,  # rayhf.envs.agent, registered on importing rayhf.runtime
     "rloo_actor": RLOOConfig,
+    "gspo_actor": GSPOConfig,
     "ppo_agent": PPOConfig,
     "remax_actor": ReMaxConfig,
     "dpo": DPOConfig,

@@ -1,0 +1,115 @@
+"""GSPO, Group Sequence Policy Optimization (Zheng et al., 2025): ``GSPOConfig`` and
+``gspo_actor``.
+
+GRPO's sampling and group-normalized advantages, with the importance ratio and its clipping
+taken per sequence instead of per token:
+
+    s_i  = exp( mean over the response's tokens of (logprob_t - old_logprob_t) )
+    loss = mean over sequences of max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_low, 1 + eps_high))
+           + kl_coef * (GRPO's k3 term, token-mean)
+
+The sequence ratio is a length-normalized geometric mean, so every token of a sequence shares one
+ratio and one clip decision; its gradient is s_i times the mean of the tokens' log-prob gradients.
+The paper's clip range is tiny (3e-4 below, 4e-4 above), since a sequence ratio moves far less
+than a token's. With ``max_staleness`` > 0 the behaviour weight is taken per sequence too: the
+geometric mean of the tokens' proximal / behaviour ratios, capped at ``weight_cap``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import ConfigDict, Field, model_validator
+from torch import Tensor
+
+from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, k3_kl
+from rayhf.algorithms.interface import register
+from rayhf.algorithms.ppo import masked_mean
+from rayhf.engines.torch_trainer import Weight, samples
+
+
+class GSPOConfig(GRPOConfig):
+    """GSPO: GRPO's groups and advantages, a sequence-level ratio clipped in [1 - eps_low,
+    1 + eps_high]."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["gspo"] = "gspo"  # type: ignore[assignment]
+    """Selects this algorithm in the config's ``algorithm:`` section."""
+    eps_low: float = Field(3e-4, gt=0, lt=1)
+    """The sequence ratio is clipped below at ``1 - eps_low``."""
+    eps_high: float = Field(4e-4, gt=0)
+    """... and above at ``1 + eps_high``."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of GRPO's per-token k3 KL term (the paper uses none)."""
+
+    @model_validator(mode="after")
+    def _no_token_options(self) -> GSPOConfig:
+        if self.dr_grpo:
+            raise ValueError("algorithm.dr_grpo: GSPO averages over sequences; set it false")
+        return self
+
+
+def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``[B]``: exp of the mean over each row's valid tokens of ``logprobs - old``; 1 for an
+    empty row."""
+    n = mask.sum(dim=1).clamp(min=1)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    return torch.exp(log_ratio.sum(dim=1) / n)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: GSPOConfig,
+    behaviour: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO's clipped sequence surrogate (mean over non-empty sequences) plus ``kl_coef`` times
+    the token-mean k3 KL. ``stats``: ``clip_frac`` (share of sequences clipped), ``kl``,
+    ``approx_kl``, ``seq_ratio_mean``; with ``behaviour``, ``is_weight_mean`` per sequence."""
+    assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
+    ratio = sequence_ratio(logprobs, old_logprobs, mask)
+    adv = advantages.to(ratio.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    per_seq = torch.maximum(unclipped, clipped)
+    rows = mask.any(dim=1)
+    stats: dict[str, float] = {}
+    if behaviour is not None:
+        weight = sequence_ratio(old_logprobs, behaviour, mask).detach()
+        per_seq = weight.clamp(max=cfg.weight_cap) * per_seq
+        stats["is_weight_mean"] = weight[rows].mean().item() if rows.any() else 1.0
+    surrogate = per_seq[rows].mean() if rows.any() else per_seq.sum() * 0.0
+    kl = k3_kl(logprobs, ref_logprobs, mask)
+    loss = surrogate + cfg.kl_coef * masked_mean(kl, mask)
+    with torch.no_grad():
+        stats.update({
+            "clip_frac": (clipped > unclipped)[rows].float().mean().item() if rows.any() else 0.0,
+            "kl": masked_mean(kl, mask).item(),
+            "approx_kl": masked_mean(old_logprobs - logprobs, mask).item(),
+            "seq_ratio_mean": ratio[rows].mean().item() if rows.any() else 1.0,
+        })  # fmt: skip
+    return loss, stats
+
+
+@register("gspo_actor")
+class GSPOActorInterface(GRPOActorInterface):
+    """``group_size`` samples per prompt; GRPO's advantages, GSPO's sequence-level update."""
+
+    config_type = GSPOConfig
+
+    def policy_loss(
+        self, logp: Tensor, old: Tensor, ref: Tensor, adv: Tensor, mask: Tensor,
+        behaviour: Tensor | None,
+    ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+        cfg = self.cfg
+        assert isinstance(cfg, GSPOConfig)
+        return gspo_loss(logp, old, ref, adv, mask, cfg, behaviour)
+
+    @property
+    def loss_weight(self) -> Weight:
+        return samples  # a mean over sequences
