@@ -1,9 +1,9 @@
 """RLHF algorithms, one module per algorithm, and the interfaces that bind them to graph calls.
 
-Each algorithm module (``ppo``, ``grpo``, ``rloo``, ``gspo``, ``remax``, ``dpo``, ``rm``, ``sft``)
-holds its config, its math as pure torch functions and its interfaces; ``interface`` (the base
-class and registry), ``lm``, ``offline``, ``reward`` and ``seqs`` are the pieces they share.
-Importing this package registers every interface in ``INTERFACES``.
+Each algorithm module (``ppo``, ``grpo``, ``rloo``, ``gspo``, ``reinforce_pp``, ``remax``, ``dpo``,
+``rm``, ``sft``) holds its config, its math as pure torch functions and its interfaces;
+``interface`` (the base class and registry), ``lm``, ``offline``, ``reward`` and ``seqs`` are the
+pieces they share. Importing this package registers every interface in ``INTERFACES``.
 """
 
 from rayhf.algorithms import (  # noqa: F401  (importing registers the interfaces)
@@ -12,6 +12,7 @@ from rayhf.algorithms import (  # noqa: F401  (importing registers the interface
     gspo,
     lm,
     ppo,
+    reinforce_pp,
     remax,
     reward,
     rloo,

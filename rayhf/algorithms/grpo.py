@@ -224,11 +224,18 @@ class GRPOActorInterface(LMInterface):
         start = sum(len(p[0]) for p in parts[:rank])
         return adv[start : start + batch.n_samples]
 
+    def add_advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> None:
+        """The batch's ``advantages`` key: one per sample (REINFORCE++'s: one per token)."""
+        batch.add("advantages", self.advantages(engine, batch, rank), [1] * batch.n_samples)
+
+    def minibatch_advantages(self, mb: PackedBatch) -> Tensor:
+        return mb.tensors["advantages"]
+
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = rollout_stats(engine, batch)
-        batch.add("advantages", self.advantages(engine, batch, ctx.dp_rank), [1] * batch.n_samples)
+        self.add_advantages(engine, batch, ctx.dp_rank)
         temperature = self.temperature
         reference = PolicyReference(
             engine, batch, temperature, self.cfg, self.cfg.ppo_epochs, ctx.step
@@ -237,8 +244,9 @@ class GRPOActorInterface(LMInterface):
         def loss_fn(mb: PackedBatch):
             logp, _, mask = response_forward(engine, mb, temperature)
             (old, behaviour), ref = reference.old(mb, logp, mask), padded(mb, "ref_logprobs")
-            adv = mb.tensors["advantages"]
-            loss, s = self.policy_loss(logp, old, ref, adv, mask, behaviour)
+            loss, s = self.policy_loss(
+                logp, old, ref, self.minibatch_advantages(mb), mask, behaviour
+            )
             return loss, {"policy_loss": loss.item(), **s}
 
         weight = self.loss_weight

@@ -26,6 +26,7 @@ from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
 from rayhf.algorithms.gspo import GSPOConfig
 from rayhf.algorithms.ppo import PPOConfig
+from rayhf.algorithms.reinforce_pp import ReinforcePPConfig
 from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rloo import RLOOConfig
 from rayhf.algorithms.rm import RMConfig
@@ -59,6 +60,7 @@ AlgorithmConfig = Annotated[
     | Annotated[GRPOConfig, Tag("grpo")]
     | Annotated[RLOOConfig, Tag("rloo")]
     | Annotated[GSPOConfig, Tag("gspo")]
+    | Annotated[ReinforcePPConfig, Tag("reinforce_pp")]
     | Annotated[ReMaxConfig, Tag("remax")]
     | Annotated[DPOConfig, Tag("dpo")]
     | Annotated[RMConfig, Tag("rm")]

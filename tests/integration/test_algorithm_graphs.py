@@ -19,7 +19,7 @@ from rayhf.runtime.assets import check_graph_against_config
 from rayhf.sampling import GenerationConfig
 
 ALGORITHM_WORDS = re.compile(
-    r"\b(ppo|grpo|rloo|gspo|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE
+    r"\b(ppo|grpo|rloo|gspo|reinforce|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE
 )
 
 
@@ -101,6 +101,7 @@ RUNS = {
     "remax": {},
     "rloo": {},
     "gspo": {},
+    "reinforce_pp": {},
     "dpo": {"eval_every": 1},
     "rm": {"eval_every": 1},
     "sft": {"eval_every": 1},
@@ -123,6 +124,7 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
         "grpo": "clip_frac",
         "rloo": "clip_frac",
         "gspo": "seq_ratio_mean",
+        "reinforce_pp": "clip_frac",
         "remax": "greedy_reward",
         "dpo": "reward_margin",
         "rm": "accuracy",

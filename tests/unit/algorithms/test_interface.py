@@ -20,6 +20,7 @@ from rayhf.algorithms.interface import (
     register,
 )
 from rayhf.algorithms.ppo import PPOConfig
+from rayhf.algorithms.reinforce_pp import ReinforcePPConfig
 from rayhf.algorithms.remax import ReMaxConfig
 from rayhf.algorithms.rloo import RLOOConfig
 from rayhf.algorithms.rm import RMConfig
@@ -35,6 +36,7 @@ CONFIG_OF = {
     "grpo_agent": GRPOConfig,  # rayhf.envs.agent, registered on importing rayhf.runtime
     "rloo_actor": RLOOConfig,
     "gspo_actor": GSPOConfig,
+    "reinforce_pp_actor": ReinforcePPConfig,
     "ppo_agent": PPOConfig,
     "remax_actor": ReMaxConfig,
     "dpo": DPOConfig,
