@@ -22,6 +22,7 @@ def test_calculator_grpo_learns_to_use_the_tool(ray_cluster, tmp_path):
     rows = [m for m in metrics if m["step"] > 0]
     diff, se, told = gain([m["task_reward"] for m in rows])
     assert diff > 5 * se, f"calculator reward {told}"
-    for m in rows:  # the SFT policy calls, then answers: two turns, one call
-        assert m["logprob_mismatch"] < 1e-3 and m["tool_calls"] > 0.8
-        assert m["ended_error"] == m["ended_timeout"] == 0.0
+    calls = [m["tool_calls"] for m in rows]
+    assert sum(calls) / len(calls) > 0.8, "the SFT policy calls the calculator, then answers"
+    for m in rows:
+        assert m["logprob_mismatch"] < 1e-3 and m["ended_error"] == m["ended_timeout"] == 0.0
