@@ -19,6 +19,7 @@ a k3 KL term.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, cast
 
 import torch
@@ -104,6 +105,19 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, cfg: GRPOConfig) -> Tenso
     or nearly never solved, whose scores barely vary.
     """
     return group_advantages(scores, group_ids, cfg.eps, scale=not cfg.dr_grpo)
+
+
+def over_groups(
+    engine: ModelEngine, batch: PackedBatch, rank: int, values: Tensor,
+    fn: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:  # fmt: skip
+    """``fn(values, group_ids)`` over every dp rank's samples (a prompt's group may be split
+    across ranks), this rank's share of the result."""
+    mine = (batch.tensors["group_ids"].long(), values)
+    parts = cast(list[tuple[Tensor, Tensor]], engine.all_gather_object(mine))
+    out = fn(torch.cat([p[1] for p in parts]), torch.cat([p[0] for p in parts]))
+    start = sum(len(p[0]) for p in parts[:rank])
+    return out[start : start + batch.n_samples]
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -216,13 +230,10 @@ class GRPOActorInterface(LMInterface):
 
     def advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> torch.Tensor:
         """This rank's per-sample advantages, normalized over every rank's groups."""
-        mine = (batch.tensors["group_ids"].long(), batch.tensors["scores"].float())
-        parts = cast(list[tuple[torch.Tensor, torch.Tensor]], engine.all_gather_object(mine))
-        gids = torch.cat([p[0] for p in parts])
-        scores = torch.cat([p[1] for p in parts])
-        adv = grpo_advantages(scores, gids, self.cfg)
-        start = sum(len(p[0]) for p in parts[:rank])
-        return adv[start : start + batch.n_samples]
+        scores = batch.tensors["scores"].float()
+        return over_groups(
+            engine, batch, rank, scores, lambda x, g: grpo_advantages(x, g, self.cfg)
+        )
 
     def add_advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> None:
         """The batch's ``advantages`` key: one per sample (REINFORCE++'s: one per token)."""

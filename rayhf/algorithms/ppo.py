@@ -282,7 +282,7 @@ def make_kl_controller(cfg: PPOConfig) -> KLController:
     return FixedKLController(cfg.kl_coef)
 
 
-def _global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Whiten ``x`` over the valid entries of every dp rank's batch."""
     v = x[mask].double()
     count = torch.tensor(v.numel(), dtype=v.dtype, device=v.device)
@@ -334,7 +334,7 @@ class _PPOBase(Interface):
         _, mask = response_index(batch)
         adv, returns, kl, _ = self.advantages(batch, mask)
         if self.cfg.adv_norm:
-            adv = _global_whiten(engine, adv, mask)
+            adv = global_whiten(engine, adv, mask)
         every = response_index(batch, trained_only=False)[1]  # a key's entry per token
         for key, value in (("advantages", adv), ("returns", returns)):
             packed, lens = pack_rows(value, every)

@@ -4,7 +4,8 @@ and ``reinforce_pp_actor``. No critic, and advantages normalized over the whole 
     REINFORCE++ (baseline: false)
       r_t   = score * [t is the last token] - kl_coef * (logprob_t - ref_logprob_t)
       G_t   = sum over s >= t of r_s                      (the return, undiscounted)
-      A_t   = (G_t - mean) / std, over every valid token of every dp rank's batch
+      A_t   = (G_t - mean) / std, over every valid token of every dp rank's batch (PPO's
+              ``global_whiten``)
       loss  = PPO's clipped surrogate, token-mean; the KL is in the reward
     REINFORCE++-baseline (baseline: true)
       A     = (score - the mean score of its prompt's group), on each of its tokens,
@@ -23,10 +24,16 @@ import torch
 from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
-from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, group_advantages, k3_kl
+from rayhf.algorithms.grpo import (
+    GRPOActorInterface,
+    GRPOConfig,
+    group_advantages,
+    k3_kl,
+    over_groups,
+)
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.lm import padded
-from rayhf.algorithms.ppo import kl_shaped_rewards, masked_mean, ppo_policy_loss
+from rayhf.algorithms.ppo import global_whiten, kl_shaped_rewards, masked_mean, ppo_policy_loss
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -63,20 +70,6 @@ def token_returns(rewards: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, r.flip(1).cumsum(1).flip(1), torch.zeros_like(r))
 
 
-def batch_whiten(x: Tensor, mask: Tensor, engine: ModelEngine | None = None) -> Tensor:
-    """``x`` minus the mean over every valid entry (of every dp rank's batch, with an
-    ``engine``), divided by their std; 0 on padding."""
-    v = x[mask].double()
-    sums = torch.stack([v.sum(), (v * v).sum(), torch.tensor(float(v.numel()), dtype=v.dtype)])
-    if engine is not None:
-        sums = engine.all_reduce_sum(sums)
-    n = max(float(sums[2]), 1.0)
-    mean = sums[0] / n
-    var = (sums[1] / n - mean * mean).clamp(min=0.0)
-    out = (x.double() - mean) * torch.rsqrt(var + 1e-8)
-    return torch.where(mask, out.to(x.dtype), torch.zeros_like(x))
-
-
 def reinforce_pp_advantages(
     scores: Tensor, logprobs: Tensor, ref: Tensor, mask: Tensor, kl_coef: float
 ) -> Tensor:
@@ -101,18 +94,14 @@ class ReinforcePPActorInterface(GRPOActorInterface):
                     "algorithm.baseline: true compares each prompt's group: use "
                     "graph: graphs/reinforce_pp_baseline.yaml and group_size > 1"
                 )
-            mine = (batch.tensors["group_ids"].long(), scores)
-            parts = cast(list[tuple[Tensor, Tensor]], engine.all_gather_object(mine))
-            centred = group_advantages(
-                torch.cat([p[1] for p in parts]), torch.cat([p[0] for p in parts]), 0.0, False
+            own = over_groups(
+                engine, batch, rank, scores, lambda x, g: group_advantages(x, g, 0.0, False)
             )
-            start = sum(len(p[0]) for p in parts[:rank])
-            own = centred[start : start + batch.n_samples]
             returns = torch.where(mask, own.unsqueeze(1).expand_as(mask), 0.0)
         else:
             logp, ref = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
             returns = reinforce_pp_advantages(scores, logp, ref, mask, cfg.kl_coef)
-        adv = batch_whiten(returns, mask, engine)
+        adv = global_whiten(engine, returns, mask)
         batch.add("advantages", adv[mask], mask.sum(1).tolist())
 
     def minibatch_advantages(self, mb: PackedBatch) -> Tensor:

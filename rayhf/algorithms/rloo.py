@@ -15,13 +15,13 @@ The update is GRPO's clipped surrogate, token-mean, without its k3 term (``grpo_
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig
+from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, over_groups
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.lm import padded
 from rayhf.algorithms.seqs import response_index
@@ -72,8 +72,4 @@ class RLOOActorInterface(GRPOActorInterface):
         _, mask = response_index(batch)
         logp, ref = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
         rewards = kl_rewards(batch.tensors["scores"].float(), logp, ref, mask, self.cfg.kl_coef)
-        mine = (batch.tensors["group_ids"].long(), rewards)
-        parts = cast(list[tuple[Tensor, Tensor]], engine.all_gather_object(mine))
-        adv = loo_advantages(torch.cat([p[1] for p in parts]), torch.cat([p[0] for p in parts]))
-        start = sum(len(p[0]) for p in parts[:rank])
-        return adv[start : start + batch.n_samples]
+        return over_groups(engine, batch, rank, rewards, loo_advantages)

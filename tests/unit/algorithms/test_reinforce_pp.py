@@ -10,10 +10,10 @@ from pydantic import ValidationError
 
 from rayhf.algorithms.interface import InterfaceSettings
 from rayhf.algorithms.lm import padded
+from rayhf.algorithms.ppo import global_whiten
 from rayhf.algorithms.reinforce_pp import (
     ReinforcePPActorInterface,
     ReinforcePPConfig,
-    batch_whiten,
     reinforce_pp_advantages,
     token_returns,
 )
@@ -50,15 +50,16 @@ class _Ranks:
 
 
 def test_advantages_are_normalized_over_every_rank_s_tokens():
+    # PPO's global_whiten, which REINFORCE++ uses
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 50.0], [9.0, 9.0, 9.0]])
-    alone = batch_whiten(x, MASK)
+    alone = global_whiten(_Ranks(), x, MASK)  # type: ignore[arg-type]
     valid = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     expected = (valid - valid.mean()) / valid.std(unbiased=False)
     assert alone[MASK].tolist() == pytest.approx(expected.tolist(), rel=1e-6)
     assert alone[~MASK].abs().sum() == 0
     # another rank holding the tokens 6 and 7: the mean and std of all seven
     other = torch.tensor([13.0, 85.0, 2.0], dtype=torch.float64)
-    both = batch_whiten(x, MASK, _Ranks(other))  # type: ignore[arg-type]
+    both = global_whiten(_Ranks(other), x, MASK)  # type: ignore[arg-type]
     everything = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     want = (valid - everything.mean()) / everything.std(unbiased=False)
     assert both[MASK].tolist() == pytest.approx(want.tolist(), rel=1e-6)
