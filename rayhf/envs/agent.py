@@ -35,7 +35,6 @@ from rayhf.algorithms.ppo import PPOActorInterface
 from rayhf.data.batch import PackedBatch
 from rayhf.envs.batcher import ArrivalBatcher
 from rayhf.envs.env import EnvConfig, Outcome, load_env_class, rollouts
-from rayhf.envs.proxy import agent_rollouts
 from rayhf.errors import RayhfError
 from rayhf.sampling import GenerationConfig
 
@@ -68,7 +67,9 @@ def agent_batch(
         batcher = ArrivalBatcher(engine, cfg, ctx.step, seed=seed, rows=len(rows),
                                  longest=env.max_tokens)  # fmt: skip
         async with batcher as generate:
-            if env.cls is None:
+            if env.cls is None:  # the agent server (FastAPI, uvicorn): imported when used,
+                from rayhf.envs.proxy import agent_rollouts  # not by every worker
+
                 outcomes = await agent_rollouts(rows, generate, tok, env)
             else:
                 tools = [t.schema() for t in getattr(load_env_class(env.cls), "tools", ())]
