@@ -1,12 +1,13 @@
 """RLHF algorithms, one module per algorithm, and the interfaces that bind them to graph calls.
 
-Each algorithm module (``ppo``, ``grpo``, ``rloo``, ``gspo``, ``reinforce_pp``, ``remax``, ``dpo``,
-``rm``, ``sft``) holds its config, its math as pure torch functions and its interfaces;
+Each algorithm module (``ppo``, ``grpo``, ``rloo``, ``gspo``, ``dapo``, ``reinforce_pp``, ``remax``,
+``dpo``, ``rm``, ``sft``) holds its config, its math as pure torch functions and its interfaces;
 ``interface`` (the base class and registry), ``lm``, ``offline``, ``reward`` and ``seqs`` are the
 pieces they share. Importing this package registers every interface in ``INTERFACES``.
 """
 
 from rayhf.algorithms import (  # noqa: F401  (importing registers the interfaces)
+    dapo,
     dpo,
     grpo,
     gspo,

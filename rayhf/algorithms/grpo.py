@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Literal, cast
 
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
 from rayhf.algorithms.interface import CallContext, ModelEngine, WorkShape, register
@@ -41,9 +41,9 @@ from rayhf.algorithms.offpolicy import (
     behaviour_weights,
     policy_train_shape,
 )
-from rayhf.algorithms.ppo import masked_mean
+from rayhf.algorithms.ppo import agg_weight, aggregate, masked_mean
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.torch_trainer import Weight, response_tokens, samples
+from rayhf.engines.torch_trainer import Weight, samples
 from rayhf.errors import RayhfError
 
 
@@ -74,6 +74,19 @@ class GRPOConfig(OffPolicyConfig):
     """Optimizer steps per epoch; the batch is split into this many minibatches."""
     ppo_epochs: int = Field(1, gt=0)
     """Passes over each generated batch."""
+
+    @model_validator(mode="after")
+    def _one_aggregation(self) -> GRPOConfig:
+        if self.dr_grpo and self.loss_agg != "token_mean":
+            raise ValueError(
+                "algorithm.loss_agg: Dr. GRPO sums tokens over a constant; leave loss_agg unset "
+                "or set dr_grpo false"
+            )
+        return self
+
+    def clip_range(self) -> tuple[float, float]:
+        """The policy ratio's clip bounds below and above 1 (DAPO's differ)."""
+        return self.eps_clip, self.eps_clip
 
 
 def group_advantages(scores: Tensor, group_ids: Tensor, eps: float, scale: bool = True) -> Tensor:
@@ -132,9 +145,10 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, cfg: GRPOConfig) -> Tensor:
-    """Token-mean over the batch for GRPO; sum over ``B * max_new_tokens_norm`` for Dr. GRPO."""
+    """``algorithm.loss_agg`` (``ppo.aggregate``); for Dr. GRPO the sum over
+    ``B * max_new_tokens_norm``."""
     if not cfg.dr_grpo:
-        return masked_mean(per_token, mask)
+        return aggregate(per_token, mask, cfg.loss_agg)
     longest = int(mask.sum(dim=1).max()) if mask.numel() else 0
     norm = cfg.max_new_tokens_norm or longest
     if norm < longest:
@@ -158,10 +172,11 @@ def grpo_loss(
     """Clipped surrogate plus ``kl_coef`` times k3 per token, aggregated over the batch; with
     ``behaviour`` log-probs the surrogate is decoupled PPO's (``ppo_policy_loss``).
 
-    ``advantages`` is ``[B]``, one per sequence, shared by its tokens. GRPO averages over all
-    valid tokens of the batch (verl's and DAPO's "token-mean"): every token weighs the same, so
-    a long response weighs more than a short one. Dr. GRPO divides the token sum by
-    ``B * max_new_tokens_norm``, a per-token weight that does not depend on any length.
+    ``advantages`` is ``[B]``, one per sequence, shared by its tokens. By default GRPO averages
+    over all valid tokens of the batch (verl's and DAPO's "token-mean"): every token weighs the
+    same, so a long response weighs more than a short one; ``loss_agg`` picks another mean.
+    Dr. GRPO divides the token sum by ``B * max_new_tokens_norm``, a per-token weight that does
+    not depend on any length. The ratio is clipped to ``cfg.clip_range()``.
     ``stats``: ``clip_frac``, ``kl`` (mean k3 per valid token), ``approx_kl`` (mean old - new).
     """
     assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
@@ -169,7 +184,8 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     adv = advantages.to(ratio.dtype).unsqueeze(1)
     loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip)
+    low, high = cfg.clip_range()
+    loss_clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
     kl = k3_kl(logprobs, ref_logprobs, mask)
     surrogate = torch.maximum(loss_unclipped, loss_clipped)
     weight_stats: dict[str, float] = {}
@@ -206,7 +222,7 @@ class GRPOActorInterface(LMInterface):
     @property
     def loss_weight(self) -> Weight:
         """What the loss averages over, for the trainer's micro-batches."""
-        return samples if self.cfg.dr_grpo else response_tokens
+        return samples if self.cfg.dr_grpo else agg_weight(self.cfg.loss_agg)
 
     def policy_loss(
         self, logp: Tensor, old: Tensor, ref: Tensor, adv: Tensor, mask: Tensor,

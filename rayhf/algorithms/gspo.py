@@ -43,6 +43,8 @@ class GSPOConfig(GRPOConfig):
     """... and above at ``1 + eps_high``."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of GRPO's per-token k3 KL term (the paper uses none)."""
+    loss_agg: Literal["seq_mean_token_mean"] = "seq_mean_token_mean"  # type: ignore[assignment]
+    """GSPO's ratio is a sequence's: its loss is a mean over sequences."""
 
     @model_validator(mode="after")
     def _no_token_options(self) -> GSPOConfig:

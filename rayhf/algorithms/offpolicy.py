@@ -47,6 +47,8 @@ from rayhf.algorithms.lm import logprob_batch, padded
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
 
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+
 
 class OffPolicyConfig(BaseModel):
     """Fields of an algorithm that trains on samples of an older policy (PPO, GRPO)."""
@@ -64,6 +66,10 @@ class OffPolicyConfig(BaseModel):
     forwards its batch before the first update (exact); ``interpolate`` skips that forward and
     places them between the behaviour log-probs and each minibatch's own (AReaL's log-linear
     approximation)."""
+    loss_agg: LossAgg = "token_mean"
+    """How the policy loss is averaged: over every response token of the batch
+    (``token_mean``, DAPO's token-level loss), or per response first (``seq_mean_token_mean``,
+    the GRPO paper's; ``seq_mean_token_sum``), then over responses."""
 
 
 class OnPolicyConfig(BaseModel):

@@ -31,6 +31,7 @@ from torch import Tensor
 from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, WorkShape, register
 from rayhf.algorithms.lm import LMInterface, logprob_batch, padded, response_forward
 from rayhf.algorithms.offpolicy import (
+    LossAgg,
     OffPolicyConfig,
     PolicyReference,
     behaviour_weights,
@@ -38,6 +39,7 @@ from rayhf.algorithms.offpolicy import (
 )
 from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
+from rayhf.engines.torch_trainer import Weight, response_tokens, samples
 from rayhf.errors import RayhfError
 
 
@@ -83,6 +85,29 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=dim)
     count = mask.sum(dim=dim)
     return total / count.clamp(min=1).to(total.dtype)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, how: LossAgg) -> Tensor:
+    """A per-token loss ``[B, T]`` as one number, ``algorithm.loss_agg``:
+
+    * ``token_mean``: over every valid token of the batch (a long response weighs more);
+    * ``seq_mean_token_mean``: each row's token mean, then the mean over rows (each response
+      weighs the same);
+    * ``seq_mean_token_sum``: each row's token sum, then the mean over rows.
+
+    The row means count every row, an empty one as 0, so a micro-batch's share of the loss is its
+    share of the samples (``rayhf.engines.torch_trainer.samples``)."""
+    if how == "token_mean":
+        return masked_mean(per_token, mask)
+    rows = torch.where(mask, per_token, torch.zeros_like(per_token)).sum(dim=1)
+    if how == "seq_mean_token_mean":
+        rows = rows / mask.sum(dim=1).clamp(min=1).to(rows.dtype)
+    return rows.sum() / max(rows.numel(), 1)
+
+
+def agg_weight(how: LossAgg) -> Weight:
+    """What a loss aggregated ``how`` averages over, for the trainer's micro-batches."""
+    return response_tokens if how == "token_mean" else samples
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
@@ -179,8 +204,10 @@ def ppo_policy_loss(
     eps_clip: float,
     behaviour: Tensor | None = None,
     weight_cap: float = 2.0,
+    loss_agg: LossAgg = "token_mean",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss, averaged over valid tokens; returns ``(loss, stats)``.
+    """Clipped surrogate loss, aggregated as ``loss_agg`` says (``aggregate``); returns
+    ``(loss, stats)``.
 
     With ``behaviour`` log-probs it is decoupled PPO (``rayhf.algorithms.offpolicy``):
     ``old_logprobs`` are the proximal policy's and each token's loss is weighted by
@@ -197,7 +224,7 @@ def ppo_policy_loss(
     if behaviour is not None:
         weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, weight_cap)
         per_token = weights * per_token
-    loss = masked_mean(per_token, mask)
+    loss = aggregate(per_token, mask, loss_agg)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
@@ -382,7 +409,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
             old, behaviour = reference.old(mb, logp, mask)
             adv = padded(mb, "advantages")
             loss, s = ppo_policy_loss(
-                logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap
+                logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap, cfg.loss_agg
             )  # fmt: skip
             entropy = masked_mean(entropies, mask)
             if cfg.entropy_coef:
@@ -392,7 +419,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
         for epoch in range(cfg.ppo_epochs):
             minibatches = self.minibatches(batch)
             reference.start_epoch(epoch, minibatches)
-            stats.update(engine.train(minibatches, loss_fn))
+            stats.update(engine.train(minibatches, loss_fn, agg_weight(cfg.loss_agg)))
         stats.update(reference.stats(engine))
         self.kl_ctl.update(stats["kl"], n_steps=batch.n_samples * ctx.dp_size)
         return stats

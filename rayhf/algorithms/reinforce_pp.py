@@ -33,7 +33,13 @@ from rayhf.algorithms.grpo import (
 )
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.lm import padded
-from rayhf.algorithms.ppo import global_whiten, kl_shaped_rewards, masked_mean, ppo_policy_loss
+from rayhf.algorithms.ppo import (
+    aggregate,
+    global_whiten,
+    kl_shaped_rewards,
+    masked_mean,
+    ppo_policy_loss,
+)
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -112,8 +118,10 @@ class ReinforcePPActorInterface(GRPOActorInterface):
         behaviour: Tensor | None,
     ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
         cfg = cast(ReinforcePPConfig, self.cfg)
-        loss, stats = ppo_policy_loss(logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap)
+        loss, stats = ppo_policy_loss(
+            logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap, cfg.loss_agg
+        )  # fmt: skip
         kl = k3_kl(logp, ref, mask)
         if cfg.baseline:
-            loss = loss + cfg.kl_coef * masked_mean(kl, mask)
+            loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.loss_agg)
         return loss, {**stats, "kl": masked_mean(kl, mask).item()}

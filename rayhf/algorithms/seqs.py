@@ -66,3 +66,14 @@ def pack_rows(padded: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, l
     """The valid entries of each row concatenated, and the row lengths."""
     lengths = mask.sum(dim=1).tolist()
     return padded[mask], lengths
+
+
+def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Per sample: whether the scores of its group are not all equal (a group of one never
+    is), the groups dynamic sampling keeps."""
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n = int(group.max()) + 1 if group.numel() else 0
+    x = scores.float()
+    high = torch.full((n,), -torch.inf).scatter_reduce(0, group, x, "amax")
+    low = torch.full((n,), torch.inf).scatter_reduce(0, group, x, "amin")
+    return (high > low)[group]

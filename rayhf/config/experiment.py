@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from rayhf.algorithms.dapo import DAPOConfig
 from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
 from rayhf.algorithms.gspo import GSPOConfig
@@ -60,6 +61,7 @@ AlgorithmConfig = Annotated[
     | Annotated[GRPOConfig, Tag("grpo")]
     | Annotated[RLOOConfig, Tag("rloo")]
     | Annotated[GSPOConfig, Tag("gspo")]
+    | Annotated[DAPOConfig, Tag("dapo")]
     | Annotated[ReinforcePPConfig, Tag("reinforce_pp")]
     | Annotated[ReMaxConfig, Tag("remax")]
     | Annotated[DPOConfig, Tag("dpo")]
@@ -185,6 +187,16 @@ class ExperimentConfig(BaseModel):
             raise ValueError(
                 f"algorithm.max_staleness: {k} runs steps overlapped; set driver.overlap_steps: "
                 "true (the plain executor) or algorithm.max_staleness: 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_within_the_limit(self) -> ExperimentConfig:
+        alg, limit = self.algorithm, self.generation.max_new_tokens
+        if isinstance(alg, DAPOConfig) and alg.overlong_buffer >= limit:
+            raise ValueError(
+                f"algorithm.overlong_buffer: {alg.overlong_buffer} is not below "
+                f"generation.max_new_tokens ({limit}); lower it or raise max_new_tokens"
             )
         return self
 

@@ -97,6 +97,23 @@ class Graph(BaseModel):
     def role_calls(self, role: str) -> list[str]:
         return [name for name in self.order if self.by_name[name].role == role]
 
+    def split_after(self, key: str) -> tuple[Graph, Graph]:
+        """The calls ``key`` needs (its producer and everything before it), then the others,
+        which read the first part's keys as their graph inputs."""
+        need, todo = set(), [self.producers[key]]
+        while todo:
+            name = todo.pop()
+            if name not in need:
+                need.add(name)
+                todo.extend(p for p, c in self.edges if c == name)
+        first = [c for c in self.calls if c.name in need]
+        made = [k for c in first for k in c.outputs]
+        rest = [c for c in self.calls if c.name not in need]
+        return (
+            Graph(name=f"{self.name}:lead", inputs=self.inputs, calls=first),
+            Graph(name=f"{self.name}:rest", inputs=made, calls=rest),
+        )
+
     def validate_roles(self, roles: set[str]) -> None:
         """Every call's role must be a configured model."""
         for c in self.calls:

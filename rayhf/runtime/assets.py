@@ -222,6 +222,17 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
             )
 
 
+def check_refill(graph: Graph, cfg: ExperimentConfig) -> None:
+    """An algorithm that refills its batch (dynamic sampling) has groups and scores to filter
+    on."""
+    missing = [k for k in ("scores", "group_ids") if k not in graph.producers]
+    if getattr(cfg.algorithm, "refill_rounds", 0) and missing:
+        raise RayhfError(
+            f"algorithm.dynamic_sampling filters groups by their scores: graph '{graph.name}' "
+            f"makes no '{missing[0]}'; use a graph with group scores or dynamic_sampling: false"
+        )
+
+
 def _check_env_layouts(graph: Graph, plan: Plan) -> None:
     """A call that runs an environment decodes what its trajectories send as they send it,
     which the ranks of a tp or pp layout would have to agree on: it needs tp = pp = 1."""
@@ -299,6 +310,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
     check_graph_against_config(graph, cfg)
+    check_refill(graph, cfg)
     check_trackers(cfg.metrics)
     plan = make_plan(graph, cfg.plan, cfg.cluster) if cfg.plan != "auto" else None
     if plan is not None:

@@ -3,7 +3,8 @@
     config -> assets (files, graph, plan, dataset; no Ray yet) -> Session (Ray, role groups)
            -> per step: dataset rows -> executor.submit (step i+1 while step i runs, with
               driver.overlap_steps; with max_staleness k, the generation of step i+k before the
-              rest of step i) -> collect -> metrics -> eval and checkpoint on schedule
+              rest of step i; with dynamic sampling, rounds of generation until the batch
+              is full: runtime.refill) -> collect -> metrics -> eval and checkpoint on schedule
               (those steps drain: nothing runs past them)
            -> final checkpoint, plot, teardown
 
@@ -44,6 +45,7 @@ from rayhf.runtime.checkpoint import (
 )
 from rayhf.runtime.driver import DagExecutor, StepOutcome, Submitted
 from rayhf.runtime.preemption import Preemption
+from rayhf.runtime.refill import RefillExecutor
 from rayhf.runtime.session import Session
 from rayhf.runtime.waits import gather
 
@@ -183,10 +185,20 @@ class Trainer:
         self.cfg, self.assets, self.session = cfg, assets, session
         driver = cfg.driver
         compiled = driver.compiled(cfg.cluster.device)
-        self.executor = DagExecutor(
-            assets.graph, session.placement(), compiled, driver.call_timeout_s,
-            overlap=driver.overlap_steps, staleness=getattr(cfg.algorithm, "max_staleness", 0),
-        )  # fmt: skip
+        self.executor: DagExecutor | RefillExecutor
+        rounds = getattr(cfg.algorithm, "refill_rounds", 0)
+        if rounds:
+            self.executor = RefillExecutor(
+                assets.graph, session.placement(), driver.call_timeout_s, cfg.batch_size,
+                rounds,
+                lambda n: to_packed(assets.dataset.next_batch(n, cfg.seed)),
+            )  # fmt: skip
+        else:
+            self.executor = DagExecutor(
+                assets.graph, session.placement(), compiled, driver.call_timeout_s,
+                overlap=driver.overlap_steps,
+                staleness=getattr(cfg.algorithm, "max_staleness", 0),
+            )  # fmt: skip
         self.token_keys = sequence_keys(assets.graph)
 
     def checkpoint(self, step: int) -> Path:

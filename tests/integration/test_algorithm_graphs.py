@@ -19,7 +19,7 @@ from rayhf.runtime.assets import check_graph_against_config
 from rayhf.sampling import GenerationConfig
 
 ALGORITHM_WORDS = re.compile(
-    r"\b(ppo|grpo|rloo|gspo|reinforce|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE
+    r"\b(ppo|grpo|rloo|gspo|dapo|reinforce|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE
 )
 
 
@@ -101,6 +101,7 @@ RUNS = {
     "remax": {},
     "rloo": {},
     "gspo": {},
+    "dapo": {"algorithm.overlong_buffer": 2},
     "reinforce_pp": {},
     "dpo": {"eval_every": 1},
     "rm": {"eval_every": 1},
@@ -124,6 +125,7 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
         "grpo": "clip_frac",
         "rloo": "clip_frac",
         "gspo": "seq_ratio_mean",
+        "dapo": "clip_frac",
         "reinforce_pp": "clip_frac",
         "remax": "greedy_reward",
         "dpo": "reward_margin",
@@ -131,6 +133,10 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
         "sft": "nll",
     }[name]
     assert all(expect in m for m in train_rows)
+    if name == "dapo":  # a step stops refilling when its batch is full, or after max_rounds
+        for m in train_rows:
+            assert 1 <= m["dynamic/rounds"] <= 3 and 0 <= m["dynamic/dropped_share"] <= 1
+            assert m["dynamic/filled"] == 1.0 or m["dynamic/rounds"] == 3
     if name in ("dpo", "rm", "sft"):
         evals = [m for m in result.metrics if any(k.startswith("eval/") for k in m)]
         assert [m["step"] for m in evals] == [0, 1, 2]

@@ -8,6 +8,7 @@ import pytest
 import rayhf.algorithms  # importing registers every interface
 import rayhf.envs.agent  # noqa: F401  (and the multi-turn one)
 from rayhf.algorithms import interface as iface_mod
+from rayhf.algorithms.dapo import DAPOConfig
 from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
 from rayhf.algorithms.gspo import GSPOConfig
@@ -36,6 +37,7 @@ CONFIG_OF = {
     "grpo_agent": GRPOConfig,  # rayhf.envs.agent, registered on importing rayhf.runtime
     "rloo_actor": RLOOConfig,
     "gspo_actor": GSPOConfig,
+    "dapo_actor": DAPOConfig,
     "reinforce_pp_actor": ReinforcePPConfig,
     "ppo_agent": PPOConfig,
     "remax_actor": ReMaxConfig,

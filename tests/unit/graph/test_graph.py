@@ -89,3 +89,14 @@ def test_unknown_field_in_graph(tmp_path):
     p = _write(tmp_path, [_call("a", inputs=["prompts"], outputs=["x"], colour="red")])
     with pytest.raises(RayhfError, match=r"calls\.0\.colour"):
         load_graph(p)
+
+
+def test_split_after_a_key_runs_what_it_needs_first():
+    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    lead, rest = graph.split_after("scores")
+    # the reward reads the generation; the reference, critic and trains run after the filter
+    assert [c.name for c in lead.calls] == ["actor_gen", "rew_inf"]
+    assert lead.inputs == graph.inputs
+    assert set(rest.inputs) == {k for c in lead.calls for k in c.outputs}
+    assert [c.name for c in lead.calls + rest.calls] == [c.name for c in graph.calls]
+    assert "rew_inf" not in rest.order and rest.order[-1] in ("actor_train", "critic_train")

@@ -1,0 +1,109 @@
+"""DAPO, Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al., 2025):
+``DAPOConfig``, its pure functions and ``dapo_actor``.
+
+GRPO's groups and update with four changes, each switchable in ``algorithm:``:
+
+* clip-higher: the ratio is clipped to ``[1 - eps_clip, 1 + eps_clip_high]``, a wider upper
+  bound, so a token the policy rarely samples can gain probability (``eps_clip_high: 0.2``
+  turns it off at GRPO's defaults);
+* dynamic sampling: a group whose scores are all equal has advantage 0 and teaches nothing, so
+  the step drops it and samples more prompts from the dataset until the batch holds
+  ``batch_size`` groups that differ, or ``max_rounds`` generations ran
+  (``rayhf.runtime.refill``; ``seqs.informative_groups`` is the test);
+* token-level loss: ``loss_agg: token_mean`` (the default of the PPO family here);
+* overlong reward shaping: a response longer than ``max_new_tokens - overlong_buffer`` loses
+  up to ``overlong_penalty`` linearly over the buffer (``overlong_shaping``), so the policy
+  learns the length limit without a truncated answer's noise.
+
+No KL term by default (``kl_coef: 0``), as the paper.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import ConfigDict, Field, model_validator
+from torch import Tensor
+
+from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, grpo_advantages, over_groups
+from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.data.batch import PackedBatch
+
+
+class DAPOConfig(GRPOConfig):
+    """DAPO: GRPO with clip-higher, dynamic sampling, the token-level loss and overlong reward
+    shaping."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["dapo"] = "dapo"  # type: ignore[assignment]
+    """Selects this algorithm in the config's ``algorithm:`` section."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of GRPO's per-token k3 KL term (the paper uses none)."""
+    eps_clip_high: float = Field(0.28, gt=0)
+    """Clip-higher: the ratio is clipped above at ``1 + eps_clip_high`` (below at
+    ``1 - eps_clip``); equal to ``eps_clip`` turns it off."""
+    dynamic_sampling: bool = True
+    """Drop the groups whose scores are all equal and fill the batch with more prompts."""
+    max_rounds: int = Field(3, gt=0)
+    """Generations a step may run to fill its batch (the first included); after the last, it
+    trains on the groups it has."""
+    overlong_buffer: int = Field(0, ge=0)
+    """Tokens before ``generation.max_new_tokens`` where the length penalty starts; 0 turns the
+    shaping off (the paper: 4096 of 20480)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The penalty at the length limit, subtracted from the score."""
+
+    @model_validator(mode="after")
+    def _dapo_settings(self) -> DAPOConfig:
+        if self.eps_clip_high < self.eps_clip:
+            raise ValueError(
+                f"algorithm.eps_clip_high ({self.eps_clip_high:g}) is below algorithm.eps_clip "
+                f"({self.eps_clip:g}): clip-higher needs eps_clip_high >= eps_clip"
+            )
+        if self.dynamic_sampling and self.max_staleness:
+            raise ValueError(
+                "algorithm.dynamic_sampling: a refill waits for the step's scores; set "
+                "max_staleness: 0 or dynamic_sampling: false"
+            )
+        if self.dr_grpo:
+            raise ValueError("algorithm.dr_grpo: DAPO sets loss_agg instead; set it false")
+        return self
+
+    def clip_range(self) -> tuple[float, float]:
+        return self.eps_clip, self.eps_clip_high
+
+    @property
+    def refill_rounds(self) -> int:
+        """Generations a step may run to fill its batch with informative groups; 0: no
+        refill (the runtime reads this, not the algorithm's name)."""
+        return self.max_rounds if self.dynamic_sampling else 0
+
+
+def overlong_shaping(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment per response (eq. 13, times ``penalty``): 0 up to
+    ``max_len - buffer`` tokens, then falling linearly to ``-penalty`` at ``max_len``, and
+    ``-penalty`` beyond it. 0 everywhere when ``buffer`` is 0."""
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0, max=buffer)
+    return -penalty * over / buffer
+
+
+@register("dapo_actor")
+class DAPOActorInterface(GRPOActorInterface):
+    """``group_size`` samples per prompt; GRPO's advantages of the shaped scores, clip-higher."""
+
+    config_type = DAPOConfig
+
+    def advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> Tensor:
+        """Group-normalized advantages of each score plus its overlong shaping."""
+        cfg = self.cfg
+        assert isinstance(cfg, DAPOConfig)
+        lengths = torch.tensor(batch.seqlens["seq"]) - batch.tensors["prompt_lens"]
+        shaped = batch.tensors["scores"].float() + overlong_shaping(
+            lengths, self.settings.generation.max_new_tokens, cfg.overlong_buffer,
+            cfg.overlong_penalty,
+        )  # fmt: skip
+        return over_groups(engine, batch, rank, shaped, lambda x, g: grpo_advantages(x, g, cfg))

@@ -1,0 +1,123 @@
+"""DAPO's parts (Yu et al., 2025) on hand-computed cases: the asymmetric clip, the soft overlong
+punishment (eq. 13), the groups dynamic sampling keeps and how a refill picks them, the loss
+aggregations the PPO family shares, and the settings DAPO refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+import rayhf
+from rayhf.algorithms.dapo import DAPOConfig, overlong_shaping
+from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
+from rayhf.algorithms.ppo import PPOConfig, aggregate
+from rayhf.algorithms.seqs import informative_groups
+from rayhf.data.batch import PackedBatch
+from rayhf.runtime.assets import check_refill
+from rayhf.runtime.refill import keep_groups
+
+REPO = Path(__file__).resolve().parents[3]
+
+MASK = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+
+
+def test_clip_higher_lets_a_ratio_rise_further_than_it_may_fall():
+    cfg = DAPOConfig(eps_clip=0.2, eps_clip_high=0.28)
+    old = torch.zeros(2, 3)
+    # ratios 1.25 (inside [0.8, 1.28]), 1.35 (above) and 0.7 (below) for A > 0; 0.7 for A < 0
+    logp = torch.log(torch.tensor([[1.25, 1.35, 0.7], [0.7, 1.0, 1.0]])).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = grpo_loss(logp, old, old, adv, MASK, cfg)
+    # A > 0: max(-r, -clip(r)); 1.35 is clipped to 1.28, 0.7 keeps -0.7 (the larger loss is
+    # -0.7 against -0.8). A < 0 at 0.7: max(0.7, 0.8) = 0.8, clipped.
+    per_token = [-1.25, -1.28, -0.7, 0.8]
+    assert loss.item() == pytest.approx(sum(per_token) / 4)
+    assert stats["clip_frac"] == pytest.approx(2 / 4)
+    loss.backward()
+    assert logp.grad[0, 0] != 0 and logp.grad[0, 1] == 0 and logp.grad[1, 0] == 0
+    grpo = grpo_loss(logp, old, old, adv, MASK, GRPOConfig(eps_clip=0.2, kl_coef=0.0))[0]
+    assert grpo.item() == pytest.approx((-1.2 - 1.2 - 0.7 + 0.8) / 4)  # symmetric: 1.25 clips
+
+
+def test_overlong_shaping_by_hand():
+    lengths = torch.tensor([10, 16, 17, 19, 20, 25])
+    shaped = overlong_shaping(lengths, max_len=20, buffer=4, penalty=0.5)
+    # 0 up to 20 - 4 = 16 tokens, then -0.5 * (len - 16) / 4, -0.5 from 20 on
+    assert shaped.tolist() == pytest.approx([0.0, 0.0, -0.125, -0.375, -0.5, -0.5])
+    assert overlong_shaping(lengths, 20, 0, 1.0).tolist() == [0.0] * 6
+
+
+def test_the_groups_dynamic_sampling_keeps():
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.2, 7.0])
+    groups = torch.tensor([4, 4, 4, 9, 9, 9, 2, 2, 5])
+    # group 4 differs, group 9 scores alike, group 2 differs, group 5 is one sample
+    expected = [True] * 3 + [False] * 3 + [True] * 2 + [False]
+    assert informative_groups(scores, groups).tolist() == expected
+
+
+def test_a_refill_keeps_the_first_informative_groups_it_needs():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.3, 0.1, 0.9, 0.2])
+    groups = torch.tensor([7, 7, 3, 3, 8, 8, 1, 1])
+    batch = PackedBatch(list(range(10, 18)))
+    batch.add("scores", scores, [1] * 8)
+    batch.add("group_ids", groups, [1] * 8)
+    part, n, useful = keep_groups(batch, 2)
+    assert (n, useful) == (4, 3)  # group 3 scores alike; 7, 8 and 1 differ
+    assert part.sample_ids == [10, 11, 14, 15]  # the first two that differ, in batch order
+    assert keep_groups(batch, 5)[0].n_samples == 6
+
+
+def test_loss_aggregations_by_hand():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    assert aggregate(per_token, mask, "token_mean").item() == pytest.approx(10 / 4)
+    # row means 2 and 4, the empty row 0, over three rows; row sums 6 and 4
+    assert aggregate(per_token, mask, "seq_mean_token_mean").item() == pytest.approx(6 / 3)
+    assert aggregate(per_token, mask, "seq_mean_token_sum").item() == pytest.approx(10 / 3)
+
+
+@pytest.mark.parametrize("how", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_grpo_and_ppo_share_the_setting(how):
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, 2.0])
+    loss, _ = grpo_loss(logp, logp, logp, adv, MASK, GRPOConfig(kl_coef=0.0, loss_agg=how))
+    # ratio 1, so each token's loss is -A: tokens -1, -1, -1, -2
+    want = {"token_mean": -5 / 4, "seq_mean_token_mean": -3 / 2, "seq_mean_token_sum": -5 / 2}
+    assert loss.item() == pytest.approx(want[how])
+    assert PPOConfig(loss_agg=how).loss_agg == how
+
+
+def test_settings_dapo_refuses():
+    with pytest.raises(ValidationError, match=r"eps_clip_high \(0.1\) is below"):
+        DAPOConfig(eps_clip_high=0.1)
+    with pytest.raises(ValidationError, match="dynamic_sampling"):
+        DAPOConfig(max_staleness=1)
+    assert DAPOConfig(max_staleness=1, dynamic_sampling=False).max_staleness == 1
+    with pytest.raises(ValidationError, match="loss_agg"):
+        GRPOConfig(dr_grpo=True, loss_agg="seq_mean_token_sum")
+    with pytest.raises(ValidationError, match="loss_agg"):
+        PPOConfig(loss_agg="sum")
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ({"algorithm.eps_clip_high": 0.1}, r"algorithm.eps_clip_high \(0.1\) is below"),
+        ({"algorithm.overlong_buffer": 20}, "algorithm.overlong_buffer: 20 is not below "),
+        ({"algorithm.loss_agg": "sum"}, "algorithm.loss_agg"),
+        ({"algorithm.max_staleness": 1}, "algorithm.dynamic_sampling"),
+    ],
+)
+def test_bad_dapo_settings_are_refused_naming_the_field(override, says):
+    with pytest.raises((ValidationError, rayhf.RayhfError), match=says):
+        rayhf.load_config(REPO / "examples" / "dapo_tiny.yaml").with_overrides(override)
+
+
+def test_dynamic_sampling_needs_group_scores():
+    cfg = rayhf.load_config(REPO / "examples" / "dapo_tiny.yaml")
+    graph = rayhf.load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
+    with pytest.raises(rayhf.RayhfError, match=r"dynamic_sampling filters groups .* no 'scores'"):
+        check_refill(graph, cfg)
