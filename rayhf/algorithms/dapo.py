@@ -9,7 +9,7 @@ GRPO's groups and update with four changes, each switchable in ``algorithm:``:
 * dynamic sampling: a group whose scores are all equal has advantage 0 and teaches nothing, so
   the step drops it and samples more prompts from the dataset until the batch holds
   ``batch_size`` groups that differ, or ``max_rounds`` generations ran
-  (``rayhf.runtime.refill``; ``seqs.informative_groups`` is the test);
+  (``rayhf.runtime.refill`` runs it; ``rayhf.algorithms.refill`` keeps the groups);
 * token-level loss: ``loss_agg: token_mean`` (the default of the PPO family here);
 * overlong reward shaping: a response longer than ``max_new_tokens - overlong_buffer`` loses
   up to ``overlong_penalty`` linearly over the buffer (``overlong_shaping``), so the policy
@@ -28,6 +28,7 @@ from torch import Tensor
 
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, grpo_advantages, over_groups
 from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.refill import GroupRefill
 from rayhf.data.batch import PackedBatch
 
 
@@ -74,11 +75,10 @@ class DAPOConfig(GRPOConfig):
     def clip_range(self) -> tuple[float, float]:
         return self.eps_clip, self.eps_clip_high
 
-    @property
-    def refill_rounds(self) -> int:
-        """Generations a step may run to fill its batch with informative groups; 0: no
-        refill (the runtime reads this, not the algorithm's name)."""
-        return self.max_rounds if self.dynamic_sampling else 0
+    def refill(self) -> GroupRefill | None:
+        """What a step keeps and how many generations it may run to fill its batch; None: no
+        refill (the runtime asks this, not the algorithm's name)."""
+        return GroupRefill(self.max_rounds) if self.dynamic_sampling else None
 
 
 def overlong_shaping(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer
 
 from rayhf.algorithms import INTERFACES, resolve_function
+from rayhf.algorithms.refill import GroupRefill
 from rayhf.algorithms.reward import check_columns
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
@@ -222,15 +223,10 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
             )
 
 
-def check_refill(graph: Graph, cfg: ExperimentConfig) -> None:
-    """An algorithm that refills its batch (dynamic sampling) has groups and scores to filter
-    on."""
-    missing = [k for k in ("scores", "group_ids") if k not in graph.producers]
-    if getattr(cfg.algorithm, "refill_rounds", 0) and missing:
-        raise RayhfError(
-            f"algorithm.dynamic_sampling filters groups by their scores: graph '{graph.name}' "
-            f"makes no '{missing[0]}'; use a graph with group scores or dynamic_sampling: false"
-        )
+def refill_of(cfg: ExperimentConfig) -> GroupRefill | None:
+    """The algorithm's batch refill (dynamic sampling), if it has one."""
+    refill = getattr(cfg.algorithm, "refill", None)
+    return refill() if refill is not None else None
 
 
 def _check_env_layouts(graph: Graph, plan: Plan) -> None:
@@ -310,7 +306,8 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
     check_graph_against_config(graph, cfg)
-    check_refill(graph, cfg)
+    if (refill := refill_of(cfg)) is not None:
+        refill.check(graph)
     check_trackers(cfg.metrics)
     plan = make_plan(graph, cfg.plan, cfg.cluster) if cfg.plan != "auto" else None
     if plan is not None:

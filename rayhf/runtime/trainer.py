@@ -36,7 +36,7 @@ from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.metrics.trace import TRACE_FILE, TraceSpan, TraceWriter
 from rayhf.models.hf import quiet_transformers
 from rayhf.rewards.passk import pass_at_k_metrics
-from rayhf.runtime.assets import RunAssets, prepare_run
+from rayhf.runtime.assets import RunAssets, prepare_run, refill_of
 from rayhf.runtime.checkpoint import (
     list_checkpoints,
     read_state,
@@ -186,11 +186,11 @@ class Trainer:
         driver = cfg.driver
         compiled = driver.compiled(cfg.cluster.device)
         self.executor: DagExecutor | RefillExecutor
-        rounds = getattr(cfg.algorithm, "refill_rounds", 0)
-        if rounds:
+        refill = refill_of(cfg)
+        if refill is not None:
             self.executor = RefillExecutor(
                 assets.graph, session.placement(), driver.call_timeout_s, cfg.batch_size,
-                rounds,
+                refill,
                 lambda n: to_packed(assets.dataset.next_batch(n, cfg.seed)),
             )  # fmt: skip
         else:

@@ -14,10 +14,9 @@ import rayhf
 from rayhf.algorithms.dapo import DAPOConfig, overlong_shaping
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
 from rayhf.algorithms.ppo import PPOConfig, aggregate
+from rayhf.algorithms.refill import GroupRefill
 from rayhf.algorithms.seqs import informative_groups
 from rayhf.data.batch import PackedBatch
-from rayhf.runtime.assets import check_refill
-from rayhf.runtime.refill import keep_groups
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -64,10 +63,10 @@ def test_a_refill_keeps_the_first_informative_groups_it_needs():
     batch = PackedBatch(list(range(10, 18)))
     batch.add("scores", scores, [1] * 8)
     batch.add("group_ids", groups, [1] * 8)
-    part, n, useful = keep_groups(batch, 2)
+    part, n, useful = GroupRefill(3).keep(batch, 2)
     assert (n, useful) == (4, 3)  # group 3 scores alike; 7, 8 and 1 differ
     assert part.sample_ids == [10, 11, 14, 15]  # the first two that differ, in batch order
-    assert keep_groups(batch, 5)[0].n_samples == 6
+    assert GroupRefill(3).keep(batch, 5)[0].n_samples == 6
 
 
 def test_loss_aggregations_by_hand():
@@ -117,7 +116,8 @@ def test_bad_dapo_settings_are_refused_naming_the_field(override, says):
 
 
 def test_dynamic_sampling_needs_group_scores():
-    cfg = rayhf.load_config(REPO / "examples" / "dapo_tiny.yaml")
+    refill = rayhf.load_config(REPO / "examples" / "dapo_tiny.yaml").algorithm.refill()
+    assert refill == GroupRefill(3)
     graph = rayhf.load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
     with pytest.raises(rayhf.RayhfError, match=r"dynamic_sampling filters groups .* no 'scores'"):
-        check_refill(graph, cfg)
+        refill.check(graph)
