@@ -2,6 +2,7 @@
 
 Each algorithm module (``ppo``, ``grpo``, ``rloo``, ``gspo``, ``dapo``, ``reinforce_pp``, ``remax``,
 ``dpo``, ``rm``, ``sft``) holds its config, its math as pure torch functions and its interfaces;
+``judge`` makes a causal LM's verdict a reward;
 ``interface`` (the base class and registry), ``lm``, ``offline``, ``reward`` and ``seqs`` are the
 pieces they share. Importing this package registers every interface in ``INTERFACES``.
 """
@@ -11,6 +12,7 @@ from rayhf.algorithms import (  # noqa: F401  (importing registers the interface
     dpo,
     grpo,
     gspo,
+    judge,
     lm,
     ppo,
     reinforce_pp,

@@ -89,6 +89,7 @@ class InterfaceSettings:
     generation: GenerationConfig
     function: str | None = None  # "module:function" for a function-valued role (rewards)
     env: Any = None  # the experiment's ``env:`` (rayhf.envs.EnvConfig) for multi-turn calls
+    judge: Any = None  # the experiment's ``judge:`` (rayhf.algorithms.judge.JudgeConfig)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Interface:
     # from (the step's tokens/s counts them)
     takes_function: ClassVar[bool] = False  # may run on a function-valued role (no model)
     needs_env: ClassVar[bool] = False  # its generate call runs the experiment's ``env:``
+    needs_judge: ClassVar[bool] = False  # its generate call asks with the ``judge:`` section
 
     def __init__(self, settings: InterfaceSettings) -> None:
         self.settings = settings

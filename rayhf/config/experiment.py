@@ -26,6 +26,7 @@ from rayhf.algorithms.dapo import DAPOConfig
 from rayhf.algorithms.dpo import DPOConfig
 from rayhf.algorithms.grpo import GRPOConfig
 from rayhf.algorithms.gspo import GSPOConfig
+from rayhf.algorithms.judge import JudgeConfig
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.algorithms.reinforce_pp import ReinforcePPConfig
 from rayhf.algorithms.remax import ReMaxConfig
@@ -176,6 +177,8 @@ class ExperimentConfig(BaseModel):
     """Recovery from dead actors and lost nodes, SIGTERM, injected faults."""
     env: EnvConfig | None = None
     """The environment of a multi-turn generate call (interface ``grpo_agent``)."""
+    judge: JudgeConfig | None = None
+    """How a judge model's generate call (interface ``judge``) is asked and read."""
     resume: Literal["never", "auto"] = "never"
     """Auto: a run directory holding a complete checkpoint continues from it (a retried RayJob
     resumes by itself); never: such a directory is an error that names --resume."""

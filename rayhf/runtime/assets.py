@@ -216,6 +216,11 @@ def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
                 "environment: add an `env:` section naming its class (env.cls: module:Class) or "
                 "agent (env.agent: module:function)"
             )
+        if iface.needs_judge and (cfg.judge is None or cfg.judge.template is None):
+            raise RayhfError(
+                f"graph '{graph.name}': call '{c.name}' (interface {c.interface}) asks a judge: "
+                "set judge.template, the judge's prompt with {prompt} and {response}"
+            )
         if cfg.models[c.role].function is not None and not iface.takes_function:
             raise RayhfError(
                 f"graph '{graph.name}': call '{c.name}' ({c.kind}, {c.interface}) runs on role "

@@ -214,7 +214,9 @@ class Session:
             pp_size=layout.pp,
             n_mbs=layout.n_mbs,
             calls=calls,
-            settings=InterfaceSettings(cfg.algorithm, cfg.generation, rc.function, cfg.env),
+            settings=InterfaceSettings(
+                cfg.algorithm, cfg.generation, rc.function, cfg.env, cfg.judge
+            ),
             tokenizer_dir=str(assets.tokenizer_dir.resolve()),
             model_dir=model_dir,
             config_dir=config_dir,

@@ -203,3 +203,37 @@ def test_multi_turn_rl_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
         assert rows[1]["is_weight_mean"] > 0
     else:
         assert rows[1]["logprob_mismatch"] < 1e-3
+
+
+@pytest.mark.ray
+def test_a_judge_model_scores_on_the_shared_runtime(ray_cluster, tmp_path):
+    """GRPO whose reward is a judge model's verdict: the judge's generate call is planned like
+    the others, each verdict is parsed (a number over ``scale``) and one that does not parse
+    scores ``unparsable_score`` and is counted."""
+    import json
+
+    from conftest import tiny_overrides
+
+    shape = {"family": "llama", "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1}
+    judge = {"template": "{prompt} {response} =", "verdict": "number", "scale": 9,
+             "unparsable_score": -1.0, "max_new_tokens": 1}  # fmt: skip
+    ov = tiny_overrides(tmp_path / "run", **{
+        "graph": "graphs/grpo_judge.yaml",
+        "models": {"actor": {"init": shape}, "ref": {"init_from": "actor"},
+                   "judge": {"init": {**shape, "seed": 3}}},
+        "judge": judge,
+    })  # fmt: skip
+    result = rayhf.run(_cfg("grpo", **ov))
+    rows = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in rows] == [1, 2]
+    for m in rows:
+        # one token a verdict: a digit d scores d / 9, anything else -1
+        share, mean = m["batch/verdict_unparsable"], m["task_reward"]
+        assert 0.0 <= share <= 1.0 and -share - 1e-6 <= mean <= 1 - 2 * share + 1e-6
+    plan = json.loads((result.run_dir / "plan.json").read_text())
+    assert "judge_gen" in json.dumps(plan)
+    with pytest.raises(RayhfError, match=r"call 'judge_gen' .* set judge\.template"):
+        check_graph_against_config(
+            rayhf.load_graph(REPO / "rayhf" / "graphs" / "grpo_judge.yaml"),
+            _cfg("grpo", **{**ov, "judge": {"verdict": "number"}}),
+        )

@@ -31,6 +31,7 @@ from rayhf.sampling import GenerationConfig
 CONFIG_OF = {
     "lm": None,
     "reward": None,
+    "judge": None,
     "ppo_actor": PPOConfig,
     "ppo_critic": PPOConfig,
     "grpo_actor": GRPOConfig,

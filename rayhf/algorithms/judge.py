@@ -1,0 +1,118 @@
+"""An LLM judge as a reward: ``JudgeConfig`` (the config's ``judge:`` section), its prompt and
+verdict parsing as pure functions, and the ``judge`` interface.
+
+The judge is a causal LM role (``models.judge``) with a generate call in the graph, so the
+planner places it and moves its weights like any other call's:
+
+    seq, prompt_lens (the policy's samples)
+      -> decode the prompt and the response, fill ``judge.template``
+         ({prompt}, {response}, and any dataset column by name, e.g. {answer})
+      -> the judge generates greedily, ``judge.max_new_tokens`` tokens
+      -> ``parse_verdict``: the first number (divided by ``scale``), or the first word that is
+         one of ``choices`` (mapped to its score)
+      -> scores; a verdict that does not parse scores ``unparsable_score`` and is counted
+         (``verdict_unparsable``, 1.0 per such sample: its batch mean is the share)
+
+The judge reads and writes text with the run's tokenizer: a judge trained here (the SFT stage)
+shares it.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.reward import decode_samples
+from rayhf.data.batch import PackedBatch
+from rayhf.errors import RayhfError
+from rayhf.sampling import GenerationConfig
+
+
+class JudgeConfig(BaseModel):
+    """How a judge model is asked, and how its answer becomes a score."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    template: str | None = None
+    """The judge's prompt: ``{prompt}`` and ``{response}`` are the sample's, any other
+    ``{name}`` its dataset row's column (e.g. ``{answer}``). Required by a graph with a judge."""
+    verdict: Literal["choice", "number"] = "choice"
+    """``choice``: the first word of the verdict that is a key of ``choices``; ``number``: the
+    first number in it."""
+    choices: dict[str, float] = Field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
+    """Verdict word (matched without case) -> score."""
+    scale: float = Field(1.0, gt=0)
+    """A number verdict is divided by this (10 for a judge that grades 0-10)."""
+    unparsable_score: float = 0.0
+    """The score of a verdict that does not parse."""
+    max_new_tokens: int = Field(8, gt=0)
+    """Tokens the judge may write."""
+
+    @model_validator(mode="after")
+    def _usable(self) -> JudgeConfig:
+        if self.template is not None and "{response}" not in self.template:
+            raise ValueError("judge.template: it must show the judge the {response}")
+        if self.verdict == "choice" and not self.choices:
+            raise ValueError("judge.choices: a choice verdict needs at least one choice")
+        return self
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def parse_verdict(text: str, cfg: JudgeConfig) -> float | None:
+    """The score a verdict ``text`` gives, or None when it does not parse."""
+    if cfg.verdict == "number":
+        found = _NUMBER.search(text)
+        return float(found.group()) / cfg.scale if found else None
+    choices = {k.lower(): v for k, v in cfg.choices.items()}
+    for word in text.split():
+        word = word.strip(string.punctuation).lower()
+        if word in choices:
+            return choices[word]
+    return None
+
+
+def render_prompt(template: str, prompt: str, response: str, row: dict[str, Any]) -> str:
+    """``template`` filled with the sample's prompt, response and row columns."""
+    try:
+        return template.format_map({**row, "prompt": prompt, "response": response})
+    except KeyError as e:
+        raise RayhfError(
+            f"judge.template names {{{e.args[0]}}}, which is neither prompt, response nor a "
+            f"dataset column (have: {', '.join(sorted(row)) or 'none'})"
+        ) from None
+
+
+@register("judge")
+class JudgeInterface(Interface):
+    """A generate call on the judge role: ``scores`` and ``verdict_unparsable`` per sample."""
+
+    balance_keys = ("seq",)
+    needs_judge = True
+
+    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        cfg: JudgeConfig = self.settings.judge
+        assert cfg is not None and cfg.template is not None, "checked before the run"
+        prompts, responses, _ = decode_samples(engine, batch)
+        tok = engine.tokenizer
+        bos = [] if tok.bos_token_id is None else [tok.bos_token_id]
+        asks = []
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            row = {k: v[i] for k, v in batch.extras.items()}
+            text = render_prompt(cfg.template, p, r, row)
+            asks.append(bos + tok.encode(text, add_special_tokens=False))
+        gen = GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens)
+        out = engine.generate(asks, gen, seed=ctx.seed)
+        parsed = [parse_verdict(tok.decode(t, skip_special_tokens=True), cfg) for t in out.tokens]
+        scores = [cfg.unparsable_score if s is None else s for s in parsed]
+        result = PackedBatch(list(batch.sample_ids))
+        result.add("scores", torch.tensor(scores, dtype=torch.float32), [1] * len(scores))
+        missed = [float(s is None) for s in parsed]
+        result.add("verdict_unparsable", torch.tensor(missed), [1] * len(missed))
+        return result
