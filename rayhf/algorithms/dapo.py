@@ -29,6 +29,7 @@ from torch import Tensor
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, grpo_advantages, over_groups
 from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.refill import GroupRefill
+from rayhf.algorithms.seqs import response_lengths
 from rayhf.data.batch import PackedBatch
 
 
@@ -101,7 +102,7 @@ class DAPOActorInterface(GRPOActorInterface):
         """Group-normalized advantages of each score plus its overlong shaping."""
         cfg = self.cfg
         assert isinstance(cfg, DAPOConfig)
-        lengths = torch.tensor(batch.seqlens["seq"]) - batch.tensors["prompt_lens"]
+        lengths = torch.tensor(response_lengths(batch))
         shaped = batch.tensors["scores"].float() + overlong_shaping(
             lengths, self.settings.generation.max_new_tokens, cfg.overlong_buffer,
             cfg.overlong_penalty,

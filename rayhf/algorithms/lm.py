@@ -24,6 +24,7 @@ from rayhf.algorithms.seqs import (
     padded_inputs,
     response_index,
     response_labels,
+    response_lengths,
 )
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -139,14 +140,17 @@ def logprob_batch(
     return PackedBatch.concat(parts)
 
 
-def rollout_stats(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
-    """Mean task reward and response length over every dp rank's batch."""
-    lens = torch.tensor(batch.seqlens["seq"]) - batch.tensors["prompt_lens"]
-    stats = {
+def rollout_means(batch: PackedBatch) -> dict[str, float]:
+    """Mean task reward and response length of ``batch``."""
+    return {
         "task_reward": batch.tensors["scores"].float().mean().item(),
-        "response_len": lens.float().mean().item(),
+        "response_len": torch.tensor(response_lengths(batch)).float().mean().item(),
     }
-    return engine.all_reduce_mean(stats)
+
+
+def rollout_stats(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
+    """``rollout_means`` over every dp rank's batch."""
+    return engine.all_reduce_mean(rollout_means(batch))
 
 
 @register("lm")

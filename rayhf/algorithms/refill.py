@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from rayhf.algorithms.lm import rollout_means
 from rayhf.algorithms.seqs import informative_groups
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -53,8 +52,4 @@ class GroupRefill:
 
     def policy_stats(self, batch: PackedBatch) -> dict[str, float]:
         """``task_reward`` and ``response_len`` of a round's whole batch, before the filter."""
-        lens = torch.tensor(batch.seqlens["seq"]) - batch.tensors["prompt_lens"]
-        return {
-            "task_reward": batch.tensors[self.split_key].float().mean().item(),
-            "response_len": lens.float().mean().item(),
-        }
+        return rollout_means(batch)
