@@ -100,6 +100,9 @@ class WorkShape:
     samples_per_prompt: int = 1  # generate: responses per prompt (the step's sequences)
     epochs: int = 1  # train: passes over the minibatches
     forward_share: float = 0.0  # train: share of the batch forwarded without gradients first
+    reads_answers: bool = False  # generate: its prompts are the step's prompts and responses
+    # (a judge's), and it writes ``new_tokens`` each
+    new_tokens: int | None = None  # generate: tokens written (None: generation.max_new_tokens)
 
 
 class Interface:

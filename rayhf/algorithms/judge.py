@@ -26,7 +26,13 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.interface import (
+    CallContext,
+    Interface,
+    ModelEngine,
+    WorkShape,
+    register,
+)
 from rayhf.algorithms.reward import decode_samples
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
@@ -95,6 +101,12 @@ class JudgeInterface(Interface):
 
     balance_keys = ("seq",)
     needs_judge = True
+
+    @classmethod
+    def work_shape(cls, algorithm: Any, kind: str) -> WorkShape:
+        """It reads each sample whole (``new_tokens`` comes from ``judge.max_new_tokens``)."""
+        del algorithm, kind
+        return WorkShape(reads_answers=True)
 
     def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         cfg: JudgeConfig = self.settings.judge

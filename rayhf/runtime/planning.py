@@ -89,7 +89,10 @@ def call_shapes(cfg: ExperimentConfig, graph: Graph) -> dict[str, WorkShape]:
     out = {}
     for c in graph.calls:
         iface = INTERFACES.get(c.interface)
-        out[c.name] = iface.work_shape(cfg.algorithm, c.kind) if iface else WorkShape()
+        shape = iface.work_shape(cfg.algorithm, c.kind) if iface else WorkShape()
+        if iface is not None and iface.needs_judge and cfg.judge is not None:
+            shape = dataclasses.replace(shape, new_tokens=cfg.judge.max_new_tokens)
+        out[c.name] = shape
     return out
 
 
@@ -97,23 +100,28 @@ def planner_workloads(
     cfg: ExperimentConfig, graph: Graph, dataset: PromptDataset | None
 ) -> dict[str, Workload]:
     """Each call's work per step as the planner prices it: every call sees the step's
-    sequences (the prompts times the responses sampled per prompt)."""
+    sequences (the prompts times the responses sampled per prompt). A call that reads the
+    answers (a judge's) is priced with each prompt and response as its prompt, and its own
+    new tokens; its template's words are not counted."""
     minibatches = getattr(cfg.algorithm, "n_minibatches", 1)
     zero1 = {role for role, rc in cfg.models.items() if rc.optimizer.zero1}
     recompute = {role for role, rc in cfg.models.items() if rc.activation_checkpointing}
     shapes = call_shapes(cfg, graph)
     seqs = cfg.batch_size * max((s.samples_per_prompt for s in shapes.values()), default=1)
     prompt = prompt_tokens(cfg, dataset)
+    response = response_tokens(cfg, prompt)
     works = workloads(
-        graph, seqs, prompt, response_tokens(cfg, prompt), minibatches, call_engines(cfg, graph),
-        zero1, recompute,
-    )  # fmt: skip
-    return {
-        name: dataclasses.replace(
-            w, epochs=shapes[name].epochs, forward_share=shapes[name].forward_share
-        )
-        for name, w in works.items()
-    }
+        graph, seqs, prompt, response, minibatches, call_engines(cfg, graph), zero1, recompute
+    )
+    out = {}
+    for name, w in works.items():
+        s = shapes[name]
+        w = dataclasses.replace(w, epochs=s.epochs, forward_share=s.forward_share)
+        if s.reads_answers:
+            new = s.new_tokens or response
+            w = dataclasses.replace(w, prompt_len=prompt + response, gen_len=new)
+        out[name] = w
+    return out
 
 
 def auto_plan(

@@ -65,7 +65,10 @@ def test_at_staleness_0_the_numbers_stay_those_recorded(ray_cluster, tmp_path, a
     )  # fmt: skip
     before = json.loads(BEFORE.read_text())[algo]
     rows = rayhf.run(cfg).metrics
-    assert [{k: r[k] for k in b} for r, b in zip(rows, before, strict=True)] == before
+    # Bit for bit on one machine; another CPU's kernels (AVX2 against AVX-512) round float32's
+    # last bits differently, so the recorded numbers are compared to a relative 1e-5.
+    got = [{k: r[k] for k in b} for r, b in zip(rows, before, strict=True)]
+    assert got == [pytest.approx(b, rel=1e-5) for b in before]
     assert all(r["async/staleness"] == 0 and 0 <= r["logprob_mismatch"] < 1e-5 for r in rows)
 
 

@@ -1,0 +1,98 @@
+"""The judge example's figures, read from the run directories its stages wrote: the judge's
+grades of held-out answers and of degenerate ones beside the true reward, then the GRPO run's
+true task reward (``batch/task_scores``) beside the judge's (``task_reward``).
+
+python examples/judge/report.py [runs/judge]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+WINDOW = 10  # steps averaged at each end, as docs/benchmarks/algorithms_demo.md does
+
+
+def rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def last_checkpoint(run_dir: Path, role: str) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1] / role
+
+
+def judge_scores(judge: Path, prompts: list[str], answers: list[str]) -> list[float | None]:
+    """The judge's verdicts, read as the run reads them (greedy, 2 tokens, number over 9)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rayhf.algorithms.judge import JudgeConfig, parse_verdict, render_prompt
+    from rayhf.sampling import GenerationConfig, generate
+    from rayhf.tasks.echo_judge import GRADES, JUDGE_TEMPLATE
+
+    cfg = JudgeConfig(template=JUDGE_TEMPLATE, verdict="number", scale=GRADES, max_new_tokens=2)
+    tok = AutoTokenizer.from_pretrained(judge, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(judge, local_files_only=True)
+    texts = [render_prompt(JUDGE_TEMPLATE, p, a, {}) for p, a in zip(prompts, answers, strict=True)]
+    asks = [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False)] for t in texts]
+    gen = GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens)
+    out = generate(model, asks, gen, tok.eos_token_id, tok.pad_token_id, 0)
+    return [parse_verdict(t, cfg) for t in tok.batch_decode(out.tokens, skip_special_tokens=True)]
+
+
+def judge_figures(judge: Path, n: int = 512) -> None:
+    from rayhf.tasks.demo import make_prompts, reward
+    from rayhf.tasks.echo_judge import DEGENERATE, MAX_ANSWER_CHARS, judged_answer
+
+    prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]  # no training prompt
+    rng = random.Random("report")
+    answers = [judged_answer(p, rng) for p in prompts]
+    true = reward(prompts, answers, [len(a) <= MAX_ANSWER_CHARS for a in answers])
+    got = judge_scores(judge, prompts, answers)
+    read = [g for g in got if g is not None]
+    pairs = [(g, t) for g, t in zip(got, true, strict=True) if g is not None]
+    err = statistics.mean(abs(g - t) for g, t in pairs)
+    corr = statistics.correlation([g for g, _ in pairs], [t for _, t in pairs])
+    print(
+        f"judge on {n} held-out answers: {len(read)} verdicts read, mean |judge - true| "
+        f"{err:.3f}, correlation {corr:.3f}"
+    )
+    print("| answer | judge's score | true reward |\n| --- | ---: | ---: |")
+    kinds = {"the echo": lambda p: " ".join(c for c in p.split() if c.isdigit()), **DEGENERATE}
+    for name, make in kinds.items():
+        texts = [make(p) for p in prompts[:64]]
+        scores = judge_scores(judge, prompts[:64], texts)
+        judged = statistics.mean(0.0 if s is None else s for s in scores)
+        true_mean = statistics.mean(reward(prompts[:64], texts))
+        print(f"| {name} | {judged:.3f} | {true_mean:.3f} |")
+
+
+def rise(values: list[float], k: int = WINDOW) -> str:
+    first, last = values[:k], values[-k:]
+    se = (statistics.variance(first) / k + statistics.variance(last) / k) ** 0.5
+    gain = statistics.mean(last) - statistics.mean(first)
+    return (
+        f"{statistics.mean(first):.3f} -> {statistics.mean(last):.3f} "
+        f"({gain:+.3f}, {gain / se:.1f} standard errors)"
+    )
+
+
+def main(root: Path) -> None:
+    sft = rows(root / "sft")
+    nll = [m["eval/nll"] for m in sft if "eval/nll" in m]
+    print(f"judge SFT held-out nll: {nll[0]:.3f} -> {nll[-1]:.3f}")
+    judge_figures(last_checkpoint(root / "sft", "actor"))
+    grpo = rows(root / "grpo")
+    true = [m["batch/task_scores"] for m in grpo if "batch/task_scores" in m]
+    judged = [m["task_reward"] for m in grpo if "task_reward" in m]
+    missed = [m["batch/verdict_unparsable"] for m in grpo if "batch/verdict_unparsable" in m]
+    print(f"GRPO true task reward, first / last {WINDOW} of {len(true)} steps: {rise(true)}")
+    print(f"GRPO judge's reward, same steps: {rise(judged)}")
+    print(f"unparsable verdicts: {statistics.mean(missed):.4f} of all, {max(missed):.4f} at most")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/judge"))
