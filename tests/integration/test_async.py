@@ -66,9 +66,13 @@ def test_at_staleness_0_the_numbers_stay_those_recorded(ray_cluster, tmp_path, a
     before = json.loads(BEFORE.read_text())[algo]
     rows = rayhf.run(cfg).metrics
     # Bit for bit on one machine; another CPU's kernels (AVX2 against AVX-512) round float32's
-    # last bits differently, so the recorded numbers are compared to a relative 1e-5.
-    got = [{k: r[k] for k in b} for r, b in zip(rows, before, strict=True)]
-    assert got == [pytest.approx(b, rel=1e-5) for b in before]
+    # last bits differently, so the recorded numbers are compared to a relative 1e-5 (1e-6 near
+    # 0). Clip fractions are left out: they count the few tokens near a bound, which that
+    # rounding moves across it (0.0625 against 0 on a step of this tiny batch).
+    for r, b in zip(rows, before, strict=True):
+        for key, value in b.items():
+            if not key.endswith("clip_frac"):
+                assert r[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (r["step"], key)
     assert all(r["async/staleness"] == 0 and 0 <= r["logprob_mismatch"] < 1e-5 for r in rows)
 
 
