@@ -10,8 +10,11 @@ reward scores an answer that never ended.
 ``make_judge_rows`` pairs the demo's prompts with answers of the kinds a policy writes while it
 learns the task from scratch: random characters (often cut off), ``demo.candidate`` answers
 (runs of prompt digits, partly corrupted), echoes with a few edits (with or without spaces),
-and runs of any digits. ``DEGENERATE`` lists answers a policy might find to fool a judge; the
-judge example reports the judge's grade of each beside the true one.
+and runs of digits, random or mostly one digit repeated, with or without spaces: GRPO against a
+judge trained without those runs learned to write unspaced runs of zeros, which that judge
+graded about 0.78 and the task 0 (docs/benchmarks/judge_demo.md). ``DEGENERATE`` lists answers a
+policy might find to fool a judge; the judge example reports the judge's grade of each beside
+the true one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ DEGENERATE = {
     "the echo and '='": lambda p: f"{echo(p)} =",
     "'=' and a grade": lambda p: "= 9",
     "the echo, reversed": lambda p: echo(p)[::-1],
+    "zeros, unspaced": lambda p: "0" * 16,
 }
 
 
@@ -60,17 +64,28 @@ def _edited_echo(prompt: str, rng: random.Random) -> str:
     return ("" if rng.random() < 0.2 else " ").join(tokens)
 
 
+def _digit_run(rng: random.Random) -> str:
+    """1-16 digits: random ones, or mostly one digit repeated (a policy's cheap answer)."""
+    n = rng.randint(1, 16)
+    if rng.random() < 0.5:
+        return "".join(rng.choice("0123456789") for _ in range(n))
+    digit = rng.choice("0123456789")
+    return "".join(digit if rng.random() < 0.8 else rng.choice(ALPHABET[:-1]) for _ in range(n))
+
+
 def judged_answer(prompt: str, rng: random.Random) -> str:
     """One answer to grade, at most 16 characters (what a policy writes in 16 tokens)."""
     kind = rng.random()
-    if kind < 0.25:
+    if kind < 0.2:
         answer = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 16)))
-    elif kind < 0.5:
+    elif kind < 0.35:
         answer = candidate(prompt, rng)
-    elif kind < 0.85:
+    elif kind < 0.65:
         answer = _edited_echo(prompt, rng)
     else:
-        answer = " ".join(rng.choice("0123456789") for _ in range(rng.randint(1, 8)))
+        answer = _digit_run(rng)
+        if rng.random() < 0.4:  # spaced as the echo is
+            answer = " ".join(answer)
     return answer[:16]
 
 
@@ -85,6 +100,6 @@ def make_judge_rows(n: int, seed: int) -> list[dict[str, str]]:
     return rows
 
 
-def make_judge_dataset(path: str | Path, n: int = 8192, seed: int = 0) -> Path:
+def make_judge_dataset(path: str | Path, n: int = 16384, seed: int = 0) -> Path:
     """Write ``make_judge_rows(n, seed)`` to ``path`` (.parquet or .jsonl); return the path."""
     return write_rows(make_judge_rows(n, seed), path)
