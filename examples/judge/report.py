@@ -7,22 +7,21 @@ python examples/judge/report.py [runs/judge]
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
 from pathlib import Path
 
+from rayhf.metrics.tracker import read_metrics
+from rayhf.runtime.checkpoint import latest_checkpoint
+
 WINDOW = 10  # steps averaged at each end, as docs/benchmarks/algorithms_demo.md does
 
 
-def rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 def last_checkpoint(run_dir: Path, role: str) -> Path:
-    return sorted((run_dir / "checkpoints").glob("step_*"))[-1] / role
+    found = latest_checkpoint(run_dir)
+    assert found is not None, f"{run_dir} holds no checkpoint"
+    return found / role
 
 
 def judge_scores(judge: Path, prompts: list[str], answers: list[str]) -> list[float | None]:
@@ -44,7 +43,7 @@ def judge_scores(judge: Path, prompts: list[str], answers: list[str]) -> list[fl
 
 
 def judge_figures(judge: Path, n: int = 512) -> None:
-    from rayhf.tasks.demo import make_prompts, reward
+    from rayhf.tasks.demo import echo, make_prompts, reward
     from rayhf.tasks.echo_judge import DEGENERATE, MAX_ANSWER_CHARS, judged_answer
 
     prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]  # no training prompt
@@ -52,16 +51,15 @@ def judge_figures(judge: Path, n: int = 512) -> None:
     answers = [judged_answer(p, rng) for p in prompts]
     true = reward(prompts, answers, [len(a) <= MAX_ANSWER_CHARS for a in answers])
     got = judge_scores(judge, prompts, answers)
-    read = [g for g in got if g is not None]
     pairs = [(g, t) for g, t in zip(got, true, strict=True) if g is not None]
     err = statistics.mean(abs(g - t) for g, t in pairs)
     corr = statistics.correlation([g for g, _ in pairs], [t for _, t in pairs])
     print(
-        f"judge on {n} held-out answers: {len(read)} verdicts read, mean |judge - true| "
+        f"judge on {n} held-out answers: {len(pairs)} verdicts read, mean |judge - true| "
         f"{err:.3f}, correlation {corr:.3f}"
     )
     print("| answer | judge's score | true reward |\n| --- | ---: | ---: |")
-    kinds = {"the echo": lambda p: " ".join(c for c in p.split() if c.isdigit()), **DEGENERATE}
+    kinds = {"the echo": echo, **DEGENERATE}
     for name, make in kinds.items():
         texts = [make(p) for p in prompts[:64]]
         scores = judge_scores(judge, prompts[:64], texts)
@@ -81,11 +79,11 @@ def rise(values: list[float], k: int = WINDOW) -> str:
 
 
 def main(root: Path) -> None:
-    sft = rows(root / "sft")
+    sft = read_metrics(root / "sft")
     nll = [m["eval/nll"] for m in sft if "eval/nll" in m]
     print(f"judge SFT held-out nll: {nll[0]:.3f} -> {nll[-1]:.3f}")
     judge_figures(last_checkpoint(root / "sft", "actor"))
-    grpo = rows(root / "grpo")
+    grpo = read_metrics(root / "grpo")
     true = [m["batch/task_scores"] for m in grpo if "batch/task_scores" in m]
     judged = [m["task_reward"] for m in grpo if "task_reward" in m]
     missed = [m["batch/verdict_unparsable"] for m in grpo if "batch/verdict_unparsable" in m]

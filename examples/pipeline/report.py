@@ -7,17 +7,14 @@ python examples/pipeline/report.py [runs/pipeline]
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
+from rayhf.metrics.tracker import read_metrics
+from rayhf.runtime.checkpoint import latest_checkpoint
+
 WINDOW = 20  # steps averaged at each end: a step's batch of 32 answers is noisy
-
-
-def rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def last_with(metrics: list[dict], key: str) -> float:
@@ -35,11 +32,13 @@ def held_out_score(policy: Path, greedy: bool, n: int = 512) -> float:
 
 
 def last_checkpoint(run_dir: Path, role: str) -> Path:
-    return sorted((run_dir / "checkpoints").glob("step_*"))[-1] / role
+    found = latest_checkpoint(run_dir)
+    assert found is not None, f"{run_dir} holds no checkpoint"
+    return found / role
 
 
 def main(root: Path) -> None:
-    sft, rm, ppo = rows(root / "sft"), rows(root / "rm"), rows(root / "ppo")
+    sft, rm, ppo = read_metrics(root / "sft"), read_metrics(root / "rm"), read_metrics(root / "ppo")
     nll = (sft[0]["eval/nll"], last_with(sft, "eval/nll"))
     print(f"SFT held-out response nll: {nll[0]:.3f} -> {nll[1]:.3f}")
     print(
