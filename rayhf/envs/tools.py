@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import jsonschema
-
 from rayhf.envs.sandbox import SandboxLimits, run_python
 from rayhf.errors import RayhfError
 
@@ -62,6 +60,8 @@ class Tool:
     fn: Callable[..., str]
 
     def __post_init__(self) -> None:
+        import jsonschema  # here: its import is a fifth of a second every process would pay
+
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,63}", self.name):
             raise RayhfError(f"tool name {self.name!r}: letters, digits, _ and - only, 1-64")
         try:
@@ -105,6 +105,8 @@ class ToolRegistry:
         if tool is None:
             known = ", ".join(sorted(self.tools))
             return ToolResult(call.name, f"error: no tool {call.name!r} (tools: {known})", True)
+        import jsonschema
+
         try:
             jsonschema.validate(call.arguments, tool.parameters)
         except jsonschema.ValidationError as e:

@@ -8,15 +8,14 @@ backbone with a scalar head (``AutoModelForSequenceClassification`` with one lab
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
@@ -24,13 +23,19 @@ from transformers import (
     MistralConfig,
     Phi3Config,
     PretrainedConfig,
-    PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
 )
 
 from rayhf.errors import RayhfError
 from rayhf.models.spec import Family
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Hugging Face's model classes are imported where a model is built or loaded whole, not here:
+# their import (the modelling stack, torch._dynamo) costs every role-group worker about 1.5 s,
+# and a worker reads its weights from the files instead (``load_weights``).
 
 
 class ModelInit(BaseModel):
@@ -135,6 +140,8 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
 
 def build_model(config: PretrainedConfig, value_head: bool, seed: int = 0) -> PreTrainedModel:
     """A randomly initialized model (fp32, eager attention so CPU results are exact)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     torch.manual_seed(seed)
     if value_head:
         config.num_labels = 1
@@ -155,6 +162,8 @@ def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> P
 
 def load_model(path: str | Path, value_head: bool, field: str) -> PreTrainedModel:
     """Load a local model directory; ``field`` names the config entry in errors."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     p = Path(path)
     if not (p / "config.json").is_file():
         raise RayhfError(f"{field}: {p} is not a model directory (no config.json)")
@@ -171,6 +180,46 @@ def load_model(path: str | Path, value_head: bool, field: str) -> PreTrainedMode
             f"{field}: cannot load a model from {p}: {str(e).splitlines()[0]}"
         ) from None
     return model.float()
+
+
+def load_weights(
+    path: str | Path, value_head: bool, field: str
+) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
+    """A local model directory's config and fp32 weights under the names ``model_spec`` gives
+    them, read from its safetensors files (one, or shards with an index) without building the
+    model. When the files do not hold every one of those names (a critic from a causal LM's
+    directory: no ``score`` head; another naming; .bin weights), ``load_model`` builds the
+    model, and its state dict is the answer."""
+    from safetensors import safe_open
+
+    from rayhf.models.sharding import param_shards
+    from rayhf.models.spec import model_spec
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise RayhfError(f"{field}: {p} is not a model directory (no config.json)")
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    if value_head:
+        config.num_labels = 1
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        where = {k: p / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    elif (p / "model.safetensors").is_file():
+        with safe_open(p / "model.safetensors", framework="pt") as f:
+            where = {k: p / "model.safetensors" for k in f.keys()}  # noqa: SIM118
+    else:
+        where = {}
+    names = [s.name for s in param_shards(model_spec(config, value_head))]
+    if not all(n in where for n in names):
+        model = load_model(p, value_head, field)
+        return model.config, model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted({where[n] for n in names}):
+        with safe_open(file, framework="pt") as f:
+            for n in names:
+                if where[n] == file:
+                    state[n] = f.get_tensor(n).float()
+    return config, state
 
 
 def per_token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):

@@ -41,7 +41,7 @@ class ModelSpec:
     intermediate_size: int
     max_positions: int
     norm_eps: float
-    act: str  # a key of transformers.activations.ACT2FN
+    act: str  # a key of rayhf.parallel.model.ACTIVATIONS (Hugging Face's hidden_act names)
     rope_theta: float | None  # None = learned absolute positions (GPT-2)
     qkv_bias: bool  # q/k/v projections have a bias
     o_bias: bool  # attention output projection has a bias

@@ -13,13 +13,14 @@ between map hidden to hidden.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.activations import ACT2FN
 
+from rayhf.errors import RayhfError
 from rayhf.models.precision import Numerics
 from rayhf.models.sharding import (
     ParamShard,
@@ -44,6 +45,25 @@ Rotations = dict[bool, tuple[torch.Tensor, torch.Tensor]]
 
 QKV = ("q_proj", "k_proj", "v_proj")  # a Llama-style layer's attention projections
 GATE_UP = ("gate_proj", "up_proj")  # and its MLP's, before the activation
+
+
+def _gelu_tanh_formula(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU (``gelu_new``): the tanh approximation written out, as Hugging Face computes
+    it (``F.gelu(approximate="tanh")`` rounds otherwise)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+# Hugging Face's ``hidden_act`` names, computed as its ``ACT2FN`` computes them; a table here,
+# not ``transformers.activations``, whose import (the hub-kernels integration, torch._dynamo) is
+# most of a worker's start (docs/decisions/worker-start.md).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_tanh_formula,
+    "relu": F.relu,
+}
 
 
 def _key(name: str) -> str:
@@ -86,7 +106,12 @@ class ShardedModel(torch.nn.Module):
         self.n_heads = spec.n_heads // tp
         self.n_kv_heads = spec.n_kv_heads // tp
         self.vocab_range = chunk_bounds(spec.vocab_size, tp, c.tp_rank)
-        self.act = ACT2FN[spec.act]
+        if spec.act not in ACTIVATIONS:
+            raise RayhfError(
+                f"hidden_act: {spec.act!r} is not an activation rayhf runs "
+                f"(one of {', '.join(ACTIVATIONS)})"
+            )
+        self.act = ACTIVATIONS[spec.act]
         # Activation checkpointing: in training, keep each layer's input only and run the layer
         # again in backward (its tp collectives too, in the same order on every rank).
         self.checkpointing = False

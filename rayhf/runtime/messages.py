@@ -42,7 +42,7 @@ class WorkerSpec:
     settings: InterfaceSettings
     tokenizer_dir: str
     model_dir: str | None  # load weights from here; None with config_dir = weights come later
-    config_dir: str | None  # build from this config (random weights) when model_dir is None
+    config_dir: str | None  # the config, when model_dir is None: zeros until weights arrive
     value_head: bool
     optimizer: OptimizerConfig | None  # None = frozen role
     seed: int

@@ -53,16 +53,21 @@ from rayhf.runtime.messages import (
 )
 
 
-def _build_model(spec: WorkerSpec):
+def _first_weights(spec: WorkerSpec) -> tuple[Any, dict[str, torch.Tensor] | None] | None:
+    """(Hugging Face config, full state dict) of a model role: read from ``model_dir``, or the
+    config alone from ``config_dir`` (None: the weights arrive by reallocation); None for a
+    function-valued role."""
     from transformers import AutoConfig
 
-    from rayhf.models.hf import build_model, load_model
+    from rayhf.models.hf import load_weights
 
     if spec.model_dir is not None:
-        return load_model(spec.model_dir, spec.value_head, f"models.{spec.role}")
+        return load_weights(spec.model_dir, spec.value_head, f"models.{spec.role}")
     if spec.config_dir is not None:
         config = AutoConfig.from_pretrained(spec.config_dir, local_files_only=True)
-        return build_model(config, spec.value_head, seed=spec.seed)
+        if spec.value_head:
+            config.num_labels = 1
+        return config, None
     return None
 
 
@@ -81,7 +86,7 @@ class RoleWorker:
         torch.set_num_threads(spec.threads)
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
         self.spec = spec
-        self._hf_model = _build_model(spec)  # the full model until ``setup`` shards it
+        self._weights = _first_weights(spec)  # the full model until ``setup`` shards it
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
         self.groups: ParallelGroups = single()
         self.model: RankModel | None = None
@@ -126,11 +131,11 @@ class RoleWorker:
                 backend, store=self._store(address), rank=spec.rank, world_size=world
             )
             self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
-        hf_model, self._hf_model = self._hf_model, None
-        if hf_model is None:
+        weights, self._weights = self._weights, None
+        if weights is None:
             return  # a function-valued role
-        self.model = RankModel.from_hf(
-            hf_model, self.tokenizer, spec.value_head,
+        self.model = RankModel(
+            *weights, self.tokenizer, spec.value_head,
             groups=self.groups, n_mbs=spec.n_mbs, device=spec.device,
             checkpointing=spec.activation_checkpointing, numerics=spec.numerics,
         )  # fmt: skip

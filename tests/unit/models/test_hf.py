@@ -7,6 +7,7 @@ from rayhf.models.hf import (
     build_model,
     hf_config,
     load_model,
+    load_weights,
     per_token_values,
     save_model,
 )
@@ -58,3 +59,56 @@ def test_vocabulary_padded_past_the_tokenizer(family):
     assert build_model(cfg, False).get_input_embeddings().weight.shape == (50, 32)
     with pytest.raises(RayhfError, match=r"init\.config\.vocab_size=8 is below .* 16 tokens"):
         hf_config(init.model_copy(update={"config": {"vocab_size": 8}}), 16, 0, 1, 2)
+
+
+def _saved(tmp_path, family: str, value_head: bool, **save) -> tuple[str, dict]:
+    from rayhf.checks.parity import _model
+
+    model = _model(family, value_head)
+    model.save_pretrained(tmp_path / family, **save)
+    return str(tmp_path / family), model.state_dict()
+
+
+@pytest.mark.parametrize("value_head", [False, True])
+def test_weights_read_from_the_files_are_the_loaded_model_s(tmp_path, value_head):
+    """Every family (Gemma 2's head tied to its embedding), as a critic too: each parameter
+    the spec names, bit for bit, in fp32 even from bf16 files; shards with an index too."""
+    from rayhf.checks.parity import FAMILY_SHAPES
+    from rayhf.models.sharding import param_shards
+    from rayhf.models.spec import model_spec
+
+    for family in FAMILY_SHAPES:
+        path, want = _saved(tmp_path, family, value_head)
+        config, got = load_weights(path, value_head, "models.actor.path")
+        names = {p.name for p in param_shards(model_spec(config, value_head))}
+        assert got.keys() == names and names <= want.keys(), family
+        assert all(torch.equal(got[n], want[n]) for n in names), family
+    model = build_model(config, value_head, seed=1).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    _, got = load_weights(tmp_path / "bf16", value_head, "models.actor.path")
+    assert all(v.dtype == torch.float32 for v in got.values())
+    assert all(torch.equal(got[n], model.state_dict()[n].float()) for n in got)
+
+
+def test_a_critic_from_a_causal_lm_s_directory_gets_the_loaded_model_s_new_head(tmp_path):
+    """No ``score`` in the files: Hugging Face's model is built and its fresh head kept."""
+    path, want = _saved(tmp_path, "llama", False)
+    config, got = load_weights(path, True, "models.critic.path")
+    assert config.num_labels == 1 and got["score.weight"].shape == (1, 32)
+    assert torch.equal(got["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
+
+
+def test_a_worker_reads_its_weights_without_hugging_face_s_model_code(tmp_path):
+    """Importing the modelling stack is most of a role-group worker's start."""
+    import subprocess
+    import sys
+
+    path, _ = _saved(tmp_path, "qwen2", False)
+    code = (
+        "import sys; from rayhf.runtime.worker import RoleWorker; "
+        f"from rayhf.models.hf import load_weights; load_weights({path!r}, False, 'x'); "
+        "print([m for m in sys.modules if m.endswith(('.modeling_utils', '.modeling_qwen2'))])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

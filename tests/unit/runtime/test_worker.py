@@ -17,7 +17,7 @@ from rayhf.data.batch import PackedBatch
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.graph import load_graph
-from rayhf.models.hf import ModelInit, hf_config
+from rayhf.models.hf import ModelInit, build_model, hf_config, save_model
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.plan import plan_realloc
 from rayhf.runtime.messages import CallNode, CallSpec, MoveNode, StepInput, WorkerSpec
@@ -46,8 +46,9 @@ def _spec(role: str, tmp: Path) -> WorkerSpec:
         role=role, layout_name="d0.dp1tp1pp1", rank=0, dp_size=1, tp_size=1, pp_size=1,
         n_mbs=1, calls=calls,
         settings=InterfaceSettings(PPOConfig(), GenerationConfig(max_new_tokens=3), function),
-        tokenizer_dir=str(tmp / "tokenizer"), model_dir=None,
-        config_dir=None if function else str(tmp / "config"), value_head=value_head,
+        tokenizer_dir=str(tmp / "tokenizer"),
+        model_dir=None if function else str(tmp / ("critic" if value_head else "lm")),
+        config_dir=None, value_head=value_head,
         optimizer=optimizer, seed=1, threads=1,
     )  # fmt: skip
 
@@ -59,7 +60,8 @@ def workers(tmp_path: Path, monkeypatch) -> dict[str, RoleWorker]:
     tok = build_tokenizer(tmp_path / "tokenizer")
     init = ModelInit(hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2)
     config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    config.save_pretrained(tmp_path / "config")
+    for name, value_head in (("lm", False), ("critic", True)):
+        save_model(build_model(config, value_head, seed=1), tmp_path / name)
     out = {role: RoleWorker(_spec(role, tmp_path)) for role in ROLES}
     for worker in out.values():
         worker.setup("tcp://127.0.0.1:1")  # one rank: no process group to join
