@@ -55,7 +55,7 @@ def _gelu_tanh_formula(x: torch.Tensor) -> torch.Tensor:
 
 # Hugging Face's ``hidden_act`` names, computed as its ``ACT2FN`` computes them; a table here,
 # not ``transformers.activations``, whose import (the hub-kernels integration, torch._dynamo) is
-# most of a worker's start (docs/decisions/worker-start.md).
+# much of a worker's start (docs/decisions/0086-*).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
