@@ -160,26 +160,42 @@ def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> P
     return out
 
 
-def load_model(path: str | Path, value_head: bool, field: str) -> PreTrainedModel:
-    """Load a local model directory; ``field`` names the config entry in errors."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
+def read_model_config(path: str | Path, value_head: bool, field: str) -> PretrainedConfig:
+    """A local model directory's config (one label for a value head); ``field`` names the
+    config entry in errors."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise RayhfError(f"{field}: {p} is not a model directory (no config.json)")
     try:
         config = AutoConfig.from_pretrained(p, local_files_only=True)
-        cls = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
-        if value_head:
-            config.num_labels = 1
+    except (OSError, ValueError, KeyError) as e:
+        raise _unloadable(p, field, e) from None
+    if value_head:
+        config.num_labels = 1
+    return config
+
+
+def _unloadable(p: Path, field: str, e: Exception) -> RayhfError:
+    return RayhfError(f"{field}: cannot load a model from {p}: {str(e).splitlines()[0]}")
+
+
+def _from_pretrained(p: Path, config: PretrainedConfig, value_head: bool, field: str):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
+    try:
         model = cls.from_pretrained(
             p, config=config, local_files_only=True, attn_implementation="eager"
         )
     except (OSError, ValueError, KeyError) as e:
-        raise RayhfError(
-            f"{field}: cannot load a model from {p}: {str(e).splitlines()[0]}"
-        ) from None
+        raise _unloadable(p, field, e) from None
     return model.float()
+
+
+def load_model(path: str | Path, value_head: bool, field: str) -> PreTrainedModel:
+    """Load a local model directory; ``field`` names the config entry in errors."""
+    config = read_model_config(path, value_head, field)
+    return _from_pretrained(Path(path), config, value_head, field)
 
 
 def load_weights(
@@ -188,30 +204,26 @@ def load_weights(
     """A local model directory's config and fp32 weights under the names ``model_spec`` gives
     them, read from its safetensors files (one, or shards with an index) without building the
     model. When the files do not hold every one of those names (a critic from a causal LM's
-    directory: no ``score`` head; another naming; .bin weights), ``load_model`` builds the
-    model, and its state dict is the answer."""
+    directory: no ``score`` head; another naming; .bin weights), the model is built as
+    ``load_model`` builds it, and its state dict is the answer."""
     from safetensors import safe_open
 
     from rayhf.models.sharding import param_shards
     from rayhf.models.spec import model_spec
 
     p = Path(path)
-    if not (p / "config.json").is_file():
-        raise RayhfError(f"{field}: {p} is not a model directory (no config.json)")
-    config = AutoConfig.from_pretrained(p, local_files_only=True)
-    if value_head:
-        config.num_labels = 1
+    config = read_model_config(p, value_head, field)
     index = p / "model.safetensors.index.json"
     if index.is_file():
         where = {k: p / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     elif (p / "model.safetensors").is_file():
         with safe_open(p / "model.safetensors", framework="pt") as f:
-            where = {k: p / "model.safetensors" for k in f.keys()}  # noqa: SIM118
+            where = dict.fromkeys(f.keys(), p / "model.safetensors")
     else:
         where = {}
     names = [s.name for s in param_shards(model_spec(config, value_head))]
     if not all(n in where for n in names):
-        model = load_model(p, value_head, field)
+        model = _from_pretrained(p, config, value_head, field)
         return model.config, model.state_dict()
     state: dict[str, torch.Tensor] = {}
     for file in sorted({where[n] for n in names}):

@@ -57,17 +57,13 @@ def _first_weights(spec: WorkerSpec) -> tuple[Any, dict[str, torch.Tensor] | Non
     """(Hugging Face config, full state dict) of a model role: read from ``model_dir``, or the
     config alone from ``config_dir`` (None: the weights arrive by reallocation); None for a
     function-valued role."""
-    from transformers import AutoConfig
+    from rayhf.models.hf import load_weights, read_model_config
 
-    from rayhf.models.hf import load_weights
-
+    field = f"models.{spec.role}"
     if spec.model_dir is not None:
-        return load_weights(spec.model_dir, spec.value_head, f"models.{spec.role}")
+        return load_weights(spec.model_dir, spec.value_head, field)
     if spec.config_dir is not None:
-        config = AutoConfig.from_pretrained(spec.config_dir, local_files_only=True)
-        if spec.value_head:
-            config.num_labels = 1
-        return config, None
+        return read_model_config(spec.config_dir, spec.value_head, field), None
     return None
 
 
@@ -86,7 +82,7 @@ class RoleWorker:
         torch.set_num_threads(spec.threads)
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
         self.spec = spec
-        self._weights = _first_weights(spec)  # the full model until ``setup`` shards it
+        self._weights = _first_weights(spec)  # until ``setup`` keeps this rank's shards
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
         self.groups: ParallelGroups = single()
         self.model: RankModel | None = None
