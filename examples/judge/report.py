@@ -1,5 +1,5 @@
 """The judge example's figures, read from the run directories its stages wrote: the judge's
-grades of held-out answers and of degenerate ones beside the true reward, then the GRPO run's
+scores of held-out answers and of degenerate ones beside the true reward, then the GRPO run's
 true task reward (``batch/task_scores``) beside the judge's (``task_reward``).
 
 python examples/judge/report.py [runs/judge]
@@ -15,6 +15,7 @@ from pathlib import Path
 from rayhf.metrics.tracker import read_metrics
 from rayhf.runtime.checkpoint import latest_checkpoint
 
+GRPO_CONFIG = Path(__file__).parent / "grpo.yaml"
 WINDOW = 10  # steps averaged at each end, as docs/benchmarks/algorithms_demo.md does
 
 
@@ -25,14 +26,15 @@ def last_checkpoint(run_dir: Path, role: str) -> Path:
 
 
 def judge_scores(judge: Path, prompts: list[str], answers: list[str]) -> list[float | None]:
-    """The judge's verdicts, read as the run reads them (greedy, 2 tokens, number over 9)."""
+    """The judge's verdicts, read as the run reads them (grpo.yaml's ``judge:``, greedy)."""
+    import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayhf.algorithms.judge import JudgeConfig, parse_verdict, render_prompt
     from rayhf.sampling import GenerationConfig, generate
-    from rayhf.tasks.echo_judge import GRADES, JUDGE_TEMPLATE
+    from rayhf.tasks.echo_judge import JUDGE_TEMPLATE
 
-    cfg = JudgeConfig(template=JUDGE_TEMPLATE, verdict="number", scale=GRADES, max_new_tokens=2)
+    cfg = JudgeConfig(**yaml.safe_load(GRPO_CONFIG.read_text())["judge"])
     tok = AutoTokenizer.from_pretrained(judge, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(judge, local_files_only=True)
     texts = [render_prompt(JUDGE_TEMPLATE, p, a, {}) for p, a in zip(prompts, answers, strict=True)]
@@ -42,30 +44,42 @@ def judge_scores(judge: Path, prompts: list[str], answers: list[str]) -> list[fl
     return [parse_verdict(t, cfg) for t in tok.batch_decode(out.tokens, skip_special_tokens=True)]
 
 
-def judge_figures(judge: Path, n: int = 512) -> None:
-    from rayhf.tasks.demo import echo, make_prompts, reward
-    from rayhf.tasks.echo_judge import DEGENERATE, MAX_ANSWER_CHARS, judged_answer
+def agreement(name: str, judge: Path, prompts: list[str], answers: list[str]) -> None:
+    """How the judge's scores of ``answers`` agree with what it was taught and the reward."""
+    from rayhf.tasks.demo import reward
+    from rayhf.tasks.echo_judge import places_right
 
-    prompts = [r["prompt"] for r in make_prompts(n, seed=10_007)]  # no training prompt
-    rng = random.Random("report")
-    answers = [judged_answer(p, rng) for p in prompts]
-    true = reward(prompts, answers, [len(a) <= MAX_ANSWER_CHARS for a in answers])
     got = judge_scores(judge, prompts, answers)
-    pairs = [(g, t) for g, t in zip(got, true, strict=True) if g is not None]
-    err = statistics.mean(abs(g - t) for g, t in pairs)
-    corr = statistics.correlation([g for g, _ in pairs], [t for _, t in pairs])
-    print(
-        f"judge on {n} held-out answers: {len(pairs)} verdicts read, mean |judge - true| "
-        f"{err:.3f}, correlation {corr:.3f}"
-    )
-    print("| answer | judge's score | true reward |\n| --- | ---: | ---: |")
+    read = [i for i, g in enumerate(got) if g is not None]
+    judged = [got[i] for i in read]
+    print(f"judge on {len(prompts)} held-out {name}: {len(read)} verdicts read")
+    taught = [places_right(p, a) for p, a in zip(prompts, answers, strict=True)]
+    for against, values in (("taught", taught), ("true", reward(prompts, answers))):
+        ref = [values[i] for i in read]
+        err = statistics.mean(abs(g - t) for g, t in zip(judged, ref, strict=True))
+        corr = statistics.correlation(judged, ref)
+        print(f"  mean |judge - {against}| {err:.3f}, correlation {corr:.3f}")
+
+
+def judge_figures(judge: Path, policy: Path, n: int = 512) -> None:
+    from rayhf.tasks.demo import echo, make_prompts, policy_answers, reward
+    from rayhf.tasks.echo_judge import DEGENERATE, judged_answer, places_right
+
+    prompts = [r["prompt"] for r in make_prompts(n, seed=20_011)]  # no training or eval prompt
+    rng = random.Random("report")
+    agreement("synthetic answers", judge, prompts, [judged_answer(p, rng) for p in prompts])
+    sampled = [a for (a,) in policy_answers(policy, prompts, seed=20_011)]
+    agreement("answers of the GRPO start policy", judge, prompts, sampled)
+    print("| answer | judge's score | taught score | true reward |\n| --- | ---: | ---: | ---: |")
     kinds = {"the echo": echo, **DEGENERATE}
     for name, make in kinds.items():
         texts = [make(p) for p in prompts[:64]]
         scores = judge_scores(judge, prompts[:64], texts)
         judged = statistics.mean(0.0 if s is None else s for s in scores)
+        pairs = zip(prompts[:64], texts, strict=True)
+        taught = statistics.mean(places_right(p, t) for p, t in pairs)
         true_mean = statistics.mean(reward(prompts[:64], texts))
-        print(f"| {name} | {judged:.3f} | {true_mean:.3f} |")
+        print(f"| {name} | {judged:.3f} | {taught:.3f} | {true_mean:.3f} |")
 
 
 def rise(values: list[float], k: int = WINDOW) -> str:
@@ -82,7 +96,7 @@ def main(root: Path) -> None:
     sft = read_metrics(root / "sft")
     nll = [m["eval/nll"] for m in sft if "eval/nll" in m]
     print(f"judge SFT held-out nll: {nll[0]:.3f} -> {nll[-1]:.3f}")
-    judge_figures(last_checkpoint(root / "sft", "actor"))
+    judge_figures(last_checkpoint(root / "sft", "actor"), last_checkpoint(root / "policy", "actor"))
     grpo = read_metrics(root / "grpo")
     true = [m["batch/task_scores"] for m in grpo if "batch/task_scores" in m]
     judged = [m["task_reward"] for m in grpo if "task_reward" in m]

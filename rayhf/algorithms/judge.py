@@ -8,8 +8,10 @@ planner places it and moves its weights like any other call's:
       -> decode the prompt and the response, fill ``judge.template``
          ({prompt}, {response}, and any dataset column by name, e.g. {answer})
       -> the judge generates greedily, ``judge.max_new_tokens`` tokens
-      -> ``parse_verdict``: the first number (divided by ``scale``), or the first word that is
-         one of ``choices`` (mapped to its score)
+      -> ``parse_verdict``: the first number (divided by ``scale``), the first word that is
+         one of ``choices`` (mapped to its score), or the mean of its words' marks (each word a
+         step of the judge's reasoning ending in a one-character key of ``choices``, as a
+         process reward model scores each step)
       -> scores; a verdict that does not parse scores ``unparsable_score`` and is counted
          (``verdict_unparsable``, 1.0 per such sample: its batch mean is the share)
 
@@ -47,9 +49,10 @@ class JudgeConfig(BaseModel):
     template: str | None = None
     """The judge's prompt: ``{prompt}`` and ``{response}`` are the sample's, any other
     ``{name}`` its dataset row's column (e.g. ``{answer}``). Required by a graph with a judge."""
-    verdict: Literal["choice", "number"] = "choice"
+    verdict: Literal["choice", "number", "marks"] = "choice"
     """``choice``: the first word of the verdict that is a key of ``choices``; ``number``: the
-    first number in it."""
+    first number in it; ``marks``: the mean score of its words' last characters, each a key of
+    ``choices`` (``"331 140"`` over ``{"1": 1, "0": 0}`` scores 0.5)."""
     choices: dict[str, float] = Field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
     """Verdict word (matched without case) -> score."""
     scale: float = Field(1.0, gt=0)
@@ -63,8 +66,13 @@ class JudgeConfig(BaseModel):
     def _usable(self) -> JudgeConfig:
         if self.template is not None and "{response}" not in self.template:
             raise ValueError("judge.template: it must show the judge the {response}")
-        if self.verdict == "choice" and not self.choices:
-            raise ValueError("judge.choices: a choice verdict needs at least one choice")
+        if self.verdict != "number" and not self.choices:
+            raise ValueError(f"judge.choices: a {self.verdict} verdict needs at least one choice")
+        long = [k for k in self.choices if len(k) != 1]
+        if self.verdict == "marks" and long:
+            raise ValueError(
+                f"judge.choices: a marks verdict's keys are characters, not {long[0]!r}"
+            )
         return self
 
 
@@ -76,6 +84,11 @@ def parse_verdict(text: str, cfg: JudgeConfig) -> float | None:
     if cfg.verdict == "number":
         found = _NUMBER.search(text)
         return float(found.group()) / cfg.scale if found else None
+    if cfg.verdict == "marks":
+        words = text.split()
+        if not words or any(w[-1] not in cfg.choices for w in words):
+            return None
+        return sum(cfg.choices[w[-1]] for w in words) / len(words)
     choices = {k.lower(): v for k, v in cfg.choices.items()}
     for word in text.split():
         word = word.strip(string.punctuation).lower()

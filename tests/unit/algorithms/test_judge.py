@@ -32,6 +32,18 @@ def test_a_number_verdict_over_its_scale(text, score):
     assert got == (None if score is None else pytest.approx(score))
 
 
+MARKS = {"1": 1.0, "0": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("text", "score"),
+    [("331 111 490", 2 / 3), ("1", 1.0), ("  0 0 1 1\n", 0.5), ("331 11x", None), ("", None)],
+)
+def test_a_marks_verdict_is_the_mean_of_its_steps_last_characters(text, score):
+    got = parse_verdict(text, JudgeConfig(verdict="marks", choices=MARKS))
+    assert got == (None if score is None else pytest.approx(score))
+
+
 def test_the_prompt_shows_the_sample_and_its_row():
     template = "Q: {prompt}\nA: {response}\nKey: {answer}\nRight?"
     text = render_prompt(template, "2+2", "4", {"answer": "4", "source": "x"})
@@ -45,5 +57,7 @@ def test_settings_the_judge_refuses():
         JudgeConfig(template="{prompt} only")
     with pytest.raises(ValidationError, match=r"judge\.choices"):
         JudgeConfig(choices={})
+    with pytest.raises(ValidationError, match=r"judge\.choices: a marks verdict's keys are char"):
+        JudgeConfig(verdict="marks", choices={"yes": 1.0, "n": 0.0})
     with pytest.raises(ValidationError, match="scale"):
         JudgeConfig(scale=0)
