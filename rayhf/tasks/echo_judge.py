@@ -9,7 +9,7 @@ reward that is 1 exactly when the reward is (a wrong place costs at most one edi
 of that verdict is a copy (the prompt's digit, the answer's character: what the echo itself
 asks of a model) or a comparison of the two tokens before it, so a judge of the policy's size
 learns it in a few hundred steps; a judge asked for the grade alone, as one digit, had not
-learned to compare the places after 3,000 (``docs/benchmarks/judge_demo.md``).
+learned to compare the places after 1,000 (``docs/decisions/0087-*``).
 
 The judge does not see whether an answer ended: an answer cut off at the length limit is graded
 on its places, where the reward scores it 0.
