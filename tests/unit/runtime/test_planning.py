@@ -113,10 +113,10 @@ def test_multi_turn_calls_are_priced_by_their_turns_and_need_a_dp_layout():
 def test_a_judge_is_priced_reading_each_answer_and_writing_its_verdict():
     """The judge's generate call reads every sample's prompt and response and writes
     judge.max_new_tokens, not the policy's generation length."""
-    cfg = rayhf.load_config(REPO / "examples" / "judge" / "grpo.yaml")  # 24 + 16, 2 new tokens
+    cfg = rayhf.load_config(REPO / "examples" / "judge" / "grpo.yaml")  # 24 + 16, 64 new tokens
     graph = load_graph(REPO / "examples" / "judge" / "grpo_judge_with_task_score.yaml")
     works = planner_workloads(cfg, graph, None)
     assert works["actor_gen"] == Workload("generate", 64, 24, 16, 1)
-    assert works["judge_gen"] == Workload("generate", 64, 24 + 16, 2, 1)
+    assert works["judge_gen"] == Workload("generate", 64, 24 + 16, 64, 1)
     longer = planner_workloads(cfg.with_overrides({"judge.max_new_tokens": 8}), graph, None)
     assert longer["judge_gen"].gen_len == 8
