@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rayhf.metrics.tracker import read_metrics
@@ -25,31 +26,43 @@ def last_checkpoint(run_dir: Path, role: str) -> Path:
     return found / role
 
 
-def judge_scores(judge: Path, prompts: list[str], answers: list[str]) -> list[float | None]:
-    """The judge's verdicts, read as the run reads them (grpo.yaml's ``judge:``, greedy)."""
+Scorer = Callable[[list[str], list[str]], list[float | None]]
+
+
+def load_judge(judge: Path) -> Scorer:
+    """The judge's verdicts of (prompts, answers), read as the run reads them (grpo.yaml's
+    ``judge:``, greedy); the model is loaded once."""
     import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rayhf.algorithms.judge import JudgeConfig, parse_verdict, render_prompt
     from rayhf.sampling import GenerationConfig, generate
-    from rayhf.tasks.echo_judge import JUDGE_TEMPLATE
 
     cfg = JudgeConfig(**yaml.safe_load(GRPO_CONFIG.read_text())["judge"])
+    assert cfg.template is not None, f"{GRPO_CONFIG}: judge.template"
     tok = AutoTokenizer.from_pretrained(judge, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(judge, local_files_only=True)
-    texts = [render_prompt(JUDGE_TEMPLATE, p, a, {}) for p, a in zip(prompts, answers, strict=True)]
-    asks = [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False)] for t in texts]
     gen = GenerationConfig(greedy=True, max_new_tokens=cfg.max_new_tokens)
-    out = generate(model, asks, gen, tok.eos_token_id, tok.pad_token_id, 0)
-    return [parse_verdict(t, cfg) for t in tok.batch_decode(out.tokens, skip_special_tokens=True)]
+
+    def scores(prompts: list[str], answers: list[str]) -> list[float | None]:
+        texts = [
+            render_prompt(cfg.template, p, a, {}) for p, a in zip(prompts, answers, strict=True)
+        ]
+        asks = [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False)] for t in texts]
+        out = generate(model, asks, gen, tok.eos_token_id, tok.pad_token_id, 0)
+        return [
+            parse_verdict(t, cfg) for t in tok.batch_decode(out.tokens, skip_special_tokens=True)
+        ]
+
+    return scores
 
 
-def agreement(name: str, judge: Path, prompts: list[str], answers: list[str]) -> None:
+def agreement(name: str, judge: Scorer, prompts: list[str], answers: list[str]) -> None:
     """How the judge's scores of ``answers`` agree with what it was taught and the reward."""
     from rayhf.tasks.demo import reward
     from rayhf.tasks.echo_judge import places_right
 
-    got = judge_scores(judge, prompts, answers)
+    got = judge(prompts, answers)
     read = [i for i, g in enumerate(got) if g is not None]
     judged = [got[i] for i in read]
     print(f"judge on {len(prompts)} held-out {name}: {len(read)} verdicts read")
@@ -61,10 +74,11 @@ def agreement(name: str, judge: Path, prompts: list[str], answers: list[str]) ->
         print(f"  mean |judge - {against}| {err:.3f}, correlation {corr:.3f}")
 
 
-def judge_figures(judge: Path, policy: Path, n: int = 512) -> None:
+def judge_figures(path: Path, policy: Path, n: int = 512) -> None:
     from rayhf.tasks.demo import echo, make_prompts, policy_answers, reward
     from rayhf.tasks.echo_judge import DEGENERATE, judged_answer, places_right
 
+    judge = load_judge(path)
     prompts = [r["prompt"] for r in make_prompts(n, seed=20_011)]  # no training or eval prompt
     rng = random.Random("report")
     agreement("synthetic answers", judge, prompts, [judged_answer(p, rng) for p in prompts])
@@ -74,7 +88,7 @@ def judge_figures(judge: Path, policy: Path, n: int = 512) -> None:
     kinds = {"the echo": echo, **DEGENERATE}
     for name, make in kinds.items():
         texts = [make(p) for p in prompts[:64]]
-        scores = judge_scores(judge, prompts[:64], texts)
+        scores = judge(prompts[:64], texts)
         judged = statistics.mean(0.0 if s is None else s for s in scores)
         pairs = zip(prompts[:64], texts, strict=True)
         taught = statistics.mean(places_right(p, t) for p, t in pairs)

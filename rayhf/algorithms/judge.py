@@ -54,7 +54,7 @@ class JudgeConfig(BaseModel):
     first number in it; ``marks``: the mean score of its words' last characters, each a key of
     ``choices`` (``"331 140"`` over ``{"1": 1, "0": 0}`` scores 0.5)."""
     choices: dict[str, float] = Field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
-    """Verdict word (matched without case) -> score."""
+    """Verdict word (matched without case; a marks verdict's characters as written) -> score."""
     scale: float = Field(1.0, gt=0)
     """A number verdict is divided by this (10 for a judge that grades 0-10)."""
     unparsable_score: float = 0.0

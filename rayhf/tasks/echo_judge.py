@@ -50,26 +50,27 @@ DEGENERATE = {
 }
 
 
-def _places(prompt: str, response: str) -> list[tuple[str, str]]:
-    """(the prompt's digit, the answer's character) per place, spaces removed, over the longer
-    of the two; ``MISSING`` where one of them has no such place."""
+def _places(prompt: str, response: str) -> list[tuple[str, str, bool]]:
+    """(the prompt's digit, the answer's character, whether they agree) per place, spaces
+    removed, over the longer of the two; ``MISSING`` where one of them has no such place."""
     given, target = "".join(response.split()), echo(prompt).replace(" ", "")
     n = max(len(given), len(target))
-    return [(target.ljust(n, MISSING)[i], given.ljust(n, MISSING)[i]) for i in range(n)]
+    pairs = zip(target.ljust(n, MISSING), given.ljust(n, MISSING), strict=True)
+    return [(d, a, d == a != MISSING) for d, a in pairs]
 
 
 def judge_verdict(prompt: str, response: str) -> str:
     """What the judge learns to write: per place, the prompt's digit, the answer's character
     and ``1`` if they agree else ``0``, places apart by spaces; ``"==0"`` for an empty answer."""
-    places = _places(prompt, response) if response.split() else [(MISSING, MISSING)]
-    return " ".join(f"{d}{a}{int(d == a != MISSING)}" for d, a in places)
+    places = _places(prompt, response) if response.split() else [(MISSING, MISSING, False)]
+    return " ".join(f"{d}{a}{int(right)}" for d, a, right in places)
 
 
 def places_right(prompt: str, response: str) -> float:
     """The score of the judge's verdict: the share of places where the answer has the prompt's
-    digit (0 for an empty answer)."""
+    digit (0 for an empty answer: every place of the echo is missing)."""
     places = _places(prompt, response)
-    return sum(d == a != MISSING for d, a in places) / len(places) if response.split() else 0.0
+    return sum(right for _, _, right in places) / len(places)
 
 
 def _edited_echo(prompt: str, rng: random.Random) -> str:
