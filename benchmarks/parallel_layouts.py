@@ -31,7 +31,8 @@ class _Tok:
 
 
 def _model(layers: int):
-    from rayhf.models.hf import ModelInit, build_model, hf_config, quiet_transformers
+    from rayhf.models.files import quiet_transformers
+    from rayhf.models.hf import ModelInit, build_model, hf_config
 
     quiet_transformers()
     init = ModelInit(family="llama", hidden_size=512, n_layers=layers, n_heads=8, seed=0)

@@ -45,7 +45,8 @@ def _groups(tmp: Path, layers: int):
 
     from rayhf.algorithms import InterfaceSettings
     from rayhf.algorithms.ppo import PPOConfig
-    from rayhf.models.hf import ModelInit, hf_config
+    from rayhf.models.files import special_ids
+    from rayhf.models.hf import ModelInit, hf_config, model_files
     from rayhf.models.tokenizer import build_char_tokenizer
     from rayhf.parallel.layout import Layout
     from rayhf.planner import ClusterConfig
@@ -60,6 +61,7 @@ def _groups(tmp: Path, layers: int):
     init = ModelInit(family="llama", hidden_size=768, n_layers=layers, n_heads=12)
     config = hf_config(init, 8192, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     config.save_pretrained(tmp / "model")
+    files = model_files(config, False)
     settings = InterfaceSettings(PPOConfig(), GenerationConfig())
 
     def group(name: str, lay: tuple) -> RoleGroup:
@@ -68,7 +70,7 @@ def _groups(tmp: Path, layers: int):
         def spec(rank: int) -> WorkerSpec:
             return WorkerSpec(
                 name, layout.name, rank, layout.dp, layout.tp, layout.pp, 1, (), settings,
-                str(tmp / "tok"), None, str(tmp / "model"), False, None, 0, 1,
+                str(tmp / "tok"), special_ids(tok), files, None, False, None, 0, 1,
             )  # fmt: skip
 
         g = RoleGroup(name, layout, spec, devices, 0.25, "rayhf-bench")

@@ -28,12 +28,12 @@ import requests
 import torch
 from _common import write_results
 
+from rayhf.models.files import quiet_transformers
 from rayhf.models.hf import (
     ModelInit,
     build_model,
     hf_config,
     n_params,
-    quiet_transformers,
     save_model,
 )
 from rayhf.tasks.demo import build_tokenizer, make_prompts

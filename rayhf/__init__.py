@@ -38,7 +38,7 @@ def make_plan(cfg: ExperimentConfig) -> Plan:
         import tempfile
         from pathlib import Path
 
-        from rayhf.models.hf import quiet_transformers
+        from rayhf.models.files import quiet_transformers
         from rayhf.runtime.assets import prepare_run
 
         quiet_transformers()

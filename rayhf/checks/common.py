@@ -15,7 +15,8 @@ class Tok:
 
 def tiny_model(family: str, shape: dict[str, Any], value_head: bool = False, seed: int = 0):
     """A 4-layer, 32-wide model of ``family`` (``shape``: its heads and sizes), seeded, eval."""
-    from rayhf.models.hf import ModelInit, build_model, hf_config
+    from rayhf.models.hf import build_model, hf_config
+    from rayhf.models.init import ModelInit
 
     init = ModelInit(family=family, hidden_size=32, n_layers=4, **shape)
     return build_model(hf_config(init, VOCAB, PAD, BOS, EOS), value_head, seed=seed).eval()

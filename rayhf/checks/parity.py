@@ -286,7 +286,7 @@ def _worker(
 ) -> None:
     torch.set_num_threads(1)
     import rayhf.parallel.model
-    from rayhf.models.hf import quiet_transformers
+    from rayhf.models.files import quiet_transformers
 
     rayhf.parallel.model.LOGIT_CHUNK = SCORE_SLICE * VOCAB
 

@@ -121,6 +121,7 @@ def _one_pair(
     family: str, src: Layout, dst: Layout, flat: bool, rank: int, group, device: str
 ) -> dict[str, Any] | None:
     from rayhf.engines.rank_model import RankModel
+    from rayhf.models.hf import model_files
     from rayhf.models.spec import model_spec
     from rayhf.parallel.groups import build_groups
     from rayhf.realloc.plan import plan_realloc
@@ -145,7 +146,8 @@ def _one_pair(
         send_from(group, source, plan.sent_by(rank, DST0))
     elif DST0 <= rank < DST0 + dst.world_size:
         r = rank - DST0
-        model = RankModel(whole.config, None, Tok(), False, groups=dst_groups, device=device)
+        empty = model_files(whole.config, False)
+        model = RankModel(empty, None, Tok(), groups=dst_groups, device=device)
         receive_into(group, model, plan.received_by(r, 0, DST0), forward=plan.forwarded_by(r, DST0))
         mine["exact"] = _shards_exact(model, spec, full, dst, r)
         gathered = model.full_state()  # the whole model, gathered over the replica as tensors
@@ -237,7 +239,7 @@ def _standin(rank: int):
 def _worker(
     rank: int, address: str, store_addresses: tuple[str, str], pairs: list, out: str, device: str
 ) -> None:
-    from rayhf.models.hf import quiet_transformers
+    from rayhf.models.files import quiet_transformers
     from rayhf.parallel.groups import join_store
     from rayhf.realloc.transport import TransferGroup
 

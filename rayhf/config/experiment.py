@@ -41,7 +41,7 @@ from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.envs.env import EnvConfig
 from rayhf.errors import RayhfError
 from rayhf.metrics.tracker import MetricsConfig
-from rayhf.models.hf import ModelInit
+from rayhf.models.init import ModelInit
 from rayhf.models.precision import Precision
 from rayhf.planner import ClusterConfig, PlanConfig
 from rayhf.sampling import GenerationConfig

@@ -86,7 +86,7 @@ class CallEngine:
 
     @property
     def value_head(self) -> bool:
-        return self.model is not None and self.model.value_head
+        return self.model is not None and self.model.spec.value_head
 
     @property
     def name(self) -> str:

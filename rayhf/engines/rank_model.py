@@ -4,6 +4,7 @@ can be done with them without an optimizer.
     Hugging Face state dict --take this rank's shards--> ShardedModel (+ Pipeline over pp)
       forward:   right-padded rows -> packed -> pipeline -> logits/values, padded again
       weights:   full_state (tensors gathered over tp and pp), load_full_state, save_pretrained
+                 (safetensors and the driver's JSON: ``rayhf.models.files``)
       moves:     source_shards / receive_buffers / received  (rayhf.realloc's ShardSource and
                  ShardSink: what reallocation reads and fills)
 
@@ -19,9 +20,9 @@ from typing import Any
 
 import torch
 
+from rayhf.models.files import ModelFiles, write_model
 from rayhf.models.precision import Numerics
 from rayhf.models.sharding import embedding_name, param_shards, take_shard
-from rayhf.models.spec import model_spec
 from rayhf.parallel.gather import gather_whole
 from rayhf.parallel.groups import ParallelGroups, single
 from rayhf.parallel.model import ShardedModel
@@ -30,23 +31,21 @@ from rayhf.parallel.pipeline import Pipeline
 
 class RankModel:
     """This rank's shards of a Hugging Face model (``full`` None: zeros that a reallocation
-    fills) and the pipeline that runs them."""
+    fills) and the pipeline that runs them; ``files`` gives its shape and saved form."""
 
     def __init__(
         self,
-        hf_config: Any,
+        files: ModelFiles,
         full: Mapping[str, torch.Tensor] | None,
         tokenizer: Any,
-        value_head: bool,
         groups: ParallelGroups | None = None,
         n_mbs: int = 1,
         device: str = "cpu",
         checkpointing: bool = False,
         numerics: Numerics | None = None,
     ) -> None:
-        self.hf_config, self.tokenizer, self.value_head = hf_config, tokenizer, value_head
+        self.files, self.spec, self.tokenizer = files, files.spec, tokenizer
         self.groups = groups or single()
-        self.spec = model_spec(hf_config, value_head)
         self.numerics = numerics or Numerics()
         self.module = ShardedModel(self.spec, self.groups, full, self.numerics).to(device)
         self.module.checkpointing = checkpointing  # recompute each layer in backward
@@ -57,7 +56,9 @@ class RankModel:
     def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
         """This rank's shards of a whole Hugging Face model (``kw``: groups, n_mbs, device,
         checkpointing, numerics)."""
-        return cls(model.config, model.state_dict(), tokenizer, value_head, **kw)
+        from rayhf.models.hf import model_files
+
+        return cls(model_files(model.config, value_head), model.state_dict(), tokenizer, **kw)
 
     @property
     def device(self) -> torch.device:
@@ -167,13 +168,8 @@ class RankModel:
     ) -> None:
         """Write the whole model (``full``, else gathered now: a collective) in Hugging Face
         format with its tokenizer; the head rank of replica 0 writes."""
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
         full = self.full_state() if full is None else full
         if not self.groups.is_head or self.groups.coords.dp_rank != 0:
             return
-        cls = AutoModelForSequenceClassification if self.value_head else AutoModelForCausalLM
-        hf = cls.from_config(self.hf_config)
-        hf.load_state_dict(dict(full), strict=True)
-        hf.save_pretrained(out_dir)
+        write_model(out_dir, self.files, full)
         self.tokenizer.save_pretrained(out_dir)

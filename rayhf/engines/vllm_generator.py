@@ -38,6 +38,7 @@ from rayhf.engines.vllm_sync_check import (
     verify,
 )
 from rayhf.errors import RayhfError
+from rayhf.models.files import ModelFiles
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerateOutput, GenerationConfig
@@ -95,7 +96,7 @@ class VllmEngine:
     """One vLLM engine holding a whole model (a tp=1, pp=1 rank: each replica has its own)."""
 
     def __init__(
-        self, hf_config: Any, max_model_len: int, seed: int, sleeps: bool, dtype: str = "fp32"
+        self, files: ModelFiles, max_model_len: int, seed: int, sleeps: bool, dtype: str = "fp32"
     ) -> None:
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -103,7 +104,7 @@ class VllmEngine:
         self.sleeps = sleeps  # sleep after each generate: its rank trains next
         self.dtype = DTYPES[dtype]  # what vLLM holds the weights in
         self._dir = tempfile.TemporaryDirectory(prefix="rayhf-vllm-")
-        hf_config.save_pretrained(self._dir.name)  # the shape only: weights come by reload
+        files.write_texts(self._dir.name)  # the shape only: weights come by reload
         self.llm = vllm.LLM(
             model=self._dir.name,
             skip_tokenizer_init=True,
@@ -174,9 +175,8 @@ class VllmGenerator:
     ) -> None:
         assert model.groups.tp == 1 and model.groups.pp == 1, "vLLM ranks hold whole models"
         self.model = model
-        max_len = int(getattr(model.hf_config, "max_position_embeddings", 2048))
         precision = model.numerics.precision
-        self.vllm = VllmEngine(model.hf_config, max_len, seed, sleeps, precision)
+        self.vllm = VllmEngine(model.files, model.spec.max_positions, seed, sleeps, precision)
         self.checked_by = checked_by
         # full_state sends a tied head as its own tensor; vLLM holds only the embedding
         self._tied = frozenset({"lm_head.weight"} if model.spec.tied else ())

@@ -8,12 +8,12 @@ backbone with a scalar head (``AutoModelForSequenceClassification`` with one lab
 
 from __future__ import annotations
 
-import json
+import copy
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import (
     AutoConfig,
     Gemma2Config,
@@ -28,55 +28,16 @@ from transformers import (
 )
 
 from rayhf.errors import RayhfError
-from rayhf.models.spec import Family
+from rayhf.models.init import ModelInit
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rayhf.models.files import ModelFiles
+
 # Hugging Face's model classes are imported where a model is built or loaded whole, not here:
-# their import (the modelling stack, torch._dynamo) costs every role-group worker about 1.5 s,
-# and a worker reads its weights from the files instead (``load_weights``).
-
-
-class ModelInit(BaseModel):
-    """Shape of a small model created from scratch (random weights, seeded)."""
-
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    family: Family = "llama"
-    """The architecture (Hugging Face model type) built from scratch."""
-    hidden_size: int = Field(64, gt=0)
-    """Model width."""
-    n_layers: int = Field(2, gt=0)
-    """Transformer blocks."""
-    n_heads: int = Field(4, gt=0)
-    """Query heads."""
-    n_kv_heads: int | None = None
-    """Grouped-query attention; None = n_heads."""
-    intermediate_size: int | None = None
-    """None = 4 * hidden_size (2.75x for llama-style)"""
-    max_positions: int = Field(256, gt=0)
-    """Longest sequence (prompt and response) the model takes."""
-    rope_parameters: dict[str, Any] | None = None
-    """RoPE settings as Hugging Face names them (rope_type, rope_theta, factor, ...), e.g. Llama
-    3.x's {rope_type: llama3, factor: 8, ...}; None = plain RoPE, theta 10000."""
-    sliding_window: int | None = None
-    """Keys further back are masked (Mistral, Phi-3, Gemma)"""
-    tied: bool = False
-    """The LM head is the token embedding."""
-    config: dict[str, Any] = Field(default_factory=dict)
-    """Any other Hugging Face config fields, e.g. Gemma 2's {final_logit_softcapping: 30.0}, or
-    vocab_size to pad the vocabulary past the tokenizer's (Qwen2 pads 151,646 tokens to 151,936)"""
-    seed: int = 0
-    """Seeds the random initialisation (another seed: another model of the same shape)."""
-
-
-def quiet_transformers() -> None:
-    """No per-file progress bars or info logs from transformers (one run saves many models)."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
+# their import (the modelling stack, torch._dynamo) costs a process about 1.5 s. Role-group
+# workers import none of this module: the driver renders what they need (``model_files``).
 
 
 def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id: int):
@@ -202,36 +163,49 @@ def load_weights(
     path: str | Path, value_head: bool, field: str
 ) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
     """A local model directory's config and fp32 weights under the names ``model_spec`` gives
-    them, read from its safetensors files (one, or shards with an index) without building the
-    model. When the files do not hold every one of those names (a critic from a causal LM's
+    them, read from its safetensors files (``rayhf.models.files.read_weights``) without building
+    the model. When the files do not hold every one of those names (a critic from a causal LM's
     directory: no ``score`` head; another naming; .bin weights), the model is built as
     ``load_model`` builds it, and its state dict is the answer."""
-    from safetensors import safe_open
-
-    from rayhf.models.sharding import param_shards
+    from rayhf.models.files import read_weights
     from rayhf.models.spec import model_spec
 
     p = Path(path)
     config = read_model_config(p, value_head, field)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        where = {k: p / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    elif (p / "model.safetensors").is_file():
-        with safe_open(p / "model.safetensors", framework="pt") as f:
-            where = dict.fromkeys(f.keys(), p / "model.safetensors")
-    else:
-        where = {}
-    names = [s.name for s in param_shards(model_spec(config, value_head))]
-    if not all(n in where for n in names):
+    state = read_weights(p, model_spec(config, value_head))
+    if state is None:
         model = _from_pretrained(p, config, value_head, field)
         return model.config, model.state_dict()
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted({where[n] for n in names}):
-        with safe_open(file, framework="pt") as f:
-            for n in names:
-                if where[n] == file:
-                    state[n] = f.get_tensor(n).float()
     return config, state
+
+
+def model_files(config: PretrainedConfig, value_head: bool) -> ModelFiles:
+    """What a role-group worker needs to read and save this model without transformers: its
+    spec, and config.json (and generation_config.json for a causal LM) as ``save_pretrained``
+    of a model built from ``config`` writes them."""
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    from rayhf.models.files import ModelFiles
+    from rayhf.models.spec import model_spec
+
+    saved = copy.deepcopy(config)
+    names = (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+        if value_head
+        else (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    )
+    dtype = str(saved.dtype or torch.float32).removeprefix("torch.")  # what from_config builds
+    saved.dtype, saved.architectures = dtype, [names[saved.model_type]]
+    with tempfile.TemporaryDirectory() as tmp:
+        saved.save_pretrained(tmp)
+        if not value_head:
+            GenerationConfig.from_model_config(saved).save_pretrained(tmp)
+        texts = tuple((f.name, f.read_text()) for f in sorted(Path(tmp).glob("*.json")))
+    return ModelFiles(model_spec(config, value_head), dtype, texts)
 
 
 def per_token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
 from rayhf.errors import RayhfError
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"]
@@ -189,7 +187,10 @@ def _rope(
     if rope_type == "default":
         partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         return _default_inv_freq(theta, int(head_dim * (partial or 1.0))), 1.0, theta
-    # scaled: Hugging Face's own computation of the frequencies and attention factor
+    # scaled: Hugging Face's own computation of the frequencies and attention factor (imported
+    # here: a worker gets its spec from the driver and never imports transformers)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     kw = {"layer_type": layer_type} if layer_type is not None else {}
     freqs, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
     return tuple(freqs.tolist()), scale, theta

@@ -26,6 +26,7 @@ from rayhf.envs.env import check_env
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.metrics.tracker import check_trackers
+from rayhf.models.files import special_ids
 from rayhf.models.hf import build_model, hf_config, save_model
 from rayhf.models.precision import priced
 from rayhf.models.spec import ModelSpec, model_spec
@@ -48,13 +49,15 @@ class RunAssets:
     tokenizer_dir: Path
     model_dirs: dict[str, Path]  # initial weights of every role that has a model
     specs: dict[str, ModelSpec]  # shape of every role that has a model
+    special_ids: dict[str, int | None]  # the tokenizer's pad/eos/bos_token_id
     trainable: set[str]  # roles with a train call
 
 
 def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path, policy: str):
     """The run's tokenizer: built from ``tokenizer.alphabet``, else loaded from
     ``tokenizer.path``, else from the policy role's model directory; with
-    ``tokenizer.chat_template`` in place of its own (then saved under ``run_dir``)."""
+    ``tokenizer.chat_template`` in place of its own. Saved alone under ``run_dir/tokenizer``
+    (returned with it), which the role groups read and copy into each checkpoint."""
     out = run_dir / "tokenizer"
     tok: Any
     if cfg.tokenizer.alphabet is not None:
@@ -71,9 +74,9 @@ def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path, policy: str):
             raise RayhfError(f"tokenizer.path: cannot load a tokenizer from {path}: {e}") from None
     if cfg.tokenizer.chat_template is not None:
         tok.chat_template = cfg.tokenizer.chat_template
+    if where != out or cfg.tokenizer.chat_template is not None:
         tok.save_pretrained(str(out))
-        where = out
-    return tok, where
+    return tok, out
 
 
 EVAL_BUILD = {"n": 256, "seed": 10_007}  # held-out rows: another seed than the training file
@@ -343,5 +346,6 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
         if role not in model_dirs:
             raise RayhfError(f"models.{role}: role '{role}' is trained, so it needs a model")
     return RunAssets(
-        run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, specs, trainable
-    )
+        run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, specs,
+        special_ids(tokenizer), trainable,
+    )  # fmt: skip

@@ -10,6 +10,7 @@ from rayhf.config.faults import FaultInjection
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
+from rayhf.models.files import ModelFiles
 from rayhf.models.precision import Numerics
 from rayhf.realloc.plan import Transfer
 
@@ -41,8 +42,9 @@ class WorkerSpec:
     calls: tuple[CallSpec, ...]
     settings: InterfaceSettings
     tokenizer_dir: str
-    model_dir: str | None  # load weights from here; None with config_dir = weights come later
-    config_dir: str | None  # the config, when model_dir is None: zeros until weights arrive
+    special_ids: dict[str, int | None]  # the tokenizer's pad/eos/bos_token_id (TokenizerDir)
+    model: ModelFiles | None  # the model's shape and saved form; None for a function role
+    model_dir: str | None  # load weights from here; None = they arrive by reallocation
     value_head: bool
     optimizer: OptimizerConfig | None  # None = frozen role
     seed: int

@@ -19,6 +19,7 @@ import ray
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
 from rayhf.config.faults import FaultInjection
+from rayhf.models.files import ModelFiles
 from rayhf.models.precision import Numerics, resolve
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
@@ -79,6 +80,7 @@ class Session:
         self.devices: DeviceCluster | None = None
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
         self.init_realloc: ReallocStats | None = None
+        self._files: dict[tuple[str, bool], ModelFiles] = {}  # by (directory, value head)
 
     def __enter__(self) -> Session:
         try:
@@ -186,6 +188,7 @@ class Session:
         cfg, assets = self.cfg, self.assets
         rc = cfg.models[role]
         model_dir, config_dir = self._weights_source(role)
+        shape_dir = model_dir or config_dir
         home = assets.plan.home_layouts(assets.graph)[role] == layout
         calls = tuple(
             CallSpec(
@@ -218,8 +221,9 @@ class Session:
                 cfg.algorithm, cfg.generation, rc.function, cfg.env, cfg.judge
             ),
             tokenizer_dir=str(assets.tokenizer_dir.resolve()),
+            special_ids=assets.special_ids,
+            model=None if shape_dir is None else self._model_files(shape_dir, rc.value_head, role),
             model_dir=model_dir,
-            config_dir=config_dir,
             value_head=rc.value_head,
             optimizer=optimizer if role in assets.trainable and home else None,
             activation_checkpointing=rc.activation_checkpointing,
@@ -230,6 +234,17 @@ class Session:
             fault=self._fault(role, rank),
             version=self.start_step,
         )
+
+    def _model_files(self, path: str, value_head: bool, role: str) -> ModelFiles:
+        """The shape and saved form of the model in ``path``, for the role's workers (which
+        read and write its files without importing transformers); read once per session."""
+        from rayhf.models.hf import model_files, read_model_config
+
+        key = (path, value_head)
+        if key not in self._files:
+            config = read_model_config(path, value_head, f"models.{role}")
+            self._files[key] = model_files(config, value_head)
+        return self._files[key]
 
     @functools.cached_property
     def start_step(self) -> int:

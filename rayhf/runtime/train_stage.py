@@ -37,7 +37,8 @@ from rayhf.engines.call import CallEngine
 from rayhf.engines.schedule import step_to
 from rayhf.errors import RayhfError
 from rayhf.metrics import make_tracker, plot_run, read_metrics
-from rayhf.models.hf import load_model, quiet_transformers
+from rayhf.models.files import quiet_transformers
+from rayhf.models.hf import load_model
 from rayhf.parallel.groups import build_groups
 from rayhf.runtime.assets import RunAssets, prepare_run
 from rayhf.runtime.checkpoint import list_checkpoints, write_checkpoint

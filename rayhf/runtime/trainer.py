@@ -34,7 +34,7 @@ from rayhf.errors import RayhfError, RunFailed, RunInterrupted, RunPreempted
 from rayhf.graph import Graph
 from rayhf.metrics import make_tracker, plot_run, read_metrics
 from rayhf.metrics.trace import TRACE_FILE, TraceSpan, TraceWriter
-from rayhf.models.hf import quiet_transformers
+from rayhf.models.files import quiet_transformers
 from rayhf.rewards.passk import pass_at_k_metrics
 from rayhf.runtime.assets import RunAssets, prepare_run, refill_of
 from rayhf.runtime.checkpoint import (

@@ -28,7 +28,7 @@ from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import step_to
-from rayhf.models.hf import quiet_transformers
+from rayhf.models.files import TokenizerDir, read_weights
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
 from rayhf.realloc.plan import Transfer
@@ -53,18 +53,17 @@ from rayhf.runtime.messages import (
 )
 
 
-def _first_weights(spec: WorkerSpec) -> tuple[Any, dict[str, torch.Tensor] | None] | None:
-    """(Hugging Face config, full state dict) of a model role: read from ``model_dir``, or the
-    config alone from ``config_dir`` (None: the weights arrive by reallocation); None for a
-    function-valued role."""
-    from rayhf.models.hf import load_weights, read_model_config
+def _first_weights(spec: WorkerSpec) -> dict[str, torch.Tensor] | None:
+    """A model role's full state dict, read from ``model_dir``; None when its weights arrive by
+    reallocation (zeros until then) or it has no model."""
+    if spec.model is None or spec.model_dir is None:
+        return None
+    state = read_weights(spec.model_dir, spec.model.spec)
+    if state is None:  # not all in safetensors under their names: the model is built to be read
+        from rayhf.models.hf import load_weights
 
-    field = f"models.{spec.role}"
-    if spec.model_dir is not None:
-        return load_weights(spec.model_dir, spec.value_head, field)
-    if spec.config_dir is not None:
-        return read_model_config(spec.config_dir, spec.value_head, field), None
-    return None
+        state = load_weights(spec.model_dir, spec.value_head, f"models.{spec.role}")[1]
+    return state
 
 
 def optim_file(optim_dir: str, role: str, rank: int) -> str:
@@ -76,14 +75,11 @@ class RoleWorker:
     instance per interface name."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        from transformers import AutoTokenizer
-
-        quiet_transformers()
         torch.set_num_threads(spec.threads)
         os.environ["OMP_NUM_THREADS"] = str(spec.threads)
         self.spec = spec
         self._weights = _first_weights(spec)  # until ``setup`` keeps this rank's shards
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir, local_files_only=True)
+        self.tokenizer = TokenizerDir(spec.tokenizer_dir, **spec.special_ids)
         self.groups: ParallelGroups = single()
         self.model: RankModel | None = None
         self.trainer: Trainer | None = None
@@ -95,6 +91,9 @@ class RoleWorker:
         self.interfaces = {
             c.interface: make_interface(c.interface, spec.settings) for c in spec.calls
         }
+        reads_text = any(i.needs_env or i.needs_judge for i in self.interfaces.values())
+        if spec.model is None or reads_text:  # a reward function, an env, a judge: load it now,
+            self.tokenizer.loaded  # noqa: B018 (while the other ranks start, not in a step)
 
     def rendezvous_address(self) -> str:
         """``tcp://ip:port`` of a store this rank opens on its node, for a group's rendezvous
@@ -128,10 +127,10 @@ class RoleWorker:
             )
             self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
         weights, self._weights = self._weights, None
-        if weights is None:
+        if spec.model is None:
             return  # a function-valued role
         self.model = RankModel(
-            *weights, self.tokenizer, spec.value_head,
+            spec.model, weights, self.tokenizer,
             groups=self.groups, n_mbs=spec.n_mbs, device=spec.device,
             checkpointing=spec.activation_checkpointing, numerics=spec.numerics,
         )  # fmt: skip

@@ -41,7 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
-from rayhf.models.hf import load_model, quiet_transformers
+from rayhf.models.files import quiet_transformers
+from rayhf.models.hf import load_model
 from rayhf.parallel.decode import DecodeEngine
 from rayhf.sampling import DecodeRules, GenerationConfig, seed_from
 

@@ -21,12 +21,12 @@ import requests
 import yaml
 
 from rayhf.errors import RayhfError
+from rayhf.models.files import quiet_transformers
 from rayhf.models.hf import (
     ModelInit,
     build_model,
     hf_config,
     load_model,
-    quiet_transformers,
     save_model,
 )
 from rayhf.sampling import GenerationConfig, generate

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rayhf.checks.common import EOS, PAD, VOCAB, tiny_model
 from rayhf.engines.rank_model import RankModel
-from rayhf.models.hf import ModelInit, build_model, hf_config, per_token_values
+from rayhf.models.hf import ModelInit, build_model, hf_config, model_files, per_token_values
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2}  # grouped-query attention
 
@@ -51,7 +51,7 @@ def test_forward_matches_hugging_face_and_zeroes_padding(value_head):
     keep = mask.bool()
     torch.testing.assert_close(out[keep], expected[keep], rtol=1e-5, atol=1e-5)
     assert out[~keep].abs().sum() == 0
-    assert rank.value_head is value_head and not rank.module.training
+    assert rank.spec.value_head is value_head and not rank.module.training
 
 
 def test_ids_and_sizes():
@@ -90,7 +90,7 @@ def test_full_state_of_tied_embeddings_names_the_head_too():
 
 def test_load_full_state_fills_an_empty_rank_and_bumps_version():
     hf = tiny_model("llama", SHAPE, seed=3)
-    empty = RankModel(hf.config, None, Tok(), False)  # zeros until weights arrive
+    empty = RankModel(model_files(hf.config, False), None, Tok())  # zeros until weights arrive
     assert empty.digest() == 0.0
     kept = empty.load_full_state(hf.state_dict())
     assert kept == empty.local_bytes()

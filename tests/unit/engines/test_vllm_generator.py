@@ -17,6 +17,7 @@ from rayhf.engines import vllm_generator as vg
 from rayhf.engines import vllm_sync_check as sc
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
+from rayhf.models.hf import model_files
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerationConfig
@@ -73,6 +74,11 @@ def test_without_vllm_the_errors_name_the_extra(monkeypatch):
 @pytest.fixture(scope="module")
 def hf():
     return tiny_model("llama", {"n_heads": 4}, seed=2)
+
+
+@pytest.fixture(scope="module")
+def files(hf):
+    return model_files(hf.config, False)
 
 
 @pytest.mark.parametrize("greedy", [False, True])
@@ -147,25 +153,25 @@ def fake_vllm(monkeypatch):
     return module
 
 
-def test_vllm_engine_asks_for_a_dummy_float32_model_of_the_role_s_shape(fake_vllm, hf):
-    engine = vg.VllmEngine(hf.config, max_model_len=64, seed=3, sleeps=True)
+def test_vllm_engine_asks_for_a_dummy_float32_model_of_the_role_s_shape(fake_vllm, files):
+    engine = vg.VllmEngine(files, max_model_len=64, seed=3, sleeps=True)
     kw = engine.llm.kwargs
     assert (kw["load_format"], kw["dtype"], kw["seed"]) == ("dummy", "float32", 3)
     assert kw["skip_tokenizer_init"] and kw["enforce_eager"] and kw["enable_sleep_mode"]
     assert kw["max_model_len"] == 64
     config = Path(kw["model"]) / "config.json"  # the shape, saved where vLLM reads it
     assert '"model_type": "llama"' in config.read_text()
-    no_sleep = vg.VllmEngine(hf.config, max_model_len=64, seed=3, sleeps=False)
+    no_sleep = vg.VllmEngine(files, max_model_len=64, seed=3, sleeps=False)
     assert not no_sleep.llm.kwargs["enable_sleep_mode"]
-    low = vg.VllmEngine(hf.config, max_model_len=64, seed=3, sleeps=False, dtype="bf16")
+    low = vg.VllmEngine(files, max_model_len=64, seed=3, sleeps=False, dtype="bf16")
     assert low.llm.kwargs["dtype"] == "bfloat16"  # the role's precision
     assert (engine.dtype, low.dtype) == (torch.float32, torch.bfloat16)  # what checks cast to
     no_sleep.generate([[3]], GenerationConfig(), eos_token_id=EOS, seed=0)
     assert [e[0] for e in no_sleep.llm.log] == ["generate"]  # a rank that does not train
 
 
-def test_vllm_engine_sampling_params_and_sleep_between_calls(fake_vllm, hf):
-    engine = vg.VllmEngine(hf.config, max_model_len=64, seed=0, sleeps=True)
+def test_vllm_engine_sampling_params_and_sleep_between_calls(fake_vllm, files):
+    engine = vg.VllmEngine(files, max_model_len=64, seed=0, sleeps=True)
     cfg = GenerationConfig(max_new_tokens=5, min_new_tokens=1, temperature=0.7, top_p=0.9)
     out = engine.generate([[3, 4], [6]], cfg, eos_token_id=EOS, seed=10)
     assert out == [[5, EOS], [7, EOS]]
@@ -188,8 +194,8 @@ def test_vllm_engine_sampling_params_and_sleep_between_calls(fake_vllm, hf):
     assert engine.llm.log[5:] == [("wake",), ("reload", weights)]  # woken to take weights
 
 
-def test_a_checked_load_reports_what_the_worker_s_model_holds(fake_vllm, hf):
-    engine = vg.VllmEngine(hf.config, max_model_len=64, seed=0, sleeps=False)
+def test_a_checked_load_reports_what_the_worker_s_model_holds(fake_vllm, files):
+    engine = vg.VllmEngine(files, max_model_len=64, seed=0, sleeps=False)
     engine.llm.model.w = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
     weights = [("w", torch.tensor([1.0, 2.0, 3.0])), ("tied", torch.ones(1)), ("x", torch.ones(1))]
     held = engine.load_weights(weights, check=True, skip=frozenset({"tied"}))

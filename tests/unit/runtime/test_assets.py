@@ -68,6 +68,15 @@ def test_the_tokenizer_comes_from_an_alphabet_a_path_or_the_policy_s_model(tmp_p
         RayhfError, match=f"tokenizer.path: cannot load a tokenizer from {tmp_path}"
     ):
         prepare_tokenizer(missing, tmp_path, "actor")
+    model_dir = tmp_path / "model"  # a model's directory: its tokenizer beside its weights
+    tok.save_pretrained(model_dir)
+    (model_dir / "config.json").write_text("{}")
+    from_model = cfg.with_overrides({"tokenizer.alphabet": None, "tokenizer.path": str(model_dir)})
+    _, where = prepare_tokenizer(from_model, tmp_path / "run", "actor")
+    assert where == tmp_path / "run" / "tokenizer", "saved alone: workers copy it to checkpoints"
+    assert {f.name for f in where.iterdir()} == {f.name for f in model_dir.iterdir()} - {
+        "config.json"
+    }
 
 
 def test_datasets_and_models_that_cannot_be_had_are_named(tmp_path: Path):

@@ -11,9 +11,11 @@ import torch
 
 from rayhf.algorithms import InterfaceSettings
 from rayhf.algorithms.ppo import PPOConfig
+from rayhf.checks.common import tiny_model
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
+from rayhf.models.hf import model_files
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.messages import (
     CallNode,
@@ -35,7 +37,8 @@ CALL = CallSpec(
 SPEC = WorkerSpec(
     role="actor", layout_name="d0-1.dp2tp1pp1", rank=1, dp_size=2, tp_size=1, pp_size=1,
     n_mbs=1, calls=(CALL,), settings=InterfaceSettings(PPOConfig(), GenerationConfig()),
-    tokenizer_dir="/run/tokenizer", model_dir=None, config_dir="/run/init/actor",
+    tokenizer_dir="/run/tokenizer", special_ids={"pad_token_id": 0, "eos_token_id": 2},
+    model=model_files(tiny_model("llama", {"n_heads": 4}).config, False), model_dir=None,
     value_head=False, optimizer=OptimizerConfig(lr=1e-3), seed=1, threads=2,
 )  # fmt: skip
 TRANSFER = Transfer("w", 0, 0, 4, 0, 1, 0, 0, 64, cross=(0, 2))

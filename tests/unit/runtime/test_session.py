@@ -26,6 +26,11 @@ LAYOUTS = {"actor_gen": GEN, "rew_inf": ONE, "ref_inf": ONE, "critic_inf": TWO,
            "actor_train": HOME, "critic_train": TWO}  # fmt: skip
 
 
+class _Session(Session):
+    def _model_files(self, path: str, value_head: bool, role: str):  # no model on disk here
+        return SimpleNamespace(path=path, value_head=value_head)  # where the shape was read
+
+
 def _session(tmp_path: Path, resume: Path | None = None, *overrides: str) -> Session:
     cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml", list(overrides))
     init = tmp_path / "init"
@@ -33,9 +38,10 @@ def _session(tmp_path: Path, resume: Path | None = None, *overrides: str) -> Ses
         run_dir=tmp_path, graph=GRAPH, plan=Plan(LAYOUTS, "manual"), dataset=None,
         eval_dataset=None, tokenizer_dir=tmp_path / "tokenizer",
         model_dirs={"actor": init / "actor", "ref": init / "actor", "critic": init / "critic"},
-        specs={}, trainable={"actor", "critic"},
+        specs={}, special_ids={"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1},
+        trainable={"actor", "critic"},
     )  # type: ignore[arg-type]  # fmt: skip
-    return Session(cfg, assets, resume)
+    return _Session(cfg, assets, resume)
 
 
 def test_each_rank_s_spec_follows_the_plan(tmp_path: Path):
@@ -71,13 +77,17 @@ def test_where_each_role_s_first_weights_come_from(tmp_path: Path):
     init = tmp_path / "init"
     fresh = _session(tmp_path)
     actor = fresh._spec("actor", HOME, 0, threads=1)
-    assert (actor.model_dir, actor.config_dir) == (str((init / "actor").resolve()), None)
+    where = str((init / "actor").resolve())
+    assert (actor.model_dir, actor.model.path) == (where, where)
+    assert actor.special_ids == {"pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}
     ref = fresh._spec("ref", ONE, 0, threads=1)
-    assert (ref.model_dir, ref.config_dir) == (None, str((init / "actor").resolve())), (
-        "init_from: built from the config, the weights arrive by reallocation"
+    assert (ref.model_dir, ref.model.path) == (None, where), (
+        "init_from: the source's shape, the weights arrive by reallocation"
     )
+    critic = fresh._spec("critic", TWO, 0, threads=1)
+    assert critic.model.value_head and not ref.model.value_head
     reward = fresh._spec("reward", ONE, 0, threads=1)
-    assert (reward.model_dir, reward.config_dir) == (None, None)
+    assert (reward.model_dir, reward.model) == (None, None)
     assert reward.settings.function == "rayhf.tasks.demo:reward"
     assert actor.version == 0, "fresh weights come from no update"
     ckpt = tmp_path / "checkpoints" / "step_000004"
@@ -88,8 +98,9 @@ def test_where_each_role_s_first_weights_come_from(tmp_path: Path):
     assert actor.model_dir == str((ckpt / "actor").resolve())
     assert actor.version == 4, "a resume's weights come from the checkpoint step's update"
     assert resumed._spec("critic", TWO, 0, threads=1).model_dir == str((ckpt / "critic").resolve())
+    assert actor.model.path == actor.model_dir, "the shape read from the checkpoint"
     ref = resumed._spec("ref", ONE, 0, threads=1)
-    assert (ref.model_dir, ref.config_dir) == (str((init / "actor").resolve()), None)
+    assert (ref.model_dir, ref.model.path) == (where, where)
 
 
 def test_only_a_zero3_train_layout_holds_flat_slices(tmp_path: Path):

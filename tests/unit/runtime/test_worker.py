@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,15 @@ from rayhf.data.batch import PackedBatch
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.graph import load_graph
-from rayhf.models.hf import ModelInit, build_model, hf_config, save_model
+from rayhf.models.files import special_ids
+from rayhf.models.hf import (
+    ModelInit,
+    build_model,
+    hf_config,
+    model_files,
+    read_model_config,
+    save_model,
+)
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.plan import plan_realloc
 from rayhf.runtime.messages import CallNode, CallSpec, MoveNode, StepInput, WorkerSpec
@@ -32,10 +43,13 @@ ROLES = {  # role -> (value head, optimizer, reward function)
     "critic": (True, OptimizerConfig(), None),
     "reward": (False, None, "rayhf.tasks.demo:reward"),
 }
+TOK = build_tokenizer()  # the ids of the one saved under each test's tmp/tokenizer
 
 
 def _spec(role: str, tmp: Path) -> WorkerSpec:
     value_head, optimizer, function = ROLES[role]
+    where = tmp / ("critic" if value_head else "lm")
+    files = model_files(read_model_config(where, value_head, role), value_head)
     calls = tuple(
         CallSpec(c.name, c.kind, c.interface, dict(c.args), c.interface_inputs(),
                  c.interface_outputs(), EngineConfig.default(c.kind))
@@ -46,9 +60,9 @@ def _spec(role: str, tmp: Path) -> WorkerSpec:
         role=role, layout_name="d0.dp1tp1pp1", rank=0, dp_size=1, tp_size=1, pp_size=1,
         n_mbs=1, calls=calls,
         settings=InterfaceSettings(PPOConfig(), GenerationConfig(max_new_tokens=3), function),
-        tokenizer_dir=str(tmp / "tokenizer"),
-        model_dir=None if function else str(tmp / ("critic" if value_head else "lm")),
-        config_dir=None, value_head=value_head,
+        tokenizer_dir=str(tmp / "tokenizer"), special_ids=special_ids(TOK),
+        model=None if function else files,
+        model_dir=None if function else str(where), value_head=value_head,
         optimizer=optimizer, seed=1, threads=1,
     )  # fmt: skip
 
@@ -211,3 +225,31 @@ def test_shutting_down_removes_the_worker_s_shared_memory_segments(workers):
     assert len(owned) == 2, owned  # the marker and the segment
     worker.shutdown()
     assert not list(shm.SHM_DIR.glob(f"{shm.PREFIX}{segments.token}-*"))
+
+
+RANKS_WITHOUT_TRANSFORMERS = """
+import pickle, sys
+from rayhf.runtime.messages import CallNode
+from rayhf.runtime.worker import RoleWorker
+
+specs, step = pickle.load(open(sys.argv[1], "rb"))
+actor, critic = RoleWorker(specs[0]), RoleWorker(specs[1])
+for w in (actor, critic):
+    w.setup("tcp://127.0.0.1:1")
+gen = actor.dag_call(step, CallNode("actor_gen", ()))
+values = critic.dag_call(step, CallNode("critic_inf", ("actor_gen",)), gen)
+assert values.batch.keys() == ["values"], values
+assert "transformers" not in sys.modules, "a model rank imported transformers"
+"""
+
+
+def test_model_ranks_generate_and_score_without_importing_transformers(workers, step, tmp_path):
+    """transformers costs a worker process seconds of start-up: a rank reads what the driver
+    rendered (its ``ModelFiles``, the tokenizer's ids) and imports it only to use a tokenizer."""
+    specs = [_spec(role, tmp_path) for role in ("actor", "critic")]
+    (tmp_path / "in.pkl").write_bytes(pickle.dumps((specs, step)))
+    run = subprocess.run(
+        [sys.executable, "-c", RANKS_WITHOUT_TRANSFORMERS, str(tmp_path / "in.pkl")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]

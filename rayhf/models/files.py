@@ -1,0 +1,163 @@
+"""A model directory read and written without transformers.
+
+A role-group worker needs a model's shape, its weights and, to save, the JSON files Hugging Face
+writes beside them. Importing transformers' config, model and tokenizer classes costs a worker
+process about 2.5 s of start-up on 2 CPU cores (decision record 0088), so the driver, which has
+them loaded anyway, reads the config and renders those files once (``rayhf.models.hf.
+model_files``); a worker gets the result as a ``ModelFiles`` and reads and writes safetensors
+itself. A directory written here loads with ``AutoModelForCausalLM.from_pretrained`` (or
+``AutoModelForSequenceClassification`` for a value head) as one written by ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rayhf.models.sharding import param_shards
+from rayhf.models.spec import ModelSpec
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 50 * 2**30  # Hugging Face's default max_shard_size
+
+
+def quiet_transformers() -> None:
+    """No per-file progress bars or info logs from transformers (one run saves many models)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+SPECIAL = ("pad_token_id", "eos_token_id", "bos_token_id")
+
+
+def special_ids(tokenizer: Any) -> dict[str, int | None]:
+    """The ids a ``TokenizerDir`` knows without loading its tokenizer."""
+    return {k: getattr(tokenizer, k) for k in SPECIAL}
+
+
+class TokenizerDir:
+    """A directory the driver saved a tokenizer alone in, with the special ids it read: the ids
+    at once, ``save_pretrained`` as a copy of the files, everything else (encode, decode, chat
+    templates) from the tokenizer, loaded on first use. Most ranks only need the ids and the
+    copy, and loading the tokenizer imports transformers."""
+
+    def __init__(
+        self, path: str, pad_token_id: int | None, eos_token_id: int | None,
+        bos_token_id: int | None,
+    ) -> None:  # fmt: skip
+        self.path = path
+        self.pad_token_id, self.eos_token_id, self.bos_token_id = (
+            pad_token_id, eos_token_id, bos_token_id,
+        )  # fmt: skip
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(self.path).iterdir():
+            if f.is_file():
+                shutil.copyfile(f, out / f.name)
+
+    @functools.cached_property
+    def loaded(self) -> Any:
+        from transformers import AutoTokenizer
+
+        quiet_transformers()
+        return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+
+    def __getattr__(self, name: str) -> Any:  # what is not set above: the tokenizer's
+        if name.startswith("__") or name in ("path", "loaded"):  # unpickling: not yet set
+            raise AttributeError(name)
+        return getattr(self.loaded, name)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model's shape, the dtype its weights are saved in, and the JSON files (name, text)
+    written beside them, as Hugging Face's ``save_pretrained`` writes them."""
+
+    spec: ModelSpec
+    dtype: str = "float32"
+    texts: tuple[tuple[str, str], ...] = ()
+
+    def write_texts(self, out_dir: str | Path) -> None:
+        """The JSON files alone (a model's shape, for an engine that loads its weights later)."""
+        for name, text in self.texts:
+            (Path(out_dir) / name).write_text(text)
+
+
+def weight_files(path: str | Path) -> dict[str, Path]:
+    """Which safetensors file of a model directory holds each tensor (empty: none does)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if (p / INDEX).is_file():
+        return {k: p / f for k, f in json.loads((p / INDEX).read_text())["weight_map"].items()}
+    if (p / WEIGHTS).is_file():
+        with safe_open(p / WEIGHTS, framework="pt") as f:
+            return dict.fromkeys(f.keys(), p / WEIGHTS)
+    return {}
+
+
+def read_weights(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor] | None:
+    """The fp32 tensors of every parameter ``spec`` names, read from the directory's safetensors
+    files; None when the files do not hold them all (a critic from a causal LM's directory: no
+    ``score`` head; another naming; .bin weights): then the model must be built to be read."""
+    from safetensors import safe_open
+
+    where = weight_files(path)
+    names = [s.name for s in param_shards(spec)]
+    if not all(n in where for n in names):
+        return None
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted({where[n] for n in names}):
+        with safe_open(file, framework="pt") as f:
+            for n in names:
+                if where[n] == file:
+                    state[n] = f.get_tensor(n).float()
+    return state
+
+
+def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch.Tensor]) -> None:
+    """Write the whole model ``full`` (Hugging Face names) as ``save_pretrained`` would: the
+    weights in ``files.dtype`` without a tied head, one file up to 50 GiB, else shards with an
+    index; then the JSON files."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, files.dtype)
+    tied = "lm_head.weight" if files.spec.tied else None  # the embedding, saved once
+    state = {k: v.to(dtype).contiguous() for k, v in full.items() if k != tied}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    for stale in [*out.glob("model*.safetensors"), out / INDEX]:
+        stale.unlink(missing_ok=True)  # a previous save's shards
+    if len(shards) == 1:
+        save_file(shards[0], str(out / WEIGHTS), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    files.write_texts(out)

@@ -1,0 +1,94 @@
+"""A model directory read and written without transformers (``rayhf.models.files``): what a
+role-group worker writes is what Hugging Face's ``save_pretrained`` writes, and loads back."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rayhf.checks.parity import FAMILY_SHAPES, _model
+from rayhf.models import files
+from rayhf.models.files import TokenizerDir, read_weights, special_ids, write_model
+from rayhf.models.hf import model_files, read_model_config
+from rayhf.tasks.demo import build_tokenizer
+
+
+def _both(tmp_path: Path, hf, value_head: bool) -> tuple[Path, Path]:
+    """The model saved by Hugging Face from a config read back from disk, and by us."""
+    hf.save_pretrained(tmp_path / "src")
+    config = read_model_config(tmp_path / "src", value_head, "models.actor")
+    full = {k: v.detach().float() for k, v in hf.state_dict().items()}
+    cls = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
+    theirs = cls.from_config(config)
+    theirs.load_state_dict(full)
+    theirs.save_pretrained(tmp_path / "theirs")
+    write_model(tmp_path / "ours", model_files(config, value_head), full)
+    return tmp_path / "theirs", tmp_path / "ours"
+
+
+@pytest.mark.parametrize("value_head", [False, True])
+@pytest.mark.parametrize("case", sorted(FAMILY_SHAPES))
+def test_every_family_is_written_as_save_pretrained_writes_it(tmp_path, case, value_head):
+    theirs, ours = _both(tmp_path, _model(case, value_head), value_head)
+    names = sorted(p.name for p in ours.iterdir())
+    assert names == sorted(p.name for p in theirs.iterdir())
+    for name in names:
+        if name.endswith(".json"):
+            assert (ours / name).read_text() == (theirs / name).read_text(), name
+    a, b = load_file(theirs / files.WEIGHTS), load_file(ours / files.WEIGHTS)
+    assert a.keys() == b.keys()  # a tied head saved once, as the embedding
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+def test_weights_are_saved_in_the_config_s_dtype(tmp_path):
+    hf = _model("qwen2", False).to(torch.bfloat16)
+    hf.config.dtype = "bfloat16"
+    theirs, ours = _both(tmp_path, hf, False)
+    assert (ours / "config.json").read_text() == (theirs / "config.json").read_text()
+    saved = load_file(ours / files.WEIGHTS)
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+
+
+def test_a_model_past_the_shard_size_is_split_and_read_back(tmp_path, monkeypatch):
+    hf = _model("llama", False)
+    config, full = hf.config, {k: v.detach() for k, v in hf.state_dict().items()}
+    monkeypatch.setattr(files, "SHARD_BYTES", 40_000)
+    spec = model_files(config, False)
+    (tmp_path / files.WEIGHTS).write_text("a previous save's file")
+    write_model(tmp_path, spec, full)
+    shards = sorted(p.name for p in tmp_path.glob("model*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert (tmp_path / files.INDEX).is_file()
+    back = read_weights(tmp_path, spec.spec)
+    assert back is not None and all(torch.equal(back[k], full[k]) for k in back)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in full.items())
+
+
+def test_a_causal_lm_read_as_a_critic_has_no_score_head_to_read(tmp_path):
+    _model("llama", False).save_pretrained(tmp_path)
+    critic = model_files(read_model_config(tmp_path, True, "models.critic"), True).spec
+    assert read_weights(tmp_path, critic) is None  # the model is built to be read instead
+    assert read_weights(tmp_path / "missing", critic) is None
+
+
+def test_a_tokenizer_dir_knows_its_ids_and_loads_the_rest_on_first_use(tmp_path):
+    tok = build_tokenizer(tmp_path)
+    lazy = TokenizerDir(str(tmp_path), **special_ids(tok))
+    lazy = pickle.loads(pickle.dumps(lazy))  # it travels to the workers
+    assert (lazy.pad_token_id, lazy.eos_token_id, lazy.bos_token_id) == (
+        tok.pad_token_id, tok.eos_token_id, tok.bos_token_id,
+    )  # fmt: skip
+    lazy.save_pretrained(tmp_path / "checkpoint")  # a copy of the directory's files
+    for f in tmp_path.glob("*.json"):
+        assert (tmp_path / "checkpoint" / f.name).read_bytes() == f.read_bytes()
+    assert "loaded" not in vars(lazy), "the ids and a checkpoint's copy need no tokenizer"
+    ids = tok.encode("1 2 =", add_special_tokens=False)
+    assert lazy.decode(ids) == tok.decode(ids) and "loaded" in vars(lazy)
+    with pytest.raises(AttributeError):
+        lazy.no_such_method  # noqa: B018
