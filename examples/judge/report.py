@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from rayhf.metrics.rise import rise
 from rayhf.metrics.tracker import read_metrics
 from rayhf.runtime.checkpoint import latest_checkpoint
 
@@ -96,16 +97,6 @@ def judge_figures(path: Path, policy: Path, n: int = 512) -> None:
         print(f"| {name} | {judged:.3f} | {taught:.3f} | {true_mean:.3f} |")
 
 
-def rise(values: list[float], k: int = WINDOW) -> str:
-    first, last = values[:k], values[-k:]
-    se = (statistics.variance(first) / k + statistics.variance(last) / k) ** 0.5
-    gain = statistics.mean(last) - statistics.mean(first)
-    return (
-        f"{statistics.mean(first):.3f} -> {statistics.mean(last):.3f} "
-        f"({gain:+.3f}, {gain / se:.1f} standard errors)"
-    )
-
-
 def main(root: Path) -> None:
     sft = read_metrics(root / "sft")
     nll = [m["eval/nll"] for m in sft if "eval/nll" in m]
@@ -115,8 +106,9 @@ def main(root: Path) -> None:
     true = [m["batch/task_scores"] for m in grpo if "batch/task_scores" in m]
     judged = [m["task_reward"] for m in grpo if "task_reward" in m]
     missed = [m["batch/verdict_unparsable"] for m in grpo if "batch/verdict_unparsable" in m]
-    print(f"GRPO true task reward, first / last {WINDOW} of {len(true)} steps: {rise(true)}")
-    print(f"GRPO judge's reward, same steps: {rise(judged)}")
+    steps = f"first / last {WINDOW} of {len(true)} steps"
+    print(f"GRPO true task reward, {steps}: {rise(true, WINDOW)}")
+    print(f"GRPO judge's reward, same steps: {rise(judged, WINDOW)}")
     print(f"unparsable verdicts: {statistics.mean(missed):.4f} of all, {max(missed):.4f} at most")
 
 

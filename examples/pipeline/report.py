@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from rayhf.metrics.rise import rise
 from rayhf.metrics.tracker import read_metrics
 from rayhf.runtime.checkpoint import latest_checkpoint
 
@@ -47,14 +48,10 @@ def main(root: Path) -> None:
     )
     true = [m["batch/task_scores"] for m in ppo if "batch/task_scores" in m]
     learned = [m["task_reward"] for m in ppo if "task_reward" in m]
-    k = WINDOW
-    first, last = true[:k], true[-k:]
-    se = (statistics.variance(first) / k + statistics.variance(last) / k) ** 0.5
-    gain = statistics.mean(last) - statistics.mean(first)
+    k, up = WINDOW, rise(true, WINDOW)
     print(
         f"PPO true task score (mean of first / last {k} of {len(true)} steps): "
-        f"{statistics.mean(first):.3f} -> {statistics.mean(last):.3f} "
-        f"(gain {gain:+.3f}, {gain / se:.1f} standard errors)"
+        f"{up.first:.3f} -> {up.last:.3f} (gain {up.gain:+.3f}, {up.in_se:.1f} standard errors)"
     )
     print(
         f"PPO learned reward (same steps): {statistics.mean(learned[:k]):.3f} -> "

@@ -3,7 +3,6 @@ temporary directory on the session's cluster, and how far a reward rose."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from conftest import REPO
 
 import rayhf
+from rayhf.metrics.rise import rise
 from rayhf.runtime.train_stage import run_train_stage
 from rayhf.runtime.trainer import run
 
@@ -44,11 +44,5 @@ def sft_then_rl(
 def gain(rewards: list[float], n: int = 10) -> tuple[float, float, str]:
     """The mean of the last ``n`` minus that of the first ``n``, its standard error, and both
     means and the gain in standard errors as text for an assertion's message."""
-    first, last = rewards[:n], rewards[-n:]
-    se = (statistics.variance(first) / n + statistics.variance(last) / n) ** 0.5
-    diff = statistics.mean(last) - statistics.mean(first)
-    return (
-        diff,
-        se,
-        f"{statistics.mean(first):.3f} -> {statistics.mean(last):.3f}: {diff / se:.1f} SE",
-    )
+    up = rise(rewards, n)
+    return up.gain, up.se, f"{up.first:.3f} -> {up.last:.3f}: {up.in_se:.1f} SE"
