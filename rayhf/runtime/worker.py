@@ -28,7 +28,7 @@ from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import step_to
-from rayhf.models.files import TokenizerDir, read_weights
+from rayhf.models.files import TokenizerDir, quiet_transformers, read_weights
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
 from rayhf.realloc.plan import Transfer
@@ -60,9 +60,10 @@ def _first_weights(spec: WorkerSpec) -> dict[str, torch.Tensor] | None:
         return None
     state = read_weights(spec.model_dir, spec.model.spec)
     if state is None:  # not all in safetensors under their names: the model is built to be read
-        from rayhf.models.hf import load_weights
+        from rayhf.models.hf import load_model
 
-        state = load_weights(spec.model_dir, spec.value_head, f"models.{spec.role}")[1]
+        quiet_transformers()  # no per-file progress bars in the worker's log, as before
+        state = load_model(spec.model_dir, spec.value_head, f"models.{spec.role}").state_dict()
     return state
 
 
