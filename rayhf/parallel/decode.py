@@ -500,9 +500,11 @@ def packable() -> bool:
         return False
 
 
-# Weights with fewer elements multiply as fast or faster unpacked: at 16-64 rows, packed 1408x512
-# took 0.45-0.8x F.linear's time, 512x512 0.6-0.9x, 384x384 and 256x256 1.0-1.7x (2 threads).
-PACK_MIN_ELEMENTS = 1 << 18
+# Smaller weights stay unpacked: a packed call costs ~15 us more at one row (a 24-row LM head
+# gains nothing). Inside a step, where each layer's weights come from L3, packing 256x256 to
+# 768x256 took the tiny model's step from 3.5 to 3.0 ms at 16 rows and 8.0 to 7.0 at 64 (decision
+# record 0075; in a hot loop alone they looked no faster).
+PACK_MIN_ELEMENTS = 1 << 16
 
 
 def _lent(model: ShardedModel, low: torch.dtype | None, pack: bool) -> dict[str, torch.Tensor]:
