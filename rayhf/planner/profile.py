@@ -43,9 +43,9 @@ GPU_GEN_GRID = [(8, 64, 32), (32, 64, 32), (64, 64, 32), (8, 64, 128), (32, 64, 
                 (64, 64, 128), (32, 32, 32), (32, 256, 32)]  # fmt: skip
 Timing = tuple[int, tuple[int, ...], float]  # (model depth, grid point, seconds)
 # What the engine's timings mean: bumped when its execution changes (2: the static decode
-# step of rayhf.parallel.decode; 3: train steps score through the sliced LM head), so profiles
-# cached before are measured again.
-ENGINE_REVISION = 3
+# step of rayhf.parallel.decode; 3: train steps score through the sliced LM head; 4: CPU decode
+# steps multiply packed weights from 2^16 elements), so profiles cached before are measured again.
+ENGINE_REVISION = 4
 
 
 @dataclasses.dataclass(frozen=True)
