@@ -7,7 +7,6 @@ forward, train step and generation over the planner's grids (fastest of ``REPEAT
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import time
@@ -113,9 +112,13 @@ def _profiles_on_gpu(configs: dict[str, tuple[Any, bool]]):
 
 
 def _with_depth(config: Any, depth: int) -> Any:
-    out = copy.deepcopy(config)
-    setattr(out, "n_layer" if out.model_type == "gpt2" else "num_hidden_layers", depth)
-    return out
+    """``config`` with ``depth`` layers; a per-layer list (``layer_types``: Qwen2's, Gemma's)
+    keeps its first ``depth`` entries, as Hugging Face checks the two agree."""
+    fields = config.to_dict()
+    fields["n_layer" if config.model_type == "gpt2" else "num_hidden_layers"] = depth
+    if fields.get("layer_types") is not None:
+        fields["layer_types"] = fields["layer_types"][:depth]
+    return type(config).from_dict(fields)
 
 
 def _engine(config: Any, value_head: bool, device: str = "cpu") -> CallEngine:

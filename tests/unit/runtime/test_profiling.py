@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 from transformers import LlamaConfig
 
 from rayhf.graph import load_graph
+from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import plan_for_run, workloads
@@ -16,7 +18,7 @@ from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.hardware import cpu_cluster
 from rayhf.planner.plan import colocated_plan
 from rayhf.planner.profile import ProfiledCost
-from rayhf.runtime.profiling import profile_model, profiles_for
+from rayhf.runtime.profiling import _engine, _with_depth, profile_model, profiles_for
 
 REPO = Path(__file__).resolve().parents[3]
 GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
@@ -49,6 +51,22 @@ def test_profile_is_measured_fitted_and_cached(tmp_path):
         )
     files[0].write_text(files[0].read_text().replace(prof.key, "from-the-cache"))
     assert profile_model(config, False, threads=1, cache=tmp_path).key == "from-the-cache"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "gpt2"])
+def test_a_shape_is_profiled_at_one_and_two_layers_whatever_its_per_layer_lists(family):
+    """Qwen2's and Gemma's configs carry a per-layer list (``layer_types``) that Hugging Face
+    checks against the depth when it saves them; the profiled depths cut it (an engine of a
+    Qwen2 shape at one layer failed to build on a cold profile cache)."""
+    heads = {} if family == "gpt2" else {"n_kv_heads": 2}
+    config = hf_config(ModelInit(family=family, hidden_size=64, n_layers=4, n_heads=4, **heads),
+                       26, 0, 1, 2)  # fmt: skip
+    for depth in (1, 2):
+        engine = _engine(_with_depth(config, depth), value_head=False)
+        spec = engine.model.spec
+        assert spec == dataclasses.replace(
+            model_spec(config, False), n_layers=depth, window_layers=spec.window_layers
+        )
 
 
 def test_auto_plan_on_two_cpu_devices_is_valid_and_reproducible(tmp_path, monkeypatch):
