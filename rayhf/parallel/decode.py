@@ -501,9 +501,8 @@ def packable() -> bool:
 
 
 # Smaller weights stay unpacked: a packed call costs ~15 us more at one row (a 24-row LM head
-# gains nothing). Inside a step, where each layer's weights come from L3, packing 256x256 to
-# 768x256 took the tiny model's step from 3.5 to 3.0 ms at 16 rows and 8.0 to 7.0 at 64 (decision
-# record 0075; in a hot loop alone they looked no faster).
+# gains nothing). Packing the tiny model's 256x256 to 768x256 weights too gains 1-2% of a call's
+# tokens/s (both bounds in one process, interleaved; decision record 0075).
 PACK_MIN_ELEMENTS = 1 << 16
 
 
