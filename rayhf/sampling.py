@@ -14,6 +14,10 @@ top-k/top-p.
 The reported log-prob of a token is ``log_softmax(logits / temperature)`` before the min-length
 EOS mask and before top-k/top-p filtering, so a trainer that recomputes log-probs from one full
 forward at the same temperature gets the same numbers. Greedy decoding reports temperature 1.
+With ``raw_logprobs`` (the policy server's choice, as vLLM's default ``logprobs_mode``) it is
+``log_softmax(logits)``, before the temperature too, and ``top_logprobs`` (k > 0, computed by
+``top_logprobs`` before ``choose``) asks a step for the k most likely tokens of that raw
+distribution at each position as well.
 
 ``generate`` below samples from a whole Hugging Face model with its own KV cache, one host sync
 a step: the reference the engines are checked against, and what demo tasks use.
@@ -66,6 +70,10 @@ class GenerateOutput:
     tokens: list[list[int]] = field(default_factory=list)  # response tokens, EOS included
     logprobs: list[list[float]] = field(default_factory=list)  # one per response token
     finished: list[bool] = field(default_factory=list)  # True if the row ended with EOS
+    # with ``DecodeRules.top_logprobs`` k > 0 (else empty): per response token the k most likely
+    # tokens and their raw log-probs, most likely first
+    top_ids: list[list[list[int]]] = field(default_factory=list)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
 
 
 class Feed(Protocol):
@@ -98,6 +106,8 @@ class DecodeRules:
     max_new_tokens: int
     eos: int
     pad: int
+    raw_logprobs: bool = False  # report log_softmax(logits), before the temperature
+    top_logprobs: int = 0  # also record the k most likely tokens per position (raw log-probs)
 
     @staticmethod
     def of(cfg: GenerationConfig, eos_token_id: int, pad_token_id: int) -> DecodeRules:
@@ -156,6 +166,8 @@ def choose(logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor) -> tupl
     uniforms, ``steps [rows]`` the index of the token being chosen in each response (for the
     min-length EOS mask). Fixed shapes, no host sync. ``logits`` is consumed: divided by the
     temperature and EOS-masked in place (each pass over the vocabulary counts at every token)."""
+    raw = rules.raw_logprobs and rules.temperature != 1.0
+    raw_lse = logits.logsumexp(-1) if raw else None  # before the temperature divides in place
     scaled = logits if rules.temperature == 1.0 else logits.div_(rules.temperature)
     early = eos_logit = None
     if rules.min_new_tokens:
@@ -169,7 +181,18 @@ def choose(logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor) -> tupl
         lse = torch.where(early, torch.logaddexp(lse, eos_logit), lse)
     tokens = best.squeeze(1) if rules.greedy else _inverse_cdf(scaled, weights, rules, u)
     # a chosen token is never a masked EOS, so its logit here is the unmasked one
-    return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - lse
+    picked = scaled.gather(1, tokens[:, None]).squeeze(1)
+    if raw_lse is not None:
+        return tokens, picked * rules.temperature - raw_lse
+    return tokens, picked - lse
+
+
+def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely tokens ``[rows, k]`` of raw ``logits [rows, vocab]`` (before
+    ``choose`` consumes them) and their log-probs under ``log_softmax(logits)``, most likely
+    first. Fixed shapes, no host sync."""
+    values, ids = logits.topk(k, dim=-1)
+    return ids, values - logits.logsumexp(-1, keepdim=True)
 
 
 def _inverse_cdf(logits: Tensor, weights: Tensor, rules: DecodeRules, u: Tensor) -> Tensor:

@@ -8,6 +8,7 @@
       --> one look at which rows ended: their outputs are kept, freed slots take waiting
           prompts (refill) or the live rows move down into a smaller bucket (compact)
       --> ... until every prompt has ended -> per-prompt tokens and log-probs up to EOS
+          (and, with ``rules.top_logprobs`` k > 0, the k most likely tokens at each position)
 
 A slot's row is sampled with the uniforms of its prompt (``rayhf.sampling.uniforms``), so what a
 prompt gets does not depend on its slot, its neighbours or when it was refilled. Rows that have
@@ -33,6 +34,7 @@ import torch
 from rayhf.errors import RayhfError
 from rayhf.parallel.attention import KVCache, TokenLayout
 from rayhf.parallel.buckets import CHECK_EVERY, cache_capacity, key_bucket, row_bucket
+from rayhf.parallel.lent import lent_weights, packable, refresh_lent
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.pipeline import Pipeline
 from rayhf.sampling import (
@@ -43,6 +45,7 @@ from rayhf.sampling import (
     check_prompts,
     choose,
     cut_row,
+    top_logprobs,
     uniforms,
 )
 
@@ -60,10 +63,13 @@ class DecodeOptions:
 
 
 class Slots:
-    """Per-slot decode state on the device: ``n`` slots of up to ``max_new`` tokens each."""
+    """Per-slot decode state on the device: ``n`` slots of up to ``max_new`` tokens each, with
+    ``k`` top log-probs per token (``DecodeRules.top_logprobs``; 0: none, empty tensors)."""
 
-    def __init__(self, n: int, max_new: int, hidden: int, dtype: torch.dtype, device) -> None:
-        self.n, self.max_new = n, max_new
+    def __init__(
+        self, n: int, max_new: int, hidden: int, dtype: torch.dtype, device, k: int = 0
+    ) -> None:
+        self.n, self.max_new, self.k = n, max_new, k
         long = {"dtype": torch.long, "device": device}
         self.tokens = torch.zeros(n, **long)  # the token each slot feeds next
         self.positions = torch.zeros(n, **long)  # where that token sits in its row
@@ -74,11 +80,15 @@ class Slots:
         self.out_logprobs = torch.zeros(n, max_new + 1, device=device)
         self.chosen = torch.zeros(n, **long)  # pp > 1: the last stage's choice, broadcast
         self.chosen_logprobs = torch.zeros(n, device=device)
+        self.out_top_ids = torch.zeros(n, max_new + 1, k, **long)
+        self.out_top_logprobs = torch.zeros(n, max_new + 1, k, device=device)
+        self.chosen_top_ids = torch.zeros(n, k, **long)  # pp > 1, as ``chosen``
+        self.chosen_top_logprobs = torch.zeros(n, k, device=device)
         self.hidden_in = torch.zeros(n, hidden, dtype=dtype, device=device)  # pp > 1
         self.hidden_out = torch.zeros(n, hidden, dtype=dtype, device=device)
 
-    def fits(self, n: int, max_new: int) -> bool:
-        return n <= self.n and max_new <= self.max_new
+    def fits(self, n: int, max_new: int, k: int) -> bool:
+        return n <= self.n and max_new <= self.max_new and k == self.k
 
     def draws(self, b: int) -> torch.Tensor:
         """Each of the first ``b`` slots' uniform for the token it chooses next."""
@@ -88,7 +98,8 @@ class Slots:
     def mutable(self) -> list[torch.Tensor]:
         """What a step writes (saved around a warm-up run before a capture)."""
         return [self.tokens, self.positions, self.steps, self.live, self.out_tokens,
-                self.out_logprobs, self.chosen, self.chosen_logprobs]  # fmt: skip
+                self.out_logprobs, self.chosen, self.chosen_logprobs, self.out_top_ids,
+                self.out_top_logprobs, self.chosen_top_ids, self.chosen_top_logprobs]  # fmt: skip
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Slots ``dst`` take the state of slots ``src``."""
@@ -96,7 +107,17 @@ class Slots:
             t[dst] = t[src]
 
 
-def advance(slots: Slots, rules: DecodeRules, b: int, new: torch.Tensor, lp: torch.Tensor):
+Top = tuple[torch.Tensor, torch.Tensor]  # ``top_logprobs``: ids and log-probs, [rows, k] each
+
+
+def advance(
+    slots: Slots,
+    rules: DecodeRules,
+    b: int,
+    new: torch.Tensor,
+    lp: torch.Tensor,
+    top: Top | None = None,
+):
     """Record the first ``b`` slots' chosen tokens: live rows write their step's column and move
     on; ended rows write pad to the spare column and stay."""
     live, steps = slots.live[:b], slots.steps[:b]
@@ -105,6 +126,8 @@ def advance(slots: Slots, rules: DecodeRules, b: int, new: torch.Tensor, lp: tor
     col = torch.where(live, steps, slots.max_new)
     slots.out_tokens[rows, col] = new
     slots.out_logprobs[rows, col] = lp
+    if top is not None:
+        slots.out_top_ids[rows, col], slots.out_top_logprobs[rows, col] = top
     still = live & (new != rules.eos) & (steps + 1 < rules.max_new_tokens)
     grew = live.long()
     slots.tokens[:b] = new
@@ -120,8 +143,9 @@ def decode_step(
     the first ``n_keys`` key slots: forward, choose, advance."""
     where = TokenLayout.decode_step(slots.positions[:b], n_keys, cache)
     logits = model(slots.tokens[:b], where, cache)
+    top = top_logprobs(logits, rules.top_logprobs) if rules.top_logprobs else None
     new, lp = choose(logits, rules, slots.draws(b), slots.steps[:b])
-    advance(slots, rules, b, new, lp)
+    advance(slots, rules, b, new, lp, top)
 
 
 def stage_step(
@@ -135,6 +159,9 @@ def stage_step(
     if not model.groups.is_last_stage:
         slots.hidden_out[:b] = out
         return
+    if rules.top_logprobs:
+        ids, lps = top_logprobs(out, rules.top_logprobs)
+        slots.chosen_top_ids[:b], slots.chosen_top_logprobs[:b] = ids, lps
     new, lp = choose(out, rules, slots.draws(b), slots.steps[:b])
     slots.chosen[:b] = new
     slots.chosen_logprobs[:b] = lp
@@ -142,7 +169,8 @@ def stage_step(
 
 def advance_chosen(slots: Slots, rules: DecodeRules, b: int) -> None:
     """``advance`` with the broadcast choice (pp > 1)."""
-    advance(slots, rules, b, slots.chosen[:b], slots.chosen_logprobs[:b])
+    top = (slots.chosen_top_ids[:b], slots.chosen_top_logprobs[:b]) if rules.top_logprobs else None
+    advance(slots, rules, b, slots.chosen[:b], slots.chosen_logprobs[:b], top)
 
 
 @dataclass
@@ -163,6 +191,7 @@ class _Call:
     rules: DecodeRules
     seed: int
     feed: Feed | None
+    tops: dict[int, tuple[list[list[int]], list[list[float]]]]  # prompt -> its top log-probs
 
 
 class DecodeEngine:
@@ -197,15 +226,15 @@ class DecodeEngine:
 
     # buffers -----------------------------------------------------------------------------
 
-    def _ensure(self, n_rows: int, capacity: int, max_new: int) -> None:
+    def _ensure(self, n_rows: int, capacity: int, max_new: int, k: int) -> None:
         m = self.model
         if self.cache is None or not self.cache.fits(n_rows, capacity):
             self.release()
             self.cache = m.new_cache(n_rows, capacity)
-        if self.slots is None or not self.slots.fits(self.cache.n_rows, max_new):
+        if self.slots is None or not self.slots.fits(self.cache.n_rows, max_new, k):
             self._forget_graphs()
-            dtype = m.numerics.storage
-            self.slots = Slots(self.cache.n_rows, max_new, m.spec.hidden_size, dtype, m.device)
+            dtype, hidden = m.numerics.storage, m.spec.hidden_size
+            self.slots = Slots(self.cache.n_rows, max_new, hidden, dtype, m.device, k)
 
     def _lend_weights(self) -> None:
         """The copies of the matmul weights the step multiplies, kept between calls and made
@@ -224,9 +253,9 @@ class DecodeEngine:
             return
         with torch.no_grad():
             if self.lent is not None and not pack:  # in place: a captured graph reads them
-                _refresh(self.lent, m)
+                refresh_lent(self.lent, m)
             else:
-                self.lent = _lent(m, low, pack)
+                self.lent = lent_weights(m, low, pack)
                 self._forget_graphs()
         self.lent_of = fingerprint
 
@@ -264,7 +293,7 @@ class DecodeEngine:
         )
         n_slots = self._bucket(min(rows_wanted, self.options.max_rows))
         capacity = cache_capacity(longest, m, self._bucketed)
-        self._ensure(n_slots, capacity, m)
+        self._ensure(n_slots, capacity, m, rules.top_logprobs)
         assert self.slots is not None and self.cache is not None
         self.slots.live.zero_()  # slots a previous call left are empty
         pointers = tuple(p.data_ptr() for p in self.model.parameters())
@@ -275,7 +304,7 @@ class DecodeEngine:
         results: list[tuple[list[int], list[float], bool] | None] = [None] * n
         waiting = deque(range(n))
         rows: list[_Row | None] = [None] * n_slots
-        call = _Call(prompts, results, rules, seed, feed)
+        call = _Call(prompts, results, rules, seed, feed, {})
         with torch.inference_mode(), self.model.lend(self.lent):
             self._fill(rows, waiting, call)
             while any(r is not None for r in rows):
@@ -295,11 +324,14 @@ class DecodeEngine:
                 elif self.options.compact:
                     self._compact(rows)
         out = GenerateOutput()
-        for r in results:
+        for i, r in enumerate(results):
             assert r is not None
             out.tokens.append(r[0])
             out.logprobs.append(r[1])
             out.finished.append(r[2])
+            if rules.top_logprobs:
+                out.top_ids.append(call.tops[i][0])
+                out.top_logprobs.append(call.tops[i][1])
         return out
 
     def _bucket(self, n_rows: int) -> int:
@@ -355,13 +387,19 @@ class DecodeEngine:
         slots.positions[idx] = lengths
         new = torch.zeros(len(taken), dtype=torch.long, device=device)
         lp = torch.zeros(len(taken), device=device)
+        top = (slots.chosen_top_ids[: len(taken)], slots.chosen_top_logprobs[: len(taken)])
         if logits is not None:
             per_slot = logits[torch.tensor(source, device=device)]
+            if rules.top_logprobs:
+                top = top_logprobs(per_slot, rules.top_logprobs)
             new, lp = choose(per_slot, rules, slots.u[idx, 0], slots.steps[idx])
         new, lp = self.pipe.broadcast(new), self.pipe.broadcast(lp)
         # the prefill's choice is each row's step 0; ``advance`` over the taken slots only
         slots.out_tokens[idx, 0] = new
         slots.out_logprobs[idx, 0] = lp
+        if rules.top_logprobs:
+            slots.out_top_ids[idx, 0] = self.pipe.broadcast(top[0].contiguous())
+            slots.out_top_logprobs[idx, 0] = self.pipe.broadcast(top[1].contiguous())
         slots.tokens[idx] = new
         slots.steps[idx] = 1
         slots.live[idx] = (new != rules.eos) & (rules.max_new_tokens > 1)
@@ -389,10 +427,15 @@ class DecodeEngine:
         m = call.rules.max_new_tokens
         tokens = self.slots.out_tokens[idx, :m].tolist()
         logprobs = self.slots.out_logprobs[idx, :m].tolist()
-        for i, t, lp in zip(ended, tokens, logprobs, strict=True):
+        k = call.rules.top_logprobs
+        top_ids = self.slots.out_top_ids[idx, :m].tolist() if k else [[]] * len(ended)
+        top_lps = self.slots.out_top_logprobs[idx, :m].tolist() if k else [[]] * len(ended)
+        for i, t, lp, ti, tl in zip(ended, tokens, logprobs, top_ids, top_lps, strict=True):
             row = rows[i]
             assert row is not None
             cut = call.results[row.prompt] = cut_row(t, lp, call.rules.eos)
+            if k:
+                call.tops[row.prompt] = (ti[: len(cut[0])], tl[: len(cut[0])])
             if call.feed is not None:
                 call.feed.ended(row.prompt, *cut)
             rows[i] = None
@@ -435,6 +478,9 @@ class DecodeEngine:
             pipe.send_hidden(slots.hidden_out[:b])
         slots.chosen[:b] = pipe.broadcast(slots.chosen[:b].contiguous())
         slots.chosen_logprobs[:b] = pipe.broadcast(slots.chosen_logprobs[:b].contiguous())
+        if rules.top_logprobs:
+            for t in (slots.chosen_top_ids, slots.chosen_top_logprobs):
+                t[:b] = pipe.broadcast(t[:b].contiguous())
         self._run(("advance", b, 0, rules), lambda: self._advance(slots, rules, b))
 
     def _run(self, key: tuple, fn: Callable[[], None]) -> None:
@@ -484,65 +530,6 @@ def _allow_recompiles() -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-
-
-@functools.cache
-def packable() -> bool:
-    """Whether this torch packs linear weights for oneDNN (an op inductor uses on CPUs)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(4, 4)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), packed, None, "none", [], "")
-        return bool(torch.equal(out, torch.full((2, 4), 4.0)))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# Smaller weights stay unpacked: a packed call costs ~15 us more at one row (a 24-row LM head
-# gains nothing). Packing the tiny model's 256x256 to 768x256 weights too gains 1-2% of a call's
-# tokens/s (both bounds in one process, interleaved; decision record 0075).
-PACK_MIN_ELEMENTS = 1 << 16
-
-
-def _lent(model: ShardedModel, low: torch.dtype | None, pack: bool) -> dict[str, torch.Tensor]:
-    """What the engine lends ``model`` (``ShardedModel.lendable``): each group's weights as
-    one ``[out, in]`` matrix, with its biases joined under ``{key}.bias``; cast to ``low``, or
-    (``pack``) oneDNN-packed where large enough, else fp32 (a single weight: itself)."""
-    lent: dict[str, torch.Tensor] = {}
-    for key, names in model.lendable().items():
-        if len(names) == 1:
-            weight = model.w(names[0]) if low is None else model.w(names[0]).to(low).contiguous()
-        else:
-            weight = torch.cat([model.w(n) for n in names])
-            weight = weight if low is None else weight.to(low)
-            biases = [_bias(model, n) for n in names]
-            if biases[0] is not None:
-                lent[f"{key}.bias"] = torch.cat(biases)  # type: ignore[arg-type]
-        if pack and weight.numel() >= PACK_MIN_ELEMENTS:
-            out_in = weight if len(names) > 1 else model.out_in(names[0])
-            weight = torch.ops.mkldnn._reorder_linear_weight(out_in.contiguous(), None)
-        lent[key] = weight
-    return lent
-
-
-def _bias(model: ShardedModel, weight: str) -> torch.Tensor | None:
-    """The bias beside matmul weight ``weight`` (``...proj.weight`` -> ``...proj.bias``)."""
-    return model.b(weight.removesuffix(".weight") + ".bias")
-
-
-def _refresh(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
-    """Copy ``model``'s weights into the cast copies of ``_lent``, in place."""
-    for key, names in model.lendable().items():
-        row = 0
-        for name in names:
-            weight = model.w(name)
-            lent[key][row : row + weight.shape[0]].copy_(weight)
-            bias = _bias(model, name)
-            if f"{key}.bias" in lent and bias is not None:
-                lent[f"{key}.bias"][row : row + weight.shape[0]].copy_(bias)
-            row += weight.shape[0]
 
 
 @dataclass(frozen=True)

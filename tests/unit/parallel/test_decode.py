@@ -222,11 +222,11 @@ def test_on_cpus_the_step_multiplies_packed_copies_made_again_when_weights_chang
 ):
     """oneDNN-packed copies of the fp32 matmul weights: the same tokens as the weights
     themselves (log-probs to rounding), and new copies after an update in place."""
-    from rayhf.parallel import decode
+    from rayhf.parallel import lent
 
-    monkeypatch.setattr(decode, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
+    monkeypatch.setattr(lent, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights too
     _, pipe = models
-    if not decode.packable():
+    if not lent.packable():
         pytest.skip("this torch has no oneDNN linear packing")
     rules = DecodeRules.of(SAMPLED, EOS, PAD)
     packed, plain = DecodeEngine(pipe), DecodeEngine(pipe, DecodeOptions(pack=False))
@@ -244,3 +244,34 @@ def test_on_cpus_the_step_multiplies_packed_copies_made_again_when_weights_chang
     finally:
         with torch.no_grad():
             pipe.model.w(name).mul_(2.0)
+
+
+def test_raw_and_top_log_probs_ride_in_the_whole_step(llama):
+    """Asked for (the policy server does), the step reports each token's raw log-prob (before
+    the temperature) and the k likeliest tokens at each position: the same tokens, a full
+    forward's numbers, and still one graph per bucket with fullgraph=True."""
+    import dataclasses
+
+    hf, pipe = llama
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    asked = dataclasses.replace(rules, raw_logprobs=True, top_logprobs=3)
+    counter = CompileCounter()
+    options = DecodeOptions(compile=True, compact=False)
+    engine = DecodeEngine(
+        pipe, options, compiler=lambda f: torch.compile(f, fullgraph=True, backend=counter)
+    )
+    out = engine.generate(MIXED, asked, 4)
+    assert out.tokens == DecodeEngine(pipe).generate(MIXED, rules, 4).tokens
+    assert 0 < counter.frame_count <= len(engine.buckets)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for prompt, tokens, lps, ids, tops in zip(
+        MIXED, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, strict=True
+    ):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        full = logits.float().log_softmax(-1)
+        want = full.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(lps), want, atol=1e-4, rtol=0)
+        values, best = full.topk(3, dim=-1)
+        assert ids == best.tolist()
+        torch.testing.assert_close(torch.tensor(tops), values, atol=1e-4, rtol=0)
