@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rayhf.envs.sandbox import SandboxLimits, run_python
+from rayhf.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python
 from rayhf.errors import RayhfError
 
 CallStyle = Literal["hermes", "llama3"]
@@ -58,6 +58,7 @@ class Tool:
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments, an object
     fn: Callable[..., str]
+    sandboxed: bool = False  # runs the model's code: a run that offers it checks the sandbox
 
     def __post_init__(self) -> None:
         import jsonschema  # here: its import is a fifth of a second every process would pay
@@ -113,6 +114,8 @@ class ToolRegistry:
             return ToolResult(call.name, f"error: bad arguments: {e.message}", error=True)
         try:
             return ToolResult(call.name, str(tool.fn(**call.arguments)))
+        except SandboxUnavailable:  # fail closed: the run stops, the program does not run
+            raise
         except Exception as e:  # the tool's failure is the model's observation, not the run's
             return ToolResult(call.name, f"error: {type(e).__name__}: {e}", error=True)
 
@@ -213,8 +216,8 @@ def run_code(code: str, limits: SandboxLimits | None = None) -> str:
 
 CODE_RUNNER = Tool(
     "python",
-    "Run a Python program in a sandbox (no network, limited time and memory); returns its exit "
-    "code, stdout and stderr.",
+    "Run a Python program (standard library only) in a sandbox: its own empty directory, no "
+    "network, limited time and memory; returns its exit code, stdout and stderr.",
     {
         "type": "object",
         "properties": {"code": {"type": "string", "description": "the program's source"}},
@@ -222,4 +225,5 @@ CODE_RUNNER = Tool(
         "additionalProperties": False,
     },
     run_code,
+    sandboxed=True,
 )
