@@ -1,5 +1,6 @@
-"""Multi-turn rollouts: trajectories that advance on their own against a turn-synchronous loop,
-with environment latency drawn from a heavy-tailed distribution.
+"""Multi-turn rollouts: trajectories that advance on their own (joined by arrival, or in
+reproducible rounds) against a turn-synchronous loop, with environment latency drawn from a
+heavy-tailed distribution.
 
     python benchmarks/multiturn.py [--calls 32x3 64x4 128x4] [--rounds 5] [--no-write]
 
@@ -9,8 +10,11 @@ turn) and the same environments: each model turn is answered after a latency dra
 are quick, a few are 20x slower, like tools and sandboxes), then a tool message, until the last
 turn ends the trajectory.
 
-- rayhf: ``rayhf.envs.env.rollouts`` over an ``ArrivalBatcher``: every trajectory steps its
-  environment as soon as its turn is sampled, and a decode batch takes whatever turns wait.
+- arrival (``env.joining: arrival``): ``rayhf.envs.env.rollouts`` over an ``ArrivalBatcher``:
+  every trajectory steps its environment as soon as its turn is sampled, and a decode batch
+  takes whatever turns wait.
+- rounds (``env.joining: rounds``, the default): ``rollouts`` over a ``RoundBatcher``: a decode
+  batch of every live trajectory's next turn once all have asked, in trajectory order.
 - turn-synchronous: each turn, one decode batch of every trajectory's prompt, then every
   environment step; the next turn starts when the slowest step has answered.
 
@@ -35,7 +39,7 @@ import torch
 from _common import write_results
 
 from rayhf.engines.build import standalone_engine
-from rayhf.envs.batcher import ArrivalBatcher
+from rayhf.envs.batcher import ArrivalBatcher, RoundBatcher
 from rayhf.envs.env import EnvConfig, Step, rollouts
 from rayhf.envs.trajectory import add_messages, add_model_turn, start
 from rayhf.models.hf import ModelInit, build_model, hf_config
@@ -68,10 +72,19 @@ class LatencyEnv:
         return Step([{"role": "tool", "content": f"tool answer {self.turn}"}])
 
 
-async def independent(generator: Any, tok: Any, gen: GenerationConfig, n: int) -> float:
+async def arrival(generator: Any, tok: Any, gen: GenerationConfig, n: int) -> float:
+    batcher = ArrivalBatcher(generator, gen, rows=n, longest=4096)
+    return await _rollouts(batcher, tok, n)
+
+
+async def joined_in_rounds(generator: Any, tok: Any, gen: GenerationConfig, n: int) -> float:
+    return await _rollouts(RoundBatcher(generator, gen, trajectories=n), tok, n)
+
+
+async def _rollouts(batcher: ArrivalBatcher | RoundBatcher, tok: Any, n: int) -> float:
     cfg = EnvConfig(cls=f"{__name__}:LatencyEnv", max_turns=SETTINGS["turns"],
                     max_tokens=4096, concurrency=n)  # fmt: skip
-    async with ArrivalBatcher(generator, gen, rows=n, longest=cfg.max_tokens) as batcher:
+    async with batcher:
         outs = await rollouts([{"i": i} for i in range(n)], batcher, tok, cfg)
     assert all(o.ended == "done" for o in outs), [o.ended for o in outs]
     return batcher.busy_seconds
@@ -106,8 +119,8 @@ def ideal_ratio(n: int) -> float:
 def measure(generator: Any, tok: Any, gen: GenerationConfig, n: int, rounds: int) -> dict:
     """Per round (a warm-up first): each loop's trajectories/s and idle share, and the ideal
     ratio of the round's draws."""
-    ways = {"rayhf": independent, "sync": turn_synchronous}
-    out: dict[str, list[Any]] = {"rayhf": [], "sync": [], "ideal": []}
+    ways = {"arrival": arrival, "rounds": joined_in_rounds, "sync": turn_synchronous}
+    out: dict[str, list[Any]] = {"arrival": [], "rounds": [], "sync": [], "ideal": []}
     for r in range(rounds + 1):
         SETTINGS["seed"] = r
         for name, way in ways.items() if r % 2 else reversed(list(ways.items())):
@@ -144,46 +157,73 @@ def main(argv: list[str] | None = None) -> None:
     generator = engine.generator
     assert generator is not None
     gen = GenerationConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
-    results, lines, all_ratios = {}, [], []
+    results, lines = {}, []
+    ratios: dict[str, list[float]] = {"sync": [], "rounds": []}  # arrival over each
     for call in args.calls:
         n, turns = map(int, call.split("x"))
         SETTINGS.update(turns=turns, median_s=args.median_ms / 1000)
         res = results[call] = measure(generator, tok, gen, n, args.rounds)
-        ratios = [a[0] / b[0] for a, b in zip(res["rayhf"], res["sync"], strict=True)]
-        all_ratios += ratios
-        med = {w: statistics.median(x[0] for x in res[w]) for w in ("rayhf", "sync")}
-        idle = {w: statistics.median(x[1] for x in res[w]) for w in ("rayhf", "sync")}
-        lines.append(
-            f"| {n} x {turns} | {med['rayhf']:.2f} | {med['sync']:.2f} | "
-            f"{statistics.median(ratios):.2f}x | {_geomean(ratios):.2f}x | {min(ratios):.2f}x | "
-            f"{_geomean(res['ideal']):.2f}x | {idle['rayhf']:.0%} | {idle['sync']:.0%} |"
-        )
+        lines.append(_row(n, turns, res, ratios))
         print(lines[-1], flush=True)
-    text = "\n".join([
-        "# Multi-turn rollouts: independent trajectories vs a turn-synchronous loop",
+    text = _page(args, lines, ratios)
+    print(text)
+    if not args.no_write:
+        write_results("multiturn", text, {"args": vars(args), "results": results})
+
+
+def _row(n: int, turns: int, res: dict, ratios: dict[str, list[float]]) -> str:
+    """One call shape's table row; its per-round ratios added to ``ratios``."""
+    ways = ("arrival", "rounds", "sync")
+    med = {w: statistics.median(x[0] for x in res[w]) for w in ways}
+    idle = {w: statistics.median(x[1] for x in res[w]) for w in ways}
+    over = {
+        w: [a[0] / b[0] for a, b in zip(res["arrival"], res[w], strict=True)]
+        for w in ("sync", "rounds")
+    }
+    for w in over:
+        ratios[w] += over[w]
+    sync, rounds = over["sync"], over["rounds"]
+    return (
+        f"| {n} x {turns} | {med['arrival']:.2f} | {med['rounds']:.2f} | {med['sync']:.2f} | "
+        f"{statistics.median(sync):.2f}x | {_geomean(sync):.2f}x | {min(sync):.2f}x | "
+        f"{_geomean(res['ideal']):.2f}x | {statistics.median(rounds):.2f}x | "
+        f"{_geomean(rounds):.2f}x | {idle['arrival']:.0%} | {idle['rounds']:.0%} | "
+        f"{idle['sync']:.0%} |"
+    )
+
+
+def _page(args: argparse.Namespace, lines: list[str], ratios: dict[str, list[float]]) -> str:
+    sync, rounds = ratios["sync"], ratios["rounds"]
+    return "\n".join([
+        "# Multi-turn rollouts: joined by arrival, in rounds, and a turn-synchronous loop",
         "",
         f"Command: `python benchmarks/multiturn.py --calls {' '.join(args.calls)} --new-tokens "
         f"{args.new_tokens} --median-ms {args.median_ms:g} --rounds {args.rounds}` on "
         f"{os.cpu_count()} CPU cores: the native generator on a tiny Llama (one thread), "
         f"environment steps log-normal (median {args.median_ms:g} ms, sigma {SIGMA}), the same "
-        f"draws for both loops in a round, {args.rounds} rounds of new draws per call shape. "
-        "Trajectories/s are medians over the rounds; the ratios are per round (rayhf over "
-        "turn-synchronous). *Ideal* is the ratio if decoding took no time (the sum over turns "
-        "of each turn's slowest step, over the slowest trajectory's own sum): what the draws "
-        "allow. Idle: 1 - decoding time / wall time.",
+        f"draws for every loop in a round, {args.rounds} rounds of new draws per call shape. "
+        "*Arrival* is `env.joining: arrival` (a decode batch takes whatever turns wait, and "
+        "turns join a running decode); *rounds* is `env.joining: rounds`, the default (a decode "
+        "batch of every live trajectory's next turn, in trajectory order: reproducible); "
+        "*turn-sync* decodes every trajectory's turn, then steps every environment. "
+        "Trajectories/s are medians over the rounds; the ratios are per round (arrival over "
+        "the other). *Ideal* is arrival over turn-sync if decoding took no time (the sum over "
+        "turns of each turn's slowest step, over the slowest trajectory's own sum): what the "
+        "draws allow. Idle: 1 - decoding time / wall time.",
         "",
-        "| trajectories x turns | rayhf traj/s | turn-sync traj/s | ratio, median | geomean | "
-        "lowest | ideal, geomean | rayhf idle | turn-sync idle |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| trajectories x turns | arrival traj/s | rounds traj/s | turn-sync traj/s | "
+        "arrival / turn-sync, median | geomean | lowest | ideal, geomean | "
+        "arrival / rounds, median | geomean | arrival idle | rounds idle | turn-sync idle |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
         *lines,
         "",
-        f"Over all {len(all_ratios)} rounds: geometric mean {_geomean(all_ratios):.2f}x, median "
-        f"{statistics.median(all_ratios):.2f}x, lowest {min(all_ratios):.2f}x; rounds under "
-        f"1.5x: {sum(r < 1.5 for r in all_ratios)}.",
+        f"Arrival over turn-sync, all {len(sync)} rounds: geometric mean {_geomean(sync):.2f}x, "
+        f"median {statistics.median(sync):.2f}x, lowest {min(sync):.2f}x; rounds under 1.5x: "
+        f"{sum(r < 1.5 for r in sync)}. Arrival over rounds: geometric mean "
+        f"{_geomean(rounds):.2f}x, median {statistics.median(rounds):.2f}x, lowest "
+        f"{min(rounds):.2f}x.",
     ])  # fmt: skip
-    print(text)
-    if not args.no_write:
-        write_results("multiturn", text, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

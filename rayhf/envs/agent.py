@@ -3,7 +3,7 @@
 kept as tokens.
 
     prompts --(group_size rows each: the dataset row's columns + "prompt", the prompt's text)-->
-    rollouts (one environment per sample, ArrivalBatcher over the call's generator)
+    rollouts (one environment per sample; the call's generator shared by ``env.joining``)
       --> seq:        the trajectory's tokens, first prompt included
           prompt_lens: the first prompt's length (start's rendering)
           logprobs:   per response token, the generator's where the model sampled it, else 0
@@ -33,7 +33,7 @@ from rayhf.algorithms.interface import CallContext, InterfaceSettings, ModelEngi
 from rayhf.algorithms.lm import generation_config
 from rayhf.algorithms.ppo import PPOActorInterface
 from rayhf.data.batch import PackedBatch
-from rayhf.envs.batcher import ArrivalBatcher
+from rayhf.envs.batcher import ArrivalBatcher, RoundBatcher
 from rayhf.envs.env import EnvConfig, Outcome, load_env_class, rollouts
 from rayhf.errors import RayhfError
 from rayhf.sampling import GenerationConfig
@@ -64,23 +64,32 @@ def agent_batch(
     seed = ctx.seed * 100_003 + ctx.step * 101 + ctx.dp_rank
 
     async def run() -> tuple[list[Outcome], float]:
-        batcher = ArrivalBatcher(engine, cfg, ctx.step, seed=seed, rows=len(rows),
-                                 longest=env.max_tokens)  # fmt: skip
-        async with batcher as generate:
-            if env.cls is None:  # the agent server (FastAPI, uvicorn): imported when used,
-                from rayhf.envs.proxy import agent_rollouts  # not by every worker
+        if env.cls is None:  # the agent server (FastAPI, uvicorn): imported when used,
+            from rayhf.envs.proxy import agent_rollouts  # not by every worker
 
-                outcomes = await agent_rollouts(rows, generate, tok, env)
-            else:
-                tools = [t.schema() for t in getattr(load_env_class(env.cls), "tools", ())]
-                outcomes = await rollouts(rows, generate, tok, env, tools or None)
-        return outcomes, generate.busy_seconds
+            arrival = ArrivalBatcher(engine, cfg, ctx.step, seed=seed, rows=len(rows),
+                                     longest=env.max_tokens)  # fmt: skip
+            async with arrival:
+                return await agent_rollouts(rows, arrival, tok, env), arrival.busy_seconds
+        batcher = _batcher(engine, cfg, ctx.step, seed, len(rows), env)
+        tools = [t.schema() for t in getattr(load_env_class(env.cls), "tools", ())]
+        async with batcher:
+            return await rollouts(rows, batcher, tok, env, tools or None), batcher.busy_seconds
 
     began = time.monotonic()
     outcomes, busy = asyncio.run(run())
     idle = 1.0 - busy / max(time.monotonic() - began, 1e-9)
     expanded = [p for p in prompts for _ in range(n_samples)]
     return _pack(batch, outcomes, expanded, n_samples, engine.eos_id, idle)
+
+
+def _batcher(
+    engine: ModelEngine, cfg: GenerationConfig, version: int, seed: int, n: int, env: EnvConfig
+) -> RoundBatcher | ArrivalBatcher:
+    """The call's batcher as ``env.joining`` says: rounds (reproducible) or by arrival."""
+    if env.joining == "rounds":
+        return RoundBatcher(engine, cfg, version, seed=seed, trajectories=n)
+    return ArrivalBatcher(engine, cfg, version, seed=seed, rows=n, longest=env.max_tokens)
 
 
 def _pack(

@@ -1,10 +1,17 @@
-"""One generator serving many trajectories: every ``Generate`` request waiting when a batch
-starts joins it, so no trajectory waits for another's environment; a request that arrives
-while a batch decodes joins that call at its next look at the rows when the generator streams
-(the native one: continuous batching), else the next call.
+"""One generator serving many trajectories, joined one of two ways (``env.joining``):
 
-    async with ArrivalBatcher(generator, cfg) as generate:
-        outcomes = await rollouts(rows, generate, tok, env_cfg)
+- ``RoundBatcher`` (``rounds``, reproducible): a round's batch is the next request of every
+  live trajectory, taken once each of them has sent it or ended, ordered by trajectory, with a
+  seed derived from the call's seed and the round's number. What a trajectory samples depends
+  on the seed and the trajectories' own contents, never on which environment answered first.
+- ``ArrivalBatcher`` (``arrival``, faster under slow environments): every request waiting when
+  a batch starts joins it, so no trajectory waits for another's environment; a request that
+  arrives while a batch decodes joins that call at its next look at the rows when the generator
+  streams (the native one: continuous batching), else the next call. Which rows share a batch,
+  and so which draws a row gets, follows the timing.
+
+    async with RoundBatcher(generator, cfg, trajectories=len(rows)) as batcher:
+        outcomes = await rollouts(rows, batcher, tok, env_cfg)
 
 The generator's ``generate`` blocks (it decodes), so it runs in a worker thread while the event
 loop keeps stepping environments. ``busy_seconds`` is the time spent decoding, for the call's
@@ -17,7 +24,8 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
 
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
@@ -26,6 +34,104 @@ class Generator(Protocol):
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int
     ) -> GenerateOutput: ...
+
+
+Answer = tuple[list[int], list[float], int]  # sampled ids, their log-probs, policy version
+
+
+@runtime_checkable
+class Batcher(Protocol):
+    """What ``rollouts`` asks a batcher: a ``Generate`` per trajectory (``bind``), and word when
+    a trajectory has ended and will ask no more (``finish``)."""
+
+    def bind(self, trajectory: int) -> Callable[[list[int]], Awaitable[Answer]]: ...
+
+    def finish(self, trajectory: int) -> None: ...
+
+
+class RoundBatcher:
+    """Rounds of one request per live trajectory (``bind(i)(prompt) -> (ids, logprobs,
+    version)``): a round starts once each of the ``trajectories`` has asked or ``finish``-ed,
+    its prompts ordered by trajectory, at most ``max_batch`` to a generate call; call ``k`` of
+    the batcher samples with ``seed + k``. The same prompts in the same order with the same
+    seeds: a seeded call's trajectories do not depend on the environments' timing."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        cfg: GenerationConfig,
+        version: int = 0,
+        max_batch: int = 256,
+        seed: int = 0,
+        trajectories: int = 1,
+    ) -> None:
+        self.generator, self.cfg, self.version = generator, cfg, version
+        self.max_batch, self.seed = max_batch, seed
+        self.live = set(range(trajectories))
+        self.waiting: dict[int, tuple[list[int], asyncio.Future[Answer]]] = {}
+        self.busy_seconds, self.batches, self.rounds = 0.0, 0, 0
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> RoundBatcher:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    def bind(self, trajectory: int) -> Callable[[list[int]], Awaitable[Answer]]:
+        async def generate(prompt: list[int]) -> Answer:
+            return await self._ask(trajectory, prompt)
+
+        return generate
+
+    def finish(self, trajectory: int) -> None:
+        """``trajectory`` asks no more: rounds stop waiting for it."""
+        self.live.discard(trajectory)
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _ask(self, trajectory: int, prompt: list[int]) -> Answer:
+        assert self._wake is not None, "use the batcher in `async with`"
+        assert trajectory in self.live and trajectory not in self.waiting, trajectory
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self.waiting[trajectory] = (prompt, future)
+        self._wake.set()
+        return await future
+
+    async def _serve(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.waiting or len(self.waiting) < len(self.live):
+                continue  # a live trajectory is still in its environment
+            round_ = [self.waiting.pop(t) for t in sorted(self.waiting)]
+            self.rounds += 1
+            for i in range(0, len(round_), self.max_batch):
+                await self._call(round_[i : i + self.max_batch])
+
+    async def _call(self, batch: list[tuple[list[int], asyncio.Future[Answer]]]) -> None:
+        seed = self.seed + self.batches
+        self.batches += 1
+        start = time.monotonic()
+        try:
+            prompts = [p for p, _ in batch]
+            out = await asyncio.to_thread(self.generator.generate, prompts, self.cfg, seed)
+        except Exception as e:  # every trajectory of the call sees the generator's failure
+            for _, f in batch:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        finally:
+            self.busy_seconds += time.monotonic() - start
+        for i, (_, f) in enumerate(batch):
+            _resolve(f, (out.tokens[i], out.logprobs[i], self.version))
 
 
 class ArrivalBatcher:
@@ -107,6 +213,14 @@ class ArrivalBatcher:
         if getattr(self.generator, "streams", False):
             return self.generator.generate(prompts, self.cfg, seed, feed)  # type: ignore[call-arg]
         return self.generator.generate(prompts, self.cfg, seed)
+
+    def bind(self, trajectory: int) -> ArrivalBatcher:
+        """Every trajectory asks the same way: by arrival."""
+        del trajectory
+        return self
+
+    def finish(self, trajectory: int) -> None:
+        del trajectory
 
 
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:

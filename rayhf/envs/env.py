@@ -23,11 +23,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayhf.algorithms.reward import resolve_function
+from rayhf.envs.batcher import Batcher
 from rayhf.envs.tools import CallStyle
 from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
 from rayhf.errors import RayhfError
@@ -77,6 +78,13 @@ class EnvConfig(BaseModel):
     """The reward of a trajectory whose environment raised or timed out."""
     concurrency: int = Field(64, gt=0)
     """Trajectories inside their environment at once."""
+    joining: Literal["rounds", "arrival"] = "rounds"
+    """How the trajectories' model turns share the generator (``rayhf.envs.batcher``):
+    ``rounds`` decodes every live trajectory's next turn together, in trajectory order, so a
+    seeded run samples the same trajectories however fast its environments answer;
+    ``arrival`` decodes each turn as soon as it is asked (joining a running decode), faster when
+    environments take long and unevenly but not reproducible. ``env.agent`` runs join by
+    arrival."""
 
     @field_validator("cls", "agent")
     @classmethod
@@ -184,17 +192,26 @@ async def rollout(
 
 async def rollouts(
     rows: list[dict[str, Any]],
-    generate: Generate,
+    generate: Generate | Batcher,
     tok: Any,
     cfg: EnvConfig,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[Outcome]:
-    """A trajectory per row, all advancing independently; in row order."""
+    """A trajectory per row, all advancing independently; in row order. A ``Batcher`` serves
+    trajectory ``i`` (row ``i``) through ``bind(i)`` and hears when it has ended."""
     assert cfg.cls is not None, "an environment class (env.agent runs in rayhf.envs.proxy)"
     env_cls = load_env_class(cfg.cls)
     gate = asyncio.Semaphore(cfg.concurrency)
-    jobs = [rollout(env_cls(row), generate, tok, cfg, gate, tools) for row in rows]
-    return list(await asyncio.gather(*jobs))
+
+    async def one(i: int, row: dict[str, Any]) -> Outcome:
+        if not isinstance(generate, Batcher):
+            return await rollout(env_cls(row), generate, tok, cfg, gate, tools)
+        try:
+            return await rollout(env_cls(row), generate.bind(i), tok, cfg, gate, tools)
+        finally:
+            generate.finish(i)
+
+    return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
 
 
 def metrics(outcomes: list[Outcome]) -> dict[str, float]:
