@@ -16,6 +16,7 @@ exception: it comes back as an error the model reads (``ToolResult.error``), and
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import math
 import operator
@@ -118,6 +119,12 @@ class ToolRegistry:
             raise
         except Exception as e:  # the tool's failure is the model's observation, not the run's
             return ToolResult(call.name, f"error: {type(e).__name__}: {e}", error=True)
+
+    async def acall(self, call: ToolCall) -> ToolResult:
+        """``call`` in a worker thread, for an environment's async ``step``: a program the code
+        tool runs for seconds then holds up only its own trajectory (the thread keeps this
+        context, so the run's ``env.sandbox`` too)."""
+        return await asyncio.to_thread(self.call, call)
 
 
 def parse_tool_calls(text: str, style: CallStyle) -> list[ToolCall]:

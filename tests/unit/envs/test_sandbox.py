@@ -5,6 +5,7 @@ inside the program and an observation to the caller, the tool still working afte
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from rayhf.envs import env as sandbox_env
 from rayhf.envs import sandbox
 from rayhf.envs.sandbox import SandboxConfig, SandboxLimits, SandboxUnavailable, run_python
-from rayhf.envs.tools import CODE_RUNNER, ToolCall, ToolRegistry
+from rayhf.envs.tools import CODE_RUNNER, ToolCall, ToolRegistry, parse_tool_calls
+from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
 
 FAST = SandboxLimits(wall_seconds=4, cpu_seconds=1, memory_mb=256, processes=16, file_mb=1)
 KERNEL = SandboxConfig(limits=FAST)
@@ -325,3 +328,53 @@ def test_limits_are_validated():
         SandboxLimits(wall_seconds=0)
     with pytest.raises(ValueError, match="isolation"):
         SandboxConfig(isolation="none")  # type: ignore[arg-type]
+
+
+class CodeEnv:
+    """A task answered by running code: each ``<tool_call>`` runs through the code tool."""
+
+    tools = (CODE_RUNNER,)
+
+    def __init__(self, row: dict) -> None:
+        self.row = row
+
+    async def reset(self) -> list[dict]:
+        return [{"role": "user", "content": "Print 6 * 7 with the python tool."}]
+
+    async def step(self, turn: str) -> sandbox_env.Step:
+        calls = parse_tool_calls(turn, "hermes")
+        if calls:
+            results = [await REGISTRY.acall(c) for c in calls]
+            return sandbox_env.Step([{"role": "tool", "content": r.content} for r in results])
+        return sandbox_env.Step(reward=float("42" in turn), done=True)
+
+
+def test_a_rollout_whose_policy_attacks_goes_on_and_changes_nothing(run_dir, bystander):
+    """A policy whose first turn deletes the run's metrics, kills a process of the host and
+    reads the answers; the environment answers with the tool's observation, the next turn
+    answers the task, and the run (its files, its processes) is as it was."""
+    tok = train_bpe_tokenizer(["print python tool answer 42"] * 20, 400, chat_format=CHATML)
+    answers = str(run_dir / "data" / "train.jsonl")
+    attack = (
+        f"import os, signal\nos.unlink({str(run_dir / 'metrics.jsonl')!r})\n"
+        f"os.kill({bystander.pid}, signal.SIGKILL)\nprint(open({answers!r}).read())"
+    )
+    seen: list[str] = []
+
+    async def policy(tokens: list[int]) -> tuple[list[int], list[float], int]:
+        text = tok.decode(tokens)
+        seen.append(text)
+        call = json.dumps({"name": "python", "arguments": {"code": attack}})
+        turn = "42" if "tool_response" in text else f"<tool_call>{call}</tool_call>"
+        ids = [*tok.encode(turn, add_special_tokens=False), tok.eos_token_id]
+        return ids, [-0.1] * len(ids), 0
+
+    before = _snapshot(run_dir)
+    cfg = sandbox_env.EnvConfig(cls=f"{__name__}:CodeEnv", sandbox=KERNEL, max_tokens=8192)
+    with sandbox.using(cfg.sandbox):
+        (outcome,) = asyncio.run(
+            sandbox_env.rollouts([{}], policy, tok, cfg, [CODE_RUNNER.schema()])
+        )
+    assert outcome.ended == "done" and outcome.reward == 1.0, outcome
+    assert "exit code: 1" in seen[-1] and SECRET not in seen[-1]  # the observation it was shown
+    assert _snapshot(run_dir) == before and bystander.poll() is None
