@@ -33,6 +33,7 @@ from rayhf.algorithms.interface import CallContext, InterfaceSettings, ModelEngi
 from rayhf.algorithms.lm import generation_config
 from rayhf.algorithms.ppo import PPOActorInterface
 from rayhf.data.batch import PackedBatch
+from rayhf.envs import sandbox
 from rayhf.envs.batcher import ArrivalBatcher, RoundBatcher
 from rayhf.envs.env import EnvConfig, Outcome, load_env_class, rollouts
 from rayhf.errors import RayhfError
@@ -77,7 +78,8 @@ def agent_batch(
             return await rollouts(rows, batcher, tok, env, tools or None), batcher.busy_seconds
 
     began = time.monotonic()
-    outcomes, busy = asyncio.run(run())
+    with sandbox.using(env.sandbox):  # the code tool's programs run as the config says
+        outcomes, busy = asyncio.run(run())
     idle = 1.0 - busy / max(time.monotonic() - began, 1e-9)
     expanded = [p for p in prompts for _ in range(n_samples)]
     return _pack(batch, outcomes, expanded, n_samples, engine.eos_id, idle)

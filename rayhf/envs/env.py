@@ -20,6 +20,7 @@ template renders it (``rayhf.envs.trajectory``), until the environment says done
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,10 +29,14 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayhf.algorithms.reward import resolve_function
+from rayhf.envs import sandbox
 from rayhf.envs.batcher import Batcher
+from rayhf.envs.sandbox import SandboxConfig
 from rayhf.envs.tools import CallStyle
 from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
 from rayhf.errors import RayhfError
+
+log = logging.getLogger(__name__)
 
 # prompt ids -> (sampled ids, their log-probs, the policy version that sampled them)
 Generate = Callable[[list[int]], Awaitable[tuple[list[int], list[float], int]]]
@@ -78,6 +83,9 @@ class EnvConfig(BaseModel):
     """The reward of a trajectory whose environment raised or timed out."""
     concurrency: int = Field(64, gt=0)
     """Trajectories inside their environment at once."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """How the code tool (``rayhf.envs.tools.CODE_RUNNER``) isolates the programs it runs;
+    checked at start-up when the environment offers it."""
     joining: Literal["rounds", "arrival"] = "rounds"
     """How the trajectories' model turns share the generator (``rayhf.envs.batcher``):
     ``rounds`` decodes every live trajectory's next turn together, in trajectory order, so a
@@ -121,11 +129,16 @@ def load_agent(path: str) -> Callable[..., Awaitable[float]]:
 
 
 def check_env(cfg: EnvConfig) -> None:
-    """The environment class or the agent function imports and has the right shape."""
+    """The environment class or the agent function imports and has the right shape; where the
+    environment offers the code tool (or the config sets ``env.sandbox``), the sandbox runs a
+    program as the run's will, or the run refuses to start (``rayhf.envs.sandbox.check``)."""
+    tools: tuple[Any, ...] = ()
     if cfg.cls is not None:
-        load_env_class(cfg.cls)
+        tools = getattr(load_env_class(cfg.cls), "tools", ())
     if cfg.agent is not None:
         load_agent(cfg.agent)
+    if "sandbox" in cfg.model_fields_set or any(getattr(t, "sandboxed", False) for t in tools):
+        log.info("the code tool's sandbox: %s", sandbox.check(cfg.sandbox))
 
 
 @dataclass

