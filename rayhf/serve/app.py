@@ -5,6 +5,7 @@
          -> @serve.batch queue: concurrent prompts of all requests grouped, up to max_batch_size
          -> engine.generate in a worker thread (the event loop keeps accepting requests)
          -> JSON response, or SSE chunks replaying each output's per-token text pieces
+            (a request's n samples are n rows of one generate call; choices indexed by sample)
 
 ``build_app(args)`` is the entry point of ``serve run``/``serve deploy`` configs and KubeRay
 RayService manifests (``import_path: rayhf.serve.app:build_app``); ``serve_checkpoint`` starts
@@ -41,11 +42,13 @@ from rayhf.serve.engine import (
     RequestRejected,
     SamplingSpec,
     ServingEngineConfig,
+    TokenLogprob,
     check_checkpoint,
     load_engine,
     require_vllm,
 )
 from rayhf.serve.protocol import (
+    LOGPROB_FLOOR,
     SSE_DONE,
     ChatChoice,
     ChatChunkChoice,
@@ -53,9 +56,13 @@ from rayhf.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorDetail,
@@ -110,34 +117,90 @@ def parse_args(args: dict[str, Any]) -> ServeConfig:
 def sampling_spec(body: GenerationRequest, cfg: ServeConfig) -> SamplingSpec:
     """The engine's view of a request's sampling options; temperature 0 means greedy."""
     return SamplingSpec(
-        max_tokens=body.max_tokens or cfg.default_max_tokens,
+        max_tokens=body.token_cap() or cfg.default_max_tokens,
         greedy=body.temperature == 0,
         temperature=body.temperature or 1.0,
         top_k=max(body.top_k, 0),
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_strings(),
+        n=body.n,
+        logprobs=body.logprob_count(),
     )
 
 
-def usage_of(outputs: list[EngineOutput]) -> Usage:
-    prompt = sum(o.prompt_tokens for o in outputs)
-    completion = sum(o.completion_tokens for o in outputs)
+def usage_of(outputs: list[list[EngineOutput]]) -> Usage:
+    """Per prompt its samples: the prompt counted once, every sample's tokens."""
+    prompt = sum(samples[0].prompt_tokens for samples in outputs if samples)
+    completion = sum(o.completion_tokens for samples in outputs for o in samples)
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
 
 
-def completion_response(rid: str, model: str, outputs: list[EngineOutput]) -> CompletionResponse:
+def _floor(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def completion_logprobs(tokens: tuple[TokenLogprob, ...], offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's legacy log-probs of ``tokens``, the first starting at ``offset`` in the text."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return CompletionLogprobs(
+        text_offset=offsets,
+        token_logprobs=[_floor(t.logprob) for t in tokens],
+        tokens=[t.token for t in tokens],
+        top_logprobs=[
+            {t.token: _floor(t.logprob), **{s: _floor(v) for s, v in t.top}} for t in tokens
+        ],
+    )
+
+
+def chat_logprobs(tokens: tuple[TokenLogprob, ...]) -> ChatLogprobs:
+    def utf8(text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=t.token, logprob=_floor(t.logprob), bytes=utf8(t.token),
+                top_logprobs=[ChatTopLogprob(token=s, logprob=_floor(v), bytes=utf8(s))
+                              for s, v in t.top],
+            )
+            for t in tokens
+        ]
+    )  # fmt: skip
+
+
+def completion_response(
+    rid: str, model: str, outputs: list[list[EngineOutput]]
+) -> CompletionResponse:
+    """Choice ``prompt * n + sample`` for each sample of each prompt."""
     choices = [
-        CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
-        for i, o in enumerate(outputs)
+        CompletionChoice(
+            index=i,
+            text=o.text,
+            logprobs=None if o.logprobs is None else completion_logprobs(o.logprobs),
+            finish_reason=o.finish_reason,
+        )
+        for i, o in enumerate(o for samples in outputs for o in samples)
     ]
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outputs))
 
 
+def _steps(out: EngineOutput) -> Iterator[tuple[str, tuple[TokenLogprob, ...]]]:
+    """A stream's pieces of ``out``: one per non-empty piece, or with log-probs one per token
+    (each with its token's log-probs, its piece possibly empty)."""
+    if out.logprobs is None:
+        yield from ((piece, ()) for piece in filter(None, out.pieces))
+        return
+    yield from ((piece, (lp,)) for piece, lp in zip(out.pieces, out.logprobs, strict=True))
+
+
 def completion_events(
-    rid: str, model: str, outputs: list[EngineOutput], include_usage: bool
+    rid: str, model: str, outputs: list[list[EngineOutput]], include_usage: bool
 ) -> Iterator[str]:
     """SSE events: each choice's text pieces, its finish chunk, [usage], then [DONE]."""
     created = int(time.time())
@@ -147,39 +210,55 @@ def completion_events(
             CompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
         )
 
-    for i, out in enumerate(outputs):
-        for piece in filter(None, out.pieces):
-            yield chunk([CompletionChoice(index=i, text=piece, finish_reason=None)])
+    for i, out in enumerate(o for samples in outputs for o in samples):
+        offset = 0
+        for piece, lps in _steps(out):
+            logprobs = None if out.logprobs is None else completion_logprobs(lps, offset)
+            offset += sum(len(t.token) for t in lps)
+            yield chunk([CompletionChoice(index=i, text=piece, logprobs=logprobs,
+                                          finish_reason=None)])  # fmt: skip
         yield chunk([CompletionChoice(index=i, text="", finish_reason=out.finish_reason)])
     if include_usage:
         yield chunk([], usage_of(outputs))
     yield SSE_DONE
 
 
-def chat_response(rid: str, model: str, out: EngineOutput) -> ChatCompletionResponse:
-    message = ChatMessage(role="assistant", content=out.text)
-    choice = ChatChoice(index=0, message=message, finish_reason=out.finish_reason)
-    return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage_of([out]))
+def chat_response(rid: str, model: str, outs: list[EngineOutput]) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=j,
+            message=ChatMessage(role="assistant", content=out.text),
+            logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs),
+            finish_reason=out.finish_reason,
+        )
+        for j, out in enumerate(outs)
+    ]
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of([outs]))
 
 
-def chat_events(rid: str, model: str, out: EngineOutput, include_usage: bool) -> Iterator[str]:
-    """SSE events: a role delta, one content delta per piece, an empty finish delta, [DONE]."""
+def chat_events(
+    rid: str, model: str, outs: list[EngineOutput], include_usage: bool
+) -> Iterator[str]:
+    """SSE events per choice: a role delta, one content delta per piece (per token with
+    log-probs), an empty finish delta; then [usage] and [DONE]."""
     created = int(time.time())
 
-    def chunk(delta: ChatDelta | None, finish: Any = None, usage: Usage | None = None) -> str:
-        choices = (
-            [] if delta is None else [ChatChunkChoice(index=0, delta=delta, finish_reason=finish)]
-        )
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse_event(
             ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
         )
 
-    yield chunk(ChatDelta(role="assistant", content=""))
-    for piece in filter(None, out.pieces):
-        yield chunk(ChatDelta(content=piece))
-    yield chunk(ChatDelta(), out.finish_reason)
+    for j, out in enumerate(outs):
+        yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""),
+                                     finish_reason=None)])  # fmt: skip
+        for piece, lps in _steps(out):
+            logprobs = None if out.logprobs is None else chat_logprobs(lps)
+            delta = ChatDelta(content=piece)
+            yield chunk([ChatChunkChoice(index=j, delta=delta, logprobs=logprobs,
+                                         finish_reason=None)])  # fmt: skip
+        yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(), finish_reason=out.finish_reason)])
     if include_usage:
-        yield chunk(None, usage=usage_of([out]))
+        yield chunk([], usage_of([outs]))
     yield SSE_DONE
 
 
@@ -314,36 +393,38 @@ class PolicyServer:
         body = ChatCompletionRequest.model_validate_json(await request.body())
         messages = [m.model_dump() for m in body.messages]
         prompt = self._engine.render_chat(messages) or render_simple_chat(body.messages)
-        [out] = await self._run([prompt], body)
+        [outs] = await self._run([prompt], body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            events = chat_events(rid, self._model_id, out, body.include_usage())
+            events = chat_events(rid, self._model_id, outs, body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(chat_response(rid, self._model_id, out).model_dump())
+        return JSONResponse(chat_response(rid, self._model_id, outs).model_dump())
 
     def _authorize(self, request: Request) -> None:
         check_api_key(self._cfg.api_key, request.headers.get("authorization"))
 
-    async def _run(self, prompts: list[str], body: GenerationRequest) -> list[EngineOutput]:
-        """Check the request whole before queueing any of it, then generate its prompts."""
+    async def _run(self, prompts: list[str], body: GenerationRequest) -> list[list[EngineOutput]]:
+        """Check the request whole before queueing any of it, then generate its prompts (per
+        prompt its ``n`` samples)."""
         if body.model is not None and body.model != self._model_id:
             raise RequestRejected(
                 f"model {body.model!r} is not served here; use {self._model_id!r}",
                 code="model_not_found",
                 param="model",
             )
-        if len(prompts) > self._cfg.max_batch_size:
+        if len(prompts) * body.n > self._cfg.max_batch_size:
             raise RequestRejected(
-                f"{len(prompts)} prompts in one request; send at most {self._cfg.max_batch_size}",
-                code="too_many_prompts",
-                param="prompt",
+                f"{len(prompts)} prompts x n={body.n} samples in one request; this server "
+                f"generates at most {self._cfg.max_batch_size} (--max-batch-size) at once",
+                code="too_many_prompts" if body.n == 1 else "too_many_samples",
+                param="prompt" if body.n == 1 else "n",
             )
         sampling = sampling_spec(body, self._cfg)
         requests = [self._engine.prepare(p, sampling) for p in prompts]
         return list(await asyncio.gather(*(self._generate(r) for r in requests)))
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.05)  # set from the config in __init__
-    async def _generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+    async def _generate(self, requests: list[EngineRequest]) -> list[list[EngineOutput]]:
         self._batch_sizes[len(requests)] += 1
         return await asyncio.to_thread(self._engine.generate, requests)
 

@@ -1,7 +1,8 @@
 """The serving engine seam: prompts in, generated text out, behind one small interface.
 
     prompt text --prepare--> EngineRequest (token ids + SamplingSpec; limits checked here)
-    [EngineRequest] --generate--> [EngineOutput] (per-token text pieces, finish reason, counts)
+    [EngineRequest] --generate--> per request its n EngineOutputs (per-token text pieces,
+                                  finish reason, counts, log-probs when asked)
 
 ``NativeEngine`` loads a Hugging Face checkpoint on CPU and decodes with the native generator's
 engine (``rayhf.parallel.decode``: the step training's generate calls run). Prompts are
@@ -17,6 +18,13 @@ Choices:
   same text whatever else is in flight. A group runs to its longest ``max_tokens`` and each row
   is cut to its own: rows of a batch do not interact (each row its own cache row and
   positions), so a greedy row equals the same request run alone.
+* ``n``. A request's n samples are n rows of its prompt in the same call: the decode engine
+  prefills a repeated prompt once and copies its keys and values (as for GRPO's groups), and
+  each row draws its own uniforms. A seeded request's sample j is the same for any n >= j + 1.
+* Log-probs. Asked for, the call's step also reports each token's log-prob under the raw
+  distribution (``log_softmax`` of the logits, before temperature and top-k/top-p; vLLM's
+  default ``logprobs_mode``) and the k most likely tokens at each position (the group's
+  largest k; each request keeps its own). The sampled tokens do not change.
 * Streaming. The native engine returns whole responses, so an output carries one text piece
   per generated token (incremental detokenization) and the server replays the pieces as chunks
   once the batch is done: chunks and text are right, but the first chunk arrives after the whole
@@ -28,6 +36,7 @@ Choices:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import threading
 from abc import ABC, abstractmethod
@@ -44,7 +53,7 @@ from rayhf.errors import RayhfError
 from rayhf.models.files import quiet_transformers
 from rayhf.models.hf import load_model
 from rayhf.parallel.decode import DecodeEngine
-from rayhf.sampling import DecodeRules, GenerationConfig, seed_from
+from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, seed_from
 
 
 class ServingEngineConfig(BaseModel):
@@ -76,12 +85,23 @@ class SamplingSpec:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()  # the text ends before the first of these
+    n: int = 1  # samples of the prompt
+    logprobs: int | None = None  # None: none; k: each token's log-prob and the k most likely
 
 
 @dataclass(frozen=True)
 class EngineRequest:
     prompt_ids: tuple[int, ...]  # bos included
     sampling: SamplingSpec
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's raw log-prob (see the module docstring) and the likeliest tokens."""
+
+    token: str  # the token decoded alone, special tokens kept
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # the k most likely tokens here, most likely first
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,7 @@ class EngineOutput:
     pieces: tuple[str, ...]  # the text each token added (empty while a character is incomplete)
     finish_reason: Literal["stop", "length"]
     prompt_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, if the request asked
 
     @property
     def text(self) -> str:
@@ -131,8 +152,8 @@ class ServingEngine(ABC):
         """The model's context length, if its config states one."""
 
     @abstractmethod
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
-        """One output per request, in order."""
+    def generate(self, requests: list[EngineRequest]) -> list[list[EngineOutput]]:
+        """Per request, in order, its ``sampling.n`` outputs."""
 
     def prepare(self, prompt: str, sampling: SamplingSpec) -> EngineRequest:
         """Tokenize ``prompt``; raise ``RequestRejected`` if it breaks a limit."""
@@ -218,15 +239,16 @@ class NativeEngine(ServingEngine):
         n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         return n if isinstance(n, int) else None
 
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
-        outputs: dict[int, EngineOutput] = {}
+    def generate(self, requests: list[EngineRequest]) -> list[list[EngineOutput]]:
+        outputs: dict[int, list[EngineOutput]] = {}
         for rows in group_requests(requests).values():
             group = [requests[i] for i in rows]
             outputs.update(zip(rows, self._generate_group(group), strict=True))
         return [outputs[i] for i in range(len(requests))]
 
-    def _generate_group(self, group: list[EngineRequest]) -> list[EngineOutput]:
-        """One ``generate`` call for requests that share their sampling key."""
+    def _generate_group(self, group: list[EngineRequest]) -> list[list[EngineOutput]]:
+        """One ``generate`` call for requests that share their sampling key: each request's
+        prompt ``n`` times, one row per sample."""
         first = group[0].sampling
         cfg = GenerationConfig(
             max_new_tokens=max(r.sampling.max_tokens for r in group),
@@ -236,25 +258,53 @@ class NativeEngine(ServingEngine):
             top_p=first.top_p,
         )
         seed = seed_from(self._rng) if first.seed is None else first.seed
-        prompts = [list(r.prompt_ids) for r in group]
-        rules = DecodeRules.of(cfg, self.eos_id, self.pad_id)
-        out = self.decoder.generate(prompts, rules, seed)
-        return [
-            self._finish(r, tokens[: r.sampling.max_tokens])
-            for r, tokens in zip(group, out.tokens, strict=True)
-        ]
+        rows = [r for r in group for _ in range(r.sampling.n)]
+        asked = [r.sampling.logprobs for r in group if r.sampling.logprobs is not None]
+        rules = dataclasses.replace(
+            DecodeRules.of(cfg, self.eos_id, self.pad_id),
+            raw_logprobs=bool(asked),
+            top_logprobs=max(asked, default=0),
+        )
+        out = self.decoder.generate([list(r.prompt_ids) for r in rows], rules, seed)
+        done = [self._finish(r, out, i) for i, r in enumerate(rows)]
+        per_request, start = [], 0
+        for r in group:  # rows hold each request's samples together
+            per_request.append(done[start : start + r.sampling.n])
+            start += r.sampling.n
+        return per_request
 
-    def _finish(self, request: EngineRequest, tokens: list[int]) -> EngineOutput:
-        """Detokenize, apply stop strings, and name why the response ended."""
-        pieces, n_used, stopped = detokenize(self._decode, tokens, request.sampling.stop)
+    def _finish(self, request: EngineRequest, out: GenerateOutput, row: int) -> EngineOutput:
+        """Row ``row`` of ``out`` as ``request``'s response: cut to its ``max_tokens``,
+        detokenized, stop strings applied, why it ended named, its log-probs if asked."""
+        spec = request.sampling
+        tokens = out.tokens[row][: spec.max_tokens]
+        pieces, n_used, stopped = detokenize(self._decode, tokens, spec.stop)
         used = tokens[:n_used]
         ended = stopped or (bool(used) and used[-1] == self.eos_id)
+        logprobs = None
+        if spec.logprobs is not None:
+            k = spec.logprobs
+            tops = out.top_ids[row] if k else [[]] * n_used
+            top_lps = out.top_logprobs[row] if k else [[]] * n_used
+            logprobs = tuple(
+                TokenLogprob(self.token_text(t), lp, tuple(zip(map(self.token_text, ids[:k]),
+                                                               lps[:k], strict=True)))
+                for t, lp, ids, lps in zip(used, out.logprobs[row], tops, top_lps, strict=False)
+            )  # fmt: skip
         return EngineOutput(
             token_ids=tuple(used),
             pieces=tuple(pieces),
             finish_reason="stop" if ended else "length",
             prompt_tokens=len(request.prompt_ids),
+            logprobs=logprobs,
         )
+
+    def token_text(self, token: int) -> str:
+        """One token decoded alone, special tokens kept (how vLLM names a log-prob's token)."""
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode([token])
+        assert isinstance(text, str), type(text)
+        return text
 
     def _decode(self, tokens: list[int]) -> str:
         with self._tokenizer_lock:

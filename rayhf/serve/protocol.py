@@ -9,9 +9,15 @@ Routes (``rayhf/serve/app.py``):
   a stream of ``ChatCompletionChunk`` (a ``delta`` per piece of text);
 * every error -> ``ErrorResponse``: ``{"error": {"message", "type", "code", "param"}}``.
 
-Requests reject unknown fields (``extra="forbid"``), so an unsupported OpenAI option such as
-``logprobs`` or ``presence_penalty`` is a 400 naming the field rather than silently ignored.
-``top_k`` is an extension (as in vLLM). ``n`` must be 1.
+Requests take what vLLM's OpenAI server takes for these options: ``n`` (samples of a prompt,
+decoded together from one prefill), ``logprobs``/``top_logprobs`` (chat) and ``logprobs`` (an int,
+completions), ``stop``, ``seed``, ``max_tokens`` (and chat's ``max_completion_tokens``),
+``temperature``/``top_p``, ``stream``. Log-probs are of the model's raw distribution
+(``log_softmax`` of the logits, before temperature and top-k/top-p: vLLM's default
+``logprobs_mode``), clamped at -9999 as vLLM writes them. A completion request's choices are
+indexed ``prompt * n + sample``. Requests reject unknown fields (``extra="forbid"``), so an
+unsupported OpenAI option such as ``presence_penalty`` is a 400 naming the field rather than
+silently ignored. ``top_k`` is an extension (as in vLLM).
 """
 
 from __future__ import annotations
@@ -19,7 +25,14 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 FinishReason = Literal["stop", "length"]  # "stop": EOS or a stop string; "length": max_tokens
 
@@ -27,6 +40,9 @@ FinishReason = Literal["stop", "length"]  # "stop": EOS or a stop string; "lengt
 # cue the model completes. A training run that wants chat must use the same rendering.
 SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
 SIMPLE_CHAT_CUE = "assistant:"
+# The most alternatives a request may ask for per token (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+LOGPROB_FLOOR = -9999.0  # what vLLM writes for a log-prob of -inf (JSON has no infinity)
 
 
 class StreamOptions(BaseModel):
@@ -45,19 +61,12 @@ class GenerationRequest(BaseModel):
     temperature: float = Field(1.0, ge=0)  # 0 = greedy (argmax)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)  # extension; 0 or -1 = off
-    n: int = 1  # only 1: one choice per prompt
+    n: int = Field(1, ge=1)  # samples per prompt (the server caps prompts x n per request)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None  # up to 4 strings; the text ends before the first one
     seed: int | None = Field(None, ge=0, lt=2**63)  # reproducible sampling (runs in its own batch)
     user: str | None = None  # accepted and ignored, as clients often send it
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send the request n times instead")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -75,11 +84,21 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def token_cap(self) -> int | None:
+        """The request's limit on generated tokens (None: the server's default)."""
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """None: no log-probs; k: each token's log-prob and the k most likely tokens."""
+        return None
+
 
 class CompletionRequest(GenerationRequest):
     """``/v1/completions``: one prompt, or a list of prompts answered as one choice each."""
 
     prompt: str | list[str]
+    # each token's log-prob and the k most likely tokens' (with the sampled one: k + 1 at most)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -90,6 +109,9 @@ class CompletionRequest(GenerationRequest):
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -103,6 +125,21 @@ class ChatCompletionRequest(GenerationRequest):
     """``/v1/chat/completions``: the conversation so far; the reply is one assistant message."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # each generated token's log-prob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the k most likely
+    max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name; wins
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true; set it, or drop top_logprobs")
+        return self
+
+    def token_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):
@@ -111,10 +148,19 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion choice's tokens (or a stream chunk's), as OpenAI's legacy format has them."""
+
+    text_offset: list[int]  # where each token's text starts: the sum of earlier tokens' lengths
+    token_logprobs: list[float | None]
+    tokens: list[str]  # each token decoded alone
+    top_logprobs: list[dict[str, float] | None]  # the sampled token first, then the k likeliest
+
+
 class CompletionChoice(BaseModel):
-    index: int
+    index: int  # prompt * n + sample
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None  # None in stream chunks before the last
 
 
@@ -136,9 +182,24 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None  # only in the final usage chunk (stream_options.include_usage)
 
 
+class ChatTopLogprob(BaseModel):
+    token: str  # the token decoded alone
+    logprob: float
+    bytes: list[int] | None  # the token's text as UTF-8
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]  # the k most likely tokens at this position, in order
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -164,6 +225,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 

@@ -225,6 +225,7 @@ def test_chat_completion(server):
     assert chunks[-1]["choices"][0] == {
         "index": 0,
         "delta": {},
+        "logprobs": None,
         "finish_reason": choice["finish_reason"],
     }
 
@@ -239,8 +240,10 @@ def test_chat_completion(server):
         ('{"prompt": 12}', 400, "invalid_value"),
         ('{"prompt": "1", "max_tokens": "many"}', 400, "invalid_value"),
         ('{"prompt": "1", "temperature": -1}', 400, "invalid_value"),
-        ('{"prompt": "1", "n": 2}', 400, "invalid_value"),
-        ('{"prompt": "1", "logprobs": 3}', 400, "invalid_value"),
+        ('{"prompt": "1", "n": 0}', 400, "invalid_value"),
+        ('{"prompt": "1", "n": 17}', 400, "too_many_samples"),
+        ('{"prompt": "1", "logprobs": 21}', 400, "invalid_value"),
+        ('{"prompt": "1", "best_of": 2}', 400, "invalid_value"),
         ('{"prompt": []}', 400, "invalid_value"),
         ('{"prompt": "' + "1 " * MAX_PROMPT_TOKENS + '"}', 400, "context_length_exceeded"),
         ('{"prompt": "1", "max_tokens": ' + str(MAX_TOKENS + 1) + "}", 400, "max_tokens_exceeded"),
@@ -407,6 +410,114 @@ def test_with_an_api_key_v1_requests_need_it_and_health_does_not(server, checkpo
         assert models.json()["data"][0]["id"] == checkpoint.name
     finally:
         serve.delete("keyed")
+
+
+# -- the OpenAI surface through the `openai` client (issue 62) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def _token_ids(tokens: list[str]) -> list[int]:
+    """Token strings back to ids: the char tokenizer decodes each id to its own string."""
+    tok = build_tokenizer()
+    ids = {tok.decode([i]): i for i in range(len(tok))}
+    assert len(ids) == len(tok)
+    return [ids[t] for t in tokens]
+
+
+def test_openai_client_n_logprobs_seed_and_max_completion_tokens_on_chat(client):
+    ask = [{"role": "user", "content": "3 1 4 ="}]
+    kw: dict[str, Any] = {"model": "tiny-policy", "messages": ask, "n": 4, "logprobs": True,
+                          "top_logprobs": 5, "seed": 7, "max_tokens": 10}  # fmt: skip
+    first = client.chat.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    contents = [[t.token for t in c.logprobs.content] for c in first.choices]
+    assert len(set(map(tuple, contents))) > 1, "four samples, not one repeated"
+    for choice in first.choices:
+        entries = choice.logprobs.content
+        assert "".join(e.token for e in entries).startswith(choice.message.content)
+        assert all(len(e.top_logprobs) == 5 and e.logprob <= 0 for e in entries)
+        assert all(e.bytes == list(e.token.encode()) for e in entries)
+    usage = first.usage
+    assert usage.prompt_tokens == 1 + len("user: 3 1 4 =\nassistant:"), "the prompt counted once"
+    assert usage.completion_tokens == sum(len(c) for c in contents)
+    again = client.chat.completions.create(**kw)
+    assert [[t.token for t in c.logprobs.content] for c in again.choices] == contents
+    capped = client.chat.completions.create(
+        model="tiny-policy", messages=ask, max_completion_tokens=3, temperature=0
+    )
+    assert capped.usage.completion_tokens <= 3 and capped.choices[0].logprobs is None
+
+
+def test_openai_client_completions_logprobs_prompt_lists_stop_and_streams(client):
+    prompts = ["1 2 =", "5 5 5 ="]
+    kw: dict[str, Any] = {"model": "tiny-policy", "prompt": prompts, "n": 2, "logprobs": 5,
+                          "max_tokens": 8, "seed": 3, "temperature": 0.8}  # fmt: skip
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]  # prompt * n + sample
+    for c in whole.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+        for i, (token, top) in enumerate(zip(lp.tokens, lp.top_logprobs, strict=True)):
+            assert 5 <= len(top) <= 6 and token in top  # the sampled token, then the top 5
+            assert lp.text_offset[i] == sum(len(t) for t in lp.tokens[:i])
+    texts, tokens = ["", "", "", ""], [[], [], [], []]
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            tokens[c.index] += c.logprobs.tokens if c.logprobs else []
+    assert texts == [c.text for c in whole.choices]
+    assert tokens == [c.logprobs.tokens for c in whole.choices]
+    text = whole.choices[0].text
+    if len(text) >= 2:
+        stop = text[1]
+        cut = client.completions.create(**{**kw, "prompt": prompts[0], "n": 1, "stop": [stop]})
+        assert cut.choices[0].text == text[: text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_openai_client_chat_stream_with_n_and_logprobs(client):
+    ask = [{"role": "user", "content": "7 ="}]
+    kw: dict[str, Any] = {"model": "tiny-policy", "messages": ask, "n": 2, "logprobs": True,
+                          "top_logprobs": 2, "seed": 11, "max_tokens": 6}  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    texts, tokens, finish = ["", ""], [[], []], [None, None]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            tokens[c.index] += [t.token for t in (c.logprobs.content if c.logprobs else [])]
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert tokens == [[t.token for t in c.logprobs.content] for c in whole.choices]
+    assert finish == [c.finish_reason for c in whole.choices]
+
+
+def test_served_log_probs_are_the_trainer_s(client, checkpoint):
+    """Greedy and sampled (temperature 0.7) tokens from the server, then a training forward
+    over prompt + tokens (``token_logprobs`` at temperature 1: the raw distribution): equal
+    within the fp32 bound generation is held to against training (1e-4)."""
+    import torch
+
+    from rayhf.algorithms.lm import token_logprobs
+
+    model = load_model(checkpoint, value_head=False, field="checkpoint").eval()
+    tok = build_tokenizer()
+    prompt = "9 8 7 ="
+    ids = [tok.bos_token_id, *tok.encode(prompt, add_special_tokens=False)]
+    for temperature in (0.0, 0.7):
+        resp = client.completions.create(model="tiny-policy", prompt=prompt, max_tokens=12,
+                                         temperature=temperature, seed=5, logprobs=3)  # fmt: skip
+        lp = resp.choices[0].logprobs
+        sampled = _token_ids(lp.tokens)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + sampled])).logits[:, len(ids) - 1 : -1]
+        want = token_logprobs(logits, torch.tensor([sampled]))[0]
+        torch.testing.assert_close(torch.tensor(lp.token_logprobs), want, atol=1e-4, rtol=0)
 
 
 def test_a_replica_killed_under_load_is_replaced_and_requests_after_it_succeed(server):

@@ -27,13 +27,20 @@ from rayhf.serve.app import (
     usage_of,
     validation_error_response,
 )
-from rayhf.serve.engine import EngineOutput, SamplingSpec
+from rayhf.serve.engine import EngineOutput, SamplingSpec, TokenLogprob
 from rayhf.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 OUTS = [
     EngineOutput((5, 6, 2), ("1", " 2", ""), "stop", 4),
     EngineOutput((7,), ("x",), "length", 3),
 ]
+PER_PROMPT = [[o] for o in OUTS]  # two prompts, n = 1
+TOP = ((("1", -0.1), ("2", -2.5)), (("3", -0.5), (" ", -1.0)), (("</s>", -0.2), ("x", -3.0)))
+WITH_LOGPROBS = EngineOutput(
+    (5, 6, 2), ("1", " 2", ""), "stop", 4,
+    tuple(TokenLogprob(t, lp, top) for t, lp, top in
+          zip(("1", " 2", "</s>"), (-0.1, -1.5, float("-inf")), TOP, strict=True)),
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,22 +73,75 @@ def test_temperature_zero_is_greedy_and_missing_fields_take_the_server_s_default
     assert sampling_spec(greedy, cfg) == SamplingSpec(
         max_tokens=7, greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=5, stop=("\n",)
     )
+    asked = CompletionRequest(prompt="a", n=3, logprobs=0)
+    assert (sampling_spec(asked, cfg).n, sampling_spec(asked, cfg).logprobs) == (3, 0)
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+         "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 4}
+    )  # fmt: skip
+    assert (sampling_spec(chat, cfg).max_tokens, sampling_spec(chat, cfg).logprobs) == (3, 4)
     sampled = CompletionRequest(prompt="a", temperature=0.5, top_k=3, top_p=0.9, max_tokens=2)
     assert sampling_spec(sampled, cfg) == SamplingSpec(2, False, 0.5, 3, 0.9)
 
 
 def test_responses_carry_every_choice_and_the_usage():
-    assert usage_of(OUTS).model_dump() == {
+    assert usage_of(PER_PROMPT).model_dump() == {
         "prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
     }  # fmt: skip
-    response = completion_response("cmpl-1", "actor", OUTS)
+    response = completion_response("cmpl-1", "actor", PER_PROMPT)
     assert [(c.index, c.text, c.finish_reason) for c in response.choices] == [
         (0, "1 2", "stop"), (1, "x", "length"),
     ]  # fmt: skip
     assert response.model == "actor" and response.object == "text_completion"
-    chat = chat_response("chat-1", "actor", OUTS[0])
+    chat = chat_response("chat-1", "actor", OUTS[:1])
     assert chat.choices[0].message.model_dump() == {"role": "assistant", "content": "1 2"}
-    assert chat.usage.total_tokens == 7
+    assert chat.usage.total_tokens == 7 and chat.choices[0].logprobs is None
+
+
+def test_n_samples_are_choices_prompt_times_n_plus_j_and_the_prompt_counts_once():
+    two = [[OUTS[0], OUTS[0]], [OUTS[1], OUTS[1]]]  # two prompts, n = 2
+    response = completion_response("cmpl-1", "actor", two)
+    assert [(c.index, c.text) for c in response.choices] == [
+        (0, "1 2"), (1, "1 2"), (2, "x"), (3, "x"),
+    ]  # fmt: skip
+    assert response.usage.model_dump() == {
+        "prompt_tokens": 7, "completion_tokens": 8, "total_tokens": 15,
+    }  # fmt: skip
+    chat = chat_response("chat-1", "actor", [OUTS[0], OUTS[1]])
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.prompt_tokens == 4
+
+
+def test_log_probs_in_openai_s_two_formats():
+    chat = chat_response("chat-1", "actor", [WITH_LOGPROBS]).model_dump()["choices"][0]
+    first, _, last = chat["logprobs"]["content"]
+    assert first == {
+        "token": "1", "logprob": -0.1, "bytes": [49],
+        "top_logprobs": [{"token": "1", "logprob": -0.1, "bytes": [49]},
+                         {"token": "2", "logprob": -2.5, "bytes": [50]}],
+    }  # fmt: skip
+    assert last["logprob"] == -9999.0, "-inf is written as vLLM writes it"
+    [choice] = completion_response("cmpl-1", "actor", [[WITH_LOGPROBS]]).model_dump()["choices"]
+    assert choice["logprobs"] == {
+        "text_offset": [0, 1, 3],
+        "token_logprobs": [-0.1, -1.5, -9999.0],
+        "tokens": ["1", " 2", "</s>"],
+        "top_logprobs": [{"1": -0.1, "2": -2.5}, {" 2": -1.5, "3": -0.5, " ": -1.0},
+                         {"</s>": -0.2, "x": -3.0}],
+    }  # fmt: skip
+
+
+def test_with_log_probs_a_stream_has_a_chunk_per_token_carrying_its_log_probs():
+    chunks = _events(completion_events("cmpl-1", "actor", [[WITH_LOGPROBS]], False))
+    got = [(c["choices"][0]["text"], c["choices"][0]["logprobs"]) for c in chunks]
+    assert [text for text, _ in got] == ["1", " 2", "", ""]
+    assert [lp["text_offset"] for _, lp in got[:3]] == [[0], [1], [3]] and got[3][1] is None
+    chat = _events(chat_events("chat-1", "actor", [WITH_LOGPROBS, OUTS[1]], False))
+    tokens = [
+        (c["choices"][0]["index"], [t["token"] for t in c["choices"][0]["logprobs"]["content"]])
+        for c in chat if c["choices"][0]["logprobs"]
+    ]  # fmt: skip
+    assert tokens == [(0, ["1"]), (0, [" 2"]), (0, ["</s>"])]
+    assert [c["choices"][0]["index"] for c in chat] == [0] * 5 + [1] * 3
 
 
 def _events(stream) -> list:
@@ -91,7 +151,7 @@ def _events(stream) -> list:
 
 
 def test_completion_events_replay_each_choice_s_pieces_then_its_finish():
-    chunks = _events(completion_events("cmpl-1", "actor", OUTS, include_usage=True))
+    chunks = _events(completion_events("cmpl-1", "actor", PER_PROMPT, include_usage=True))
     firsts = [c["choices"][0] for c in chunks[:-1]]
     texts = [(f["index"], f["text"], f["finish_reason"]) for f in firsts]
     assert texts == [
@@ -99,12 +159,12 @@ def test_completion_events_replay_each_choice_s_pieces_then_its_finish():
     ]  # fmt: skip
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 11
     assert {c["id"] for c in chunks} == {"cmpl-1"} and len({c["created"] for c in chunks}) == 1
-    plain = _events(completion_events("cmpl-1", "actor", OUTS, include_usage=False))
+    plain = _events(completion_events("cmpl-1", "actor", PER_PROMPT, include_usage=False))
     assert all(c.get("usage") is None for c in plain) and len(plain) == 5
 
 
 def test_chat_events_open_with_the_role_and_close_with_an_empty_delta():
-    chunks = _events(chat_events("chat-1", "actor", OUTS[0], include_usage=True))
+    chunks = _events(chat_events("chat-1", "actor", OUTS[:1], include_usage=True))
     deltas = [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]]
     assert deltas == [
         ({"role": "assistant", "content": ""}, None), ({"content": "1"}, None),

@@ -4,13 +4,14 @@ checkpoint in this process."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from rayhf.errors import RayhfError
-from rayhf.models.hf import ModelInit, build_model, hf_config, save_model
+from rayhf.models.hf import ModelInit, build_model, hf_config, load_model, save_model
 from rayhf.serve.engine import (
     EngineOutput,
     EngineRequest,
@@ -52,7 +53,7 @@ class _Chars(ServingEngine):
     def max_positions(self) -> int | None:
         return 20
 
-    def generate(self, requests: list[EngineRequest]) -> list[EngineOutput]:
+    def generate(self, requests: list[EngineRequest]) -> list[list[EngineOutput]]:
         raise NotImplementedError
 
 
@@ -166,8 +167,8 @@ def test_rows_of_a_batch_do_not_interact_and_seeds_reproduce(native: NativeEngin
     greedy = SamplingSpec(max_tokens=6, greedy=True)
     short = native.prepare("1 =", SamplingSpec(max_tokens=2, greedy=True))
     long = native.prepare("3 1 4 1 5 =", greedy)
-    alone = native.generate([long])[0]
-    batched = native.generate([short, long, native.prepare("9 =", greedy)])
+    alone = native.generate([long])[0][0]
+    batched = [outs[0] for outs in native.generate([short, long, native.prepare("9 =", greedy)])]
     assert batched[1] == alone, "a greedy row equals the same request run alone"
     assert batched[0].completion_tokens <= 2 and batched[0].prompt_tokens == 4  # bos 1 space =
     for out in batched:
@@ -176,3 +177,50 @@ def test_rows_of_a_batch_do_not_interact_and_seeds_reproduce(native: NativeEngin
         assert out.finish_reason == ("stop" if ended else "length")
     seeded = native.prepare("2 =", SamplingSpec(max_tokens=6, seed=11))
     assert native.generate([seeded]) == native.generate([seeded, long])[:1]
+
+
+def test_n_samples_share_one_call_and_a_seed_gives_sample_j_whatever_n(native: NativeEngine):
+    calls: list[int] = []
+    real = native.decoder.generate
+    native.decoder.generate = lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a)  # type: ignore[method-assign]
+    try:
+        four = native.prepare("2 =", SamplingSpec(max_tokens=8, seed=5, n=4))
+        [samples] = native.generate([four])
+        two = native.generate([native.prepare("2 =", SamplingSpec(max_tokens=8, seed=5, n=2))])
+    finally:
+        del native.decoder.generate
+    assert calls == [4, 2], "a request's samples are rows of one call"
+    assert len(samples) == 4 and len({s.token_ids for s in samples}) > 1, "samples differ"
+    assert two[0] == samples[:2], "the same seed: the same samples"
+    assert all(s.logprobs is None for s in samples)
+
+
+def test_log_probs_are_the_raw_distribution_s_with_the_likeliest_tokens(native: NativeEngine):
+    """At temperature 2 the reported log-probs are still ``log_softmax(logits)`` (vLLM's
+    default), the top-k are sorted and hold the greedy token, and asking changes no token."""
+    import torch
+
+    from rayhf.algorithms.lm import token_logprobs
+
+    spec = SamplingSpec(max_tokens=6, temperature=2.0, seed=1, n=2)
+    plain, asked = (
+        native.generate([native.prepare("1 2 =", dataclasses.replace(spec, logprobs=k))])[0]
+        for k in (None, 3)
+    )
+    assert [o.token_ids for o in plain] == [o.token_ids for o in asked]
+    prompt = native.encode("1 2 =")
+    hf = load_model(Path(native.cfg.checkpoint), value_head=False, field="c").eval()
+    for out in asked:
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+        ids = torch.tensor([[*prompt, *out.token_ids]])
+        with torch.no_grad():
+            logits = hf(ids).logits[:, len(prompt) - 1 : -1]
+        want = token_logprobs(logits, torch.tensor([out.token_ids]))[0]
+        got = torch.tensor([t.logprob for t in out.logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        for t, row in zip(out.logprobs, logits[0].log_softmax(-1), strict=True):
+            assert len(t.top) == 3 and [lp for _, lp in t.top] == sorted(
+                (lp for _, lp in t.top), reverse=True
+            )
+            assert t.top[0][0] == native.token_text(int(row.argmax()))
+            assert t.top[0][1] == pytest.approx(float(row.max()), abs=1e-4)

@@ -33,10 +33,12 @@ def test_a_completion_request_takes_one_prompt_or_a_list():
     "body,message",
     [
         ({"prompt": []}, "the prompt list is empty; send at least one prompt"),
-        ({"prompt": "a", "n": 2}, "only n=1 is supported; send the request n times instead"),
+        ({"prompt": "a", "n": 0}, "greater than or equal to 1"),
         ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop takes at most 4"),
         ({"prompt": "a", "stop": ["a", ""]}, "stop takes at most 4 non-empty strings"),
-        ({"prompt": "a", "logprobs": 3}, "Extra inputs are not permitted"),
+        ({"prompt": "a", "logprobs": 21}, "less than or equal to 20"),
+        ({"prompt": "a", "best_of": 2}, r"best_of\s+Extra inputs are not permitted"),
+        ({"prompt": "a", "presence_penalty": 1}, "Extra inputs are not permitted"),
         ({"prompt": "a", "temperature": -0.5}, "greater than or equal to 0"),
         ({"prompt": "a", "top_p": 0}, "greater than 0"),
         ({"prompt": "a", "top_k": -2}, "greater than or equal to -1"),
@@ -47,6 +49,21 @@ def test_a_completion_request_takes_one_prompt_or_a_list():
 def test_what_a_completion_request_refuses(body, message):
     with pytest.raises(ValidationError, match=message):
         CompletionRequest.model_validate(body)
+
+
+def test_a_chat_request_takes_logprobs_top_logprobs_and_max_completion_tokens():
+    hi = [{"role": "user", "content": "hi"}]
+    request = ChatCompletionRequest.model_validate({"messages": hi, "n": 4, "logprobs": True})
+    assert (request.n, request.logprob_count(), request.token_cap()) == (4, 0, None)
+    request = ChatCompletionRequest.model_validate(
+        {"messages": hi, "logprobs": True, "top_logprobs": 5, "max_completion_tokens": 7}
+    )
+    assert (request.logprob_count(), request.token_cap()) == (5, 7)
+    assert ChatCompletionRequest.model_validate({"messages": hi}).logprob_count() is None
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs: true"):
+        ChatCompletionRequest.model_validate({"messages": hi, "top_logprobs": 2})
+    with pytest.raises(ValidationError, match="less than or equal to 20"):
+        ChatCompletionRequest.model_validate({"messages": hi, "logprobs": True, "top_logprobs": 21})
 
 
 def test_a_chat_request_needs_messages_of_known_roles():
