@@ -2,11 +2,12 @@
 sandbox (and the weaker mode that remains by name).
 
     python benchmarks/sandbox.py [--programs 128] [--concurrency 1 8 64] [--startups 40]
-                                 [--before e4536dd]
+                                 [--rounds 3] [--before e4536dd]
 
 Each runner runs the same small program (a sum of squares, printed: a code-RL answer's size)
 ``--startups`` times one after another (per-program latency: median and p90), then
-``--programs`` of them from C threads at once for each C in ``--concurrency`` (programs/s;
+``--programs`` of them from C threads at once for each C in ``--concurrency`` (programs/s, the
+median of ``--rounds``; the runners' programs and rounds interleaved;
 64 is ``env.concurrency``'s default, the trajectories a multi-turn generate call keeps inside
 their environments). "before" is ``rayhf/envs/sandbox.py`` as it was at ``--before`` (an audit
 hook in the program's own interpreter), loaded from git. Writes docs/benchmarks/sandbox.{md,json}.
@@ -68,19 +69,38 @@ def _once(run: Callable[[str], object]) -> float:
     return took
 
 
-def measure(run: Callable[[str], object], startups: int, programs: int, levels: list[int]) -> dict:
-    _once(run)  # warm: the kernel mode's first run finds bwrap and compiles the filter
-    times = sorted(_once(run) for _ in range(startups))
-    row = {
-        "median_ms": 1000 * statistics.median(times),
-        "p90_ms": 1000 * times[int(0.9 * startups)],
-    }
+def measure(
+    runs: dict[str, Callable[[str], object]],
+    startups: int,
+    programs: int,
+    levels: list[int],
+    rounds: int,
+) -> dict[str, dict[str, float]]:
+    """Per-program latency and programs/s of every runner, their runs interleaved (a program of
+    each runner in turn; a round of each at every level) so the machine's drift hits all alike."""
+    for run in runs.values():
+        _once(run)  # warm: the kernel mode's first run finds bwrap and compiles the filter
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(startups):
+        for name, run in runs.items():
+            times[name].append(_once(run))
+    rates: dict[str, dict[int, list[float]]] = {name: {c: [] for c in levels} for name in runs}
     for c in levels:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(c) as pool:
-            list(pool.map(lambda _: _once(run), range(programs)))
-        row[f"per_s_c{c}"] = programs / (time.perf_counter() - start)
-    return row
+        for _ in range(rounds):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                with ThreadPoolExecutor(c) as pool:
+                    list(pool.map(_once, [run] * programs))
+                rates[name][c].append(programs / (time.perf_counter() - start))
+    rows = {}
+    for name, t in times.items():
+        t = sorted(t)
+        rows[name] = {
+            "median_ms": 1000 * statistics.median(t),
+            "p90_ms": 1000 * t[int(0.9 * len(t))],
+        }
+        rows[name] |= {f"per_s_c{c}": statistics.median(rates[name][c]) for c in levels}
+    return rows
 
 
 def main() -> None:
@@ -88,20 +108,22 @@ def main() -> None:
     ap.add_argument("--programs", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--startups", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default="e4536dd")
     args = ap.parse_args()
     kernel = sandbox.kernel_isolation(None, None, sandbox.NOBODY)
-    rows = {}
-    for name, run in runners(args.before).items():
-        rows[name] = measure(run, args.startups, args.programs, args.concurrency)
-        print(name, {k: round(v, 1) for k, v in rows[name].items()}, flush=True)
+    rows = measure(
+        runners(args.before), args.startups, args.programs, args.concurrency, args.rounds
+    )
+    for name, row in rows.items():
+        print(name, {k: round(v, 1) for k, v in row.items()}, flush=True)
     levels = " | ".join(f"programs/s, {c} at once" for c in args.concurrency)
     lines = [
         "# The code tool's sandbox: cost per program",
         "",
         f"`python benchmarks/sandbox.py --programs {args.programs} --concurrency "
-        f"{' '.join(map(str, args.concurrency))} --startups {args.startups} --before "
-        f"{args.before}`, on {platform.processor() or platform.machine()} with 2 cores. The "
+        f"{' '.join(map(str, args.concurrency))} --startups {args.startups} --rounds "
+        f"{args.rounds} --before {args.before}`, on {platform.machine()} with 2 cores. The "
         f"program: `{PROGRAM}`. Kernel mode here: {kernel.describe()}.",
         "",
         f"| runner | per program, median ms | p90 ms | {levels} |",
