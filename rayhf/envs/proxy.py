@@ -14,6 +14,10 @@ The server trusts its own record, not the client's copy: the history a request s
 the one this session served (the assistant turns as replied), else the request is refused, since
 an edited history could not be trained token-exactly. The first request's ``tools`` go into the
 template's tools section; sampling follows the call's generation settings, not the request's.
+``logprobs: true`` returns the model turn's log-probs as recorded for training (under the
+call's temperature, not the raw distribution ``rayhf serve`` reports); ``top_logprobs`` > 0 and
+``n`` > 1 are refused naming the field: a session records one trajectory, so a model turn has
+one continuation, and the generate call keeps only the sampled tokens' log-probs.
 Budgets as for environments: a request past ``env.max_turns`` or ``env.max_tokens`` is refused
 (the trajectory ends "turns" or "tokens", reward 0); an agent that raises ends "error", one that
 spends more than ``env.step_timeout_s`` between two model turns is cancelled and ends "timeout".
@@ -41,6 +45,7 @@ from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, star
 from rayhf.errors import RayhfError
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[float]]
+LOGPROB_FLOOR = -9999.0  # what OpenAI-compatible servers write for a log-prob of -inf
 
 
 class _Message(BaseModel):
@@ -77,6 +82,17 @@ class _Request(BaseModel):
 
     messages: list[_Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) for an option a trajectory cannot honour."""
+        if (self.n or 1) != 1:
+            return "n", "a trajectory has one continuation per model turn; run n agents instead"
+        if self.top_logprobs:
+            return "top_logprobs", "the rollout records only the sampled tokens' log-probs"
+        return None
 
 
 class _Refused(Exception):
@@ -115,6 +131,10 @@ class AgentServer:
             return _error(404, f"no session {sid}", "not_found")
         try:
             req = _Request.model_validate(await request.json())
+            refused = req.refused_field()
+            if refused is not None:
+                field, why = refused
+                return _error(400, f"{field}: not served here: {why}", "invalid_value", field)
             return JSONResponse(await self._complete(sid, session, req))
         except ValidationError as e:
             return _error(400, str(e).splitlines()[0], "invalid_request")
@@ -193,18 +213,30 @@ class AgentServer:
         s.seen = (*s.seen, _Message.model_validate(message).key())
         ended = bool(ids) and ids[-1] == self.tok.eos_token_id
         finish = "tool_calls" if good else "stop" if ended else "length"
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        if req.logprobs:
+            choice["logprobs"] = {
+                "content": [self._logprob(t, lp) for t, lp in zip(ids, logprobs, strict=True)]
+            }
         return {
             "id": f"chatcmpl-{sid}-{traj.turns}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": str(getattr(req, "model", None) or "rayhf-policy"),
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": before,
                 "completion_tokens": len(ids),
                 "total_tokens": before + len(ids),
             },
         }
+
+    def _logprob(self, token: int, logprob: float) -> dict[str, Any]:
+        """One token of a reply's ``logprobs.content``, in OpenAI's chat format."""
+        text = self.tok.decode([token])
+        utf8 = list(text.encode("utf-8", errors="replace"))
+        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": utf8,
+                "top_logprobs": []}  # fmt: skip
 
     async def run(
         self, agent: Agent, sid: int, row: dict[str, Any], base: str, http: Any
@@ -248,9 +280,9 @@ class AgentServer:
             return "error", self.cfg.error_reward, {"error": error}
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
-    return JSONResponse(body, status_code=status)
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    error = {"message": message, "type": "invalid_request_error", "code": code, "param": param}
+    return JSONResponse({"error": error}, status_code=status)
 
 
 class _Quiet(uvicorn.Server):

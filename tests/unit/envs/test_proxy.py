@@ -148,3 +148,24 @@ def test_the_agent_must_be_an_async_function():
     check_env(EnvConfig(agent=f"{__name__}:behaves"))
     with pytest.raises(RayhfError, match=re.escape("async def agent(client, row) -> reward")):
         check_env(EnvConfig(agent=f"{__name__}:_run"))
+
+
+async def asks_for_logprobs(client, row):
+    import openai
+
+    reply = await client.chat.completions.create(model="m", messages=ASK, logprobs=True)
+    content = reply.choices[0].logprobs.content
+    got = [(t.token, t.logprob, t.top_logprobs) for t in content]
+    want = [(TOK.decode([t]), -0.25, []) for t in REPLY]  # as the turn was recorded
+    refused = []
+    for extra in ({"n": 2}, {"logprobs": True, "top_logprobs": 2}):
+        try:
+            await client.chat.completions.create(model="m", messages=ASK, **extra)
+        except openai.BadRequestError as e:
+            refused.append(e.body["param"])
+    return float(got == want and refused == ["n", "top_logprobs"])
+
+
+def test_logprobs_are_the_recorded_ones_and_n_or_top_logprobs_are_refused_by_name():
+    out = _run("asks_for_logprobs")
+    assert (out.ended, out.reward, out.trajectory.turns) == ("done", 1.0, 1), out.info
