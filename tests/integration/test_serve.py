@@ -8,6 +8,7 @@ request grouping, the config files) are tested without Ray.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import socket
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
+from conftest import needs_vllm
 
 from rayhf.errors import RayhfError
 from rayhf.models.files import quiet_transformers
@@ -40,11 +42,12 @@ TIMEOUT = 60
 
 
 def make_checkpoint(out: Path) -> Path:
-    """A ~40k-parameter random Llama with the demo char tokenizer, saved like a training actor."""
+    """A ~100k-parameter random Llama with the demo char tokenizer, saved like a training actor
+    (head_dim 32: vLLM's CPU attention runs it too)."""
     quiet_transformers()
     tok = build_tokenizer()
     ids = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    cfg = hf_config(ModelInit(hidden_size=32, n_layers=2, n_heads=4), len(tok), *ids)
+    cfg = hf_config(ModelInit(hidden_size=64, n_layers=2, n_heads=2), len(tok), *ids)
     cfg.initializer_range = 0.5  # peaked logits: greedy text varies and ties are unlikely
     return save_model(build_model(cfg, value_head=False, seed=0), out, tok)
 
@@ -438,9 +441,11 @@ def test_openai_client_n_logprobs_seed_and_max_completion_tokens_on_chat(client)
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
     contents = [[t.token for t in c.logprobs.content] for c in first.choices]
     assert len(set(map(tuple, contents))) > 1, "four samples, not one repeated"
+    specials = set(build_tokenizer().all_special_tokens)  # in the tokens, not in the text
     for choice in first.choices:
         entries = choice.logprobs.content
-        assert "".join(e.token for e in entries).startswith(choice.message.content)
+        text = "".join(e.token for e in entries if e.token not in specials)
+        assert text == choice.message.content
         assert all(len(e.top_logprobs) == 5 and e.logprob <= 0 for e in entries)
         assert all(e.bytes == list(e.token.encode()) for e in entries)
     usage = first.usage
@@ -518,6 +523,133 @@ def test_served_log_probs_are_the_trainer_s(client, checkpoint):
             logits = model(torch.tensor([ids + sampled])).logits[:, len(ids) - 1 : -1]
         want = token_logprobs(logits, torch.tensor([sampled]))[0]
         torch.testing.assert_close(torch.tensor(lp.token_logprobs), want, atol=1e-4, rtol=0)
+
+
+# What vLLM's server writes that rayhf does not: vLLM's extensions (token ids, stop reasons,
+# prompt log-probs, transfer parameters, metrics) and OpenAI fields rayhf has no use for (all
+# null or empty in vLLM's answers here).
+VLLM_ONLY = {
+    "stop_reason", "token_ids", "prompt_logprobs", "prompt_token_ids", "prompt_text",
+    "routed_experts", "kv_transfer_params", "ec_transfer_params", "metrics", "service_tier",
+    "system_fingerprint", "refusal", "annotations", "audio", "function_call", "reasoning",
+    "tool_calls", "prompt_tokens_details", "completion_tokens_details",
+}  # fmt: skip
+# The chat rendering rayhf uses for a tokenizer without a template, as a template for vLLM.
+SIMPLE_CHAT_JINJA = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+)
+
+
+def _shape(x: Any, key: str = "") -> Any:
+    """A JSON value's structure: dicts by key, lists as the union of their items' shapes,
+    leaves as a type name (null: "null", which any shape matches). A completion's
+    ``top_logprobs`` dicts are keyed by token: their shape is "token -> number"."""
+    by_token = isinstance(x, list) and all(isinstance(d, dict) and "token" not in d for d in x)
+    if key == "top_logprobs" and by_token:  # completions: {token: log-prob}
+        ok = all(isinstance(v, float | int) for d in x for v in d.values())
+        return ["token -> number" if ok else "token -> other"]
+    if isinstance(x, dict):
+        return {k: _shape(v, k) for k, v in x.items()}
+    if isinstance(x, list):
+        merged: Any = "null"
+        for item in x:
+            merged = _merge(merged, _shape(item))
+        return [merged]
+    if x is None:
+        return "null"
+    return "number" if isinstance(x, int | float) and not isinstance(x, bool) else type(x).__name__
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a == "null":
+        return b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _merge(a.get(k, "null"), b.get(k, "null")) for k in a.keys() | b.keys()}
+    if isinstance(a, list) and isinstance(b, list):
+        return [_merge(a[0], b[0])]
+    return a
+
+
+def _differences(ours: Any, theirs: Any, path: str = "") -> tuple[list[str], set[str]]:
+    """(where rayhf's shape differs from vLLM's, the keys only vLLM writes)."""
+    if "null" in (ours, theirs):
+        return [], set()
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        wrong = [f"{path}.{k}: not in vLLM's" for k in ours.keys() - theirs.keys()]
+        only = set(theirs.keys() - ours.keys())
+        for k in ours.keys() & theirs.keys():
+            w, o = _differences(ours[k], theirs[k], f"{path}.{k}")
+            wrong += w
+            only |= o
+        return wrong, only
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return _differences(ours[0], theirs[0], f"{path}[]")
+    return ([] if ours == theirs else [f"{path}: {ours} vs vLLM's {theirs}"]), set()
+
+
+def _answers(base: str, model: str) -> dict[str, Any]:
+    """Chat and completions, whole and streamed, with n, logprobs, top_logprobs, seed, stop."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "3 1 4 ="}], "n": 2,
+            "logprobs": True, "top_logprobs": 3, "seed": 7, "max_tokens": 5}  # fmt: skip
+    comp = {"model": model, "prompt": ["1 2 =", "5 5 ="], "n": 2, "logprobs": 3, "seed": 7,
+            "max_tokens": 5, "stop": ["zz"]}  # fmt: skip
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    answers = {}
+    for name, path, body in (("chat", "/v1/chat/completions", chat),
+                             ("completion", "/v1/completions", comp)):  # fmt: skip
+        whole = requests.post(f"{base}{path}", json=body, timeout=TIMEOUT)
+        assert whole.status_code == 200, whole.text
+        answers[name] = whole.json()
+        answers[f"{name} chunks"] = sse_chunks(
+            requests.post(f"{base}{path}", json={**body, **usage}, timeout=TIMEOUT)
+        )
+    return answers
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_responses_have_the_structure_of_vllm_s_server_on_the_same_checkpoint(
+    server, checkpoint, tmp_path
+):
+    """vLLM's own OpenAI server (the CPU build, ~45 s to start) on the module's checkpoint and
+    rayhf's, asked the same: every key rayhf writes is where vLLM writes it, with the same kind
+    of value, and what rayhf leaves out is only vLLM's extensions (``VLLM_ONLY``)."""
+    import os
+    import subprocess
+    import sys
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(SIMPLE_CHAT_JINJA)
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           str(checkpoint), "--port", str(port), "--max-model-len", "128", "--dtype", "float32",
+           "--chat-template", str(template), "--max-num-seqs", "8", "--enforce-eager",
+           "--gpu-memory-utilization", "0.2", "--served-model-name", checkpoint.name]  # fmt: skip
+    log = (tmp_path / "vllm.log").open("w")
+    vllm = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while vllm.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1.0)
+        assert vllm.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+        theirs = _answers(base, checkpoint.name)
+    finally:
+        vllm.terminate()
+        vllm.wait(30)
+    ours = _answers(server, checkpoint.name)
+    for name in ours:
+        wrong, only = _differences(_shape(ours[name]), _shape(theirs[name]), name)
+        assert not wrong, wrong
+        assert only <= VLLM_ONLY, only - VLLM_ONLY
+    for name in ("chat", "completion"):
+        assert [c["index"] for c in ours[name]["choices"]] == [
+            c["index"] for c in theirs[name]["choices"]
+        ]
 
 
 def test_a_replica_killed_under_load_is_replaced_and_requests_after_it_succeed(server):
