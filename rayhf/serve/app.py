@@ -83,7 +83,8 @@ class ServeConfig(ServingEngineConfig):
     """``build_app``'s args: the engine's fields plus how the deployment runs."""
 
     model_id: str | None = None  # None = the checkpoint directory's name
-    max_batch_size: int = Field(16, gt=0)  # prompts generated together, at most
+    # prompts generated together, at most; also the most samples (prompts x n) of one request
+    max_batch_size: int = Field(16, gt=0)
     # How long a batch waits to fill up. benchmarks/serve_latency.py, 16 clients on 2 cores:
     # 0.01 s -> mean batch 4, 30 req/s; 0.05 s -> 16, 63 req/s; a lone request pays the wait.
     batch_wait_timeout_s: float = Field(0.05, ge=0)
@@ -445,7 +446,8 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def _vllm_app(cfg: ServeConfig) -> Application:
-    """Ray Serve LLM's OpenAI app on vLLM (GPUs); untested here: vLLM is not installed."""
+    """Ray Serve LLM's OpenAI app on vLLM (GPUs); untested here (vLLM's CPU build is tested
+    as a generation engine and as the reference server of test_serve, not behind Serve)."""
     require_vllm()
     from ray.serve.llm import LLMConfig, build_openai_app
 
