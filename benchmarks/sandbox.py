@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
 import statistics
 import subprocess
@@ -124,7 +125,9 @@ def main() -> None:
         f"`python benchmarks/sandbox.py --programs {args.programs} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --startups {args.startups} --rounds "
         f"{args.rounds} --before {args.before}`, on {platform.machine()} with 2 cores. The "
-        f"program: `{PROGRAM}`. Kernel mode here: {kernel.describe()}.",
+        f"program: `{PROGRAM}`. Kernel mode here: {kernel.describe()}; its programs run "
+        f"`{kernel.python}`, the other runners' `{os.path.realpath(sys.executable)}` (the "
+        "worker's own, where the sandbox's uid can reach it).",
         "",
         f"| runner | per program, median ms | p90 ms | {levels} |",
         "| --- | ---: | ---: |" + " ---: |" * len(args.concurrency),
