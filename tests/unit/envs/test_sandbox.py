@@ -38,7 +38,7 @@ def _kernel_available() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(
+kernel = pytest.mark.skipif(
     not _kernel_available() and os.environ.get("RAYHF_REQUIRE_SANDBOX") != "1",
     reason="no kernel isolation here (bubblewrap or user namespaces missing)",
 )
@@ -96,6 +96,7 @@ def _native(*lines: str) -> str:
 ROUTES = ("python", "fresh interpreter")
 
 
+@kernel
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_program_writes_deletes_and_renames_nothing_outside_its_directory(run_dir, route):
     before = _snapshot(run_dir)
@@ -120,6 +121,7 @@ def test_a_program_writes_deletes_and_renames_nothing_outside_its_directory(run_
     assert not Path(ESCAPE).exists() and not Path("/escape").exists()
 
 
+@kernel
 def test_native_code_and_other_programs_change_nothing_outside_either(run_dir):
     before = _snapshot(run_dir)
     m, d = str(run_dir / "metrics.jsonl"), str(run_dir / "data" / "train.jsonl")
@@ -137,6 +139,7 @@ def test_native_code_and_other_programs_change_nothing_outside_either(run_dir):
     assert _snapshot(run_dir) == before
 
 
+@kernel
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_program_reads_nothing_of_the_run(run_dir, route):
     paths = [run_dir / "data" / "train.jsonl", run_dir / "ckpt" / "model.safetensors"]
@@ -159,6 +162,7 @@ def bystander():
     proc.wait()
 
 
+@kernel
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_program_sees_and_signals_no_process_it_did_not_start(bystander, route):
     pid = bystander.pid
@@ -200,6 +204,7 @@ def listener():
     server.close()
 
 
+@kernel
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_program_connects_nowhere_loopback_included(listener, route):
     port, accepted = listener
@@ -217,6 +222,7 @@ def test_a_program_connects_nowhere_loopback_included(listener, route):
     assert "OK socket.create_connection" not in out and not accepted, (out, shell)
 
 
+@kernel
 def test_memory_processes_and_disk_stop_at_their_limits():
     mem = run_python("x = []\nwhile True:\n    x.append(bytearray(2**24))", cfg=KERNEL)
     assert mem.limit == "memory", mem
@@ -231,6 +237,27 @@ def test_memory_processes_and_disk_stop_at_their_limits():
     assert slow.limit == "wall" and slow.seconds < FAST.wall_seconds + 2, slow
 
 
+@kernel
+def test_processes_that_together_pass_the_memory_limit_are_stopped_by_the_cgroup():
+    """Each child under the address-space limit, together over the cgroup's memory: the kernel
+    kills one, and the run says memory (where this host gives a memory cgroup)."""
+    if "memory" not in sandbox.cgroup_controllers():
+        pytest.skip("no memory cgroup for the sandbox here")
+    code = """
+import os, time
+for _ in range(6):
+    if os.fork() == 0:
+        x = bytearray(200 * 2**20)
+        for i in range(0, len(x), 4096):
+            x[i] = 1
+        time.sleep(30)
+os.wait()
+"""
+    r = run_python(code, cfg=KERNEL)
+    assert r.limit == "memory", r
+
+
+@kernel
 def test_a_fork_bomb_is_capped_and_nothing_it_started_survives():
     code = """
 import os, time
@@ -251,6 +278,7 @@ except OSError:
     assert not _running("600.4817")
 
 
+@kernel
 def test_a_daemon_the_program_leaves_behind_is_killed():
     code = """
 import os
@@ -279,18 +307,21 @@ def _running(marker: str) -> bool:
     return False
 
 
+@kernel
 def test_the_boundary_holds_as_an_unprivileged_identity_with_a_syscall_filter():
-    out = _call(_tries(
-        "print('uid', os.getuid())",
-        "import ctypes; assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0",
-        "import ctypes; assert ctypes.CDLL(None, use_errno=True).ptrace(0, 0, 0, 0) == 0",
-    ))  # fmt: skip
-    assert "uid 65534" in out and out.count("FAILED") == 2, out
     k = sandbox.kernel_isolation(None, None, sandbox.NOBODY)
+    refused = [
+        "import ctypes; assert ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0",
+        *(["import ctypes; assert ctypes.CDLL(None, use_errno=True).ptrace(0, 0, 0, 0) == 0"]
+          if k.seccomp is not None else []),  # the filter, where libseccomp is installed
+    ]  # fmt: skip
+    out = _call(_tries("print('uid', os.getuid())", *refused))
+    assert "uid 65534" in out and out.count("FAILED") == len(refused), out
     if os.geteuid() == 0:
         assert k.uid == sandbox.NOBODY  # on the host too, not only inside its namespace
 
 
+@kernel
 def test_the_tool_answers_and_works_after_every_attack():
     ok = _call("import sys\nprint(sum(range(10)))\nprint('oops', file=sys.stderr)\nsys.exit(3)")
     assert ok.startswith("exit code: 3") and "stdout:\n45" in ok and "oops" in ok, ok
@@ -312,6 +343,23 @@ def test_missing_isolation_refuses_in_one_line(monkeypatch):
             REGISTRY.call(ToolCall("python", {"code": "print(1)"}))  # fails closed, not open
     finally:
         sandbox.kernel_isolation.cache_clear()
+
+
+def test_a_worker_whose_bwrap_cannot_make_namespaces_refuses_the_call(tmp_path):
+    """A node where bwrap is there but the kernel refuses it namespaces (as most containers'
+    seccomp profiles do): the first program raises, it does not come back as an observation."""
+    fake = tmp_path / "bwrap"
+    fake.write_text(
+        "#!/bin/sh\ncase $1 in --help) echo '--size --disable-userns';; --version) echo "
+        "'bubblewrap 0.11.0';; *) echo 'bwrap: No permissions to create a new namespace' >&2; "
+        "exit 1;; esac\n"
+    )
+    fake.chmod(0o755)
+    cfg = SandboxConfig(bwrap=str(fake), limits=FAST)
+    with pytest.raises(SandboxUnavailable, match="No permissions to create a new namespace"):
+        run_python("print(1)", cfg=cfg)
+    with pytest.raises(SandboxUnavailable), sandbox.using(cfg):
+        REGISTRY.call(ToolCall("python", {"code": "print(1)"}))
 
 
 def test_the_weaker_mode_is_chosen_by_name_and_warns(caplog):
@@ -349,6 +397,7 @@ class CodeEnv:
         return sandbox_env.Step(reward=float("42" in turn), done=True)
 
 
+@kernel
 def test_a_rollout_whose_policy_attacks_goes_on_and_changes_nothing(run_dir, bystander):
     """A policy whose first turn deletes the run's metrics, kills a process of the host and
     reads the answers; the environment answers with the tool's observation, the next turn
