@@ -100,7 +100,8 @@ class ToolRegistry:
         return [t.schema() for t in self.tools.values()]
 
     def call(self, call: ToolCall) -> ToolResult:
-        """Run ``call``; a bad call or a tool that raises comes back as an error result."""
+        """Run ``call``; a bad call or a tool that raises comes back as an error result, except
+        ``SandboxUnavailable``: a code tool that cannot isolate stops the run (fail closed)."""
         if call.error is not None:
             return ToolResult(call.name, f"error: {call.error}", error=True)
         tool = self.tools.get(call.name)
