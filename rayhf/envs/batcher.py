@@ -1,9 +1,10 @@
 """One generator serving many trajectories, joined one of two ways (``env.joining``):
 
 - ``RoundBatcher`` (``rounds``, reproducible): a round's batch is the next request of every
-  live trajectory, taken once each of them has sent it or ended, ordered by trajectory, with a
-  seed derived from the call's seed and the round's number. What a trajectory samples depends
-  on the seed and the trajectories' own contents, never on which environment answered first.
+  live trajectory, taken once each of them has sent it or ended, ordered by trajectory, split
+  into generate calls of at most ``max_batch`` prompts; the batcher's ``k``-th call samples
+  with the call's seed + ``k``. What a trajectory samples depends on the seed and the
+  trajectories' own contents, never on which environment answered first.
 - ``ArrivalBatcher`` (``arrival``, faster under slow environments): every request waiting when
   a batch starts joins it, so no trajectory waits for another's environment; a request that
   arrives while a batch decodes joins that call at its next look at the rows when the generator
@@ -67,9 +68,10 @@ class RoundBatcher:
     ) -> None:
         self.generator, self.cfg, self.version = generator, cfg, version
         self.max_batch, self.seed = max_batch, seed
+        self.trajectories = trajectories  # ``rollouts`` checks it is one per row
         self.live = set(range(trajectories))
         self.waiting: dict[int, tuple[list[int], asyncio.Future[Answer]]] = {}
-        self.busy_seconds, self.batches, self.rounds = 0.0, 0, 0
+        self.busy_seconds, self.batches = 0.0, 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -91,8 +93,12 @@ class RoundBatcher:
         return generate
 
     def finish(self, trajectory: int) -> None:
-        """``trajectory`` asks no more: rounds stop waiting for it."""
+        """``trajectory`` asks no more: rounds stop waiting for it, and a request it still has
+        waiting leaves the round (cancelled)."""
         self.live.discard(trajectory)
+        _, future = self.waiting.pop(trajectory, (None, None))
+        if future is not None:
+            future.cancel()
         if self._wake is not None:
             self._wake.set()
 
@@ -102,17 +108,22 @@ class RoundBatcher:
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self.waiting[trajectory] = (prompt, future)
         self._wake.set()
-        return await future
+        try:
+            return await future
+        finally:  # cancelled before its round began: its request leaves the round
+            if self.waiting.get(trajectory, (None, None))[1] is future:
+                del self.waiting[trajectory]
 
     async def _serve(self) -> None:
         assert self._wake is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self.waiting or len(self.waiting) < len(self.live):
+            if not self.waiting or self.live - self.waiting.keys():
                 continue  # a live trajectory is still in its environment
             round_ = [self.waiting.pop(t) for t in sorted(self.waiting)]
-            self.rounds += 1
+            # a request cancelled since it asked (its task is ending) is not decoded
+            round_ = [(p, f) for p, f in round_ if not f.done()]
             for i in range(0, len(round_), self.max_batch):
                 await self._call(round_[i : i + self.max_batch])
 

@@ -1,5 +1,8 @@
-"""Environments and the multi-turn rollout loop: each trajectory advances on its own, so a call's
-time is set by the work, not by the slowest environment each turn.
+"""Environments and the multi-turn rollout loop: each trajectory advances on its own through its
+environment; its model turns share the generator as ``env.joining`` says (``rayhf.envs.batcher``).
+In ``rounds`` (the default, reproducible) a turn is decoded once every live trajectory has asked
+for its next one, so a round waits for its slowest environment; by ``arrival`` a turn is decoded
+as soon as it is asked, so a call's time is set by the work, not by the slowest environment.
 
 An environment is a plain Python class named ``module:Class`` in the config, made once per
 trajectory from the dataset row (its columns reach it as they reach reward functions)::
@@ -30,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rayhf.algorithms.reward import resolve_function
 from rayhf.envs import sandbox
-from rayhf.envs.batcher import Batcher
+from rayhf.envs.batcher import Batcher, RoundBatcher
 from rayhf.envs.sandbox import SandboxConfig
 from rayhf.envs.tools import CallStyle
 from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
@@ -211,8 +214,11 @@ async def rollouts(
     tools: list[dict[str, Any]] | None = None,
 ) -> list[Outcome]:
     """A trajectory per row, all advancing independently; in row order. A ``Batcher`` serves
-    trajectory ``i`` (row ``i``) through ``bind(i)`` and hears when it has ended."""
+    trajectory ``i`` (row ``i``) through ``bind(i)`` and hears when it has ended, however it
+    ends (done, a budget, its environment's error or timeout, an exception, cancelled)."""
     assert cfg.cls is not None, "an environment class (env.agent runs in rayhf.envs.proxy)"
+    if isinstance(generate, RoundBatcher):  # a round waits for trajectories that never come
+        assert generate.trajectories == len(rows), (generate.trajectories, len(rows))
     env_cls = load_env_class(cfg.cls)
     gate = asyncio.Semaphore(cfg.concurrency)
 

@@ -1,6 +1,7 @@
 """The batchers: concurrent requests share a batch, each gets its own row back, and a failing
 generator fails the requests of its batch only; rounds give the same trajectories whatever the
-environments' delays."""
+environments' delays, and a trajectory that ends or is cancelled while others wait leaves its
+round."""
 
 from __future__ import annotations
 
@@ -128,6 +129,21 @@ def test_rounds_give_the_same_trajectories_whatever_the_environments_delays():
     assert other != first  # the seed, not the timing, decides
 
 
+async def _until(condition) -> None:
+    """Steps the event loop until ``condition()`` holds (no clock: a count of loop steps)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+async def _looked(b: RoundBatcher) -> None:
+    """Until the batcher has taken its last wake-up, and so decided whether a round starts."""
+    assert b._wake is not None
+    await _until(lambda: not b._wake.is_set())
+
+
 def test_a_round_waits_for_every_live_trajectory_and_none_that_ended():
     gen = Echo()
 
@@ -135,10 +151,66 @@ def test_a_round_waits_for_every_live_trajectory_and_none_that_ended():
         async with RoundBatcher(gen, GenerationConfig(), version=2, trajectories=3) as b:
             b.finish(1)
             late = asyncio.create_task(b.bind(2)([9, 9]))
-            await asyncio.sleep(0.02)
+            await _until(lambda: 2 in b.waiting)
+            await _looked(b)
             assert not late.done() and gen.sizes == []  # trajectory 0 has not asked yet
             first = await b.bind(0)([5])
             return first, await late
 
     assert asyncio.run(go()) == (([1, 5], [-1.0, -2.0], 2), ([2, 9], [-1.0, -2.0], 2))
     assert gen.sizes == [2]
+
+
+def test_a_request_cancelled_while_it_waits_leaves_its_round():
+    gen = Echo()
+
+    async def go():
+        async with RoundBatcher(gen, GenerationConfig(), trajectories=4) as b:
+            asks = [asyncio.create_task(b.bind(t)([t] * (t + 1))) for t in (0, 1, 2)]
+            await _until(lambda: len(b.waiting) == 3)
+            asks[1].cancel()  # as ``rollouts`` does when a trajectory's task is cancelled:
+            with pytest.raises(asyncio.CancelledError):
+                await asks[1]
+            b.finish(1)  # ... it then tells the batcher the trajectory has ended
+            b.finish(2)  # ended while its request waited: the request leaves too
+            with pytest.raises(asyncio.CancelledError):
+                await asks[2]
+            await _looked(b)
+            assert b.waiting.keys() == {0} and gen.sizes == []  # trajectory 3 is still live
+            last = await b.bind(3)([3, 3, 3, 3])
+            return await asks[0], last
+
+    assert asyncio.run(go()) == (([1, 0], [-1.0, -2.0], 0), ([4, 3], [-1.0, -2.0], 0))
+    assert gen.sizes == [2]  # trajectories 0 and 3 only, in one round
+
+
+class Flaky(SlowEnv):
+    """Row ``fails`` ends its trajectory in its second step (hangs past the timeout, or
+    raises) while the other trajectories' next turns wait in a round."""
+
+    def __init__(self, row: dict) -> None:
+        super().__init__(row)
+        self.fails = row.get("fails")
+
+    async def step(self, turn: str) -> Step:
+        if len(self.said) == 1 and self.fails == "hangs":
+            await asyncio.sleep(3600)
+        if len(self.said) == 1 and self.fails == "raises":
+            raise RuntimeError("the environment broke")
+        return await super().step(turn)
+
+
+@pytest.mark.parametrize(("fails", "ended"), [("hangs", "timeout"), ("raises", "error")])
+def test_a_trajectory_whose_environment_fails_mid_round_lets_the_others_go_on(fails, ended):
+    gen = Drawn()
+    cfg = EnvConfig(cls=f"{__name__}:Flaky", max_turns=5, max_tokens=4096, step_timeout_s=0.2)
+    rows = [{"turns": 3}, {"turns": 3, "fails": fails}, {"turns": 3}]
+
+    async def go():
+        async with RoundBatcher(gen, GenerationConfig(), trajectories=3) as b:
+            return await asyncio.wait_for(rollouts(rows, b, TOK, cfg), 30)
+
+    outs = asyncio.run(go())
+    assert [o.ended for o in outs] == ["done", ended, "done"]
+    assert [o.trajectory.turns for o in outs] == [3, 2, 3]
+    assert gen.calls == [3, 3, 2]  # the third round without the failed trajectory

@@ -1,7 +1,7 @@
 """The multi-turn rollout loop: a tool-using trajectory ends with its environment's reward, a
 raising or hanging environment ends only its own trajectory (flagged), budgets stop a
-trajectory, trajectories never wait for each other's turns, and bad environment config is one
-line."""
+trajectory, trajectories never wait for each other's turns, a round batcher must serve one
+trajectory per row, and bad environment config is one line."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import re
 import pytest
 from pydantic import ValidationError
 
+from rayhf.envs.batcher import RoundBatcher
 from rayhf.envs.env import EnvConfig, Step, load_env_class, metrics, rollouts
 from rayhf.envs.tools import CALCULATOR, ToolRegistry, parse_tool_calls
 from rayhf.errors import RayhfError
 from rayhf.models.tokenizer import CHATML, train_bpe_tokenizer
+from rayhf.sampling import GenerationConfig
 
 TOK = train_bpe_tokenizer(["What is 12 * 7? calculator answer"] * 20, 400, chat_format=CHATML)
 TOOLS = ToolRegistry([CALCULATOR])
@@ -137,6 +139,20 @@ def test_trajectories_advance_without_waiting_for_each_other():
     outs = asyncio.run(go())
     assert [o.ended for o in outs] == ["done"] * 5 and [o.reward for o in outs] == [1.0] * 5
     assert [o.trajectory.turns for o in outs] == [1, 2, 2, 2, 2]
+
+
+def test_a_round_batcher_serves_one_trajectory_per_row():
+    class Never:
+        def generate(self, prompts, cfg, seed):
+            raise AssertionError("not called")
+
+    async def go() -> None:
+        cfg = EnvConfig(cls=f"{__name__}:CalcEnv")
+        async with RoundBatcher(Never(), GenerationConfig(), trajectories=3) as b:
+            await rollouts([{"a": 1, "b": 2}] * 2, b, TOK, cfg)  # rounds would wait for a third
+
+    with pytest.raises(AssertionError, match=r"\(3, 2\)"):
+        asyncio.run(go())
 
 
 @pytest.mark.parametrize(
