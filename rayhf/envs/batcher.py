@@ -26,7 +26,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
@@ -50,7 +50,32 @@ class Batcher(Protocol):
     def finish(self, trajectory: int) -> None: ...
 
 
-class RoundBatcher:
+S = TypeVar("S", bound="_Served")
+
+
+class _Served:
+    """A batcher's lifetime: ``async with`` starts its ``_serve`` loop, woken by ``_wake``,
+    and cancels it at the end."""
+
+    _wake: asyncio.Event | None = None
+    _task: asyncio.Task[None] | None = None
+
+    async def _serve(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self: S) -> S:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class RoundBatcher(_Served):
     """Rounds of one request per live trajectory (``bind(i)(prompt) -> (ids, logprobs,
     version)``): a round starts once each of the ``trajectories`` has asked or ``finish``-ed,
     its prompts ordered by trajectory, at most ``max_batch`` to a generate call; call ``k`` of
@@ -72,19 +97,6 @@ class RoundBatcher:
         self.live = set(range(trajectories))
         self.waiting: dict[int, tuple[list[int], asyncio.Future[Answer]]] = {}
         self.busy_seconds, self.batches = 0.0, 0
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> RoundBatcher:
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._serve())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
     def bind(self, trajectory: int) -> Callable[[list[int]], Awaitable[Answer]]:
         async def generate(prompt: list[int]) -> Answer:
@@ -145,7 +157,7 @@ class RoundBatcher:
             _resolve(f, (out.tokens[i], out.logprobs[i], self.version))
 
 
-class ArrivalBatcher:
+class ArrivalBatcher(_Served):
     """``await batcher(prompt_ids) -> (ids, logprobs, version)`` over one generator.
 
     A generator that ``streams`` (the native one) also takes requests that arrive while it
@@ -169,19 +181,6 @@ class ArrivalBatcher:
         self.waiting: list[tuple[list[int], asyncio.Future[Any]]] = []
         self.lock = threading.Lock()  # ``waiting`` is also taken from the decoding thread
         self.busy_seconds, self.batches = 0.0, 0
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> ArrivalBatcher:
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._serve())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
     async def __call__(self, prompt: list[int]) -> tuple[list[int], list[float], int]:
         assert self._wake is not None, "use the batcher in `async with`"
