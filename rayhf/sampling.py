@@ -19,6 +19,9 @@ With ``raw_logprobs`` (the policy server's choice, as vLLM's default ``logprobs_
 ``top_logprobs`` before ``choose``) asks a step for the k most likely tokens of that raw
 distribution at each position as well.
 
+``chat_token_logprob`` writes a token's log-prob as OpenAI's chat format has it, for both servers
+that answer it (``rayhf serve``, and the agent server of ``rayhf.envs.proxy``).
+
 ``generate`` below samples from a whole Hugging Face model with its own KV cache, one host sync
 a step: the reference the engines are checked against, and what demo tasks use.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -161,13 +165,18 @@ def seed_from(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**62, (), generator=generator))
 
 
-def choose(logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
+def choose(
+    logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor, raw_lse: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """One token per row of fp32 ``logits [rows, vocab]`` and its log-prob; ``u [rows]`` the rows'
     uniforms, ``steps [rows]`` the index of the token being chosen in each response (for the
     min-length EOS mask). Fixed shapes, no host sync. ``logits`` is consumed: divided by the
-    temperature and EOS-masked in place (each pass over the vocabulary counts at every token)."""
-    raw = rules.raw_logprobs and rules.temperature != 1.0
-    raw_lse = logits.logsumexp(-1) if raw else None  # before the temperature divides in place
+    temperature and EOS-masked in place (each pass over the vocabulary counts at every token).
+    ``raw_lse``: ``logits.logsumexp(-1)`` when the caller has it (``top_logprobs`` needed it)."""
+    if not rules.raw_logprobs:
+        raw_lse = None
+    elif raw_lse is None and rules.temperature != 1.0:
+        raw_lse = logits.logsumexp(-1)  # before the temperature divides in place
     scaled = logits if rules.temperature == 1.0 else logits.div_(rules.temperature)
     early = eos_logit = None
     if rules.min_new_tokens:
@@ -187,12 +196,29 @@ def choose(logits: Tensor, rules: DecodeRules, u: Tensor, steps: Tensor) -> tupl
     return tokens, picked - lse
 
 
-def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def top_logprobs(logits: Tensor, k: int, lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The ``k`` most likely tokens ``[rows, k]`` of raw ``logits [rows, vocab]`` (before
     ``choose`` consumes them) and their log-probs under ``log_softmax(logits)``, most likely
-    first. Fixed shapes, no host sync."""
+    first; ``lse``: ``logits.logsumexp(-1)`` if the caller has it. Fixed shapes, no host sync."""
     values, ids = logits.topk(k, dim=-1)
-    return ids, values - logits.logsumexp(-1, keepdim=True)
+    return ids, values - (logits.logsumexp(-1) if lse is None else lse)[:, None]
+
+
+# What OpenAI-compatible servers (vLLM) write for a log-prob of -inf: JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
+
+
+def chat_token_logprob(
+    token: str, logprob: float, top: Iterable[tuple[str, float]] = ()
+) -> dict[str, Any]:
+    """One entry of a chat reply's ``logprobs.content`` in OpenAI's format: a generated token's
+    text, its log-prob (floored), its text as UTF-8 and the likeliest tokens at its position."""
+
+    def entry(text: str, lp: float) -> dict[str, Any]:
+        utf8 = list(text.encode("utf-8", errors="replace"))
+        return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": utf8}
+
+    return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
 
 
 def _inverse_cdf(logits: Tensor, weights: Tensor, rules: DecodeRules, u: Tensor) -> Tensor:

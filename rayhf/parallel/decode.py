@@ -49,6 +49,11 @@ from rayhf.sampling import (
     uniforms,
 )
 
+# Top log-probs slots hold per token whenever a call asks for any (the most the policy server
+# takes, as vLLM's default max_logprobs): each k a client asks for then fits the same buffers,
+# and a new k reallocates nothing (on CUDA: keeps the captured graphs).
+TOP_LOGPROBS_SLOTS = 20
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -64,7 +69,8 @@ class DecodeOptions:
 
 class Slots:
     """Per-slot decode state on the device: ``n`` slots of up to ``max_new`` tokens each, with
-    ``k`` top log-probs per token (``DecodeRules.top_logprobs``; 0: none, empty tensors)."""
+    room for ``k`` top log-probs per token (0: none, empty tensors; a call asking for fewer,
+    ``DecodeRules.top_logprobs``, uses the first ones)."""
 
     def __init__(
         self, n: int, max_new: int, hidden: int, dtype: torch.dtype, device, k: int = 0
@@ -88,7 +94,7 @@ class Slots:
         self.hidden_out = torch.zeros(n, hidden, dtype=dtype, device=device)
 
     def fits(self, n: int, max_new: int, k: int) -> bool:
-        return n <= self.n and max_new <= self.max_new and k == self.k
+        return n <= self.n and max_new <= self.max_new and k <= self.k
 
     def draws(self, b: int) -> torch.Tensor:
         """Each of the first ``b`` slots' uniform for the token it chooses next."""
@@ -127,7 +133,8 @@ def advance(
     slots.out_tokens[rows, col] = new
     slots.out_logprobs[rows, col] = lp
     if top is not None:
-        slots.out_top_ids[rows, col], slots.out_top_logprobs[rows, col] = top
+        k = top[0].shape[-1]
+        slots.out_top_ids[rows, col, :k], slots.out_top_logprobs[rows, col, :k] = top
     still = live & (new != rules.eos) & (steps + 1 < rules.max_new_tokens)
     grew = live.long()
     slots.tokens[:b] = new
@@ -143,9 +150,20 @@ def decode_step(
     the first ``n_keys`` key slots: forward, choose, advance."""
     where = TokenLayout.decode_step(slots.positions[:b], n_keys, cache)
     logits = model(slots.tokens[:b], where, cache)
-    top = top_logprobs(logits, rules.top_logprobs) if rules.top_logprobs else None
-    new, lp = choose(logits, rules, slots.draws(b), slots.steps[:b])
+    new, lp, top = choose_with_top(logits, rules, slots.draws(b), slots.steps[:b])
     advance(slots, rules, b, new, lp, top)
+
+
+def choose_with_top(
+    logits: torch.Tensor, rules: DecodeRules, u: torch.Tensor, steps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, Top | None]:
+    """``choose``, and with ``rules.top_logprobs`` k > 0 the k most likely tokens first (from
+    the raw logits ``choose`` then consumes), one logsumexp over the vocabulary serving both."""
+    if not rules.top_logprobs:
+        return (*choose(logits, rules, u, steps), None)
+    lse = logits.logsumexp(-1)
+    top = top_logprobs(logits, rules.top_logprobs, lse)
+    return (*choose(logits, rules, u, steps, lse), top)
 
 
 def stage_step(
@@ -159,17 +177,18 @@ def stage_step(
     if not model.groups.is_last_stage:
         slots.hidden_out[:b] = out
         return
-    if rules.top_logprobs:
-        ids, lps = top_logprobs(out, rules.top_logprobs)
-        slots.chosen_top_ids[:b], slots.chosen_top_logprobs[:b] = ids, lps
-    new, lp = choose(out, rules, slots.draws(b), slots.steps[:b])
+    new, lp, top = choose_with_top(out, rules, slots.draws(b), slots.steps[:b])
+    if top is not None:
+        k = rules.top_logprobs
+        slots.chosen_top_ids[:b, :k], slots.chosen_top_logprobs[:b, :k] = top
     slots.chosen[:b] = new
     slots.chosen_logprobs[:b] = lp
 
 
 def advance_chosen(slots: Slots, rules: DecodeRules, b: int) -> None:
     """``advance`` with the broadcast choice (pp > 1)."""
-    top = (slots.chosen_top_ids[:b], slots.chosen_top_logprobs[:b]) if rules.top_logprobs else None
+    k = rules.top_logprobs
+    top = (slots.chosen_top_ids[:b, :k], slots.chosen_top_logprobs[:b, :k]) if k else None
     advance(slots, rules, b, slots.chosen[:b], slots.chosen_logprobs[:b], top)
 
 
@@ -293,7 +312,8 @@ class DecodeEngine:
         )
         n_slots = self._bucket(min(rows_wanted, self.options.max_rows))
         capacity = cache_capacity(longest, m, self._bucketed)
-        self._ensure(n_slots, capacity, m, rules.top_logprobs)
+        k = rules.top_logprobs and max(rules.top_logprobs, TOP_LOGPROBS_SLOTS)
+        self._ensure(n_slots, capacity, m, k)
         assert self.slots is not None and self.cache is not None
         self.slots.live.zero_()  # slots a previous call left are empty
         pointers = tuple(p.data_ptr() for p in self.model.parameters())
@@ -385,21 +405,21 @@ class DecodeEngine:
         slots.steps[idx] = 0
         slots.live[idx] = True
         slots.positions[idx] = lengths
+        k = rules.top_logprobs
         new = torch.zeros(len(taken), dtype=torch.long, device=device)
         lp = torch.zeros(len(taken), device=device)
-        top = (slots.chosen_top_ids[: len(taken)], slots.chosen_top_logprobs[: len(taken)])
+        rows_k = (slice(len(taken)), slice(k))  # where a stage before the last receives top
+        top: Top | None = (slots.chosen_top_ids[rows_k], slots.chosen_top_logprobs[rows_k])
         if logits is not None:
             per_slot = logits[torch.tensor(source, device=device)]
-            if rules.top_logprobs:
-                top = top_logprobs(per_slot, rules.top_logprobs)
-            new, lp = choose(per_slot, rules, slots.u[idx, 0], slots.steps[idx])
+            new, lp, top = choose_with_top(per_slot, rules, slots.u[idx, 0], slots.steps[idx])
         new, lp = self.pipe.broadcast(new), self.pipe.broadcast(lp)
         # the prefill's choice is each row's step 0; ``advance`` over the taken slots only
         slots.out_tokens[idx, 0] = new
         slots.out_logprobs[idx, 0] = lp
-        if rules.top_logprobs:
-            slots.out_top_ids[idx, 0] = self.pipe.broadcast(top[0].contiguous())
-            slots.out_top_logprobs[idx, 0] = self.pipe.broadcast(top[1].contiguous())
+        if k and top is not None:
+            slots.out_top_ids[idx, 0, :k] = self.pipe.broadcast(top[0].contiguous())
+            slots.out_top_logprobs[idx, 0, :k] = self.pipe.broadcast(top[1].contiguous())
         slots.tokens[idx] = new
         slots.steps[idx] = 1
         slots.live[idx] = (new != rules.eos) & (rules.max_new_tokens > 1)
@@ -428,8 +448,8 @@ class DecodeEngine:
         tokens = self.slots.out_tokens[idx, :m].tolist()
         logprobs = self.slots.out_logprobs[idx, :m].tolist()
         k = call.rules.top_logprobs
-        top_ids = self.slots.out_top_ids[idx, :m].tolist() if k else [[]] * len(ended)
-        top_lps = self.slots.out_top_logprobs[idx, :m].tolist() if k else [[]] * len(ended)
+        top_ids = self.slots.out_top_ids[idx, :m, :k].tolist() if k else [[]] * len(ended)
+        top_lps = self.slots.out_top_logprobs[idx, :m, :k].tolist() if k else [[]] * len(ended)
         for i, t, lp, ti, tl in zip(ended, tokens, logprobs, top_ids, top_lps, strict=True):
             row = rows[i]
             assert row is not None
@@ -479,8 +499,9 @@ class DecodeEngine:
         slots.chosen[:b] = pipe.broadcast(slots.chosen[:b].contiguous())
         slots.chosen_logprobs[:b] = pipe.broadcast(slots.chosen_logprobs[:b].contiguous())
         if rules.top_logprobs:
+            k = rules.top_logprobs
             for t in (slots.chosen_top_ids, slots.chosen_top_logprobs):
-                t[:b] = pipe.broadcast(t[:b].contiguous())
+                t[:b, :k] = pipe.broadcast(t[:b, :k].contiguous())
         self._run(("advance", b, 0, rules), lambda: self._advance(slots, rules, b))
 
     def _run(self, key: tuple, fn: Callable[[], None]) -> None:

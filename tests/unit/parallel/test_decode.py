@@ -12,7 +12,13 @@ from torch._dynamo.testing import CompileCounter
 from rayhf.checks.common import EOS, PAD, tiny_model
 from rayhf.errors import RayhfError
 from rayhf.models.spec import model_spec
-from rayhf.parallel.decode import DecodeEngine, DecodeOptions, decode_step, generate
+from rayhf.parallel.decode import (
+    TOP_LOGPROBS_SLOTS,
+    DecodeEngine,
+    DecodeOptions,
+    decode_step,
+    generate,
+)
 from rayhf.parallel.groups import single
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.pipeline import Pipeline
@@ -275,3 +281,22 @@ def test_raw_and_top_log_probs_ride_in_the_whole_step(llama):
         values, best = full.topk(3, dim=-1)
         assert ids == best.tolist()
         torch.testing.assert_close(torch.tensor(tops), values, atol=1e-4, rtol=0)
+
+
+def test_each_k_of_top_log_probs_fits_the_same_slots(llama):
+    """Slots hold ``TOP_LOGPROBS_SLOTS`` top log-probs whenever any are asked, so a client's
+    new k reallocates nothing (on CUDA: forgets no graph); each call gets its own k."""
+    import dataclasses
+
+    _, pipe = llama
+    engine = DecodeEngine(pipe)
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    outs = {}
+    for k in (5, 2, TOP_LOGPROBS_SLOTS, 1):
+        outs[k] = engine.generate(MIXED, dataclasses.replace(rules, top_logprobs=k), 4)
+        if k == 5:
+            slots = engine.slots
+        assert engine.slots is slots and slots is not None and slots.k == TOP_LOGPROBS_SLOTS
+        assert {len(t) for row in outs[k].top_ids for t in row} == {k}
+    for few in (1, 2):
+        assert [[t[:few] for t in row] for row in outs[5].top_ids] == outs[few].top_ids
