@@ -16,8 +16,8 @@ an edited history could not be trained token-exactly. The first request's ``tool
 template's tools section; sampling follows the call's generation settings, not the request's.
 ``logprobs: true`` returns the model turn's log-probs as recorded for training (under the
 call's temperature, not the raw distribution ``rayhf serve`` reports); ``top_logprobs`` > 0 and
-``n`` > 1 are refused naming the field: a session records one trajectory, so a model turn has
-one continuation, and the generate call keeps only the sampled tokens' log-probs.
+an ``n`` other than 1 are refused naming the field: a session records one trajectory, so a model
+turn has one continuation, and the generate call keeps only the sampled tokens' log-probs.
 Budgets as for environments: a request past ``env.max_turns`` or ``env.max_tokens`` is refused
 (the trajectory ends "turns" or "tokens", reward 0); an agent that raises ends "error", one that
 spends more than ``env.step_timeout_s`` between two model turns is cancelled and ends "timeout".
@@ -43,9 +43,9 @@ from rayhf.envs.env import EnvConfig, Generate, Outcome, load_agent
 from rayhf.envs.tools import parse_tool_calls
 from rayhf.envs.trajectory import Trajectory, add_messages, add_model_turn, start
 from rayhf.errors import RayhfError
+from rayhf.sampling import chat_token_logprob
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[float]]
-LOGPROB_FLOOR = -9999.0  # what OpenAI-compatible servers write for a log-prob of -inf
 
 
 class _Message(BaseModel):
@@ -87,11 +87,15 @@ class _Request(BaseModel):
     top_logprobs: int | None = None
 
     def refused_field(self) -> tuple[str, str] | None:
-        """(field, why) for an option a trajectory cannot honour."""
-        if (self.n or 1) != 1:
-            return "n", "a trajectory has one continuation per model turn; run n agents instead"
+        """(field, message) for an option a trajectory cannot honour."""
+        if self.n is not None and self.n < 1:
+            return "n", f"n={self.n}: a request asks for at least one continuation; send n=1"
+        if self.n is not None and self.n > 1:
+            why = "a trajectory has one continuation per model turn; run n agents instead"
+            return "n", f"n: not served here: {why}"
         if self.top_logprobs:
-            return "top_logprobs", "the rollout records only the sampled tokens' log-probs"
+            why = "the rollout records only the sampled tokens' log-probs"
+            return "top_logprobs", f"top_logprobs: not served here: {why}"
         return None
 
 
@@ -133,8 +137,8 @@ class AgentServer:
             req = _Request.model_validate(await request.json())
             refused = req.refused_field()
             if refused is not None:
-                field, why = refused
-                return _error(400, f"{field}: not served here: {why}", "invalid_value", field)
+                field, message = refused
+                return _error(400, message, "invalid_value", field)
             return JSONResponse(await self._complete(sid, session, req))
         except ValidationError as e:
             return _error(400, str(e).splitlines()[0], "invalid_request")
@@ -215,9 +219,9 @@ class AgentServer:
         finish = "tool_calls" if good else "stop" if ended else "length"
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         if req.logprobs:
-            choice["logprobs"] = {
-                "content": [self._logprob(t, lp) for t, lp in zip(ids, logprobs, strict=True)]
-            }
+            texts = [self.tok.decode([t]) for t in ids]  # each token alone, special ones kept
+            entries = [chat_token_logprob(*p) for p in zip(texts, logprobs, strict=True)]
+            choice["logprobs"] = {"content": entries}
         return {
             "id": f"chatcmpl-{sid}-{traj.turns}",
             "object": "chat.completion",
@@ -230,13 +234,6 @@ class AgentServer:
                 "total_tokens": before + len(ids),
             },
         }
-
-    def _logprob(self, token: int, logprob: float) -> dict[str, Any]:
-        """One token of a reply's ``logprobs.content``, in OpenAI's chat format."""
-        text = self.tok.decode([token])
-        utf8 = list(text.encode("utf-8", errors="replace"))
-        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": utf8,
-                "top_logprobs": []}  # fmt: skip
 
     async def run(
         self, agent: Agent, sid: int, row: dict[str, Any], base: str, http: Any

@@ -3,7 +3,8 @@
     HTTP -> FastAPI route -> body parsed by ``protocol.py`` (any content type; 400 on failure)
          -> engine.prepare per prompt (tokenize, limits; 400 on failure)
          -> @serve.batch queue: concurrent prompts of all requests grouped, up to max_batch_size
-         -> engine.generate in a worker thread (the event loop keeps accepting requests)
+         -> engine.generate in a worker thread (the event loop keeps accepting requests): per
+            sampling group one decode call of prompts x n rows, max_batch_size of them at once
          -> JSON response, or SSE chunks replaying each output's per-token text pieces
             (a request's n samples are n rows of one generate call; choices indexed by sample)
 
@@ -36,6 +37,7 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayhf.errors import RayhfError
+from rayhf.sampling import LOGPROB_FLOOR, chat_token_logprob
 from rayhf.serve.engine import (
     EngineOutput,
     EngineRequest,
@@ -48,7 +50,6 @@ from rayhf.serve.engine import (
     require_vllm,
 )
 from rayhf.serve.protocol import (
-    LOGPROB_FLOOR,
     SSE_DONE,
     ChatChoice,
     ChatChunkChoice,
@@ -58,8 +59,6 @@ from rayhf.serve.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
@@ -83,7 +82,9 @@ class ServeConfig(ServingEngineConfig):
     """``build_app``'s args: the engine's fields plus how the deployment runs."""
 
     model_id: str | None = None  # None = the checkpoint directory's name
-    # prompts generated together, at most; also the most samples (prompts x n) of one request
+    # Prompts one generate call batches, at most; also the rows (prompts x n) the engine
+    # decodes at once (its KV cache's rows: further rows wait for one to end), and the most
+    # prompts x n one request may ask for.
     max_batch_size: int = Field(16, gt=0)
     # How long a batch waits to fill up. benchmarks/serve_latency.py, 16 clients on 2 cores:
     # 0.01 s -> mean batch 4, 30 req/s; 0.05 s -> 16, 63 req/s; a lone request pays the wait.
@@ -160,19 +161,8 @@ def completion_logprobs(tokens: tuple[TokenLogprob, ...], offset: int = 0) -> Co
 
 
 def chat_logprobs(tokens: tuple[TokenLogprob, ...]) -> ChatLogprobs:
-    def utf8(text: str) -> list[int]:
-        return list(text.encode("utf-8", errors="replace"))
-
-    return ChatLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=t.token, logprob=_floor(t.logprob), bytes=utf8(t.token),
-                top_logprobs=[ChatTopLogprob(token=s, logprob=_floor(v), bytes=utf8(s))
-                              for s, v in t.top],
-            )
-            for t in tokens
-        ]
-    )  # fmt: skip
+    content = [chat_token_logprob(t.token, t.logprob, t.top) for t in tokens]
+    return ChatLogprobs.model_validate({"content": content})
 
 
 def completion_response(
@@ -216,8 +206,8 @@ def completion_events(
         for piece, lps in _steps(out):
             logprobs = None if out.logprobs is None else completion_logprobs(lps, offset)
             offset += sum(len(t.token) for t in lps)
-            yield chunk([CompletionChoice(index=i, text=piece, logprobs=logprobs,
-                                          finish_reason=None)])  # fmt: skip
+            choice = CompletionChoice(index=i, text=piece, logprobs=logprobs, finish_reason=None)
+            yield chunk([choice])
         yield chunk([CompletionChoice(index=i, text="", finish_reason=out.finish_reason)])
     if include_usage:
         yield chunk([], usage_of(outputs))
@@ -250,13 +240,13 @@ def chat_events(
         )
 
     for j, out in enumerate(outs):
-        yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(role="assistant", content=""),
-                                     finish_reason=None)])  # fmt: skip
+        opening = ChatDelta(role="assistant", content="")
+        yield chunk([ChatChunkChoice(index=j, delta=opening, finish_reason=None)])
         for piece, lps in _steps(out):
             logprobs = None if out.logprobs is None else chat_logprobs(lps)
             delta = ChatDelta(content=piece)
-            yield chunk([ChatChunkChoice(index=j, delta=delta, logprobs=logprobs,
-                                         finish_reason=None)])  # fmt: skip
+            choice = ChatChunkChoice(index=j, delta=delta, logprobs=logprobs, finish_reason=None)
+            yield chunk([choice])
         yield chunk([ChatChunkChoice(index=j, delta=ChatDelta(), finish_reason=out.finish_reason)])
     if include_usage:
         yield chunk([], usage_of([outs]))
@@ -351,7 +341,7 @@ class PolicyServer:
         torch.set_num_threads(max(1, int(cfg.num_cpus)))
         self._cfg = cfg
         self._model_id = cfg.served_model_id
-        self._engine = load_engine(cfg)
+        self._engine = load_engine(cfg, max_rows=cfg.max_batch_size)
         # serve.batch's setters are attributes its type stubs do not declare.
         self._generate.set_max_batch_size(cfg.max_batch_size)  # type: ignore[attr-defined]
         self._generate.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)  # type: ignore[attr-defined]

@@ -26,7 +26,11 @@ def serve(
         str | None, typer.Option(help="Model id clients send; default: the directory name")
     ] = None,
     max_batch_size: Annotated[
-        int, typer.Option(help="Prompts generated together; also a request's prompts x n, at most")
+        int,
+        typer.Option(
+            help="Prompts batched together; rows (prompts x n) decoded at once; a request's "
+            "prompts x n, at most"
+        ),
     ] = 16,
     batch_wait_timeout_s: Annotated[float, typer.Option(help="Wait for a batch to fill")] = 0.05,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longest prompt accepted")] = 512,

@@ -18,6 +18,11 @@ Choices:
   same text whatever else is in flight. A group runs to its longest ``max_tokens`` and each row
   is cut to its own: rows of a batch do not interact (each row its own cache row and
   positions), so a greedy row equals the same request run alone.
+* Rows at once. A group is one decode call of prompts x n rows (16 requests of n = 16: 256),
+  but the decode engine holds at most ``max_rows`` of them at once (the server's
+  ``max_batch_size``; its KV cache and step are that size): the others wait and take the slot
+  of a row that ended. A row draws the uniforms of its own index in the call, so a seeded
+  request's sample j is the same whenever it runs.
 * ``n``. A request's n samples are n rows of its prompt in the same call: the decode engine
   prefills a repeated prompt once and copies its keys and values (as for GRPO's groups), and
   each row draws its own uniforms. A seeded request's sample j is the same for any n >= j + 1.
@@ -52,7 +57,7 @@ from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
 from rayhf.models.files import quiet_transformers
 from rayhf.models.hf import load_model
-from rayhf.parallel.decode import DecodeEngine
+from rayhf.parallel.decode import DecodeEngine, DecodeOptions
 from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, seed_from
 
 
@@ -187,9 +192,9 @@ class ServingEngine(ABC):
 
 class NativeEngine(ServingEngine):
     """The native decode engine on a checkpoint loaded on CPU (its buffers kept between
-    batches)."""
+    batches); it decodes at most ``max_rows`` rows (prompts x n) at once."""
 
-    def __init__(self, cfg: ServingEngineConfig) -> None:
+    def __init__(self, cfg: ServingEngineConfig, max_rows: int = DecodeOptions.max_rows) -> None:
         super().__init__(cfg)
         from transformers import AutoTokenizer
 
@@ -210,12 +215,14 @@ class NativeEngine(ServingEngine):
         self.eos_id: int = eos
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else eos
-        self.decoder = DecodeEngine(RankModel.from_hf(hf, self.tokenizer, False).pipe)
+        pipe = RankModel.from_hf(hf, self.tokenizer, False).pipe
+        self.decoder = DecodeEngine(pipe, DecodeOptions(max_rows=max_rows))
         self._rng = torch.Generator()
         self._rng.seed()  # unseeded requests differ from one server start to the next
         # The server encodes on its event loop while a batch decodes in a worker thread; a
         # fast tokenizer used from two threads at once can fail with "Already borrowed".
         self._tokenizer_lock = threading.Lock()
+        self._token_texts: dict[int, str] = {}  # see ``token_text``
 
     def encode(self, text: str) -> list[int]:
         with self._tokenizer_lock:
@@ -281,29 +288,38 @@ class NativeEngine(ServingEngine):
         pieces, n_used, stopped = detokenize(self._decode, tokens, spec.stop)
         used = tokens[:n_used]
         ended = stopped or (bool(used) and used[-1] == self.eos_id)
-        logprobs = None
-        if spec.logprobs is not None:
-            k = spec.logprobs
-            tops = out.top_ids[row] if k else [[]] * n_used
-            top_lps = out.top_logprobs[row] if k else [[]] * n_used
-            logprobs = tuple(
-                TokenLogprob(self.token_text(t), lp, tuple(zip(map(self.token_text, ids[:k]),
-                                                               lps[:k], strict=True)))
-                for t, lp, ids, lps in zip(used, out.logprobs[row], tops, top_lps, strict=False)
-            )  # fmt: skip
+        k = spec.logprobs
         return EngineOutput(
             token_ids=tuple(used),
             pieces=tuple(pieces),
             finish_reason="stop" if ended else "length",
             prompt_tokens=len(request.prompt_ids),
-            logprobs=logprobs,
+            logprobs=None if k is None else self._logprobs(out, row, used, k),
+        )
+
+    def _logprobs(
+        self, out: GenerateOutput, row: int, used: list[int], k: int
+    ) -> tuple[TokenLogprob, ...]:
+        """The log-probs of row ``row``'s tokens ``used``, each with its ``k`` likeliest tokens
+        (the call's own k may be larger)."""
+        text = self.token_text
+        tops = out.top_ids[row] if k else [[]] * len(used)
+        top_lps = out.top_logprobs[row] if k else [[]] * len(used)
+        return tuple(
+            TokenLogprob(text(t), lp, tuple(zip(map(text, ids[:k]), lps[:k], strict=True)))
+            for t, lp, ids, lps in zip(used, out.logprobs[row], tops, top_lps, strict=False)
         )
 
     def token_text(self, token: int) -> str:
-        """One token decoded alone, special tokens kept (how vLLM names a log-prob's token)."""
-        with self._tokenizer_lock:
-            text = self.tokenizer.decode([token])
-        assert isinstance(text, str), type(text)
+        """One token decoded alone, special tokens kept (how vLLM names a log-prob's token).
+        Cached: that text does not depend on the context, and log-probs ask for it k + 1 times
+        a token."""
+        text = self._token_texts.get(token)
+        if text is None:
+            with self._tokenizer_lock:
+                decoded = self.tokenizer.decode([token])
+            assert isinstance(decoded, str), type(decoded)
+            text = self._token_texts[token] = decoded
         return text
 
     def _decode(self, tokens: list[int]) -> str:
@@ -386,8 +402,9 @@ def require_vllm() -> None:
         )
 
 
-def load_engine(cfg: ServingEngineConfig) -> ServingEngine:
-    """The in-process engine for ``cfg``; ``vllm`` is served by Ray Serve LLM, not from here."""
+def load_engine(cfg: ServingEngineConfig, max_rows: int) -> ServingEngine:
+    """The in-process engine for ``cfg``, decoding at most ``max_rows`` rows at once; ``vllm``
+    is served by Ray Serve LLM, not from here."""
     if cfg.engine != "native":
         raise RayhfError(f"engine: {cfg.engine} has no in-process engine; use engine: native")
-    return NativeEngine(cfg)
+    return NativeEngine(cfg, max_rows)

@@ -42,7 +42,6 @@ SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
 SIMPLE_CHAT_CUE = "assistant:"
 # The most alternatives a request may ask for per token (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
-LOGPROB_FLOOR = -9999.0  # what vLLM writes for a log-prob of -inf (JSON has no infinity)
 
 
 class StreamOptions(BaseModel):

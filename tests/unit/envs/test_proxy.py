@@ -158,14 +158,15 @@ async def asks_for_logprobs(client, row):
     got = [(t.token, t.logprob, t.top_logprobs) for t in content]
     want = [(TOK.decode([t]), -0.25, []) for t in REPLY]  # as the turn was recorded
     refused = []
-    for extra in ({"n": 2}, {"logprobs": True, "top_logprobs": 2}):
+    for extra in ({"n": 2}, {"n": 0}, {"logprobs": True, "top_logprobs": 2}):
         try:
             await client.chat.completions.create(model="m", messages=ASK, **extra)
         except openai.BadRequestError as e:
             refused.append(e.body["param"])
-    return float(got == want and refused == ["n", "top_logprobs"])
+    return float(got == want and refused == ["n", "n", "top_logprobs"])
 
 
 def test_logprobs_are_the_recorded_ones_and_n_or_top_logprobs_are_refused_by_name():
+    """n=0 too is refused by name, as ``rayhf serve`` refuses it."""
     out = _run("asks_for_logprobs")
     assert (out.ended, out.reward, out.trajectory.turns) == ("done", 1.0, 1), out.info

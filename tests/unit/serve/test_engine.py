@@ -135,7 +135,7 @@ def test_checkpoints_need_a_config_and_a_tokenizer(tmp_path: Path):
 
 def test_vllm_is_not_served_in_process_and_its_absence_is_one_line(monkeypatch):
     with pytest.raises(RayhfError, match="engine: vllm has no in-process engine"):
-        load_engine(ServingEngineConfig(checkpoint="c", engine="vllm"))
+        load_engine(ServingEngineConfig(checkpoint="c", engine="vllm"), max_rows=4)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(RayhfError, match=r"pip install 'rayhf\[vllm\]'"):
         require_vllm()
@@ -193,6 +193,20 @@ def test_n_samples_share_one_call_and_a_seed_gives_sample_j_whatever_n(native: N
     assert len(samples) == 4 and len({s.token_ids for s in samples}) > 1, "samples differ"
     assert two[0] == samples[:2], "the same seed: the same samples"
     assert all(s.logprobs is None for s in samples)
+
+
+def test_at_most_max_rows_rows_decode_at_once_and_a_seed_s_samples_stay(native: NativeEngine):
+    """Four requests of n = 4 on an engine of max_rows 4: one call of 16 rows, decoded 4 at a
+    time in 4-row buffers; a seeded request's samples as on an engine that holds them all."""
+    small = NativeEngine(native.cfg, max_rows=4)
+    spec = SamplingSpec(max_tokens=8, n=4)
+    requests = [small.prepare(p, spec) for p in ("1 =", "2 =", "3 4 =", "5 =")]
+    unseeded = small.generate(requests)
+    assert [len(samples) for samples in unseeded] == [4] * 4
+    assert small.decoder.slots is not None and small.decoder.slots.n == 4
+    assert small.decoder.cache is not None and small.decoder.cache.n_rows == 4
+    seeded = small.prepare("2 =", dataclasses.replace(spec, seed=5, n=6))  # 2 rows wait
+    assert small.generate([seeded]) == native.generate([seeded])
 
 
 def test_log_probs_are_the_raw_distribution_s_with_the_likeliest_tokens(native: NativeEngine):
