@@ -478,12 +478,15 @@ def test_openai_client_completions_logprobs_prompt_lists_stop_and_streams(client
             tokens[c.index] += c.logprobs.tokens if c.logprobs else []
     assert texts == [c.text for c in whole.choices]
     assert tokens == [c.logprobs.tokens for c in whole.choices]
-    text = whole.choices[0].text
-    if len(text) >= 2:
-        stop = text[1]
-        cut = client.completions.create(**{**kw, "prompt": prompts[0], "n": 1, "stop": [stop]})
-        assert cut.choices[0].text == text[: text.index(stop)]
-        assert cut.choices[0].finish_reason == "stop"
+    # a stop string taken from greedy text, so that it occurs: the same request with it stops
+    greedy = {"model": "tiny-policy", "prompt": prompts, "max_tokens": 8, "temperature": 0}
+    greedy_texts = [c.text for c in client.completions.create(**greedy).choices]
+    i = max(range(len(prompts)), key=lambda j: len(greedy_texts[j]))
+    text = greedy_texts[i]
+    assert len(text) >= 2, f"the greedy texts are too short to cut: {greedy_texts!r}"
+    cut = client.completions.create(**{**greedy, "prompt": prompts[i], "stop": [text[1]]})
+    assert cut.choices[0].text == text[: text.index(text[1])]
+    assert cut.choices[0].finish_reason == "stop"
 
 
 def test_openai_client_chat_stream_with_n_and_logprobs(client):
