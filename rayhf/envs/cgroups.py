@@ -50,10 +50,10 @@ class RunCgroups:
                 _remove(path)
         return cls(dirs, frozenset(controllers & set(CONTROLLERS)))
 
-    def join(self) -> None:
-        """Move the calling process in (the child, before exec)."""
+    def join(self, pid: int) -> None:
+        """Move process ``pid`` in (before it starts anything)."""
         for path in self.dirs:
-            (path / "cgroup.procs").write_text(str(os.getpid()))
+            (path / "cgroup.procs").write_text(str(pid))
 
     def oom_kills(self) -> int:
         """Processes the memory limit killed so far (read before ``end``)."""

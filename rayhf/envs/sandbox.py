@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +57,6 @@ from rayhf.errors import RayhfError
 log = logging.getLogger(__name__)
 
 Isolation = Literal["kernel", "unsafe-process-only"]
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 MIB = 2**20
 NOBODY = 65534
 # The directory a program runs in, inside the sandbox.
@@ -326,21 +325,41 @@ def _cgroup_values(limits: SandboxLimits) -> dict[str, str]:
     }
 
 
-def _enter(limits: SandboxLimits, cgroups: RunCgroups, uid: int, drop: bool, nproc: int) -> None:
-    """In the child, before exec: its own session and cgroups, the rlimits, then host uid
-    ``uid`` if ``drop``. It runs in a forked child: no locks, no logging."""
-    os.setsid()
-    cgroups.join()
+# The first process of a run: it waits for "go" (its cgroups joined and rlimits set by the
+# worker meanwhile), then becomes the command. No Python runs between fork and exec: a
+# ``preexec_fn`` in a worker with many threads (Ray's gRPC, torch's pools) can deadlock the child.
+GATE = 'read -r go && [ "$go" = go ] && exec "$@" </dev/null; exit 125'
+
+
+# Drops to a uid and execs the rest of its arguments, where util-linux's setpriv is missing.
+DROP = (
+    "import os, sys; u = int(sys.argv[1]); os.setgroups([]); os.setresgid(u, u, u); "
+    "os.setresuid(u, u, u); os.execv(sys.argv[3], sys.argv[3:])"
+)
+
+
+def _drop_to(uid: int | None) -> list[str]:
+    """The command prefix that runs the rest as host ``uid`` (none: stay). The gate's rlimits
+    are set while it is still the worker's uid: setting them on another uid's process needs
+    CAP_SYS_RESOURCE, which containers often lack."""
+    if uid is None:
+        return []
+    setpriv = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if setpriv:
+        return [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return [sys.executable, "-I", "-S", "-c", DROP, str(uid), "--"]
+
+
+def _limit(pid: int, limits: SandboxLimits, cgroups: RunCgroups, nproc: int) -> None:
+    """Put the waiting first process ``pid`` into the run's cgroups and under its rlimits (both
+    inherited by all it starts)."""
+    cgroups.join(pid)
     if nproc:  # no pids cgroup: RLIMIT_NPROC counts every process of the uid (root is exempt)
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * MIB,) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * MIB,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if drop:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
+        resource.prlimit(pid, resource.RLIMIT_NPROC, (nproc, nproc))
+    resource.prlimit(pid, resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
+    resource.prlimit(pid, resource.RLIMIT_AS, (limits.memory_mb * MIB,) * 2)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (limits.file_mb * MIB,) * 2)
+    resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
 
 
 def _nproc(cgroups: RunCgroups, uid: int, limits: SandboxLimits) -> int:
@@ -419,9 +438,7 @@ def _run_kernel(k: Kernel, code: str, limits: SandboxLimits) -> RunResult:
         with RunCgroups.make(name, _cgroup_values(limits)) as cg:
             nproc = _nproc(cg, uid, limits)
             args = _bwrap_args(k, limits, fds[0], fds[1] if len(fds) > 1 else None)
-            done = _spawn(
-                args, limits, lambda: _enter(limits, cg, uid, k.uid is not None, nproc), cg, fds
-            )
+            done = _spawn([*_drop_to(k.uid), *args], limits, cg, nproc, fds)
     finally:
         for fd in fds:
             os.close(fd)
@@ -446,26 +463,32 @@ class _Done:
 def _spawn(
     args: list[str],
     limits: SandboxLimits,
-    enter: Callable[[], None],
     cgroups: RunCgroups,
+    nproc: int,
     fds: Sequence[int] = (),
     cwd: str = "/",
     env: dict[str, str] | None = None,
 ) -> _Done:
-    """Start ``args``, wait up to the wall limit, kill whatever of the run is left."""
+    """Start ``args`` behind the gate in a session of its own, limit it, let it go, wait up to
+    the wall limit, kill whatever of the run is left."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            args,
+            ["/bin/sh", "-c", GATE, "rayhf-sandbox", *args],
             cwd=cwd,
             env=env or {"PATH": "/usr/bin:/bin"},
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=out,
             stderr=err,
             pass_fds=tuple(fds),
-            preexec_fn=enter,
+            start_new_session=True,
         )
         timed_out = True
         try:
+            _limit(proc.pid, limits, cgroups, nproc)
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(b"go\n")
+                proc.stdin.close()
             timed_out = not _exits_within(proc, limits.wall_seconds)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -529,19 +552,16 @@ def _which_limit(code: int, timed_out: bool, stderr: str) -> str | None:
 
 def _run_unsafe(code: str, limits: SandboxLimits) -> RunResult:
     """The weaker mode: a child process under rlimits and a pids cgroup, in a network namespace
-    where the kernel allows one. Nothing keeps it from the worker's files or processes."""
+    where ``unshare`` (util-linux) can make one. Nothing keeps it from the worker's files or
+    processes."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rayhf-sandbox-") as tmp:
         Path(tmp, "main.py").write_text(code)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+        unshare = shutil.which("unshare", path="/usr/bin:/bin")
+        args = [unshare, "-r", "-n", "--"] if unshare else []
+        args += [sys.executable, "-I", "-S", "main.py"]
         with RunCgroups.make(Path(tmp).name, _cgroup_values(limits)) as cg:
-            nproc = _nproc(cg, os.getuid(), limits)
-
-            def enter() -> None:
-                _enter(limits, cg, os.getuid(), False, nproc)
-                ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER | CLONE_NEWNET)
-
-            args = [sys.executable, "-I", "-S", "main.py"]
-            done = _spawn(args, limits, enter, cg, cwd=tmp, env=env)
+            done = _spawn(args, limits, cg, _nproc(cg, os.getuid(), limits), cwd=tmp, env=env)
     limit = "memory" if done.oom else _which_limit(done.status, done.timed_out, done.stderr)
     return RunResult(done.stdout, done.stderr, done.status, limit, time.monotonic() - start)
