@@ -5,9 +5,11 @@ A program the model writes is hostile until shown otherwise, so nothing inside i
 part of the boundary. Each run is a bubblewrap (``bwrap``) sandbox:
 
     worker (root or not)
-      -> Popen: own session; joins a cgroup of its own (pids, memory, cpu) where the host lets
-         this process make one, else rlimits; rlimits on CPU seconds, address space, file size;
-         then, when the worker is root, drops to an unprivileged host uid (``SandboxConfig.uid``)
+      -> /bin/sh, the gate, in a session of its own (no Python between fork and exec): the
+         worker moves it into the run's cgroups (pids, memory, cpu, where the host lets it make
+         them; else rlimits stand in) and sets its rlimits (CPU seconds, address space, file
+         size), then says go
+      -> setpriv, when the worker is root: an unprivileged host uid (``SandboxConfig.uid``)
       -> bwrap: new user, mount, PID, network, IPC, UTS and cgroup namespaces; no further user
          namespaces; a read-only view of /usr (and the interpreter's prefix) and nothing else of
          the host: no run directory, dataset, checkpoints, home, /tmp or host /proc; a fresh
