@@ -39,12 +39,15 @@ from rayhf.algorithms.offpolicy import (
     OffPolicyConfig,
     PolicyReference,
     behaviour_weights,
+    bounded_ratio,
     policy_train_shape,
 )
-from rayhf.algorithms.ppo import agg_weight, aggregate, masked_mean
+from rayhf.algorithms.ppo import agg_weight, aggregate, clipped_surrogate, masked_mean
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.torch_trainer import Weight, samples
 from rayhf.errors import RayhfError
+
+KLEstimator = Literal["k1", "k2", "k3"]
 
 
 class GRPOConfig(OffPolicyConfig):
@@ -59,7 +62,10 @@ class GRPOConfig(OffPolicyConfig):
     group_size: int = Field(4, gt=1)
     """Samples generated per prompt; each sample is compared with the others of its prompt."""
     kl_coef: float = Field(0.04, ge=0)
-    """Weight of the per-token k3 KL penalty against the reference policy, added to the loss."""
+    """Weight of the per-token KL penalty against the reference policy, added to the loss."""
+    kl_estimator: KLEstimator = "k3"
+    """How that KL is estimated per token (``kl_loss_term``): ``k3`` (GRPO's, verl's
+    ``low_var_kl``), ``k2`` or ``k1``."""
     eps_clip: float = Field(0.2, gt=0)
     """Policy ratio is clipped to ``[1 - eps_clip, 1 + eps_clip]``."""
     eps: float = Field(1e-6, gt=0)
@@ -68,8 +74,8 @@ class GRPOConfig(OffPolicyConfig):
     """Dr. GRPO: no division by the group std, and a loss summed over tokens then divided by a
     constant, so neither response length nor prompt difficulty reweights the samples."""
     max_new_tokens_norm: int | None = Field(None, gt=0)
-    """Dr. GRPO's constant divisor per sequence, normally the generation's ``max_new_tokens``;
-    None uses the longest response of the batch, which changes from batch to batch."""
+    """Dr. GRPO's constant divisor per sequence; None: the generation's ``max_new_tokens`` (as
+    TRL divides by its maximum completion length)."""
     n_minibatches: int = Field(4, gt=0)
     """Optimizer steps per epoch; the batch is split into this many minibatches."""
     ppo_epochs: int = Field(1, gt=0)
@@ -144,17 +150,28 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     return torch.expm1(d) - d
 
 
+def kl_loss_term(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, how: KLEstimator) -> Tensor:
+    """Per-token KL(policy || ref) as a loss term, by Schulman's estimator ``how``, ``d = logp -
+    ref``: ``k1`` is ``d`` (its gradient is the score function's, unbiased only in a reward),
+    ``k2`` is ``d**2 / 2`` (its gradient is that of k1 in the reward: OpenRLHF's
+    REINFORCE++-baseline), ``k3`` is ``k3_kl`` (GRPO's). 0 on padding."""
+    if how == "k3":
+        return k3_kl(logprobs, ref_logprobs, mask)
+    d = torch.where(mask, logprobs - ref_logprobs, torch.zeros_like(logprobs))
+    return d if how == "k1" else 0.5 * d * d
+
+
 def _aggregate(per_token: Tensor, mask: Tensor, cfg: GRPOConfig) -> Tensor:
     """``algorithm.loss_agg`` (``ppo.aggregate``); for Dr. GRPO the sum over
     ``B * max_new_tokens_norm``."""
     if not cfg.dr_grpo:
         return aggregate(per_token, mask, cfg.loss_agg)
     longest = int(mask.sum(dim=1).max()) if mask.numel() else 0
-    norm = cfg.max_new_tokens_norm or longest
-    if norm < longest:
+    norm = cfg.max_new_tokens_norm
+    if norm is None or norm < longest:
         raise RayhfError(
-            f"max_new_tokens_norm={norm} is shorter than a {longest}-token response; "
-            "set it to the generation's max_new_tokens or leave it None"
+            f"algorithm.max_new_tokens_norm={norm} is shorter than a {longest}-token response; "
+            "set it to the generation's max_new_tokens or leave it unset"
         )
     total = torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
     return total / max(mask.shape[0] * norm, 1)
@@ -169,38 +186,34 @@ def grpo_loss(
     cfg: GRPOConfig,
     behaviour: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate plus ``kl_coef`` times k3 per token, aggregated over the batch; with
-    ``behaviour`` log-probs the surrogate is decoupled PPO's (``ppo_policy_loss``).
+    """Clipped surrogate (dual-clipped as ``cfg.dual_clip`` says) plus ``kl_coef`` times the
+    ``kl_estimator`` per token, aggregated over the batch; with ``behaviour`` log-probs the
+    surrogate is weighted by the rollout correction (``ppo_policy_loss``).
 
     ``advantages`` is ``[B]``, one per sequence, shared by its tokens. By default GRPO averages
     over all valid tokens of the batch (verl's and DAPO's "token-mean"): every token weighs the
     same, so a long response weighs more than a short one; ``loss_agg`` picks another mean.
     Dr. GRPO divides the token sum by ``B * max_new_tokens_norm``, a per-token weight that does
     not depend on any length. The ratio is clipped to ``cfg.clip_range()``.
-    ``stats``: ``clip_frac``, ``kl`` (mean k3 per valid token), ``approx_kl`` (mean old - new).
+    ``stats``: ``clip_frac``, ``dual_clip_frac``, ``kl`` (mean per valid token of the
+    ``kl_estimator``), ``approx_kl`` (mean old - new); the ratio is bounded (``bounded_ratio``).
     """
     assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
+    ratio = bounded_ratio(log_ratio)
     adv = advantages.to(ratio.dtype).unsqueeze(1)
-    loss_unclipped = -adv * ratio
     low, high = cfg.clip_range()
-    loss_clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
-    kl = k3_kl(logprobs, ref_logprobs, mask)
-    surrogate = torch.maximum(loss_unclipped, loss_clipped)
-    weight_stats: dict[str, float] = {}
+    surrogate, stats = clipped_surrogate(ratio, adv, mask, low, high, cfg.dual_clip)
+    kl = kl_loss_term(logprobs, ref_logprobs, mask, cfg.kl_estimator)
     if behaviour is not None:
-        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg.weight_cap)
+        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg)
         surrogate = weights * surrogate
+        stats.update(weight_stats)
     per_token = surrogate + cfg.kl_coef * kl
     loss = _aggregate(per_token, mask, cfg)
     with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
-            "kl": masked_mean(kl, mask).item(),
-            "approx_kl": masked_mean(-log_ratio, mask).item(),
-            **weight_stats,
-        }
+        stats["kl"] = masked_mean(kl, mask).item()
+        stats["approx_kl"] = masked_mean(-log_ratio, mask).item()
     return loss, stats
 
 
@@ -229,7 +242,11 @@ class GRPOActorInterface(LMInterface):
         behaviour: Tensor | None,
     ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
         """The update's loss and stats on one micro-batch (GSPO's is per sequence)."""
-        return grpo_loss(logp, old, ref, adv, mask, self.loss_config, behaviour)
+        cfg = self.loss_config
+        if cfg.dr_grpo and cfg.max_new_tokens_norm is None:
+            norm = self.settings.generation.max_new_tokens
+            cfg = cfg.model_copy(update={"max_new_tokens_norm": norm})
+        return grpo_loss(logp, old, ref, adv, mask, cfg, behaviour)
 
     @classmethod
     def work_shape(cls, algorithm: GRPOConfig, kind: str) -> WorkShape:

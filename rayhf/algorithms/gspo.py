@@ -11,8 +11,9 @@ taken per sequence instead of per token:
 The sequence ratio is a length-normalized geometric mean, so every token of a sequence shares one
 ratio and one clip decision; its gradient is s_i times the mean of the tokens' log-prob gradients.
 The paper's clip range is tiny (3e-4 below, 4e-4 above), since a sequence ratio moves far less
-than a token's. With ``max_staleness`` > 0 the behaviour weight is taken per sequence too: the
-geometric mean of the tokens' proximal / behaviour ratios, capped at ``weight_cap``.
+than a token's. A rollout correction (and, with ``max_staleness`` > 0, decoupled PPO's weight)
+is taken per sequence too: by default the geometric mean of the tokens' old / behaviour ratios,
+truncated at ``weight_cap``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, k3_kl
 from rayhf.algorithms.interface import register
+from rayhf.algorithms.offpolicy import behaviour_weights, bounded_ratio
 from rayhf.algorithms.ppo import masked_mean
 from rayhf.engines.torch_trainer import Weight, samples
 
@@ -45,6 +47,11 @@ class GSPOConfig(GRPOConfig):
     """Weight of GRPO's per-token k3 KL term (the paper uses none)."""
     loss_agg: Literal["seq_mean_token_mean"] = "seq_mean_token_mean"  # type: ignore[assignment]
     """GSPO's ratio is a sequence's: its loss is a mean over sequences."""
+    correction_level: Literal["sequence", "geometric"] = "geometric"  # type: ignore[assignment]
+    """A rollout correction's ``rho`` per sequence: the geometric mean of its tokens' (as its
+    ratio), or their product."""
+    dual_clip: None = None  # type: ignore[assignment]
+    """GSPO clips a sequence's ratio once, in its tight range: no dual clip."""
 
     @model_validator(mode="after")
     def _no_token_options(self) -> GSPOConfig:
@@ -58,7 +65,7 @@ def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
     empty row."""
     n = mask.sum(dim=1).clamp(min=1)
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    return torch.exp(log_ratio.sum(dim=1) / n)
+    return bounded_ratio(log_ratio.sum(dim=1) / n)
 
 
 def gspo_loss(
@@ -72,7 +79,7 @@ def gspo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO's clipped sequence surrogate (mean over non-empty sequences) plus ``kl_coef`` times
     the token-mean k3 KL. ``stats``: ``clip_frac`` (share of sequences clipped), ``kl``,
-    ``approx_kl``, ``seq_ratio_mean``; with ``behaviour``, ``is_weight_mean`` per sequence."""
+    ``approx_kl``, ``seq_ratio_mean``; with ``behaviour``, the correction's ``is_*`` stats."""
     assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
     ratio = sequence_ratio(logprobs, old_logprobs, mask)
     adv = advantages.to(ratio.dtype)
@@ -81,10 +88,10 @@ def gspo_loss(
     per_seq = torch.maximum(unclipped, clipped)
     rows = mask.any(dim=1)
     stats: dict[str, float] = {}
-    if behaviour is not None:
-        weight = sequence_ratio(old_logprobs, behaviour, mask).detach()
-        per_seq = weight.clamp(max=cfg.weight_cap) * per_seq
-        stats["is_weight_mean"] = weight[rows].mean().item() if rows.any() else 1.0
+    if behaviour is not None:  # one weight per sequence: its tokens all carry it
+        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg)
+        per_seq = weights[:, 0] * per_seq
+        stats.update(weight_stats)
     surrogate = per_seq[rows].mean() if rows.any() else per_seq.sum() * 0.0
     kl = k3_kl(logprobs, ref_logprobs, mask)
     loss = surrogate + cfg.kl_coef * masked_mean(kl, mask)

@@ -58,9 +58,29 @@ class OffPolicyConfig(BaseModel):
     max_staleness: int = Field(0, ge=0)
     """Updates the sampling policy may lag the trained one: 0 is on-policy; k >= 1 lets the
     generation of step i run while step i-1 trains (weights from step i-k-1's update on)."""
+    old_logprobs: Literal["generator", "recompute"] | None = None
+    """On-policy, what the ratio is taken against: the generator's log-probs (``generator``,
+    verl's bypass mode: a generator/trainer mismatch is clipped as if it were a policy change)
+    or the trainer's own before its first update (``recompute``: a forward of the batch but
+    its first minibatch, the mismatch then left to ``correction``). None: ``recompute`` when a
+    ``correction`` is set, else ``generator``. Off-policy it is always the proximal policy's."""
+    correction: Literal["auto", "none", "tis", "mis", "icepop"] = "auto"
+    """Rollout correction, the weight of each token's loss by ``rho = pi_old / pi_behaviour``
+    (the trainer's over the generator's): ``tis`` truncates it at ``weight_cap``, ``mis`` masks
+    it (0) outside ``[weight_floor, weight_cap]`` and keeps it inside, ``icepop`` is ``mis`` per
+    token within ``[0.5, 5]`` unless those are set; ``auto``: ``tis`` with ``max_staleness`` >
+    0 (decoupled PPO), else ``none``."""
+    correction_level: Literal["token", "sequence", "geometric"] = "token"
+    """What ``rho`` is: each token's, its sequence's product (broadcast to its tokens) or the
+    geometric mean of its sequence's (both bounded to ``exp(+-20)``)."""
     weight_cap: float = Field(2.0, gt=0)
-    """Cap of the per-token importance weight pi_prox / pi_behaviour (truncated importance
-    sampling) when ``max_staleness`` > 0."""
+    """Upper bound of ``rho``: where ``tis`` truncates it, above which ``mis`` masks it."""
+    weight_floor: float | None = Field(None, ge=0)
+    """Lower bound of ``rho`` under which ``mis`` and ``icepop`` mask it (None: ``1 /
+    weight_cap``; ``icepop``: 0.5)."""
+    dual_clip: float | None = Field(3.0, gt=1)
+    """Dual-clip PPO (Ye et al., 2020; verl's default ``c = 3``): a token with a negative
+    advantage loses at most ``-c * A``, however far its ratio went; None turns it off."""
     proximal: Literal["recompute", "interpolate"] = "recompute"
     """How a train call gets the proximal log-probs when ``max_staleness`` > 0: ``recompute``
     forwards its batch before the first update (exact); ``interpolate`` skips that forward and
@@ -70,6 +90,40 @@ class OffPolicyConfig(BaseModel):
     """How the policy loss is averaged: over every response token of the batch
     (``token_mean``, DAPO's token-level loss), or per response first (``seq_mean_token_mean``,
     the GRPO paper's; ``seq_mean_token_sum``), then over responses."""
+
+    @model_validator(mode="after")
+    def _correction_needs_old_logprobs(self) -> OffPolicyConfig:
+        if self.max_staleness == 0 and self.old_logprobs == "generator" and self.corrects:
+            raise ValueError(
+                f"algorithm.correction {self.correction} weighs the trainer's old log-probs "
+                "against the generator's: set algorithm.old_logprobs: recompute (or leave it "
+                "unset)"
+            )
+        return self
+
+    @property
+    def corrects(self) -> bool:
+        """Whether a rollout correction weighs the loss."""
+        if self.correction == "auto":
+            return self.max_staleness > 0
+        return self.correction != "none"
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the ratio is taken against the trainer's own old log-probs (recomputed or,
+        off-policy, interpolated) rather than the generator's."""
+        if self.max_staleness > 0:
+            return True
+        return self.old_logprobs == "recompute" or (self.old_logprobs is None and self.corrects)
+
+    def correction_bounds(self) -> tuple[float, float]:
+        """``(floor, cap)`` of ``rho`` as the ``correction`` reads them."""
+        icepop = self.correction == "icepop"
+        cap = 5.0 if icepop and "weight_cap" not in self.model_fields_set else self.weight_cap
+        floor = self.weight_floor
+        if floor is None:
+            floor = 0.5 if icepop else 1.0 / cap
+        return floor, cap
 
 
 class OnPolicyConfig(BaseModel):
@@ -91,30 +145,69 @@ class OnPolicyConfig(BaseModel):
         return self
 
 
+# exp(20) ~ 5e8: finite in every float type a loss runs in, far past any clip bound, so the
+# clipped loss is the same wherever a ratio means anything; an unbounded log-ratio of ~89 gives
+# an infinite ratio and NaN gradients even where the clip picks the other side (verl: +-20)
+LOG_RATIO_LIMIT = 20.0
+
+
+def bounded_ratio(log_ratio: Tensor) -> Tensor:
+    """``exp(log_ratio)`` with the log-ratio clamped to ``+-LOG_RATIO_LIMIT``."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     total = torch.where(mask, x, torch.zeros_like(x)).sum()
     return total / mask.sum().clamp(min=1).to(total.dtype)
 
 
+def rollout_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor, level: str) -> Tensor:
+    """``rho = pi_old / pi_behaviour`` per token ``[B, T]``: each token's, or its sequence's
+    product or geometric mean on each of its tokens; bounded, 1 on padding."""
+    log_ratio = torch.where(mask, proximal - behaviour, torch.zeros_like(proximal))
+    if level != "token":
+        rows = log_ratio.sum(dim=1, keepdim=True)
+        if level == "geometric":
+            rows = rows / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(mask, rows.expand_as(log_ratio), torch.zeros_like(log_ratio))
+    return bounded_ratio(log_ratio)
+
+
 def behaviour_weights(
-    proximal: Tensor, behaviour: Tensor, mask: Tensor, cap: float
+    proximal: Tensor, behaviour: Tensor, mask: Tensor, cfg: OffPolicyConfig
 ) -> tuple[Tensor, dict[str, float]]:
-    """Per-token ``min(exp(proximal - behaviour), cap)`` (1 on padding), and its stats:
-    ``is_weight_mean``, ``is_weight_max`` (before the cap) and ``is_capped_frac``."""
-    raw = torch.exp(torch.where(mask, proximal - behaviour, torch.zeros_like(proximal)))
+    """Per-token weights of the loss by the rollout correction ``cfg`` asks for (1 where none,
+    and on padding; no gradient), and their stats: ``is_weight_mean``, ``is_weight_std``,
+    ``is_weight_max`` of ``rho`` before any bound, ``is_capped_frac`` (tokens above the cap) and
+    ``is_masked_frac`` (tokens a mask drops). A masked token weighs 0 and still counts in its
+    mean, as in IcePop's objective (verl drops it from the denominator)."""
+    raw = rollout_ratio(proximal, behaviour, mask, cfg.correction_level)
+    floor, cap = cfg.correction_bounds()
+    mode = ("tis" if cfg.max_staleness else "none") if cfg.correction == "auto" else cfg.correction
+    dropped = torch.zeros_like(mask)
+    if mode == "none":
+        weights = torch.ones_like(raw)
+    elif mode == "tis":
+        weights = raw.clamp(max=cap)
+    else:
+        dropped = mask & ((raw > cap) | (raw < floor))
+        weights = torch.where(dropped, torch.zeros_like(raw), raw)
+    valid = raw[mask]
     stats = {
         "is_weight_mean": _masked_mean(raw, mask).item(),
-        "is_weight_max": raw[mask].max().item() if mask.any() else 1.0,
+        "is_weight_std": valid.std().item() if valid.numel() > 1 else 0.0,
+        "is_weight_max": valid.max().item() if valid.numel() else 1.0,
         "is_capped_frac": _masked_mean((raw > cap).float(), mask).item(),
+        "is_masked_frac": _masked_mean(dropped.float(), mask).item(),
     }
-    return raw.clamp(max=cap), stats
+    return torch.where(mask, weights, torch.ones_like(weights)).detach(), stats
 
 
 def policy_train_shape(cfg: OffPolicyConfig, epochs: int, n_minibatches: int) -> WorkShape:
     """A policy train call's work as ``PolicyReference`` runs it: ``epochs`` passes, and the
     share of the batch it forwards for the proximal log-probs (none on-policy or interpolated,
     all but the first minibatch with one epoch, all with more)."""
-    if not cfg.max_staleness or cfg.proximal == "interpolate":
+    if not cfg.recomputes or (cfg.max_staleness and cfg.proximal == "interpolate"):
         share = 0.0
     else:
         share = 1.0 if epochs > 1 else (n_minibatches - 1) / n_minibatches
@@ -139,8 +232,8 @@ class PolicyReference:
         step: int = 0,
     ) -> None:
         self.engine, self.temperature = engine, temperature
-        self.decoupled = cfg.max_staleness > 0
-        self.interpolate = self.decoupled and cfg.proximal == "interpolate"
+        self.decoupled = cfg.recomputes
+        self.interpolate = cfg.max_staleness > 0 and cfg.proximal == "interpolate"
         self.first_free = epochs == 1  # the first minibatch's forward gives its proximal ones
         self.first: set[int] = set()  # the minibatch whose forward precedes every update
         self.epoch, self.epochs = 0, epochs

@@ -35,6 +35,7 @@ from rayhf.algorithms.offpolicy import (
     OffPolicyConfig,
     PolicyReference,
     behaviour_weights,
+    bounded_ratio,
     policy_train_shape,
 )
 from rayhf.algorithms.seqs import pack_rows, response_index
@@ -196,6 +197,29 @@ def gae_advantages(
     return advantages, returns
 
 
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float,
+    dual_clip: float | None,
+) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
+    """PPO's per-token loss ``max(-A r, -A clip(r, 1 - low, 1 + high))``, with ``dual_clip``
+    ``c`` at most ``-c A`` where ``A < 0``; ``stats``: ``clip_frac`` (tokens where the clipped
+    term is the larger loss) and ``dual_clip_frac`` (tokens the dual clip bounds)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    per_token = torch.maximum(unclipped, clipped)
+    bounded = torch.zeros_like(mask)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        bounded = (advantages < 0) & (per_token > bound) & mask
+        per_token = torch.where(bounded, bound.expand_as(per_token), per_token)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
+            "dual_clip_frac": masked_mean(bounded.float(), mask).item(),
+        }
+    return per_token, stats
+
+
 def ppo_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -203,35 +227,31 @@ def ppo_policy_loss(
     mask: Tensor,
     eps_clip: float,
     behaviour: Tensor | None = None,
-    weight_cap: float = 2.0,
+    cfg: OffPolicyConfig | None = None,
     loss_agg: LossAgg = "token_mean",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss, aggregated as ``loss_agg`` says (``aggregate``); returns
-    ``(loss, stats)``.
+    """Clipped surrogate loss (``clipped_surrogate``, with ``cfg.dual_clip``), aggregated as
+    ``loss_agg`` says (``aggregate``); returns ``(loss, stats)``. The ratio is bounded
+    (``bounded_ratio``), so no token can make the loss or its gradient non-finite.
 
-    With ``behaviour`` log-probs it is decoupled PPO (``rayhf.algorithms.offpolicy``):
-    ``old_logprobs`` are the proximal policy's and each token's loss is weighted by
-    ``min(pi_old / pi_behaviour, weight_cap)``. ``stats``: ``clip_frac`` (tokens where the
-    clipped term is the larger loss), ``approx_kl`` (mean of ``old - new`` log-probs),
-    ``ratio_mean``, and with ``behaviour`` the weights' ``is_*`` stats.
+    With ``behaviour`` log-probs, ``old_logprobs`` are the trainer's own (proximal, or
+    recomputed on-policy) and each token's loss is weighted by ``cfg``'s rollout correction
+    (``behaviour_weights``: decoupled PPO's ``min(pi_old / pi_behaviour, weight_cap)`` by
+    default). ``stats``: ``clip_frac``, ``dual_clip_frac``, ``approx_kl`` (mean of ``old -
+    new`` log-probs), ``ratio_mean``, and with ``behaviour`` the weights' ``is_*`` stats.
     """
+    cfg = cfg if cfg is not None else OffPolicyConfig()
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    per_token = torch.maximum(loss_unclipped, loss_clipped)
-    weight_stats: dict[str, float] = {}
+    ratio = bounded_ratio(log_ratio)
+    per_token, stats = clipped_surrogate(ratio, advantages, mask, eps_clip, eps_clip, cfg.dual_clip)
     if behaviour is not None:
-        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, weight_cap)
+        weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg)
         per_token = weights * per_token
+        stats.update(weight_stats)
     loss = aggregate(per_token, mask, loss_agg)
     with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
-            "approx_kl": masked_mean(-log_ratio, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            **weight_stats,
-        }
+        stats["approx_kl"] = masked_mean(-log_ratio, mask).item()
+        stats["ratio_mean"] = masked_mean(ratio, mask).item()
     return loss, stats
 
 
@@ -409,7 +429,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
             old, behaviour = reference.old(mb, logp, mask)
             adv = padded(mb, "advantages")
             loss, s = ppo_policy_loss(
-                logp, old, adv, mask, cfg.eps_clip, behaviour, cfg.weight_cap, cfg.loss_agg
+                logp, old, adv, mask, cfg.eps_clip, behaviour, cfg, cfg.loss_agg
             )  # fmt: skip
             entropy = masked_mean(entropies, mask)
             if cfg.entropy_coef:

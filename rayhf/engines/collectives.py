@@ -13,6 +13,11 @@ class DataParallel:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
 
+    @property
+    def size(self) -> int:
+        """The replicas."""
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
     def _device(self) -> torch.device:
         """Where the group reduces: NCCL only takes tensors on this process's GPU."""
         if dist.get_backend(self.group) == "nccl":

@@ -38,6 +38,7 @@ from rayhf.engines.torch_trainer import (
     OptimizerConfig,
     Totals,
     Weight,
+    global_scales,
     response_tokens,
 )
 from rayhf.errors import RayhfError
@@ -172,13 +173,14 @@ class DeepSpeedTrainer:
         zero loss so the gradient reduction lines up. (No token budget: DeepSpeed fixes its
         gradient accumulation steps at start, and a budget's micro-batch count varies.)"""
         assert token_budget is None, "max_tokens_per_microbatch is a torch engine setting"
-        del weight
         self.model.module.train(True)
         totals = Totals(len(minibatches))
+        scales = global_scales(self.comm, minibatches, weight)
         try:
-            for mb in minibatches:
+            for mb, scale in zip(minibatches, scales, strict=True):
                 if mb.n_samples > 0:
                     loss, stats = loss_fn(mb)
+                    loss = loss * scale  # a mean over every dp rank's tokens (or samples)
                     totals.add(stats)
                 else:
                     loss = self._zero_loss()

@@ -28,6 +28,7 @@ from rayhf.engines.collectives import DataParallel
 from rayhf.engines.grad_buckets import GradBuckets
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import ScheduleConfig
+from rayhf.errors import RayhfError
 from rayhf.models.sharding import embedding_name
 
 LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -35,8 +36,11 @@ Weight = Callable[[PackedBatch], float]  # what a loss averages over, counted in
 
 
 def response_tokens(batch: PackedBatch) -> float:
-    """What a token-mean loss averages over: the response tokens of ``seq`` (each one predicted
-    after the prompt); a batch without them (pairs) counts its samples."""
+    """What a token-mean loss averages over: the trained response tokens of ``seq`` (each one
+    predicted after the prompt; with a ``loss_mask``, a multi-turn sample's model tokens only,
+    not the environment's); a batch without them (pairs) counts its samples."""
+    if "loss_mask" in batch.tensors:
+        return float(batch.tensors["loss_mask"].sum())
     if "seq" in batch.seqlens and "prompt_lens" in batch.tensors:
         return float(sum(batch.seqlens["seq"]) - int(batch.tensors["prompt_lens"].sum()))
     return float(batch.n_samples)
@@ -51,13 +55,35 @@ def micro_batches(
     mb: PackedBatch, budget: int | None, weight: Weight
 ) -> list[tuple[PackedBatch, float]]:
     """``mb`` cut into micro-batches of at most ``budget`` sequence tokens, each with its share
-    of the minibatch's loss (its ``weight`` over the minibatch's): the shares' weighted sum of
-    the micro-batch losses is the minibatch's loss, so their gradients add up to its gradient."""
+    of the minibatch's loss (its ``weight`` over the minibatch's): a micro-batch's loss is a mean
+    over its own ``weight``, so the shares' weighted sum of the losses is the mean over the
+    minibatch's, and their gradients add up to its gradient (``global_scales`` then makes it
+    the mean over every dp rank's)."""
     if budget is None:
         return [(mb, 1.0)]
     parts = mb.token_chunks(budget)
     total = weight(mb)
     return [(p, weight(p) / total if total else 1.0 / len(parts)) for p in parts]
+
+
+def global_scales(
+    comm: DataParallel, minibatches: Sequence[PackedBatch], weight: Weight
+) -> list[float]:
+    """Per minibatch, what this rank's loss (a mean over its own ``weight``) is multiplied by so
+    that, once the replicas' gradients are averaged, the gradient is that of the mean over every
+    rank's ``weight``: ``dp * mine / total``. A rank with an empty minibatch adds nothing and
+    scales no one else's down; with one replica it is 1."""
+    mine = torch.tensor(
+        [weight(mb) if mb.n_samples else 0.0 for mb in minibatches], dtype=torch.float64
+    )
+    if comm.size == 1:
+        return [1.0] * len(minibatches)
+    total = comm.all_reduce_sum(mine)
+    return [float(comm.size * m / t) if t > 0 else 0.0 for m, t in zip(mine, total, strict=True)]
+
+
+class NonFiniteGradients(RayhfError):
+    """Too many optimizer steps in a row had a non-finite gradient."""
 
 
 class OptimizerConfig(BaseModel):
@@ -79,6 +105,9 @@ class OptimizerConfig(BaseModel):
     """Max global grad norm."""
     zero1: bool = False
     """Shard optimizer state over the data-parallel replicas (ZeRO stage 1)"""
+    max_skipped_steps: int = Field(8, gt=0)
+    """Optimizer steps in a row whose gradient is not finite (each skipped, the weights left as
+    they were) before the run stops with an error."""
 
 
 class Totals:
@@ -138,6 +167,7 @@ class TorchTrainer:
         fp16 = model.numerics.autocast == torch.float16
         self.scaler = torch.amp.GradScaler(model.device.type) if fp16 else None
         self.buckets: GradBuckets | None = None
+        self.skipped_in_a_row = 0  # optimizer steps whose gradient was not finite
 
     def train(
         self,
@@ -158,8 +188,9 @@ class TorchTrainer:
         pipe.record = True
         totals = Totals(len(minibatches))
         reducer = self._reducer()
+        scales = global_scales(self.comm, minibatches, weight)
         try:
-            for mb in minibatches:
+            for mb, scale in zip(minibatches, scales, strict=True):
                 self.optimizer.zero_grad(set_to_none=False)
                 parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
                 if token_budget is not None:  # how many the budget cut, per minibatch
@@ -170,7 +201,7 @@ class TorchTrainer:
                     if reducer is not None and i == len(parts) - 1 and self.groups.pp == 1:
                         reducer.arm()
                     loss, stats = loss_fn(part)
-                    self._backward(loss * share)
+                    self._backward(loss * (share * scale))
                     pipe.backward_pending()
                     totals.add(stats, share)
                 if reducer is not None:
@@ -192,19 +223,31 @@ class TorchTrainer:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def _step(self, norm: float, totals: Totals) -> None:
-        """The optimizer step; with fp16 loss scaling, skipped on every rank when the global
-        gradient norm overflowed (the scale backs off), and the scale logged."""
+        """The optimizer step, skipped on every rank (the global gradient norm is the same on
+        each) when the gradient is not finite, at any precision: the weights and the optimizer
+        state stay as they were, ``skipped_steps`` counts it, and ``max_skipped_steps`` in a
+        row stop the run. With fp16 loss scaling the scale backs off then, and is logged."""
+        if self.scaler is not None:
+            totals.add({"loss_scale": self.scaler.get_scale()})
+        if not math.isfinite(norm):
+            totals.count("skipped_steps")
+            self.skipped_in_a_row += 1
+            self.optimizer.zero_grad(set_to_none=False)
+            if self.scaler is not None:
+                self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+            if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
+                raise NonFiniteGradients(
+                    f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite gradient "
+                    "(each skipped, the weights unchanged); lower optimizer.lr, check the loss "
+                    "and the rewards, or raise optimizer.max_skipped_steps"
+                )
+            return
+        self.skipped_in_a_row = 0
         if self.scaler is None:
             self.optimizer.step()
             return
-        scale = self.scaler.get_scale()
-        totals.add({"loss_scale": scale})
-        if math.isfinite(norm):
-            self.scaler.step(self.optimizer)  # every local gradient is finite: it steps
-            self.scaler.update()
-        else:
-            totals.count("skipped_steps")
-            self.scaler.update(scale * self.scaler.get_backoff_factor())
+        self.scaler.step(self.optimizer)  # every local gradient is finite: it steps
+        self.scaler.update()
 
     def _reducer(self) -> GradBuckets | None:
         """The dp replicas' gradient buckets (None: one replica), built again if a parameter

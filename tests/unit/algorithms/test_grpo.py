@@ -19,6 +19,7 @@ from rayhf.algorithms.grpo import (
     grpo_advantages,
     grpo_loss,
     k3_kl,
+    kl_loss_term,
 )
 from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
 from rayhf.data.batch import PackedBatch
@@ -160,16 +161,18 @@ def test_grpo_loss_clip_cases_by_hand() -> None:
 
 
 def test_dr_grpo_clip_cases_by_hand() -> None:
-    # same tokens, Dr. GRPO: sum -1.4 / (B * longest) = -1.4 / (3 * 2); with norm 4: / 12
+    # same tokens, Dr. GRPO: sum -1.4 / (B * norm) = -1.4 / (3 * 2); with norm 4: / 12
     new, old, adv, mask = _clip_case()
-    loss, _ = grpo_loss(new, old, new.detach(), adv, mask, GRPOConfig(dr_grpo=True))
+    two = GRPOConfig(dr_grpo=True, max_new_tokens_norm=2)
+    loss, _ = grpo_loss(new, old, new.detach(), adv, mask, two)
     _close(loss.detach(), -1.4 / 6, 1e-6)
     loss.backward()
     _close(new.grad, [[0.0, -0.5 / 6], [1.5 / 6, 0.0], [-2 / 6, 0.0]], 1e-6)
     cfg = GRPOConfig(dr_grpo=True, max_new_tokens_norm=4)
     _close(grpo_loss(new, old, new, adv, mask, cfg)[0].detach(), -1.4 / 12, 1e-6)
-    with pytest.raises(RayhfError, match="max_new_tokens_norm"):
-        grpo_loss(new, old, new, adv, mask, GRPOConfig(dr_grpo=True, max_new_tokens_norm=1))
+    for short in (1, None):  # the interface fills None with max_new_tokens
+        with pytest.raises(RayhfError, match="max_new_tokens_norm"):
+            grpo_loss(new, old, new, adv, mask, GRPOConfig(dr_grpo=True, max_new_tokens_norm=short))
 
 
 def test_grpo_loss_kl_term_by_hand() -> None:
@@ -189,7 +192,7 @@ def test_token_mean_and_dr_grpo_weigh_tokens_differently() -> None:
     # ratio 1, A = 1, no KL: the gradient of a token is minus its weight in the aggregate.
     # Token-mean: 1 / (valid tokens in the batch), so row 0's token weighs 1/5 next to a
     # 4-token row but 1/2 next to a 1-token row, and the 4-token row as a whole weighs 4x more.
-    # Dr. GRPO: 1 / (B * norm) whatever the other rows hold; None -> longest valid row, not T.
+    # Dr. GRPO: 1 / (B * norm) whatever the other rows hold.
     def weights(lengths: list[int], cfg: GRPOConfig) -> torch.Tensor:
         logp = torch.zeros(3, 6, requires_grad=True)
         const = logp.detach()
@@ -198,7 +201,8 @@ def test_token_mean_and_dr_grpo_weigh_tokens_differently() -> None:
         assert logp.grad is not None
         return -logp.grad
 
-    mean_cfg, dr_cfg = GRPOConfig(kl_coef=0.0), GRPOConfig(kl_coef=0.0, dr_grpo=True)
+    mean_cfg = GRPOConfig(kl_coef=0.0)
+    dr_cfg = GRPOConfig(kl_coef=0.0, dr_grpo=True, max_new_tokens_norm=4)
     fixed_cfg = GRPOConfig(kl_coef=0.0, dr_grpo=True, max_new_tokens_norm=8)
     w = weights([1, 4, 0], mean_cfg)
     _close(w[0, 0], 0.2)
@@ -209,7 +213,7 @@ def test_token_mean_and_dr_grpo_weigh_tokens_differently() -> None:
     _close(weights([1, 1, 0], fixed_cfg)[0, 0], 1 / 24)
 
 
-@pytest.mark.parametrize("dr_grpo,norm", [(False, None), (True, None), (True, 10)])
+@pytest.mark.parametrize("dr_grpo,norm", [(False, None), (True, 7), (True, 10)])
 def test_grpo_loss_matches_reference(dr_grpo: bool, norm: int | None) -> None:
     new, old, ref = _rand(24, scale=0.5), _rand(25, scale=0.5), _rand(26, scale=0.5)
     adv = _vec(27, len(LENGTHS))
@@ -238,7 +242,7 @@ def test_grpo_loss_matches_reference(dr_grpo: bool, norm: int | None) -> None:
 def test_grpo_loss_with_no_valid_tokens_is_zero_and_finite(dr_grpo: bool) -> None:
     mask = torch.zeros(2, 3, dtype=torch.bool)
     new = torch.full((2, 3), -float("inf"), requires_grad=True)
-    cfg = GRPOConfig(dr_grpo=dr_grpo)
+    cfg = GRPOConfig(dr_grpo=dr_grpo, max_new_tokens_norm=4 if dr_grpo else None)
     loss, stats = grpo_loss(new, torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), mask, cfg)
     loss.backward()
     assert loss.item() == 0.0 and all(v == 0.0 for v in stats.values())
@@ -345,3 +349,34 @@ def test_grpo_train_step_at_ratio_one_is_minus_the_token_mean_advantage() -> Non
     for ids, loss in zip(engine.minibatch_ids, engine.losses, strict=True):
         assert loss == pytest.approx(-adv[ids].mean().item(), abs=1e-6)
     assert sorted(i for ids in engine.minibatch_ids[:2] for i in ids) == [0, 1, 2, 3]
+
+
+def test_dr_grpo_divides_by_max_new_tokens_whatever_the_batch_holds() -> None:
+    """A 2-token response's token weighs 1 / (B * max_new_tokens) beside an 8-token row and
+    beside a 2-token row alike; dividing by the batch's longest row gave 1/16 and 1/4."""
+    actor = make_interface(
+        "grpo_actor",
+        InterfaceSettings(
+            GRPOConfig(dr_grpo=True, kl_coef=0.0), GenerationConfig(max_new_tokens=8)
+        ),
+    )
+
+    def weight(other: int) -> float:
+        logp = torch.zeros(2, 8, requires_grad=True)
+        const = logp.detach()
+        loss, _ = actor.policy_loss(logp, const, const, torch.ones(2), _mask([2, other], 8), None)  # type: ignore[attr-defined]
+        loss.backward()
+        assert logp.grad is not None
+        return -float(logp.grad[0, 0])
+
+    assert weight(8) == pytest.approx(1 / 16) and weight(2) == pytest.approx(1 / 16)
+
+
+def test_the_kl_estimators_by_hand() -> None:
+    logp = torch.zeros(1, 2)
+    ref = torch.tensor([[LN(2), -LN(2)]])  # d = logp - ref = -ln 2, ln 2
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    _close(kl_loss_term(logp, ref, mask, "k1"), [[-LN(2), LN(2)]])
+    _close(kl_loss_term(logp, ref, mask, "k2"), [[LN(2) ** 2 / 2] * 2])
+    _close(kl_loss_term(logp, ref, mask, "k3"), k3_kl(logp, ref, mask))
+    assert GRPOConfig().kl_estimator == "k3"

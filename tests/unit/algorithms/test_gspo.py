@@ -43,14 +43,16 @@ def test_the_sequence_surrogate_its_clip_and_the_shared_gradient():
 
 
 def test_a_stale_batch_weighs_each_sequence_by_its_own_behaviour_ratio():
-    cfg = GSPOConfig(weight_cap=1.5)
+    cfg = GSPOConfig(weight_cap=1.5, max_staleness=1)
     logp = torch.zeros(4, 3)
     behaviour = torch.tensor([[-0.3, -0.3, -0.3], [-3.0, -3.0, 0.0], [0.0] * 3, [0.0] * 3])
     adv = torch.tensor([1.0, 1.0, 1.0, 0.0])
     loss, stats = gspo_loss(logp, logp, logp, adv, MASK, cfg, behaviour)
     # weights exp(0.3) and exp(3.0) capped at 1.5, and 1; each ratio is 1, each surrogate -A
     assert loss.item() == pytest.approx(-(math.exp(0.3) + 1.5 + 1.0) / 3)
-    assert stats["is_weight_mean"] == pytest.approx((math.exp(0.3) + math.exp(3.0) + 1) / 3)
+    # the stats count tokens: each sequence's weight on each of its tokens
+    mean = (3 * math.exp(0.3) + 2 * math.exp(3.0) + 1) / 6
+    assert stats["is_weight_mean"] == pytest.approx(mean, rel=1e-6)
 
 
 def test_settings_gspo_refuses():

@@ -36,14 +36,15 @@ def test_the_decoupled_loss_equals_the_standard_one_when_the_versions_match():
     for seed in range(5):
         new, old, adv, mask = _case(seed)
         standard, s1 = ppo_policy_loss(new, old, adv, mask, 0.2)
-        decoupled, s2 = ppo_policy_loss(new, old, adv, mask, 0.2, behaviour=old.clone())
+        stale = OffPolicyConfig(max_staleness=1)
+        decoupled, s2 = ppo_policy_loss(new, old, adv, mask, 0.2, old.clone(), stale)
         assert torch.equal(standard, decoupled)
         (g1,) = torch.autograd.grad(standard, new)
         (g2,) = torch.autograd.grad(decoupled, new)
         assert torch.equal(g1, g2)
         assert s2["is_weight_mean"] == 1.0 and s2["is_capped_frac"] == 0.0
         assert {k: s1[k] for k in s1} == {k: s2[k] for k in s1}
-        cfg = GRPOConfig()
+        cfg = GRPOConfig(max_staleness=1)
         seq_adv = adv[:, 0]
         ref = old - 0.1
         a, _ = grpo_loss(new, old, ref, seq_adv, mask, cfg)
@@ -55,8 +56,9 @@ def test_stale_samples_are_weighted_by_proximal_over_behaviour_and_capped():
     new, old, adv, mask = _case(7)
     behaviour = old - 0.5 * torch.rand(old.shape, generator=torch.Generator().manual_seed(3))
     behaviour[0, 0] = old[0, 0] - 3.0  # a token the old policy liked e^3 times more: capped
-    loss, stats = ppo_policy_loss(new, old, adv, mask, 0.2, behaviour=behaviour, weight_cap=2.0)
-    weights, _ = behaviour_weights(old, behaviour, mask, 2.0)
+    cfg = OffPolicyConfig(max_staleness=1, weight_cap=2.0)
+    loss, stats = ppo_policy_loss(new, old, adv, mask, 0.2, behaviour=behaviour, cfg=cfg)
+    weights, _ = behaviour_weights(old, behaviour, mask, cfg)
     expected = torch.exp(old - behaviour).clamp(max=2.0)
     assert torch.allclose(weights[mask], expected[mask])
     assert weights[0, 0] == 2.0 and stats["is_weight_max"] > 20 and stats["is_capped_frac"] > 0
@@ -169,3 +171,75 @@ def test_interpolated_proximal_log_probs_cost_no_forward_and_are_exact_where_the
     del batch.extras[VERSION_EXTRA]
     with pytest.raises(RuntimeError, match=VERSION_EXTRA):
         PolicyReference(cast(Any, engine), batch, 1.0, cfg, 1, step=3)
+
+
+# ----- rollout correction ----------------------------------------------------------------------
+
+# rho per token: e^1, e^-1, 1 | e^0.5, (pad), (pad); row products e^0 and e^0.5
+_OLD = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+_GEN = torch.tensor([[-1.0, 1.0, 0.0], [-0.5, 0.0, 0.0]])
+_M = _mask([3, 1], 3)
+E = torch.e
+
+
+def _weights(**cfg) -> tuple[list[float], dict[str, float]]:
+    """The weights, flat, and their stats."""
+    w, stats = behaviour_weights(_OLD, _GEN, _M, OffPolicyConfig(**cfg))
+    return w.flatten().tolist(), stats
+
+
+def test_truncated_importance_sampling_per_token_and_per_sequence() -> None:
+    w, stats = _weights(correction="tis", weight_cap=2.0)
+    assert w == pytest.approx([2.0, 1 / E, 1.0, E**0.5, 1.0, 1.0])
+    assert stats["is_capped_frac"] == pytest.approx(1 / 4) and stats["is_masked_frac"] == 0
+    assert stats["is_weight_max"] == pytest.approx(E) and stats["is_weight_std"] > 0
+    w, _ = _weights(correction="tis", correction_level="sequence")
+    assert w == pytest.approx([1.0, 1.0, 1.0, E**0.5, 1.0, 1.0])
+
+
+def test_masked_importance_sampling_token_sequence_and_geometric() -> None:
+    # token: e (above 2) and 1/e (below 1/2) masked, the others keep rho
+    w, stats = _weights(correction="mis", weight_cap=2.0)
+    assert w == pytest.approx([0.0, 0.0, 1.0, E**0.5, 1.0, 1.0])
+    assert stats["is_masked_frac"] == pytest.approx(2 / 4)
+    # sequence: products 1 and e^0.5 < 2 kept; with a cap of 1.5 the second row goes
+    w, _ = _weights(correction="mis", correction_level="sequence", weight_cap=1.5)
+    assert w == pytest.approx([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    # geometric: row 0's mean log-ratio 0, row 1's 0.5 (one token): a tight band drops row 1
+    w, _ = _weights(correction="mis", correction_level="geometric", weight_cap=1.001)
+    assert w == pytest.approx([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+
+
+def test_icepop_masks_outside_half_to_five_unless_told_otherwise() -> None:
+    w, _ = _weights(correction="icepop")  # e is inside [0.5, 5], 1/e = 0.37 is not
+    assert w == pytest.approx([E, 0.0, 1.0, E**0.5, 1.0, 1.0])
+    assert OffPolicyConfig(correction="icepop").correction_bounds() == (0.5, 5.0)
+    assert OffPolicyConfig(correction="icepop", weight_cap=3.0).correction_bounds() == (0.5, 3.0)
+
+
+def test_the_decoupled_cap_clamps_or_masks_as_asked() -> None:
+    """Off-policy, decoupled PPO truncates its weight at the cap (``auto``: tis); AReaL masks
+    a token above it (``mis``): rho = e there weighs 2 against 0."""
+    clamp, _ = _weights(max_staleness=1)
+    mask, _ = _weights(max_staleness=1, correction="mis", weight_floor=0.0)
+    assert clamp[0] == 2.0 and mask[0] == 0.0 and mask[1] == pytest.approx(1 / E)
+
+
+def test_a_correction_on_policy_recomputes_the_old_log_probs() -> None:
+    assert not OffPolicyConfig().recomputes  # the generator's (bypass)
+    assert OffPolicyConfig(correction="tis").recomputes
+    assert OffPolicyConfig(old_logprobs="recompute").recomputes
+    assert not OffPolicyConfig(old_logprobs="recompute").corrects
+    with pytest.raises(ValueError, match="old_logprobs: recompute"):
+        OffPolicyConfig(correction="mis", old_logprobs="generator")
+    shape = policy_train_shape(OffPolicyConfig(correction="icepop"), 1, 4)
+    assert shape.forward_share == 0.75  # every minibatch but the first forwards first
+    # the reference hands back the trainer's own log-probs and the generator's
+    engine, batch = _Bigram(5), _rollouts(6)
+    reference = PolicyReference(cast(Any, engine), batch, 1.0, OffPolicyConfig(correction="tis"), 1)
+    minibatches = batch.split(2, "seq")
+    reference.start_epoch(0, minibatches)
+    logp, _, mask = response_forward(cast(Any, engine), minibatches[1])
+    old, behaviour = reference.old(minibatches[1], logp, mask)
+    assert behaviour is not None and torch.allclose(old, _before(minibatches[1]))
+    assert not torch.allclose(old[mask], behaviour[mask])

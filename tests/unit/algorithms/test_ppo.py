@@ -13,6 +13,7 @@ import torch
 from algo_support import LENGTHS, T, _close, _mask, _rand, _valid
 
 from rayhf.algorithms.lm import entropy_from_logits
+from rayhf.algorithms.offpolicy import OffPolicyConfig
 from rayhf.algorithms.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -232,18 +233,21 @@ def test_policy_loss_matches_reference() -> None:
     new, old, adv = _rand(8, scale=0.5), _rand(9, scale=0.5), _rand(10)
     eps = 0.1
     loss, stats = ppo_policy_loss(new, old, adv, _mask(LENGTHS), eps)
-    losses, clipped, kls, ratios = [], [], [], []
+    losses, clipped, kls, ratios, dual = [], [], [], [], []
     rows = zip(_valid(new), _valid(old), _valid(adv), strict=True)
     for n_row, o_row, a_row in rows:
         for n, o, a in zip(n_row, o_row, a_row, strict=True):
             r = math.exp(n - o)
             l1, l2 = -a * r, -a * max(1 - eps, min(1 + eps, r))
-            losses.append(max(l1, l2))
+            worst = max(l1, l2)
+            dual.append(float(a < 0 and worst > -3 * a))
+            losses.append(min(worst, -3 * a) if a < 0 else worst)  # dual clip, c = 3
             clipped.append(float(l2 > l1))
             kls.append(o - n)
             ratios.append(r)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     _close(loss, mean(losses))
+    assert stats["dual_clip_frac"] == pytest.approx(mean(dual)) and sum(dual) > 0
     assert 0 < stats["clip_frac"] < 1, "random case should exercise both branches"
     assert stats["clip_frac"] == pytest.approx(mean(clipped))
     assert stats["approx_kl"] == pytest.approx(mean(kls))
@@ -397,3 +401,40 @@ def test_multi_turn_gae_runs_over_the_model_s_tokens_only() -> None:
                              cfg.reward_clip)  # fmt: skip
     a, _ = gae_advantages(r, plain.to_padded("values")[0], full, cfg.gamma, cfg.lam)
     assert torch.equal(a2, a)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "grpo", "gspo"])
+def test_a_huge_log_ratio_leaves_the_loss_and_its_gradient_finite(loss: str) -> None:
+    """One token 90 nats likelier than the old policy said: exp(90) is inf in float32, so the
+    unbounded ratio gave a NaN loss or gradient even with a positive advantage (the clip picks
+    the other side, and 0 * inf is NaN)."""
+    from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
+    from rayhf.algorithms.gspo import GSPOConfig, gspo_loss
+
+    new = torch.tensor([[90.0, 0.0]], requires_grad=True)
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    if loss == "ppo":
+        out, _ = ppo_policy_loss(new, old, torch.ones(1, 2), mask, 0.2)
+    elif loss == "grpo":
+        out, _ = grpo_loss(new, old, old, torch.ones(1), mask, GRPOConfig())
+    else:
+        out, _ = gspo_loss(new, old, old, torch.ones(1), mask, GSPOConfig())
+    out.backward()
+    assert torch.isfinite(out) and new.grad is not None and torch.isfinite(new.grad).all()
+
+
+def test_dual_clip_bounds_a_negative_advantage_s_loss_by_hand() -> None:
+    """A = -1, ratio e^2 ~ 7.4: the clipped surrogate is max(7.4, 1.2) = 7.4; dual clip c = 3
+    bounds it at 3 (no gradient), verl's default; dual_clip None leaves 7.4."""
+    new = torch.tensor([[2.0, 0.0]], requires_grad=True)
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([[-1.0, -1.0]])
+    loss, stats = ppo_policy_loss(new, old, adv, mask, 0.2)
+    _close(loss.detach(), (3.0 + 1.0) / 2, 1e-6)
+    assert stats["dual_clip_frac"] == 0.5
+    loss.backward()
+    assert new.grad is not None and new.grad[0, 0] == 0.0
+    off = OffPolicyConfig(dual_clip=None)
+    _close(
+        ppo_policy_loss(new, old, adv, mask, 0.2, cfg=off)[0].detach(), (math.exp(2) + 1) / 2, 1e-6
+    )

@@ -14,9 +14,11 @@ from rayhf.checks.common import PAD, VOCAB, Tok, tiny_model
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import (
+    NonFiniteGradients,
     OptimizerConfig,
     TorchTrainer,
     Totals,
+    global_scales,
     micro_batches,
     response_tokens,
     samples,
@@ -289,3 +291,69 @@ def test_fp16_skips_a_step_whose_gradients_overflow_and_backs_off_the_scale():
     fresh = _fp16_trainer()
     fresh.load_optimizer("", saved)
     assert fresh.scaler is not None and fresh.scaler.get_scale() == 2.0**15
+
+
+def test_a_token_mean_weighs_every_trained_token_alike_across_micro_batches():
+    """Two samples of 10 response tokens, 1 and 10 of them trained (a multi-turn loss mask),
+    cut by a 12-token budget: each trained token weighs 1/11 of the minibatch's token mean,
+    as in the whole minibatch; counting the environment's tokens gave 1/2 and 1/20."""
+    batch = PackedBatch([0, 1])
+    batch.add("seq", torch.arange(3, 25) % (VOCAB - 3) + 3, [11, 11])
+    batch.add("prompt_lens", torch.tensor([1, 1]), [1, 1])
+    batch.add("loss_mask", torch.tensor([1] + [0] * 9 + [1] * 10), [10, 10])
+    parts = micro_batches(batch, 12, response_tokens)
+    assert [p.sample_ids for p, _ in parts] == [[0], [1]]
+    assert [share for _, share in parts] == pytest.approx([1 / 11, 10 / 11])
+    assert response_tokens(batch) == 11.0
+
+
+class _TwoRanks:
+    """A dp group of two replicas whose other rank holds ``other`` of each weight."""
+
+    size = 2
+
+    def __init__(self, other: list[float]) -> None:
+        self.other = torch.tensor(other, dtype=torch.float64)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t + self.other
+
+
+def test_a_token_mean_is_over_every_dp_ranks_tokens_and_an_empty_rank_scales_nothing():
+    """This rank holds 3 response tokens of a minibatch, the other 9: the gradients the
+    replicas average are then those of the mean over 12 tokens (this rank's mean times
+    2 * 3 / 12); in a minibatch the other rank has none of, this rank's mean counts whole
+    (2 * 3 / 3 = 2 before the average halves it), not halved by the empty rank."""
+    batch = PackedBatch([0])
+    batch.add("seq", torch.arange(3, 7), [4])
+    batch.add("prompt_lens", torch.tensor([1]), [1])
+    empty = batch.select([])
+    scales = global_scales(_TwoRanks([9.0, 0.0, 5.0]), [batch, batch, empty], response_tokens)  # type: ignore[arg-type]
+    assert scales == pytest.approx([2 * 3 / 12, 2.0, 0.0])
+
+
+def _nonfinite(trainer: TorchTrainer, poison: list[bool]):
+    inner = _loss_fn(trainer.model)
+    calls = iter(poison)
+
+    def loss_fn(mb: PackedBatch):
+        loss, stats = inner(mb)
+        return (loss * float("nan") if next(calls) else loss), stats
+
+    return loss_fn
+
+
+def test_a_non_finite_gradient_skips_the_step_at_fp32_and_leaves_the_weights():
+    trainer, _ = _trainer(lr=1e-2, max_skipped_steps=3)
+    before = {k: v.detach().clone() for k, v in trainer.model.module.local_state().items()}
+    stats = trainer.train([_batch(1)], _nonfinite(trainer, [True]))
+    assert stats["skipped_steps"] == 1.0 and trainer.skipped_in_a_row == 1
+    after = trainer.model.module.local_state()
+    assert all(torch.isfinite(v).all() for v in after.values())
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a skipped step moved"
+    assert not trainer.optimizer.state, "the optimizer's moments saw the step"
+    # a finite step resets the count; then three in a row stop the run, naming the setting
+    trainer.train([_batch(2), _batch(3)], _nonfinite(trainer, [True, False]))
+    assert trainer.skipped_in_a_row == 0
+    with pytest.raises(NonFiniteGradients, match=r"3 optimizer steps in a row.*max_skipped_steps"):
+        trainer.train([_batch(4)] * 3, _nonfinite(trainer, [True] * 3))
