@@ -10,7 +10,9 @@ one, so no critic is needed (Li et al., 2023):
 Tensor conventions are those of ``rayhf.algorithms.ppo``: right-padded ``[B, T]`` response tokens
 with a bool ``mask``; empty rows contribute nothing and never produce NaN. ReMax's graph generates
 twice (sampled, and greedy through call args) and scores both; the ``remax_actor`` train call
-takes a REINFORCE step with ``r(sampled) - r(greedy)`` as the baseline-corrected return.
+takes a REINFORCE step with ``r(sampled) - r(greedy)`` as the baseline-corrected return, over a
+multi-turn sample's model tokens only (``loss_mask``), whitened over every dp rank's tokens if
+``adv_norm``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import Tensor
 from rayhf.algorithms.interface import CallContext, ModelEngine, register
 from rayhf.algorithms.lm import LMInterface, padded, response_forward, rollout_stats
 from rayhf.algorithms.offpolicy import OnPolicyConfig
-from rayhf.algorithms.ppo import kl_shaped_rewards, masked_mean, masked_whiten
+from rayhf.algorithms.ppo import compact, global_whiten, kl_shaped_rewards, masked_mean, spread
 from rayhf.algorithms.seqs import pack_rows, response_index
 from rayhf.data.batch import PackedBatch
 
@@ -45,8 +47,8 @@ class ReMaxConfig(OnPolicyConfig):
     n_minibatches: int = Field(1, gt=0)
     """Optimizer steps per batch; the batch is split into this many minibatches."""
     adv_norm: bool = False
-    """Whiten advantages over the batch's valid tokens (``masked_whiten``) before the loss; off by
-    default because the greedy baseline already centres them."""
+    """Whiten advantages over the valid tokens of every dp rank's batch (PPO's ``global_whiten``)
+    before the loss; off by default because the greedy baseline already centres them."""
 
 
 def remax_advantages(
@@ -97,6 +99,22 @@ class ReMaxActorInterface(LMInterface):
     def cfg(self) -> ReMaxConfig:
         return self.settings.algorithm
 
+    def add_advantages(self, engine: ModelEngine, batch: PackedBatch) -> None:
+        """The batch's ``advantages`` key, one per response token: ``remax_advantages`` over the
+        trained tokens (a multi-turn sample's model tokens, moved together; 0 on the others),
+        whitened over every dp rank's with ``adv_norm``."""
+        _, mask = response_index(batch)
+        keys = ("logprobs", "ref_logprobs")
+        (logp, ref), kept, order = compact([padded(batch, k) for k in keys], mask)
+        scores, greedy = (batch.tensors[k].float() for k in ("scores", "greedy_scores"))
+        cfg = self.cfg
+        adv = remax_advantages(scores, greedy, logp, ref, kept, cfg.kl_coef, cfg.reward_clip)
+        adv = spread(adv, order, mask.shape)
+        if cfg.adv_norm:
+            adv = global_whiten(engine, adv, mask)
+        packed, lens = pack_rows(adv, response_index(batch, trained_only=False)[1])
+        batch.add("advantages", packed, lens)
+
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
@@ -104,16 +122,7 @@ class ReMaxActorInterface(LMInterface):
         stats["greedy_reward"] = engine.all_reduce_mean(
             {"g": batch.tensors["greedy_scores"].float().mean().item()}
         )["g"]
-        _, mask = response_index(batch)
-        adv = remax_advantages(
-            batch.tensors["scores"].float(), batch.tensors["greedy_scores"].float(),
-            padded(batch, "logprobs"), padded(batch, "ref_logprobs"), mask,
-            self.cfg.kl_coef, self.cfg.reward_clip,
-        )  # fmt: skip
-        if self.cfg.adv_norm:
-            adv = masked_whiten(adv, mask)
-        packed, lens = pack_rows(adv, mask)
-        batch.add("advantages", packed, lens)
+        self.add_advantages(engine, batch)
         temperature = self.temperature
 
         def loss_fn(mb: PackedBatch):

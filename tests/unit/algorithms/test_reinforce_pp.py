@@ -4,6 +4,8 @@ advantages, and the settings it refuses."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -87,3 +89,73 @@ def test_settings_reinforce_pp_refuses():
     with pytest.raises(ValidationError, match="dr_grpo"):
         ReinforcePPConfig(dr_grpo=True)
     assert ReinforcePPConfig().group_size == 1
+
+
+def _multi_turn(scores: list[float], group_ids: list[int] | None = None) -> PackedBatch:
+    """Two samples after a 2-token prompt: a multi-turn one whose response tokens 1 and 2 are
+    the environment's (``loss_mask`` [1, 0, 0, 1], log-probs 9 there, which must not count), and
+    a plain one of two tokens."""
+    b = PackedBatch([0, 1])
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4]]
+    b.add("seq", torch.tensor([t for s in seqs for t in s]), [6, 4])
+    b.add("prompt_lens", torch.tensor([2, 2]), [1, 1])
+    b.add("loss_mask", torch.tensor([1, 0, 0, 1, 1, 1], dtype=torch.bool), [4, 2])
+    b.add("logprobs", torch.tensor([0.5, 9.0, 9.0, 0.2, 0.0, 0.0]), [4, 2])
+    b.add("ref_logprobs", torch.zeros(6), [4, 2])
+    b.add("scores", torch.tensor(scores), [1, 1])
+    if group_ids is not None:
+        b.add("group_ids", torch.tensor(group_ids), [1, 1])
+    return b
+
+
+def test_a_multi_turn_sample_s_returns_run_over_its_model_tokens_only():
+    cfg = ReinforcePPConfig(kl_coef=0.1)
+    iface = ReinforcePPActorInterface(InterfaceSettings(cfg, GenerationConfig()))
+    b = _multi_turn([1.0, 0.0])
+    iface.add_advantages(_Ranks(), b, 0)  # type: ignore[arg-type]
+    # trained rewards: -0.1 * 0.5 | 1 - 0.1 * 0.2 -> returns 0.93, 0.98; the other row 0, 0
+    returns = torch.tensor([0.93, 0.98, 0.0, 0.0], dtype=torch.float64)
+    want = (returns - returns.mean()) / returns.std(unbiased=False)
+    assert b.seqlens["advantages"] == [4, 2]  # one entry per response token
+    adv = padded(b, "advantages")
+    assert adv[0].tolist() == pytest.approx([want[0].item(), 0.0, 0.0, want[1].item()], rel=1e-5)
+    assert adv[1, :2].tolist() == pytest.approx(want[2:].tolist(), rel=1e-5)
+
+
+def test_the_baseline_variant_puts_a_multi_turn_advantage_on_its_model_tokens():
+    cfg = ReinforcePPConfig(baseline=True, group_size=2)
+    iface = ReinforcePPActorInterface(InterfaceSettings(cfg, GenerationConfig()))
+    b = _multi_turn([1.0, 0.0], group_ids=[5, 5])
+    iface.add_advantages(_Ranks(), b, 0)  # type: ignore[arg-type]
+    # centred 0.5 on the two model tokens of row 0, -0.5 on row 1's two: whitened to +-1
+    assert b.seqlens["advantages"] == [4, 2]
+    adv = padded(b, "advantages")
+    assert adv[0].tolist() == pytest.approx([1.0, 0.0, 0.0, 1.0], rel=1e-5)
+    assert adv[1, :2].tolist() == pytest.approx([-1.0, -1.0], rel=1e-5)
+
+
+def test_the_baseline_variant_s_kl_term_is_k2_by_default():
+    cfg = ReinforcePPConfig(baseline=True, group_size=2, kl_coef=0.5)
+    assert cfg.kl_estimator == "k2"
+    iface = ReinforcePPActorInterface(InterfaceSettings(cfg, GenerationConfig()))
+    logp = torch.tensor([[-1.0, -2.0, 7.0], [-0.5, 0.0, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    # advantage 0 and old == new: the surrogate is 0, the loss is only the KL term;
+    # d = 0.5, -1, 0 over the three valid tokens -> mean of d^2 / 2 = (0.125 + 0.5 + 0) / 3
+    loss, stats = iface.policy_loss(logp, logp, ref, torch.zeros(2, 3), mask, None)
+    assert loss.item() == pytest.approx(0.5 * 0.625 / 3)
+    assert stats["kl"] == pytest.approx(0.625 / 3)
+
+
+@pytest.mark.parametrize(
+    ("how", "per_token"),
+    [("k1", [0.5, -1.0, 0.0]), ("k3", [math.exp(-0.5) + 0.5 - 1, math.exp(1) - 1 - 1, 0.0])],
+)
+def test_the_baseline_variant_s_kl_term_is_selectable(how: str, per_token: list[float]):
+    cfg = ReinforcePPConfig(baseline=True, group_size=2, kl_coef=1.0, kl_estimator=how)
+    iface = ReinforcePPActorInterface(InterfaceSettings(cfg, GenerationConfig()))
+    logp, ref = torch.tensor([[-1.0, -2.0], [-0.5, 3.0]]), torch.tensor([[-1.5, -1.0], [-0.5, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    loss, _ = iface.policy_loss(logp, logp, ref, torch.zeros(2, 2), mask, None)
+    assert loss.item() == pytest.approx(sum(per_token) / 3, rel=1e-6)

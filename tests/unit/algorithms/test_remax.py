@@ -116,14 +116,18 @@ class FakeEngine(ScoresFromForward):
 
     pad_id = 0
 
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table, self.losses = table, []
+    def __init__(self, table: torch.Tensor, other_sums: torch.Tensor | None = None) -> None:
+        self.table, self.losses, self.other_sums = table, [], other_sums
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.table[input_ids]
 
     def all_reduce_mean(self, values):
         return dict(values)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """With ``other_sums``, rank 0 of two: the other rank's sums are added."""
+        return t if self.other_sums is None else t + self.other_sums
 
     def train(self, minibatches, loss_fn):
         stats = {}
@@ -167,3 +171,36 @@ def test_remax_train_step_adds_return_to_go_advantages(adv_norm: bool) -> None:
     logp = (table / 0.5).log_softmax(-1)
     policy = torch.stack([logp[2, 3], logp[3, 4], logp[2, 5]]).double()
     assert engine.losses == [pytest.approx(-(expected.double() * policy).mean().item(), rel=1e-5)]
+
+
+def test_remax_whitens_over_every_data_parallel_rank_s_tokens() -> None:
+    # the other rank holds two tokens, advantages 0 and 1: its sum, sum of squares and count
+    engine = FakeEngine(torch.zeros(8, 8), torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64))
+    cfg = ReMaxConfig(kl_coef=0.1, reward_clip=20.0, adv_norm=True)
+    iface = make_interface("remax_actor", InterfaceSettings(cfg, GenerationConfig()))
+    batch = _rollouts()
+    iface.train_step(engine, batch, CallContext(0, 0, 2, 0))
+    mine = torch.tensor([9.95, 10.0, 18.95], dtype=torch.float64)
+    everything = torch.cat([mine, torch.tensor([0.0, 1.0], dtype=torch.float64)])
+    expected = (mine - everything.mean()) / everything.std(unbiased=False)
+    alone = (mine - mine.mean()) / mine.std(unbiased=False)  # what whitening one rank gives
+    assert (expected - alone).abs().min() > 0.1
+    _close(batch.tensors["advantages"].double(), expected, 1e-5)
+
+
+def test_remax_returns_run_over_a_multi_turn_sample_s_model_tokens() -> None:
+    # response [3, 4, 5] whose middle token is the environment's (log-prob 9 there: not counted)
+    b = PackedBatch([0])
+    b.add("seq", torch.tensor([2, 3, 4, 5]), [4])
+    b.add("prompt_lens", torch.ones(1, dtype=torch.long), [1])
+    b.add("loss_mask", torch.tensor([True, False, True]), [3])
+    b.add("scores", torch.tensor([30.0]), [1])
+    b.add("greedy_scores", torch.tensor([10.0]), [1])
+    b.add("logprobs", torch.tensor([-1.0, 9.0, -2.0]), [3])
+    b.add("ref_logprobs", torch.tensor([-1.5, 0.0, -2.0]), [3])
+    cfg = ReMaxConfig(kl_coef=0.1, reward_clip=20.0)
+    iface = make_interface("remax_actor", InterfaceSettings(cfg, GenerationConfig()))
+    iface.train_step(FakeEngine(torch.zeros(8, 8)), b, CallContext(0, 0, 1, 0))
+    # model tokens' kl 0.5, 0 -> rewards -0.05, 0 + (30 - 10); returns 9.95, 10; 0 between
+    assert b.seqlens["advantages"] == [3]
+    _close(b.tensors["advantages"], [9.95, 0.0, 10.0], 1e-5)
