@@ -6,7 +6,9 @@
                 frozen copies: bf16/fp16             bf16/fp16 (as Hugging Face's own model)
 
 Norms, the RoPE tables and log-probs are computed in fp32 in every case, and logits and values
-leave the model in fp32. ``auto`` is bf16 on a GPU and fp32 on CPU (where bf16 matmuls are
+leave the model in fp32. With ``fp32_lm_head`` the LM head's matmul itself runs in fp32 too
+(fp32 hidden states times fp32 weights, outside autocast), so the generator's log-probs and the
+trainer's agree more closely. ``auto`` is bf16 on a GPU and fp32 on CPU (where bf16 matmuls are
 emulated and slower).
 """
 
@@ -37,11 +39,13 @@ def resolve(precision: Precision, device: str) -> str:
 
 @dataclass(frozen=True)
 class Numerics:
-    """How one rank's copy of a role computes: ``precision`` (fp32, bf16, fp16) and whether it
-    keeps fp32 ``master`` weights (it trains them, or blends into them)."""
+    """How one rank's copy of a role computes: ``precision`` (fp32, bf16, fp16), whether it
+    keeps fp32 ``master`` weights (it trains them, or blends into them) and whether its LM head
+    runs in fp32 at a lower precision (``fp32_lm_head``)."""
 
     precision: str = "fp32"
     master: bool = False
+    fp32_lm_head: bool = False
 
     @property
     def compute(self) -> torch.dtype:
@@ -56,6 +60,12 @@ class Numerics:
     def autocast(self) -> torch.dtype | None:
         """The dtype matmuls are cast to, when it is not the weights' own."""
         return self.compute if self.storage != self.compute else None
+
+    @property
+    def head_in_fp32(self) -> bool:
+        """Whether the LM head runs apart from the rest, in fp32 (asked for, and the rest
+        computes in a lower dtype)."""
+        return self.fp32_lm_head and self.compute != torch.float32
 
     @property
     def storage_name(self) -> str:

@@ -260,12 +260,13 @@ class DecodeEngine:
         again (or refreshed in place) when the weights change: cast to the autocast dtype for a
         model kept in fp32 that computes in bf16 (a trained role's master weights: else every
         weight is cast at every token), oneDNN-packed on CPUs (faster matmuls at decode's few
-        rows: docs/decisions/), none otherwise."""
+        rows: docs/decisions/), an fp32 LM head (``Numerics.fp32_lm_head``) in fp32, none
+        otherwise."""
         m = self.model
         low = m.numerics.autocast
         pack = low is None and m.device.type == "cpu" and packable()
         pack = pack and self.options.pack and not self.options.compile  # inductor packs its own
-        if low is None and not pack:
+        if low is None and not pack and not m.numerics.head_in_fp32:
             return
         fingerprint = m.weights_fingerprint()
         if self.lent is not None and fingerprint == self.lent_of:

@@ -1,6 +1,8 @@
 """The copies of a model's matmul weights a decode engine lends its step
 (``ShardedModel.lendable``): cast to the autocast dtype for fp32 master weights that compute in
-bf16, or oneDNN-packed on CPUs (``rayhf.parallel.decode.DecodeEngine._lend_weights`` chooses)."""
+bf16, or oneDNN-packed on CPUs (``rayhf.parallel.decode.DecodeEngine._lend_weights`` chooses).
+An LM head that runs in fp32 (``Numerics.fp32_lm_head``) is lent in fp32: the weight itself, or
+a copy of a low one, made once instead of at every token."""
 
 from __future__ import annotations
 
@@ -36,9 +38,17 @@ def lent_weights(
 ) -> dict[str, torch.Tensor]:
     """What the engine lends ``model`` (``ShardedModel.lendable``): each group's weights as
     one ``[out, in]`` matrix, with its biases joined under ``{key}.bias``; cast to ``low``, or
-    (``pack``) oneDNN-packed where large enough, else fp32 (a single weight: itself)."""
+    (``pack``) oneDNN-packed where large enough, else fp32 (a single weight: itself). An fp32
+    LM head (``Numerics.head_in_fp32``) is lent in fp32, and with neither ``low`` nor ``pack``
+    alone."""
     lent: dict[str, torch.Tensor] = {}
+    fp32_head = model.head_name if model.numerics.head_in_fp32 else None
     for key, names in model.lendable().items():
+        if key == fp32_head:
+            lent[key] = model.w(key).float()
+            continue
+        if low is None and not pack:
+            continue
         if len(names) == 1:
             weight = model.w(names[0]) if low is None else model.w(names[0]).to(low).contiguous()
         else:
@@ -62,6 +72,8 @@ def _bias(model: ShardedModel, weight: str) -> torch.Tensor | None:
 def refresh_lent(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
     """Copy ``model``'s weights into the cast copies of ``lent_weights``, in place."""
     for key, names in model.lendable().items():
+        if key not in lent:
+            continue
         row = 0
         for name in names:
             weight = model.w(name)

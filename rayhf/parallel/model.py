@@ -168,7 +168,8 @@ class ShardedModel(torch.nn.Module):
     def lend(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
         """Matmuls inside read ``weights`` (a generator's, by ``lendable`` key; a fused group's
         bias under ``{key}.bias``): copies cast to the autocast dtype (what autocast would cast
-        them to anyway), or oneDNN-packed copies on CPUs. None: the weights as they are."""
+        them to anyway), or oneDNN-packed copies on CPUs; the weights as they are where none is
+        lent (None: everywhere)."""
         self.lent = weights
         try:
             yield
@@ -178,7 +179,8 @@ class ShardedModel(torch.nn.Module):
     def matmul(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None):
         """``x`` times matmul weight ``name`` (transposed: a linear layer), plus ``bias``; a lent
         weight is ``[out, in]`` (or packed), except a single Conv1D one, lent as it is kept."""
-        w = self.w(name) if self.lent is None else self.lent[name]
+        lent = self.lent
+        w = lent[name] if lent is not None and name in lent else self.w(name)
         if w.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
         if self._conv1d(name):
@@ -364,11 +366,31 @@ class ShardedModel(torch.nn.Module):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, "transformer.ln_f" if self.spec.family == "gpt2" else "model.norm")
 
-    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def head_name(self) -> str:
+        """The LM head's weight: its own, or the embedding it is tied to."""
+        return embedding_name(self.spec) if self.spec.tied else "lm_head.weight"
+
+    def fp32_head(self) -> torch.Tensor:
+        """This rank's LM head weight in fp32 (``numerics.fp32_lm_head``): the fp32 copy a
+        generator lends (``rayhf.parallel.lent``), else the weight itself (fp32 master weights)
+        or a cast of it (a low copy)."""
+        if self.lent is not None and self.head_name in self.lent:
+            return self.lent[self.head_name]
+        return self.w(self.head_name).float()
+
+    def lm_logits(self, x: torch.Tensor, fp32_table: torch.Tensor | None = None) -> torch.Tensor:
         """The vocab-parallel LM head over normed hidden states: whole-vocabulary logits (gathered
-        over tp), soft-capped where the family caps them."""
-        table = embedding_name(self.spec) if self.spec.tied else "lm_head.weight"
-        logits = self.matmul(copy_to_tp(x, self.groups.tp_group), table)
+        over tp), soft-capped where the family caps them. With ``numerics.head_in_fp32`` the
+        matmul runs outside autocast on fp32 hidden states and weights (``fp32_table``, else
+        ``fp32_head()``)."""
+        x = copy_to_tp(x, self.groups.tp_group)
+        if self.numerics.head_in_fp32:
+            table = self.fp32_head() if fp32_table is None else fp32_table
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x.float(), table)
+        else:
+            logits = self.matmul(x, self.head_name)
         logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -388,18 +410,22 @@ class ShardedModel(torch.nn.Module):
         step = max(1, LOGIT_CHUNK // self.spec.vocab_size)
         # one slice holds every scored token: nothing to save by recomputing it in backward
         recompute = torch.is_grad_enabled() and h.requires_grad and len(rows) > step
+        table = self.fp32_head() if self.numerics.head_in_fp32 else None  # cast once, not a slice
         parts = []
         for lo in range(0, len(rows), step):
-            args = (h[lo : lo + step], y[lo : lo + step], temperature)
+            args = (h[lo : lo + step], y[lo : lo + step], temperature, table)
             if recompute:
                 parts.append(checkpoint(self._scores, *args, use_reentrant=False))
             else:
                 parts.append(self._scores(*args))
         return out.index_put((rows,), torch.cat(parts))
 
-    def _scores(self, h: torch.Tensor, y: torch.Tensor, temperature: float) -> torch.Tensor:
-        """One slice of ``score``: normed hidden states ``[c, h]`` and targets ``[c]``."""
-        z = self.lm_logits(h).float() / temperature
+    def _scores(
+        self, h: torch.Tensor, y: torch.Tensor, temperature: float, table: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One slice of ``score``: normed hidden states ``[c, h]`` and targets ``[c]`` (``table``:
+        the fp32 LM head, see ``lm_logits``)."""
+        z = self.lm_logits(h, table).float() / temperature
         lse = torch.logsumexp(z, dim=-1)
         logp = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
         entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)

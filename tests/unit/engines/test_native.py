@@ -1,16 +1,20 @@
 """The native generator on a rank's own model: the same tokens as Hugging Face, seeded sampling,
-and new weights seen without any hand-over."""
+new weights seen without any hand-over, and with ``fp32_lm_head`` at bf16 log-probs of an fp32
+head (eager and compiled)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 from rayhf.checks.common import EOS, PAD, Tok, tiny_model
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
-from rayhf.sampling import GenerationConfig, generate
+from rayhf.models.precision import Numerics
+from rayhf.parallel.decode import DecodeEngine, DecodeOptions
+from rayhf.sampling import DecodeRules, GenerationConfig, generate
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
 SHAPE = {"n_heads": 4, "n_kv_heads": 2}
@@ -118,3 +122,42 @@ def test_fed_prompts_join_a_running_call_and_get_what_a_plain_call_gives(hf):
     # every response went out as its row ended, the first ones before the last prompt joined
     assert sorted(feed.ended_at) == list(range(6)) and feed.ended_at.index(5) > 0
     assert not feed.later and feed.looks >= 4  # they joined at different looks
+
+
+@pytest.mark.parametrize("master", [True, False], ids=["fp32 master weights", "a bf16 copy"])
+def test_an_fp32_lm_head_samples_with_log_probs_of_an_fp32_head(
+    hf, master, head_inputs, head_logits
+):
+    """At bf16 with ``fp32_lm_head``, each sampled token's log-prob is that of an fp32 head on
+    the hidden states the step got, not the bf16 head's; the engine lends the head in fp32 (the
+    master weight itself, or one fp32 copy of a bf16 one), and a compiled step agrees."""
+    numerics = Numerics("bf16", master=master, fp32_lm_head=True)
+    model = RankModel.from_hf(hf, Tok(), False, numerics=numerics)
+    module = model.module
+    cfg = GenerationConfig(max_new_tokens=6, temperature=1.0)
+    counter = CompileCounter()
+    compiled = DecodeEngine(
+        model.pipe, DecodeOptions(compile=True),
+        compiler=lambda f: torch.compile(f, fullgraph=True, backend=counter),
+    )  # fmt: skip
+    fast = compiled.generate([PROMPTS[1]], DecodeRules.of(cfg, EOS, PAD), 1)
+    assert counter.frame_count == len(compiled.buckets) == 1  # one graph, no recompiles
+    seen = head_inputs(module)  # from here on (a compiled step would recompile at each token)
+    gen = NativeGenerator(model)
+    out = gen.generate([PROMPTS[1]], cfg, seed=1)
+    tokens, got = torch.tensor(out.tokens[0]), torch.tensor(out.logprobs[0])
+    h = torch.cat(seen[: len(tokens)])  # the prefill's last token, then a step per token
+
+    def logp(dtype: torch.dtype) -> torch.Tensor:
+        z = head_logits(module, h, dtype)
+        return z.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+    torch.testing.assert_close(got, logp(torch.float32), rtol=0, atol=1e-5)
+    assert (got - logp(torch.bfloat16)).abs().max() > 1e-4  # 10x the tolerance above
+    lent, head = gen.engine.lent, module.w(module.head_name)
+    assert lent is not None and lent[module.head_name].dtype == torch.float32
+    assert (lent[module.head_name] is head) == master  # a bf16 copy: cast once
+    if not master:  # nothing else to lend where nothing is packed (a compiled step)
+        assert compiled.lent is not None and set(compiled.lent) == {module.head_name}
+    assert fast.tokens == out.tokens
+    assert fast.logprobs[0] == pytest.approx(out.logprobs[0], abs=1e-5)

@@ -18,7 +18,7 @@ from rayhf.engines import vllm_sync_check as sc
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
 from rayhf.models.hf import model_files
-from rayhf.models.precision import DTYPES
+from rayhf.models.precision import DTYPES, Numerics
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerationConfig
 
@@ -95,6 +95,19 @@ def test_score_is_the_log_prob_of_each_response_token_under_the_rank_s_model(hf,
             logits[len(prompt) - 1 + j].log_softmax(-1)[t].item() for j, t in enumerate(response)
         ]
         assert logps == pytest.approx(expected, abs=1e-5)
+
+
+def test_score_honours_an_fp32_lm_head(hf, head_inputs, head_logits):
+    """vLLM samples, the rank's forward scores: at bf16 with ``fp32_lm_head`` the log-probs a
+    vLLM call returns are an fp32 head's on the hidden states, as the trainer's are."""
+    numerics = Numerics("bf16", master=True, fp32_lm_head=True)
+    model = RankModel.from_hf(hf, Tok(), False, numerics=numerics)
+    seen = head_inputs(model.module)
+    prompts, tokens = [[3, 4, 5]], [[7, 8, 9, EOS]]
+    got = torch.tensor(vg.score(model, prompts, tokens, GenerationConfig(temperature=0.5))[0])
+    z = head_logits(model.module, seen[0][2:6], torch.float32) / 0.5  # the response's positions
+    expected = z.log_softmax(-1).gather(-1, torch.tensor(tokens[0])[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 # ----- VllmEngine on a fake vllm ------------------------------------------------------------
