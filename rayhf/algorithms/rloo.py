@@ -18,22 +18,23 @@ The update, ``ratio_level``:
                      max(-A_i r_i, -A_i clip(r_i, 1 - eps_clip, 1 + eps_clip)), mean over
                      responses (``sequence_ratio_loss``)
 
-Both clip at ``eps_clip`` (0.2) and dual-clip as ``dual_clip`` says (TRL and OpenRLHF do not
-by default).
-Neither reference runs the default as a whole:
+Both clip at ``eps_clip`` (0.2) and dual-clip as ``dual_clip`` says (c = 3, verl's; TRL and
+OpenRLHF do not by default). How the references compare:
 
+* verl's ``rloo`` estimator with ``use_kl_in_reward`` (its RLOO example: k1, ``kl_coef`` 0.001)
+  sums the KL into the score before the leave-one-out and takes the token surrogate with dual
+  clip c = 3: the default here, but for ``kl_coef`` (0.05 here, TRL's).
 * TRL's ``RLOOTrainer`` (the 2024 one and its 2025 rewrite alike) forms this reward (``beta``
   0.05, k1 summed, from the trainer's log-probs at sampling rather than the generator's) and
-  this advantage (``normalize_advantages`` off), and takes the ``sequence`` loss. It samples 2
-  per prompt (``num_generations``, ``rloo_k``) where ``group_size`` here defaults to 4.
+  this advantage (``normalize_advantages`` off), and takes the ``sequence`` loss without a dual
+  clip. It samples 2 per prompt (``num_generations``, ``rloo_k``); ``group_size`` here is 4.
 * OpenRLHF's ``--advantage_estimator rloo`` takes the leave-one-out baseline of the score alone
   and puts the KL (k1, coefficient 0.01) in per-token rewards, so token t's advantage is
   ``score_i - baseline_i - kl_coef * sum_{s >= t} kl_s``: its own KL to go, not compared with
   the other samples'. Its loss is the ``token`` one (token-mean, no whitening for rloo).
 
-So ``token`` is OpenRLHF's loss on TRL's advantage, and ``sequence`` is TRL's RLOO. Asynchronous
-training (``max_staleness``) works as it does for GRPO; at the ``sequence`` level a response's
-loss is weighted by the mean of its tokens' rollout-correction weights (with
+Asynchronous training (``max_staleness``) works as it does for GRPO; at the ``sequence`` level a
+response's loss is weighted by the mean of its tokens' rollout-correction weights (with
 ``correction_level: sequence``, its own weight).
 """
 
