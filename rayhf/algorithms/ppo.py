@@ -149,6 +149,8 @@ def kl_shaped_rewards(
     lengths = _lengths(mask)
     kl = torch.where(mask, logprobs - ref_logprobs, torch.zeros_like(logprobs))
     rewards = -kl_coef * kl
+    if mask.shape[1] == 0:  # no row has a token to score (every token the environment's)
+        return rewards, kl
     clipped = scores.to(rewards.dtype).clamp(-reward_clip, reward_clip)
     last = (lengths - 1).clamp(min=0).unsqueeze(1)
     bonus = torch.where(lengths > 0, clipped, torch.zeros_like(clipped)).unsqueeze(1)

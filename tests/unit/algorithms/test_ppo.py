@@ -438,3 +438,11 @@ def test_dual_clip_bounds_a_negative_advantage_s_loss_by_hand() -> None:
     _close(
         ppo_policy_loss(new, old, adv, mask, 0.2, cfg=off)[0].detach(), (math.exp(2) + 1) / 2, 1e-6
     )
+
+
+def test_kl_shaped_rewards_of_rows_with_no_token_at_all() -> None:
+    """A batch whose trained tokens are none (every token the environment's, compacted to
+    width 0) gets empty rewards, not an index error."""
+    empty = torch.zeros(2, 0)
+    rewards, kl = kl_shaped_rewards(torch.ones(2), empty, empty, empty.bool(), 0.1, 5.0)
+    assert rewards.shape == (2, 0) and kl.shape == (2, 0)
