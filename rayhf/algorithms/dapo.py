@@ -8,8 +8,11 @@ GRPO's groups and update with four changes, each switchable in ``algorithm:``:
   turns it off at GRPO's defaults);
 * dynamic sampling: a group whose scores are all equal has advantage 0 and teaches nothing, so
   the step drops it and samples more prompts from the dataset until the batch holds
-  ``batch_size`` groups that differ, or ``max_rounds`` generations ran
-  (``rayhf.runtime.refill`` runs it; ``rayhf.algorithms.refill`` keeps the groups);
+  ``batch_size`` groups that differ (``rayhf.runtime.refill`` runs it;
+  ``rayhf.algorithms.refill`` keeps the groups and says when to stop). By default it refills
+  until full, and stops the run if a step draws a whole dataset's worth of rows without
+  filling; ``max_rounds`` caps the generations a step may run, and at that cap a short batch
+  stops the run unless ``short_batch: train``;
 * token-level loss: ``loss_agg: token_mean`` (the default of the PPO family here);
 * overlong reward shaping: a response longer than ``max_new_tokens - overlong_buffer`` loses
   up to ``overlong_penalty`` linearly over the buffer (``overlong_shaping``), so the policy
@@ -28,7 +31,7 @@ from torch import Tensor
 
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, grpo_advantages, over_groups
 from rayhf.algorithms.interface import ModelEngine, register
-from rayhf.algorithms.refill import GroupRefill
+from rayhf.algorithms.refill import GroupRefill, ShortBatch
 from rayhf.algorithms.seqs import response_lengths
 from rayhf.data.batch import PackedBatch
 
@@ -48,9 +51,12 @@ class DAPOConfig(GRPOConfig):
     ``1 - eps_clip``); equal to ``eps_clip`` turns it off."""
     dynamic_sampling: bool = True
     """Drop the groups whose scores are all equal and fill the batch with more prompts."""
-    max_rounds: int = Field(3, gt=0)
-    """Generations a step may run to fill its batch (the first included); after the last, it
-    trains on the groups it has."""
+    max_rounds: int | None = Field(None, gt=0)
+    """Generations a step may run to fill its batch (the first included); None refills until
+    full, and stops the run once a step has drawn a whole dataset's worth of rows."""
+    short_batch: ShortBatch = "error"
+    """At the limit with fewer than ``batch_size`` groups kept: ``error`` stops the run,
+    ``train`` trains on the groups kept (at least one) and logs a warning."""
     overlong_buffer: int = Field(0, ge=0)
     """Tokens before ``generation.max_new_tokens`` where the length penalty starts; 0 turns the
     shaping off (the paper: 4096 of 20480)."""
@@ -79,7 +85,13 @@ class DAPOConfig(GRPOConfig):
     def refill(self) -> GroupRefill | None:
         """What a step keeps and how many generations it may run to fill its batch; None: no
         refill (the runtime asks this, not the algorithm's name)."""
-        return GroupRefill(self.max_rounds) if self.dynamic_sampling else None
+        if not self.dynamic_sampling:
+            return None
+        return GroupRefill(self.max_rounds, self.short_batch)
+
+    def overlong_tokens(self, max_new_tokens: int) -> int:
+        """The overlong buffer in tokens at the generation limit ``max_new_tokens``."""
+        return self.overlong_buffer
 
 
 def overlong_shaping(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
@@ -103,8 +115,9 @@ class DAPOActorInterface(GRPOActorInterface):
         cfg = self.cfg
         assert isinstance(cfg, DAPOConfig)
         lengths = torch.tensor(response_lengths(batch))
+        limit = self.settings.generation.max_new_tokens
+        buffer = cfg.overlong_tokens(limit)
         shaped = batch.tensors["scores"].float() + overlong_shaping(
-            lengths, self.settings.generation.max_new_tokens, cfg.overlong_buffer,
-            cfg.overlong_penalty,
-        )  # fmt: skip
+            lengths, limit, buffer, cfg.overlong_penalty
+        )
         return over_groups(engine, batch, rank, shaped, lambda x, g: grpo_advantages(x, g, cfg))

@@ -192,6 +192,7 @@ class Trainer:
                 assets.graph, session.placement(), driver.call_timeout_s, cfg.batch_size,
                 refill,
                 lambda n: to_packed(assets.dataset.next_batch(n, cfg.seed)),
+                len(assets.dataset),  # a step that draws as many rows without filling stops
             )  # fmt: skip
         else:
             self.executor = DagExecutor(

@@ -1,6 +1,7 @@
 """DAPO's parts (Yu et al., 2025) on hand-computed cases: the asymmetric clip, the soft overlong
-punishment (eq. 13), the groups dynamic sampling keeps and how a refill picks them, the loss
-aggregations the PPO family shares, and the settings DAPO refuses."""
+punishment (eq. 13), the groups dynamic sampling keeps, how a refill picks
+them and when it stops, the loss aggregations the PPO family shares, and the settings DAPO
+refuses."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import rayhf
 from rayhf.algorithms.dapo import DAPOConfig, overlong_shaping
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
 from rayhf.algorithms.ppo import PPOConfig, aggregate
-from rayhf.algorithms.refill import GroupRefill
+from rayhf.algorithms.refill import GroupRefill, Progress
 from rayhf.algorithms.seqs import informative_groups
 from rayhf.data.batch import PackedBatch
 
@@ -67,6 +68,52 @@ def test_a_refill_keeps_the_first_informative_groups_it_needs():
     assert (n, useful) == (4, 3)  # group 3 scores alike; 7, 8 and 1 differ
     assert part.sample_ids == [10, 11, 14, 15]  # the first two that differ, in batch order
     assert GroupRefill(3).keep(batch, 5)[0].n_samples == 6
+
+
+def test_dynamic_sampling_refills_until_full_by_default():
+    cfg = DAPOConfig()
+    assert (cfg.max_rounds, cfg.short_batch) == (None, "error")
+    assert cfg.refill() == GroupRefill(None, "error")
+    assert DAPOConfig(max_rounds=3, short_batch="train").refill() == GroupRefill(3, "train")
+    assert DAPOConfig(dynamic_sampling=False).refill() is None
+    with pytest.raises(ValidationError, match="max_rounds"):
+        DAPOConfig(max_rounds=0)
+    with pytest.raises(ValidationError, match="short_batch"):
+        DAPOConfig(short_batch="skip")
+
+
+# the rule, where a step stands (step, groups kept, rounds run, rows drawn) -> its next move,
+# at batch_size 4 and a dataset of 16 rows
+@pytest.mark.parametrize(
+    ("rule", "now", "move"),
+    [
+        (GroupRefill(3), Progress(1, 4, 1, 4), "full"),
+        (GroupRefill(3), Progress(1, 2, 2, 8), "refill"),
+        (GroupRefill(3, "train"), Progress(1, 2, 3, 12), "short"),
+        (GroupRefill(None), Progress(1, 2, 3, 12), "refill"),  # 12 of the dataset's 16 rows
+        (GroupRefill(None), Progress(1, 4, 9, 36), "full"),
+        (GroupRefill(None, "train"), Progress(1, 1, 4, 16), "short"),
+        (GroupRefill(100), Progress(1, 2, 5, 20), "refill"),  # a set limit ignores the dataset
+    ],
+)
+def test_what_a_step_does_after_a_round(rule, now, move):
+    assert rule.next_move(now, batch_size=4, dataset_rows=16) == move
+
+
+SHORT = [  # the rule, where its step stands, and what the error says
+    (GroupRefill(3), Progress(5, 2, 3, 12), r"^algorithm\.max_rounds: step 5 kept 2 of batch_"),
+    (GroupRefill(3), Progress(5, 2, 3, 12), r"differ after 3 rounds; raise max_rounds, set it to"),
+    (GroupRefill(3, "train"), Progress(5, 0, 3, 12), r"^algorithm\.max_rounds: .* nothing to"),
+    (GroupRefill(None), Progress(5, 3, 4, 16), r"^algorithm\.dynamic_sampling \(max_rounds: null"),
+    (GroupRefill(None), Progress(5, 3, 4, 16), r"16 rows, the whole dataset's 16; .*short_batch"),
+    (GroupRefill(None, "train"), Progress(5, 0, 4, 16), r"kept 0 .* apart or set dynamic_sampl"),
+]
+
+
+@pytest.mark.parametrize(("rule", "now", "says"), SHORT)
+def test_a_short_batch_at_the_limit_stops_the_run_naming_the_setting(rule, now, says):
+    with pytest.raises(rayhf.RayhfError, match=says):
+        rule.next_move(now, batch_size=4, dataset_rows=16)
 
 
 def test_loss_aggregations_by_hand():
