@@ -9,19 +9,23 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Where an injected fault kills its actor: a call of a train step, a weight move inside a step,
-# a checkpoint write, start-up (joining the role group), an evaluation call, a vLLM weight sync.
-FaultSite = Literal["call", "move", "checkpoint", "startup", "eval", "sync"]
+# a checkpoint write, start-up (joining the role group), an evaluation call, a vLLM weight sync;
+# or, ``nonfinite``, where its train calls' gradients stop being finite.
+FaultSite = Literal["call", "move", "checkpoint", "startup", "eval", "sync", "nonfinite"]
 
 
 class FaultInjection(BaseModel):
     """Kill one actor (SIGKILL, as the kernel's OOM killer or a lost node would) where it
-    reaches ``site`` at ``step``; in one attempt of the run only, so a recovery gets past it."""
+    reaches ``site`` at ``step``; in one attempt of the run only, so a recovery gets past it.
+    ``nonfinite`` kills nothing: from ``step`` on, every loss of the actor's train calls is
+    multiplied by NaN, so each optimizer step's gradient is not finite (a drill of the trainer's
+    skip and of ``optimizer.max_skipped_steps``)."""
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
     site: FaultSite
     """Where the actor dies: a call, a weight move, a checkpoint write, start-up, an evaluation
-    call, a vLLM weight sync."""
+    call, a vLLM weight sync; or where its gradients turn NaN (``nonfinite``, from ``step`` on)."""
     step: int = Field(1, ge=0)
     """The step it fires in (eval: the evaluation after that step)"""
     role: str

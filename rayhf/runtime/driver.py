@@ -34,7 +34,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 from rayhf.data.batch import PackedBatch
-from rayhf.errors import RunFailed
+from rayhf.errors import RayhfError, RunFailed
 from rayhf.graph import Graph
 from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
@@ -374,6 +374,10 @@ class DagExecutor:
                 results = ray.get(submitted.refs[0], timeout=self.timeout_s)
             except ray.exceptions.RayActorError as e:
                 raise dag.failure(e) from e
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, RayhfError):  # a user-facing stop (its one line)
+                    raise e.cause from None
+                raise
             except ray.exceptions.GetTimeoutError as e:
                 raise RunFailed(
                     f"step {submitted.step} did not finish within {self.timeout_s:g} s "

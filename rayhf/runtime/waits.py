@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from rayhf.errors import RunFailed
+from rayhf.errors import RayhfError, RunFailed
 
 # Errors an actor raises when a peer of its collective died under it (gloo, NCCL, sockets).
 _BROKEN_PEER = ("connection closed by peer", "connection reset", "gloo", "nccl", "broken pipe")
@@ -87,6 +87,8 @@ def gather(calls: Sequence[Pending], timeout_s: float) -> list[Any]:
         except ray.exceptions.ObjectLostError as e:
             raise _failed(calls[i], "lost its results with its node", e) from e
         except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RayhfError):  # a user-facing stop (its one line), not a bug
+                raise e.cause from None
             if not broken_peer(e):
                 raise  # a bug in the actor's code: keep its traceback
             raise _peer_failure(e, calls, set(results), left, calls[i]) from e

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import step_to
+from rayhf.engines.torch_trainer import LossFn, Weight, response_tokens
 from rayhf.models.files import TokenizerDir, quiet_transformers, read_weights
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
@@ -65,6 +68,20 @@ def _first_weights(spec: WorkerSpec) -> dict[str, torch.Tensor] | None:
         quiet_transformers()  # no per-file progress bars in the worker's log, as before
         state = load_model(spec.model_dir, spec.value_head, f"models.{spec.role}").state_dict()
     return state
+
+
+class NonFiniteDrill(CallEngine):
+    """A call's engine whose train losses are all multiplied by NaN (``fault_tolerance.inject``
+    at site ``nonfinite``): every gradient it makes is not finite."""
+
+    def train(
+        self, minibatches: Sequence[PackedBatch], loss_fn: LossFn, weight: Weight = response_tokens
+    ) -> dict[str, float]:
+        def poisoned(mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, stats = loss_fn(mb)
+            return loss * float("nan"), stats
+
+        return super().train(minibatches, poisoned, weight)
 
 
 def optim_file(optim_dir: str, role: str, rank: int) -> str:
@@ -187,6 +204,9 @@ class RoleWorker:
         assert self.trainer is not None and opt is not None, f"{req.call}: train a frozen role"
         total = opt.schedule.total_steps or req.step
         lr = step_to(self.trainer.optimizer, opt.schedule, opt.lr, req.step, total)
+        fault = self.spec.fault
+        if fault is not None and fault.site == "nonfinite" and req.step >= fault.step:
+            engine = NonFiniteDrill(**{f.name: getattr(engine, f.name) for f in fields(engine)})
         return {**interface.train_step(engine, req.batch, ctx), f"lr/{self.spec.role}": lr}
 
     def dag_call(self, step: StepInput, node: CallNode, *upstream: Any) -> CallResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from conftest import alive_actors
 
 from rayhf.errors import RunFailed
@@ -66,3 +67,38 @@ def test_a_wait_past_its_timeout_fails_naming_the_actor_that_has_not_answered(ra
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def test_a_non_finite_gradient_is_skipped_counted_and_in_a_row_stops_the_run(
+    ray_cluster, tiny_config
+):
+    """From step 2 the actor's gradients are NaN (an injected drill): its 4 optimizer steps of
+    step 2 are skipped and counted, the step-2 checkpoint holds the step-1 weights, finite; the
+    6th skip in a row (in step 3) stops the run with the error naming the setting, one line."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import rayhf
+    from rayhf.engines.torch_trainer import NonFiniteGradients
+
+    cfg = tiny_config(
+        steps=3,
+        **{
+            "fault_tolerance.inject": {"site": "nonfinite", "step": 2, "role": "actor"},
+            "models.actor.optimizer.max_skipped_steps": 6,
+        },
+    )
+    with pytest.raises(NonFiniteGradients, match="6 optimizer steps in a row") as stopped:
+        rayhf.run(cfg)
+    assert "\n" not in str(stopped.value)
+    run = cfg.resolved_run_dir()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r.get("skipped_steps", 0.0) for r in rows if "step" in r}
+    assert skipped == {1: 0.0, 2: 4.0}
+    weights = [
+        load_file(run / "checkpoints" / f"step_{s:06d}" / "actor" / "model.safetensors")
+        for s in (1, 2)
+    ]
+    assert all(torch.isfinite(v).all() for v in weights[1].values())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
