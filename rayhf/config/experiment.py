@@ -99,6 +99,10 @@ class RoleConfig(BaseModel):
     """What the role's matmuls run in: bf16/fp16 keep fp32 master weights and optimizer state for a
     trained (or moving-average) role, and store frozen copies in the low dtype; auto is bf16 on GPUs
     and fp32 on CPU."""
+    fp32_lm_head: bool = False
+    """At bf16/fp16, run the LM head (the projection to the vocabulary) and its log-probs in fp32,
+    in every call of the role (generate, inference, train), so sampled and trained log-probs agree
+    more closely."""
 
     @model_validator(mode="after")
     def _one_source(self) -> RoleConfig:
@@ -196,7 +200,7 @@ class ExperimentConfig(BaseModel):
     @model_validator(mode="after")
     def _overlong_buffer_within_the_limit(self) -> ExperimentConfig:
         alg, limit = self.algorithm, self.generation.max_new_tokens
-        if isinstance(alg, DAPOConfig) and alg.overlong_buffer >= limit:
+        if isinstance(alg, DAPOConfig) and alg.overlong_tokens(limit) >= limit:
             raise ValueError(
                 f"algorithm.overlong_buffer: {alg.overlong_buffer} is not below "
                 f"generation.max_new_tokens ({limit}); lower it or raise max_new_tokens"

@@ -270,7 +270,7 @@ class Session:
             for c in assets.graph.calls
         )
         master = (trains and not deepspeed) or rc.ema is not None
-        return Numerics(resolve(rc.precision, device), master)
+        return Numerics(resolve(rc.precision, device), master, rc.fp32_lm_head)
 
     def _weights_source(self, role: str) -> tuple[str | None, str | None]:
         """(model_dir, config_dir): where a role's first weights come from."""
