@@ -16,7 +16,8 @@ GRPO's groups and update with four changes, each switchable in ``algorithm:``:
 * token-level loss: ``loss_agg: token_mean`` (the default of the PPO family here);
 * overlong reward shaping: a response longer than ``max_new_tokens - overlong_buffer`` loses
   up to ``overlong_penalty`` linearly over the buffer (``overlong_shaping``), so the policy
-  learns the length limit without a truncated answer's noise.
+  learns the length limit without a truncated answer's noise; the buffer is a fifth of
+  ``max_new_tokens`` unless set, as the paper's 4096 of 20480 tokens.
 
 No KL term by default (``kl_coef: 0``), as the paper.
 """
@@ -34,6 +35,8 @@ from rayhf.algorithms.interface import ModelEngine, register
 from rayhf.algorithms.refill import GroupRefill, ShortBatch
 from rayhf.algorithms.seqs import response_lengths
 from rayhf.data.batch import PackedBatch
+
+OVERLONG_SHARE = 5  # the default buffer is max_new_tokens // 5: the paper's 4096 of 20480
 
 
 class DAPOConfig(GRPOConfig):
@@ -57,9 +60,9 @@ class DAPOConfig(GRPOConfig):
     short_batch: ShortBatch = "error"
     """At the limit with fewer than ``batch_size`` groups kept: ``error`` stops the run,
     ``train`` trains on the groups kept (at least one) and logs a warning."""
-    overlong_buffer: int = Field(0, ge=0)
-    """Tokens before ``generation.max_new_tokens`` where the length penalty starts; 0 turns the
-    shaping off (the paper: 4096 of 20480)."""
+    overlong_buffer: int | None = Field(None, ge=0)
+    """Tokens before ``generation.max_new_tokens`` where the length penalty starts; None: a
+    fifth of ``max_new_tokens`` (the paper: 4096 of 20480); 0 turns the shaping off."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The penalty at the length limit, subtracted from the score."""
 
@@ -90,7 +93,9 @@ class DAPOConfig(GRPOConfig):
         return GroupRefill(self.max_rounds, self.short_batch)
 
     def overlong_tokens(self, max_new_tokens: int) -> int:
-        """The overlong buffer in tokens at the generation limit ``max_new_tokens``."""
+        """The overlong buffer in tokens: ``overlong_buffer``, else a fifth of the limit."""
+        if self.overlong_buffer is None:
+            return max_new_tokens // OVERLONG_SHARE
         return self.overlong_buffer
 
 

@@ -1,5 +1,5 @@
 """DAPO's parts (Yu et al., 2025) on hand-computed cases: the asymmetric clip, the soft overlong
-punishment (eq. 13), the groups dynamic sampling keeps, how a refill picks
+punishment (eq. 13) and its default buffer, the groups dynamic sampling keeps, how a refill picks
 them and when it stops, the loss aggregations the PPO family shares, and the settings DAPO
 refuses."""
 
@@ -14,10 +14,12 @@ from pydantic import ValidationError
 import rayhf
 from rayhf.algorithms.dapo import DAPOConfig, overlong_shaping
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
+from rayhf.algorithms.interface import InterfaceSettings, make_interface
 from rayhf.algorithms.ppo import PPOConfig, aggregate
 from rayhf.algorithms.refill import GroupRefill, Progress
 from rayhf.algorithms.seqs import informative_groups
 from rayhf.data.batch import PackedBatch
+from rayhf.sampling import GenerationConfig
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -48,6 +50,44 @@ def test_overlong_shaping_by_hand():
     # 0 up to 20 - 4 = 16 tokens, then -0.5 * (len - 16) / 4, -0.5 from 20 on
     assert shaped.tolist() == pytest.approx([0.0, 0.0, -0.125, -0.375, -0.5, -0.5])
     assert overlong_shaping(lengths, 20, 0, 1.0).tolist() == [0.0] * 6
+
+
+def test_the_overlong_buffer_is_a_fifth_of_the_limit_unless_set():
+    assert DAPOConfig().overlong_buffer is None
+    assert DAPOConfig().overlong_tokens(20480) == 4096  # the paper's recipe
+    assert DAPOConfig().overlong_tokens(20) == 4
+    assert DAPOConfig(overlong_buffer=0).overlong_tokens(20480) == 0  # off
+    assert DAPOConfig(overlong_buffer=7).overlong_tokens(20480) == 7
+    cfg = rayhf.load_config(REPO / "examples" / "dapo_tiny.yaml")
+    unset = cfg.with_overrides({"algorithm.overlong_buffer": None})  # the experiment checks it
+    assert unset.algorithm.overlong_tokens(unset.generation.max_new_tokens) == 4
+
+
+class OneRank:
+    """What DAPO's advantages need of an engine: the group members of every dp rank (one)."""
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+def test_the_default_buffer_shapes_the_advantages():
+    # one group, equal scores; responses of 7, 8, 9 and 10 tokens against max_new_tokens 10:
+    # the default buffer (10 // 5 = 2) takes 0, 0, 0.5 and 1 off, so the longer ones lose
+    batch = PackedBatch([0, 1, 2, 3])
+    batch.add("seq", torch.zeros(38, dtype=torch.long), [8, 9, 10, 11])
+    batch.add("prompt_lens", torch.ones(4, dtype=torch.long), [1] * 4)
+    batch.add("scores", torch.ones(4), [1] * 4)
+    batch.add("group_ids", torch.zeros(4, dtype=torch.long), [1] * 4)
+
+    def advantages(cfg: DAPOConfig) -> list[float]:
+        actor = make_interface(
+            "dapo_actor", InterfaceSettings(cfg, GenerationConfig(max_new_tokens=10))
+        )
+        return actor.advantages(OneRank(), batch, rank=0).tolist()  # type: ignore[attr-defined]
+
+    adv = advantages(DAPOConfig())
+    assert adv[0] == adv[1] > 0 > adv[2] > adv[3]
+    assert advantages(DAPOConfig(overlong_buffer=0)) == [0.0] * 4
 
 
 def test_the_groups_dynamic_sampling_keeps():
