@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,3 +101,41 @@ def tiny_config(tmp_path):
         return cfg.with_overrides(tiny_overrides(tmp_path / "run", **extra))
 
     return make
+
+
+# ----- the LM head, for the fp32_lm_head checks of tests/unit/engines --------------------
+
+
+@pytest.fixture
+def head_inputs(monkeypatch) -> Callable[[Any], list[torch.Tensor]]:
+    """``record(module)``: a list that fills with what ``module``'s LM head gets (normed hidden
+    states), call by call, from then on."""
+
+    def record(module: Any) -> list[torch.Tensor]:
+        seen: list[torch.Tensor] = []
+        head = module.lm_logits
+
+        def recorded(x: torch.Tensor, *args) -> torch.Tensor:
+            seen.append(x.detach().clone())
+            return head(x, *args)
+
+        monkeypatch.setattr(module, "lm_logits", recorded)
+        return seen
+
+    return record
+
+
+def _head_logits(module: Any, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    w = module.w(module.head_name).detach()
+    logits = F.linear(h.to(dtype), w.to(dtype)).float()
+    cap = module.spec.final_softcap
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@pytest.fixture
+def head_logits() -> Callable[[Any, torch.Tensor, torch.dtype], torch.Tensor]:
+    """``logits(module, h, dtype)``: ``module``'s LM head over ``h`` computed apart in ``dtype``
+    (soft-capped as the family caps it), returned in fp32."""
+    return _head_logits
