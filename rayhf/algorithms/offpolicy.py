@@ -2,13 +2,19 @@
 
 With ``max_staleness: k`` the generate call of step i may sample with the policy of any update
 from step i-k-1 on (``rayhf.planner.step.pipeline`` runs it ahead), so the samples come from a
-*behaviour* policy older than the one being trained. Decoupled PPO (Hilton et al., 2022, as
-AReaL uses it) separates the two roles the old policy plays in PPO:
+*behaviour* policy older than the one being trained. Decoupled PPO (Hilton et al., 2022)
+separates the two roles the old policy plays in PPO:
 
     behaviour log-probs (the generate call's, from the weights that sampled)
     proximal log-probs  (recomputed by the train call before its first update)
     weight w = min(pi_prox / pi_behaviour, weight_cap)      per token, no gradient
     loss     = w * max(-A * r, -A * clip(r, 1 - eps, 1 + eps)),   r = pi_theta / pi_prox
+
+That truncated weight is the default (``correction: auto``); AReaL instead masks a token whose
+weight is above the cap (``correction: mis``). The same weight, by ``correction``, is rollout
+correction on-policy (``behaviour_weights``): there the old log-probs are the trainer's own,
+recomputed before its first update (``old_logprobs: recompute``), and the behaviour ones the
+generator's.
 
 so the trust region is around the proximal policy and the importance weight corrects for the
 samples' origin. When the versions match, pi_prox = pi_behaviour and w = 1: the standard loss.

@@ -3,7 +3,8 @@
 The math (reward shaping, GAE, the clipped policy and value losses, KL controllers) needs no Ray,
 no processes and no model code; ``ppo_actor`` (generate, log-prob inference, policy update) and
 ``ppo_critic`` (value inference, value update) bind it to graph calls. Defaults follow ReaLHF's
-PPO interface.
+PPO interface but ``reward_clip`` (20, which leaves the scores of rayhf's reward functions
+unclipped; ReaLHF: 5) and the dual clip of the PPO family (``dual_clip``, verl's c = 3).
 
 Every per-token tensor is right-padded ``[B, T]`` over response tokens only, with a bool ``mask``
 that is True on valid tokens, contiguous from position 0 of each row. A row may be empty; every
