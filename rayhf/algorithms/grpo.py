@@ -75,7 +75,7 @@ class GRPOConfig(OffPolicyConfig):
     constant, so neither response length nor prompt difficulty reweights the samples."""
     max_new_tokens_norm: int | None = Field(None, gt=0)
     """Dr. GRPO's constant divisor per sequence; None: the generation's ``max_new_tokens`` (as
-    TRL divides by its maximum completion length)."""
+    TRL divides by its maximum completion length), a multi-turn call's ``env.max_tokens``."""
     n_minibatches: int = Field(4, gt=0)
     """Optimizer steps per epoch; the batch is split into this many minibatches."""
     ppo_epochs: int = Field(1, gt=0)
@@ -244,9 +244,17 @@ class GRPOActorInterface(LMInterface):
         """The update's loss and stats on one micro-batch (GSPO's is per sequence)."""
         cfg = self.loss_config
         if cfg.dr_grpo and cfg.max_new_tokens_norm is None:
-            norm = self.settings.generation.max_new_tokens
-            cfg = cfg.model_copy(update={"max_new_tokens_norm": norm})
+            cfg = cfg.model_copy(update={"max_new_tokens_norm": self.longest_response})
         return grpo_loss(logp, old, ref, adv, mask, cfg, behaviour)
+
+    @property
+    def longest_response(self) -> int:
+        """The most tokens a response may train: ``generation.max_new_tokens``, or a multi-turn
+        trajectory's ``env.max_tokens`` (its turns together), Dr. GRPO's default divisor."""
+        env = self.settings.env
+        if env is not None and self.needs_env:
+            return int(env.max_tokens)
+        return self.settings.generation.max_new_tokens
 
     @classmethod
     def work_shape(cls, algorithm: GRPOConfig, kind: str) -> WorkShape:

@@ -6,7 +6,7 @@ taken per sequence instead of per token:
 
     s_i  = exp( mean over the response's tokens of (logprob_t - old_logprob_t) )
     loss = mean over sequences of max(-A_i * s_i, -A_i * clip(s_i, 1 - eps_low, 1 + eps_high))
-           + kl_coef * (GRPO's k3 term, token-mean)
+           + kl_coef * (the kl_estimator's term, token-mean)
 
 The sequence ratio is a length-normalized geometric mean, so every token of a sequence shares one
 ratio and one clip decision; its gradient is s_i times the mean of the tokens' log-prob gradients.
@@ -24,7 +24,7 @@ import torch
 from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
-from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, k3_kl
+from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, kl_loss_term
 from rayhf.algorithms.interface import register
 from rayhf.algorithms.offpolicy import behaviour_weights, bounded_ratio
 from rayhf.algorithms.ppo import masked_mean
@@ -44,7 +44,7 @@ class GSPOConfig(GRPOConfig):
     eps_high: float = Field(4e-4, gt=0)
     """... and above at ``1 + eps_high``."""
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of GRPO's per-token k3 KL term (the paper uses none)."""
+    """Weight of the per-token KL term, by ``kl_estimator`` (the paper uses none)."""
     loss_agg: Literal["seq_mean_token_mean"] = "seq_mean_token_mean"  # type: ignore[assignment]
     """GSPO's ratio is a sequence's: its loss is a mean over sequences."""
     correction_level: Literal["sequence", "geometric"] = "geometric"  # type: ignore[assignment]
@@ -78,8 +78,9 @@ def gspo_loss(
     behaviour: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO's clipped sequence surrogate (mean over non-empty sequences) plus ``kl_coef`` times
-    the token-mean k3 KL. ``stats``: ``clip_frac`` (share of sequences clipped), ``kl``,
-    ``approx_kl``, ``seq_ratio_mean``; with ``behaviour``, the correction's ``is_*`` stats."""
+    the token-mean KL term (``kl_estimator``). ``stats``: ``clip_frac`` (share of sequences
+    clipped), ``kl``, ``approx_kl``, ``seq_ratio_mean``; with ``behaviour``, the correction's
+    ``is_*`` stats."""
     assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
     ratio = sequence_ratio(logprobs, old_logprobs, mask)
     adv = advantages.to(ratio.dtype)
@@ -90,10 +91,11 @@ def gspo_loss(
     stats: dict[str, float] = {}
     if behaviour is not None:  # one weight per sequence: its tokens all carry it
         weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg)
-        per_seq = weights[:, 0] * per_seq
+        if weights.shape[1]:  # a row's weight on each of its tokens (an empty row: 1)
+            per_seq = weights[:, 0] * per_seq
         stats.update(weight_stats)
     surrogate = per_seq[rows].mean() if rows.any() else per_seq.sum() * 0.0
-    kl = k3_kl(logprobs, ref_logprobs, mask)
+    kl = kl_loss_term(logprobs, ref_logprobs, mask, cfg.kl_estimator)
     loss = surrogate + cfg.kl_coef * masked_mean(kl, mask)
     with torch.no_grad():
         stats.update({

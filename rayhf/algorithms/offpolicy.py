@@ -79,8 +79,9 @@ class OffPolicyConfig(BaseModel):
     correction_level: Literal["token", "sequence", "geometric"] = "token"
     """What ``rho`` is: each token's, its sequence's product (broadcast to its tokens) or the
     geometric mean of its sequence's (both bounded to ``exp(+-20)``)."""
-    weight_cap: float = Field(2.0, gt=0)
-    """Upper bound of ``rho``: where ``tis`` truncates it, above which ``mis`` masks it."""
+    weight_cap: float | None = Field(None, gt=0)
+    """Upper bound of ``rho``: where ``tis`` truncates it, above which ``mis`` and ``icepop``
+    mask it (None: 2; ``icepop``: 5)."""
     weight_floor: float | None = Field(None, ge=0)
     """Lower bound of ``rho`` under which ``mis`` and ``icepop`` mask it (None: ``1 /
     weight_cap``; ``icepop``: 0.5)."""
@@ -99,11 +100,22 @@ class OffPolicyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _correction_needs_old_logprobs(self) -> OffPolicyConfig:
-        if self.max_staleness == 0 and self.old_logprobs == "generator" and self.corrects:
+        if self.max_staleness > 0 and self.old_logprobs is not None:
+            raise ValueError(
+                "algorithm.old_logprobs: with max_staleness > 0 the ratio is always taken "
+                "against the proximal policy; leave old_logprobs unset"
+            )
+        if self.old_logprobs == "generator" and self.corrects:
             raise ValueError(
                 f"algorithm.correction {self.correction} weighs the trainer's old log-probs "
                 "against the generator's: set algorithm.old_logprobs: recompute (or leave it "
                 "unset)"
+            )
+        floor, cap = self.correction_bounds()
+        if self.correction in ("mis", "icepop") and floor >= cap:
+            raise ValueError(
+                f"algorithm.weight_floor {floor:g} is not below weight_cap {cap:g}: every token "
+                "would be masked; lower weight_floor"
             )
         return self
 
@@ -125,7 +137,7 @@ class OffPolicyConfig(BaseModel):
     def correction_bounds(self) -> tuple[float, float]:
         """``(floor, cap)`` of ``rho`` as the ``correction`` reads them."""
         icepop = self.correction == "icepop"
-        cap = 5.0 if icepop and "weight_cap" not in self.model_fields_set else self.weight_cap
+        cap = self.weight_cap if self.weight_cap is not None else 5.0 if icepop else 2.0
         floor = self.weight_floor
         if floor is None:
             floor = 0.5 if icepop else 1.0 / cap
@@ -151,7 +163,7 @@ class OnPolicyConfig(BaseModel):
         return self
 
 
-# exp(20) ~ 5e8: finite in every float type a loss runs in, far past any clip bound, so the
+# exp(20) ~ 5e8: finite in fp32 (log-probs and losses are fp32), far past any clip bound, so the
 # clipped loss is the same wherever a ratio means anything; an unbounded log-ratio of ~89 gives
 # an infinite ratio and NaN gradients even where the clip picks the other side (verl: +-20)
 LOG_RATIO_LIMIT = 20.0

@@ -226,15 +226,17 @@ class TorchTrainer:
         """The optimizer step, skipped on every rank (the global gradient norm is the same on
         each) when the gradient is not finite, at any precision: the weights and the optimizer
         state stay as they were, ``skipped_steps`` counts it, and ``max_skipped_steps`` in a
-        row stop the run. With fp16 loss scaling the scale backs off then, and is logged."""
+        row stop the run. With fp16 loss scaling the scale backs off then, and is logged; an
+        overflow at a scale above 1 is the scaler finding its scale, not counted in a row."""
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         if self.scaler is not None:
-            totals.add({"loss_scale": self.scaler.get_scale()})
+            totals.add({"loss_scale": scale})
         if not math.isfinite(norm):
             totals.count("skipped_steps")
-            self.skipped_in_a_row += 1
+            self.skipped_in_a_row += 1 if scale <= 1.0 else 0
             self.optimizer.zero_grad(set_to_none=False)
             if self.scaler is not None:
-                self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+                self.scaler.update(scale * self.scaler.get_backoff_factor())
             if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
                 raise NonFiniteGradients(
                     f"{self.skipped_in_a_row} optimizer steps in a row had a non-finite gradient "

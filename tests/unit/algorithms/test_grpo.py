@@ -380,3 +380,22 @@ def test_the_kl_estimators_by_hand() -> None:
     _close(kl_loss_term(logp, ref, mask, "k2"), [[LN(2) ** 2 / 2] * 2])
     _close(kl_loss_term(logp, ref, mask, "k3"), k3_kl(logp, ref, mask))
     assert GRPOConfig().kl_estimator == "k3"
+
+
+def test_dr_grpo_divides_a_multi_turn_trajectory_by_env_max_tokens() -> None:
+    """A trajectory's turns together may pass one turn's max_new_tokens: Dr. GRPO's default
+    divisor for the agent interface is ``env.max_tokens`` (it never fails on a long one)."""
+    import rayhf.envs.agent  # noqa: F401 (registers grpo_agent)
+    from rayhf.envs.env import EnvConfig
+
+    settings = InterfaceSettings(
+        GRPOConfig(dr_grpo=True, kl_coef=0.0),
+        GenerationConfig(max_new_tokens=4),
+        env=EnvConfig(cls="rayhf.tasks.calculator:CalculatorEnv", max_tokens=16),
+    )
+    actor = make_interface("grpo_agent", settings)
+    logp = torch.zeros(1, 10, requires_grad=True)
+    const = logp.detach()
+    loss, _ = actor.policy_loss(logp, const, const, torch.ones(1), _mask([10], 10), None)  # type: ignore[attr-defined]
+    loss.backward()
+    assert logp.grad is not None and -float(logp.grad[0, 0]) == pytest.approx(1 / 16)

@@ -215,6 +215,16 @@ def test_icepop_masks_outside_half_to_five_unless_told_otherwise() -> None:
     assert w == pytest.approx([E, 0.0, 1.0, E**0.5, 1.0, 1.0])
     assert OffPolicyConfig(correction="icepop").correction_bounds() == (0.5, 5.0)
     assert OffPolicyConfig(correction="icepop", weight_cap=3.0).correction_bounds() == (0.5, 3.0)
+    # a saved config (every field written) reads the same bounds back
+    saved = OffPolicyConfig(correction="icepop")
+    assert OffPolicyConfig.model_validate(saved.model_dump()).correction_bounds() == (0.5, 5.0)
+
+
+def test_settings_a_correction_refuses() -> None:
+    with pytest.raises(ValueError, match="weight_floor 3 is not below weight_cap 2"):
+        OffPolicyConfig(correction="mis", weight_floor=3.0)
+    with pytest.raises(ValueError, match="old_logprobs: with max_staleness > 0"):
+        OffPolicyConfig(max_staleness=1, old_logprobs="recompute")
 
 
 def test_the_decoupled_cap_clamps_or_masks_as_asked() -> None:

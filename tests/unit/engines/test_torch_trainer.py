@@ -357,3 +357,22 @@ def test_a_non_finite_gradient_skips_the_step_at_fp32_and_leaves_the_weights():
     assert trainer.skipped_in_a_row == 0
     with pytest.raises(NonFiniteGradients, match=r"3 optimizer steps in a row.*max_skipped_steps"):
         trainer.train([_batch(4)] * 3, _nonfinite(trainer, [True] * 3))
+
+
+def test_fp16_overflows_while_the_scale_backs_off_do_not_stop_the_run():
+    """GradScaler starts at 2**16 and halves on each overflow: ten overflows in a row there
+    are it finding its scale, skipped and counted but not towards max_skipped_steps (2)."""
+    from rayhf.models.precision import Numerics
+
+    hf = tiny_model("llama", SHAPE, seed=0)
+    model = RankModel.from_hf(hf, Tok(), False, numerics=Numerics("fp16", master=True))
+    trainer = TorchTrainer(model, OptimizerConfig(lr=1e-2, max_skipped_steps=2))
+    inner = _loss_fn(trainer.model)
+
+    def overflowing(mb: PackedBatch):
+        loss, stats = inner(mb)
+        return loss * 1e35, stats
+
+    stats = trainer.train([_batch(1)] * 10, overflowing)
+    assert stats["skipped_steps"] == 10.0 and trainer.skipped_in_a_row == 0
+    assert trainer.scaler is not None and trainer.scaler.get_scale() == 2.0**6
