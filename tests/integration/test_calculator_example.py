@@ -4,7 +4,7 @@ a right answer that a calculator result showed earns (its degenerate answers sco
 tests/unit/envs/test_agent.py). The reward must rise by at least 5 standard errors, with the
 trainer's log-probs of the model's tokens the generator's. (What examples/calculator/run.sh
 does, in a temporary directory, for 40 of its 60 GRPO steps: on the recorded machine it rises
-from 0.020 to 0.221 a step, 14.9 SE, docs/benchmarks/calculator_example.md.)
+from 0.160 to 0.583 a step, 13.4 SE, docs/benchmarks/calculator_example.md.)
 
 Then the run is reproducible whatever the machine's load (``env.joining: rounds``): its first
 ``AGAIN`` GRPO steps, run again from the same SFT policy beside a process that burns a CPU, give
