@@ -139,14 +139,9 @@ class ReinforcePPActorInterface(GRPOActorInterface):
         return padded(mb, "advantages")
 
     def policy_loss(
-        self,
-        logp: Tensor,
-        old: Tensor,
-        ref: Tensor,
-        adv: Tensor,
-        mask: Tensor,
+        self, logp: Tensor, old: Tensor, ref: Tensor, adv: Tensor, mask: Tensor,
         behaviour: Tensor | None,
-    ) -> tuple[Tensor, dict[str, float]]:
+    ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
         cfg = cast(ReinforcePPConfig, self.cfg)
         loss, stats = ppo_policy_loss(
             logp, old, adv, mask, cfg.eps_clip, behaviour, cfg, cfg.loss_agg

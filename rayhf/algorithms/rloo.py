@@ -155,14 +155,9 @@ class RLOOActorInterface(GRPOActorInterface):
         return samples if self.per_sequence else super().loss_weight
 
     def policy_loss(
-        self,
-        logp: Tensor,
-        old: Tensor,
-        ref: Tensor,
-        adv: Tensor,
-        mask: Tensor,
+        self, logp: Tensor, old: Tensor, ref: Tensor, adv: Tensor, mask: Tensor,
         behaviour: Tensor | None,
-    ) -> tuple[Tensor, dict[str, float]]:
+    ) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
         if not self.per_sequence:
             return super().policy_loss(logp, old, ref, adv, mask, behaviour)
         return sequence_ratio_loss(logp, old, adv, mask, self.cfg, behaviour)
