@@ -27,7 +27,7 @@ from torch import Tensor
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, kl_loss_term
 from rayhf.algorithms.interface import register
 from rayhf.algorithms.offpolicy import behaviour_weights, bounded_ratio
-from rayhf.algorithms.ppo import masked_mean
+from rayhf.algorithms.ppo import clipped_surrogate, masked_mean
 from rayhf.engines.torch_trainer import Weight, samples
 
 
@@ -79,16 +79,13 @@ def gspo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO's clipped sequence surrogate (mean over non-empty sequences) plus ``kl_coef`` times
     the token-mean KL term (``kl_estimator``). ``stats``: ``clip_frac`` (share of sequences
-    clipped), ``kl``, ``approx_kl``, ``seq_ratio_mean``; with ``behaviour``, the correction's
-    ``is_*`` stats."""
+    clipped; ``dual_clip_frac`` is 0: GSPO has none), ``kl``, ``approx_kl``,
+    ``seq_ratio_mean``; with ``behaviour``, the correction's ``is_*`` stats."""
     assert advantages.shape == logprobs.shape[:1], "advantages must be [B], one per sequence"
     ratio = sequence_ratio(logprobs, old_logprobs, mask)
     adv = advantages.to(ratio.dtype)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    per_seq = torch.maximum(unclipped, clipped)
     rows = mask.any(dim=1)
-    stats: dict[str, float] = {}
+    per_seq, stats = clipped_surrogate(ratio, adv, rows, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
     if behaviour is not None:  # one weight per sequence: its tokens all carry it
         weights, weight_stats = behaviour_weights(old_logprobs, behaviour, mask, cfg)
         if weights.shape[1]:  # a row's weight on each of its tokens (an empty row: 1)
@@ -99,7 +96,6 @@ def gspo_loss(
     loss = surrogate + cfg.kl_coef * masked_mean(kl, mask)
     with torch.no_grad():
         stats.update({
-            "clip_frac": (clipped > unclipped)[rows].float().mean().item() if rows.any() else 0.0,
             "kl": masked_mean(kl, mask).item(),
             "approx_kl": masked_mean(old_logprobs - logprobs, mask).item(),
             "seq_ratio_mean": ratio[rows].mean().item() if rows.any() else 1.0,

@@ -20,7 +20,7 @@ from torch import Tensor
 from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
 from rayhf.algorithms.seqs import (
     gather_positions,
-    pack_rows,
+    pack_per_token,
     padded_inputs,
     response_index,
     response_labels,
@@ -135,7 +135,7 @@ def logprob_batch(
     for part in engine.micro_batches(batch):
         with torch.no_grad():
             values, _, _ = response_forward(engine, part, temperature)
-        packed, lens = pack_rows(values, response_index(part, trained_only=False)[1])
+        packed, lens = pack_per_token(part, values)
         parts.append(PackedBatch(list(part.sample_ids), {key: packed}, {key: lens}))
     return PackedBatch.concat(parts)
 

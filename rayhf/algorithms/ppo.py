@@ -39,7 +39,7 @@ from rayhf.algorithms.offpolicy import (
     bounded_ratio,
     policy_train_shape,
 )
-from rayhf.algorithms.seqs import pack_rows, response_index
+from rayhf.algorithms.seqs import pack_per_token, response_index
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.torch_trainer import Weight, response_tokens, samples
 from rayhf.errors import RayhfError
@@ -385,10 +385,8 @@ class _PPOBase(Interface):
         adv, returns, kl, _ = self.advantages(batch, mask)
         if self.cfg.adv_norm:
             adv = global_whiten(engine, adv, mask)
-        every = response_index(batch, trained_only=False)[1]  # a key's entry per token
         for key, value in (("advantages", adv), ("returns", returns)):
-            packed, lens = pack_rows(value, every)
-            batch.add(key, packed, lens)
+            batch.add(key, *pack_per_token(batch, value))
         resp_len = mask.sum(1).float()
         stats = {
             "task_reward": batch.tensors["scores"].float().mean().item(),

@@ -46,7 +46,7 @@ from rayhf.algorithms.ppo import (
     ppo_policy_loss,
     spread,
 )
-from rayhf.algorithms.seqs import pack_rows, response_index
+from rayhf.algorithms.seqs import pack_per_token, response_index
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 
@@ -116,9 +116,7 @@ class ReinforcePPActorInterface(GRPOActorInterface):
         else:
             returns = trained_returns(batch, mask, cfg.kl_coef)
         adv = global_whiten(engine, returns, mask)
-        every = response_index(batch, trained_only=False)[1]  # a key's entry per token
-        packed, lens = pack_rows(adv, every)
-        batch.add("advantages", packed, lens)
+        batch.add("advantages", *pack_per_token(batch, adv))
 
     def _group_centred(
         self, engine: ModelEngine, batch: PackedBatch, rank: int, mask: Tensor

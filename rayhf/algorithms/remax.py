@@ -28,7 +28,7 @@ from rayhf.algorithms.interface import CallContext, ModelEngine, register
 from rayhf.algorithms.lm import LMInterface, padded, response_forward, rollout_stats
 from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.ppo import compact, global_whiten, kl_shaped_rewards, masked_mean, spread
-from rayhf.algorithms.seqs import pack_rows, response_index
+from rayhf.algorithms.seqs import pack_per_token, response_index
 from rayhf.data.batch import PackedBatch
 
 
@@ -112,8 +112,7 @@ class ReMaxActorInterface(LMInterface):
         adv = spread(adv, order, mask.shape)
         if cfg.adv_norm:
             adv = global_whiten(engine, adv, mask)
-        packed, lens = pack_rows(adv, response_index(batch, trained_only=False)[1])
-        batch.add("advantages", packed, lens)
+        batch.add("advantages", *pack_per_token(batch, adv))
 
     def train_step(
         self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext

@@ -68,6 +68,12 @@ def pack_rows(padded: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, l
     return padded[mask], lengths
 
 
+def pack_per_token(batch: PackedBatch, values: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``values`` ``[B, R]`` packed as a per-response-token key holds them: an entry for every
+    response token of ``batch``, trained or not (a multi-turn sample's environment tokens too)."""
+    return pack_rows(values, response_index(batch, trained_only=False)[1])
+
+
 def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Per sample: whether the scores of its group are not all equal (a group of one never
     is), the groups dynamic sampling keeps."""

@@ -73,11 +73,11 @@ def global_scales(
     that, once the replicas' gradients are averaged, the gradient is that of the mean over every
     rank's ``weight``: ``dp * mine / total``. A rank with an empty minibatch adds nothing and
     scales no one else's down; with one replica it is 1."""
+    if comm.size == 1:
+        return [1.0] * len(minibatches)
     mine = torch.tensor(
         [weight(mb) if mb.n_samples else 0.0 for mb in minibatches], dtype=torch.float64
     )
-    if comm.size == 1:
-        return [1.0] * len(minibatches)
     total = comm.all_reduce_sum(mine)
     return [float(comm.size * m / t) if t > 0 else 0.0 for m, t in zip(mine, total, strict=True)]
 

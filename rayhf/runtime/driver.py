@@ -34,7 +34,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 
 from rayhf.data.batch import PackedBatch
-from rayhf.errors import RayhfError, RunFailed
+from rayhf.errors import RunFailed
 from rayhf.graph import Graph
 from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
@@ -44,7 +44,7 @@ from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
 from rayhf.runtime.role_group import RoleGroup
-from rayhf.runtime.waits import Pending, died, gather, pending
+from rayhf.runtime.waits import Pending, died, gather, pending, raise_user_error
 
 
 @dataclass
@@ -375,8 +375,7 @@ class DagExecutor:
             except ray.exceptions.RayActorError as e:
                 raise dag.failure(e) from e
             except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, RayhfError):  # a user-facing stop (its one line)
-                    raise e.cause from None
+                raise_user_error(e)
                 raise
             except ray.exceptions.GetTimeoutError as e:
                 raise RunFailed(

@@ -87,12 +87,19 @@ def gather(calls: Sequence[Pending], timeout_s: float) -> list[Any]:
         except ray.exceptions.ObjectLostError as e:
             raise _failed(calls[i], "lost its results with its node", e) from e
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, RayhfError):  # a user-facing stop (its one line), not a bug
-                raise e.cause from None
+            raise_user_error(e)
             if not broken_peer(e):
                 raise  # a bug in the actor's code: keep its traceback
             raise _peer_failure(e, calls, set(results), left, calls[i]) from e
     return [results[i] for i in range(len(calls))]
+
+
+def raise_user_error(error: ray.exceptions.RayTaskError) -> None:
+    """Raise the ``RayhfError`` an actor's call raised as itself, its one line (a user-facing
+    stop, such as too many non-finite gradients), not as a task error's traceback; else
+    nothing."""
+    if isinstance(error.cause, RayhfError):
+        raise error.cause from None
 
 
 def died(
