@@ -128,7 +128,7 @@ def head_inputs(monkeypatch) -> Callable[[Any], list[torch.Tensor]]:
 def _head_logits(module: Any, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     import torch.nn.functional as F
 
-    w = module.w(module.head_name).detach()
+    w = module.param(module.head_name).detach()
     logits = F.linear(h.to(dtype), w.to(dtype)).float()
     cap = module.spec.final_softcap
     return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,10 +1,12 @@
-"""Parity check of every small layout against the single-process Hugging Face model.
+"""Parity check of the small layouts against the single-process Hugging Face model.
 
-``python -m rayhf.checks.parity OUT.json [--world 4] [--precision fp32 bf16] [--device cuda]``
-starts ``world`` processes (gloo, one thread each, as emulated devices; NCCL and one GPU each
-with ``--device cuda``) and, for each precision, each
-family and each ``dp x tp x pp`` layout that fits, compares with a single-process Hugging Face
-model built from the same seed, in the same precision:
+``python -m rayhf.checks.parity OUT.json [--world 4] [--precision fp32 bf16] [--device cuda]
+[--every-layout]`` starts ``world`` processes (gloo, one thread each, as emulated devices; NCCL
+and one GPU each with ``--device cuda``) and, for each precision, each case (one per family of
+``rayhf.models.families``, in the tiny shape its row gives, and ``EXTRA_CASES``) and the
+``dp x tp x pp`` layouts ``covering`` gives it (with ``--every-layout``: every layout that
+fits), compares with a single-process Hugging Face model built from the same seed, in the same
+precision:
 
 - ``logits``: forward logits (and critic ``values``) of a padded batch from a frozen copy (its
   weights stored in the precision; Hugging Face's model cast to it), max abs error / max abs ref;
@@ -16,10 +18,11 @@ model built from the same seed, in the same precision:
   slices of the reference gradients;
 - ``step``: parameters after one AdamW step (global-norm clipping on) on the same batch, max abs
   difference, with the gathered shards compared against the Hugging Face parameters (and
-  ``zero1_step``, the same with ZeRO-1 optimizer sharding, for Llama layouts with dp > 1);
+  ``zero1_step``, the same with ZeRO-1 optimizer sharding, for layouts with dp > 1 of the
+  case flagged ``zero1``: Llama's);
 - ``generate``: the share of greedy tokens identical to Hugging Face's (1.0: all).
 
-It writes one row per (family, layout) to OUT.json;
+It writes one row per (case, layout, rank) to OUT.json (its ``family`` key: the case's name);
 ``tests/integration/test_parallel_parity.py`` asserts on it, and the same rows are useful when
 a new family or layout is added.
 """
@@ -32,6 +35,8 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,36 +44,41 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayhf.checks.common import EOS, PAD, VOCAB, Tok, tiny_model
+from rayhf.models.families import FAMILIES, FamilyTraits, register_family
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import host_store, join_store
 
-FAMILY_SHAPES: dict[str, dict[str, Any]] = {
-    "llama": {"n_heads": 8, "n_kv_heads": 4},  # grouped-query attention
-    "qwen2": {"n_heads": 4},  # q/k/v biases
-    "mistral": {"n_heads": 8, "n_kv_heads": 4, "intermediate_size": 90},  # uneven MLP shards
-    "gpt2": {"n_heads": 4},  # fused q|k|v, Conv1D, learned positions
-    "qwen3": {"n_heads": 8, "n_kv_heads": 4},  # RMSNorm on each head's q and k
-    "llama3": {  # Llama 3.x's scaled RoPE, over positions past the original context
-        "family": "llama", "n_heads": 8, "n_kv_heads": 4,
+
+@dataclass(frozen=True)
+class Case:
+    """One model the harness checks: a family of the table, built tiny (hidden 32, 4 layers)."""
+
+    family: str
+    shape: dict[str, Any] = field(default_factory=dict)  # ModelInit fields: heads, options
+    zero1: bool = False  # layouts with dp > 1 also take a ZeRO-1 step
+
+
+# Beside one case per family (its row's ``check_shape``): Llama 3.x's scaled RoPE, over
+# positions past the original context.
+EXTRA_CASES = {
+    "llama3": Case("llama", {
+        "n_heads": 8, "n_kv_heads": 4,
         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 4},
-    },
-    # fused q|k|v and gate|up, RoPE over half of each head, a window shorter than the rows
-    "phi3": {"n_heads": 8, "n_kv_heads": 4, "sliding_window": 5,
-             "rope_parameters": {"partial_rotary_factor": 0.5}},
-    # (1 + w) norms around both blocks, scaled embeddings, alternating sliding-window layers,
-    # attention scaled by query_pre_attn_scalar, scores and logits soft-capped hard enough to
-    # bite, and the LM head tied to the embedding (under pp: a copy on the last stage)
-    "gemma2": {"n_heads": 8, "n_kv_heads": 4, "sliding_window": 4, "tied": True,
-               "config": {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0,
-                          "query_pre_attn_scalar": 16}},
-    # + q/k norms, and other RoPE on the full-attention layers (scaled) than on the sliding ones
-    "gemma3": {"family": "gemma3_text", "n_heads": 8, "n_kv_heads": 4, "sliding_window": 4,
-               "rope_parameters": {
-                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    }),
 }  # fmt: skip
+
+
+def all_cases() -> dict[str, Case]:
+    """One case per row of the family table, named after it, then ``EXTRA_CASES``."""
+    cases = {name: Case(name, dict(t.check_shape)) for name, t in FAMILIES.items()}
+    # ZeRO-1 shards optimizer state whatever the family: one case covers it
+    cases["llama"] = replace(cases["llama"], zero1=True)
+    return cases | EXTRA_CASES
+
+
+CASES = all_cases()  # what this process checks (a worker: what ``run`` sent it)
 
 
 def layouts(world: int) -> list[tuple[int, int, int]]:
@@ -77,10 +87,35 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
     return [(d, t, p) for d in sizes for t in sizes for p in sizes if d * t * p <= world]
 
 
+# Every case runs these layouts in every precision: dp alone (and, for the ZeRO-1 case, its
+# sharded step), then tp and pp together (each rank a shard of a stage).
+BASE_LAYOUTS = ((2, 1, 1), (1, 2, 2))
+
+Check = tuple[str, str, tuple[int, int, int]]  # (precision, case, (dp, tp, pp))
+
+
+def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> list[Check]:
+    """The checks of a run: not every case on every layout, but every case on ``BASE_LAYOUTS``
+    and on one more layout, which rotates over the cases so that in each precision every
+    layout of ``world`` is checked for some case (with fewer cases than layouts: every case on
+    every layout)."""
+    every = layouts(world)
+    base = [s for s in BASE_LAYOUTS if s in every]
+    rest = [s for s in every if s not in base]
+    if len(cases) < len(rest):
+        return [(p, c, s) for p in precisions for c in cases for s in every]
+    return [
+        (p, c, s)
+        for j, p in enumerate(precisions)
+        for i, c in enumerate(cases)
+        for s in [*base, rest[(i + j) % len(rest)]]
+    ]
+
+
 def _model(case: str, value_head: bool, device: str = "cpu"):
-    """The tiny model of a ``FAMILY_SHAPES`` case (its key is the family unless it names one)."""
-    shape = dict(FAMILY_SHAPES[case])
-    return tiny_model(shape.pop("family", case), shape, value_head, seed=7).to(device)
+    """The tiny model of case ``case`` of ``CASES``."""
+    c = CASES[case]
+    return tiny_model(c.family, dict(c.shape), value_head, seed=7).to(device)
 
 
 @functools.cache
@@ -161,16 +196,16 @@ def _share_off(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: floa
 
 
 def _value_error(
-    family: str, groups, ids: torch.Tensor, mask: torch.Tensor, precision: str, device: str
+    case: str, groups, ids: torch.Tensor, mask: torch.Tensor, precision: str, device: str
 ) -> float:
     """A frozen critic's per-token values against the Hugging Face model's, on this rank's
     rows, both in ``precision``."""
     from rayhf.engines.build import standalone_engine
     from rayhf.models.hf import per_token_values
 
-    critic_ref = _shared(family, True, precision, device)
+    critic_ref = _shared(case, True, precision, device)
     critic = standalone_engine(
-        _shared(family, True), Tok(), True, None, groups, device=device, precision=precision
+        _shared(case, True), Tok(), True, None, groups, device=device, precision=precision
     )
     keep = mask.bool()
     with torch.no_grad():
@@ -193,7 +228,7 @@ def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def _check(
-    family: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32", device: str = "cpu"
+    case: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32", device: str = "cpu"
 ) -> dict[str, Any] | None:
     from rayhf.algorithms.lm import scores_from_logits
     from rayhf.engines.build import standalone_engine as engine_of
@@ -209,9 +244,9 @@ def _check(
     rows = slice(groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
     my_ids, my_mask, keep = ids[rows], mask[rows], mask[rows].bool()
     opt = OptimizerConfig()  # lr 1e-4, AdamW, clip at norm 1
-    frozen_ref = _shared(family, False, precision, device)
+    frozen_ref = _shared(case, False, precision, device)
     frozen = engine_of(
-        _shared(family, False), Tok(), False, None, groups, device=device, precision=precision
+        _shared(case, False), Tok(), False, None, groups, device=device, precision=precision
     )
     targets = _targets(my_ids, my_mask)
     with torch.no_grad():
@@ -222,16 +257,16 @@ def _check(
             frozen.score(my_ids, my_mask, targets)[scored],
             scores_from_logits(want, targets)[scored],
         )
-    value_err = _value_error(family, groups, my_ids, my_mask, precision, device)
+    value_err = _value_error(case, groups, my_ids, my_mask, precision, device)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
     same_tokens = _same_share(
         frozen.generate(prompts, greedy, 0).tokens,
         hf_generate(frozen_ref, prompts, greedy, EOS, PAD).tokens,
     )
-    ref = _model(family, False, device)
+    ref = _model(case, False, device)
     engine = engine_of(
-        _model(family, False), Tok(), False, opt, groups, device=device, precision=precision
+        _model(case, False), Tok(), False, opt, groups, device=device, precision=precision
     )
     model = engine.model
     assert model is not None
@@ -250,19 +285,19 @@ def _check(
     # one, rounded at bf16) moves it 2 lr away from the reference's. How many did.
     step_off = _share_off(full, ref.state_dict(), opt.lr / 2)
     zero1_err = None
-    if dp > 1 and family == "llama":  # ZeRO-1: optimizer state sharded over the replicas
+    if dp > 1 and CASES[case].zero1:  # ZeRO-1: optimizer state sharded over the replicas
         zero1 = OptimizerConfig(zero1=True)
         zero = engine_of(
-            _model(family, False), Tok(), False, zero1, groups, device=device, precision=precision
+            _model(case, False), Tok(), False, zero1, groups, device=device, precision=precision
         )
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
-    before = _shared(family, False, "fp32", device).state_dict()
+    before = _shared(case, False, "fp32", device).state_dict()
     moved = _max_diff(full, before)
     return {
         "precision": precision,
         "device": device,
-        "family": family,
+        "family": case,
         "dp": dp,
         "tp": tp,
         "pp": pp,
@@ -282,13 +317,25 @@ def _check(
 
 
 def _worker(
-    rank: int, world: int, address: str, out: str, precisions: list[str], device: str
+    rank: int,
+    world: int,
+    address: str,
+    out: str,
+    checks: list[Check],
+    device: str,
+    cases: dict[str, Case],
+    rows: dict[str, FamilyTraits],
 ) -> None:
     torch.set_num_threads(1)
     import rayhf.parallel.model
     from rayhf.models.files import quiet_transformers
 
     rayhf.parallel.model.LOGIT_CHUNK = SCORE_SLICE * VOCAB
+    for name, traits in rows.items():  # rows the parent registered (a test's family)
+        if name not in FAMILIES:
+            register_family(name, traits)
+    CASES.clear()
+    CASES.update(cases)
 
     quiet_transformers()
     if device == "cuda":
@@ -296,20 +343,42 @@ def _worker(
         device = f"cuda:{rank}"
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=join_store(address), rank=rank, world_size=world)
-    rows = []
-    for precision in precisions:
-        for family in FAMILY_SHAPES:
-            for dp, tp, pp in layouts(world):
-                row = _check(family, dp, tp, pp, rank, precision, device)
-                if row is not None:
-                    rows.append(row)
-                dist.barrier()
+    rows_out = []
+    for precision, case, (dp, tp, pp) in checks:
+        row = _check(case, dp, tp, pp, rank, precision, device)
+        if row is not None:
+            rows_out.append(row)
+        dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, rows)
+    dist.all_gather_object(gathered, rows_out)
     if rank == 0:
         with open(out, "w") as f:
             json.dump([r for part in gathered for r in part], f, indent=1)
     dist.destroy_process_group()
+
+
+def run(
+    out: str,
+    world: int = 4,
+    precisions: Sequence[str] = ("fp32", "bf16"),
+    device: str = "cpu",
+    cases: dict[str, Case] | None = None,
+    sizes: list[tuple[int, int, int]] | None = None,
+) -> None:
+    """Check ``cases`` (default: ``CASES``) with ``world`` spawned ranks, writing the rows to
+    ``out``: each case on each of ``sizes`` (dp, tp, pp) in each precision, or with no
+    ``sizes`` the ``covering`` set of layouts. The cases' family rows go with them: a family
+    registered in this process is checked too."""
+    cases = CASES if cases is None else cases
+    rows = {c.family: FAMILIES[c.family] for c in cases.values()}
+    if sizes is None:
+        checks = covering(world, list(cases), precisions)
+    else:
+        checks = [(p, c, s) for p in precisions for c in cases for s in sizes]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _store, address = host_store()  # open here while the ranks meet through it
+    spawn_args = (world, address, out, checks, device, dict(cases), rows)
+    mp.spawn(_worker, args=spawn_args, nprocs=world, join=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -318,13 +387,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--every-layout", action="store_true", help="every case on every layout (default: a cover)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and args.world > torch.cuda.device_count():
         parser.error(f"--world {args.world} needs as many GPUs; {torch.cuda.device_count()} seen")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _store, address = host_store()  # open here while the ranks meet through it
-    spawn_args = (args.world, address, args.out, args.precision, args.device)
-    mp.spawn(_worker, args=spawn_args, nprocs=args.world, join=True)
+    sizes = layouts(args.world) if args.every_layout else None
+    run(args.out, args.world, args.precision, args.device, sizes=sizes)
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ class TorchTrainer:
         group = self.groups.ends_group
         if not module.spec.tied or group is None:
             return
-        p = module.w(embedding_name(module.spec))
+        p = module.param(embedding_name(module.spec))
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=group)

@@ -14,25 +14,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    Gemma2Config,
-    Gemma3TextConfig,
-    GPT2Config,
-    LlamaConfig,
-    MistralConfig,
-    Phi3Config,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+import transformers
+from transformers import AutoConfig, PretrainedConfig
 
 from rayhf.errors import RayhfError
+from rayhf.models.families import family_traits, name_registered_row
 from rayhf.models.init import ModelInit
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rayhf.models.families import FamilyTraits
     from rayhf.models.files import ModelFiles
 
 # Hugging Face's model classes are imported where a model is built or loaded whole, not here:
@@ -50,53 +42,52 @@ def hf_config(init: ModelInit, vocab_size: int, pad_id: int, bos_id: int, eos_id
             f"init.config.vocab_size={padded} is below the tokenizer's {vocab_size} tokens; "
             "raise it or leave it out"
         )
-    vocab_size = padded
-    if init.family == "gpt2":
-        return GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=init.hidden_size,
-            n_layer=init.n_layers,
-            n_head=init.n_heads,
-            n_inner=init.intermediate_size,
-            n_positions=init.max_positions,
-            tie_word_embeddings=init.tied,
-            resid_pdrop=0.0,  # no dropout: RLHF log-probs must be reproducible
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            pad_token_id=pad_id,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-        )
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig, "phi3": Phi3Config, "gemma2": Gemma2Config,
-           "gemma3_text": Gemma3TextConfig}[init.family]  # fmt: skip
-    inter = init.intermediate_size or int(2.75 * init.hidden_size)
-    extra: dict[str, Any] = {"head_dim": init.hidden_size // init.n_heads}  # Qwen3's is 128
-    if init.rope_parameters is not None and init.family == "gemma3_text":
-        extra["rope_parameters"] = init.rope_parameters  # per layer type
-    elif init.rope_parameters is not None:
-        extra["rope_parameters"] = {"rope_theta": 10000.0, **init.rope_parameters}
-    if init.sliding_window is not None:
-        extra["sliding_window"] = init.sliding_window
-    if init.family == "gemma3_text":  # sliding and full attention alternate, as in Gemma 2
-        extra["layer_types"] = [
-            "full_attention" if i % 2 else "sliding_attention" for i in range(init.n_layers)
-        ]
-    return cls(
+    traits = family_traits(init.family)
+    names = traits.config_names
+    cls = getattr(transformers, traits.hf_config_class)
+    inter = init.intermediate_size
+    if inter is None and traits.mlp_ratio is not None:
+        inter = int(traits.mlp_ratio * init.hidden_size)
+    extra: dict[str, Any] = dict.fromkeys(names.zeroed, 0.0)  # RLHF log-probs must reproduce
+    if traits.rope:
+        extra.update(_rope_model_fields(init, traits))
+    if names.n_kv_heads is not None:
+        extra[names.n_kv_heads] = init.n_kv_heads or init.n_heads
+    sizes = {
+        names.hidden_size: init.hidden_size,
+        names.n_layers: init.n_layers,
+        names.n_heads: init.n_heads,
+        names.intermediate_size: inter,
+        names.max_positions: init.max_positions,
+    }
+    config = cls(
         **extra,
-        vocab_size=vocab_size,
-        hidden_size=init.hidden_size,
-        num_hidden_layers=init.n_layers,
-        num_attention_heads=init.n_heads,
-        num_key_value_heads=init.n_kv_heads or init.n_heads,
-        intermediate_size=inter,
-        max_position_embeddings=init.max_positions,
+        vocab_size=padded,
+        **sizes,
         tie_word_embeddings=init.tied,
         pad_token_id=pad_id,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         **fields,
     )
+    name_registered_row(config, init.family)
+    return config
+
+
+def _rope_model_fields(init: ModelInit, traits: FamilyTraits) -> dict[str, Any]:
+    """A RoPE model's head size, RoPE, window and (alternating) layer types."""
+    extra: dict[str, Any] = {"head_dim": init.hidden_size // init.n_heads}  # Qwen3's is 128
+    if init.rope_parameters is not None and traits.rope_per_layer_type:
+        extra["rope_parameters"] = init.rope_parameters
+    elif init.rope_parameters is not None:
+        extra["rope_parameters"] = {"rope_theta": 10000.0, **init.rope_parameters}
+    if init.sliding_window is not None:
+        extra["sliding_window"] = init.sliding_window
+    if traits.alternating_layer_types:  # sliding and full attention alternate, as in Gemma 2
+        extra["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(init.n_layers)
+        ]
+    return extra
 
 
 def build_model(config: PretrainedConfig, value_head: bool, seed: int = 0) -> PreTrainedModel:
@@ -199,7 +190,8 @@ def model_files(config: PretrainedConfig, value_head: bool) -> ModelFiles:
         else (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     )
     dtype = str(saved.dtype or torch.float32).removeprefix("torch.")  # what from_config builds
-    saved.dtype, saved.architectures = dtype, [names[saved.model_type]]
+    # the architecture of the config's class (a registered row may rename its model type)
+    saved.dtype, saved.architectures = dtype, [names[type(saved).model_type]]
     with tempfile.TemporaryDirectory() as tmp:
         saved.save_pretrained(tmp)
         if not value_head:

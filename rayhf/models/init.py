@@ -6,11 +6,16 @@ reads this in every process, role-group workers included, which never import tra
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 
-from rayhf.models.spec import Family
+from rayhf.models.families import FAMILIES
+
+if TYPE_CHECKING:
+    FamilyName = str
+else:  # the table's names, as the configuration reference lists them
+    FamilyName = Literal[tuple(FAMILIES)]
 
 
 class ModelInit(BaseModel):
@@ -18,7 +23,7 @@ class ModelInit(BaseModel):
 
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    family: Family = "llama"
+    family: FamilyName = "llama"
     """The architecture (Hugging Face model type) built from scratch."""
     hidden_size: int = Field(64, gt=0)
     """Model width."""
@@ -44,3 +49,9 @@ class ModelInit(BaseModel):
     vocab_size to pad the vocabulary past the tokenizer's (Qwen2 pads 151,646 tokens to 151,936)"""
     seed: int = 0
     """Seeds the random initialisation (another seed: another model of the same shape)."""
+
+    @field_validator("family", mode="wrap")
+    @classmethod
+    def _known_family(cls, name: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A row of the family table, registered ones too (the literal refuses the rest)."""
+        return name if isinstance(name, str) and name in FAMILIES else handler(name)

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rayhf.errors import RayhfError
+from rayhf.models.families import FAMILIES
 from rayhf.models.spec import ModelSpec
 
 
 def _llama(hidden: int, layers: int, heads: int, kv: int, inter: int, positions: int) -> ModelSpec:
     return ModelSpec(
         family="llama",
+        traits=FAMILIES["llama"],
         vocab_size=32000,
         hidden_size=hidden,
         n_layers=layers,
@@ -43,7 +45,8 @@ def _qwen25(
     """Qwen2.5: biased q/k/v, RoPE base 1e6, 32k positions."""
     return replace(
         _llama(hidden, layers, heads, kv, inter, 32768),
-        family="qwen2", vocab_size=vocab, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True, tied=tied,
+        family="qwen2", traits=FAMILIES["qwen2"], vocab_size=vocab, norm_eps=1e-6, rope_theta=1e6,
+        qkv_bias=True, tied=tied,
     )  # fmt: skip
 
 

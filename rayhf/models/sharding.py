@@ -1,7 +1,8 @@
 """How every parameter of a supported model splits under tp and groups into pp stages.
 
 This is data, kept in one place: the parallel runtime reads it to build each rank's shard, and
-reallocation reads it to know which slice of a parameter lives on which device.
+reallocation reads it to know which slice of a parameter lives on which device. Names come from
+the family's traits (``ModelSpec.traits``: prefix, block kind, fused weights, norms).
 
 - tp: a ``ParamShard`` names the tensor dim that splits (``tp_dim``), or None for a replicated
   parameter (norms, biases added after a row-parallel reduce, GPT-2's position table, the value
@@ -53,8 +54,8 @@ class ParamShard:
 def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
     h = spec.hidden_size
     q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-    inter, unit, p = spec.intermediate_size, i + 1, f"{spec.prefix}.layers.{i}"
-    fused = spec.family == "phi3"  # q|k|v and gate|up in one weight each
+    inter, unit, p = spec.intermediate_size, i + 1, layer_prefix(spec, i)
+    fused = spec.traits.fused_projections  # q|k|v and gate|up in one weight each
     qkv = (q_out, kv_out, kv_out)
     out = [ParamShard(f"{p}.input_layernorm.weight", (h,), None, unit)]
     if fused:
@@ -68,7 +69,7 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
         ParamShard(f"{p}.self_attn.o_proj.weight", (h, q_out), 1, unit),
         ParamShard(f"{p}.post_attention_layernorm.weight", (h,), None, unit),
     ]
-    if spec.gemma:  # norms before and after the MLP too
+    if spec.traits.sandwich_norms:  # norms before and after the MLP too
         out += [
             ParamShard(f"{p}.pre_feedforward_layernorm.weight", (h,), None, unit),
             ParamShard(f"{p}.post_feedforward_layernorm.weight", (h,), None, unit),
@@ -83,7 +84,7 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
             ParamShard(f"{p}.mlp.up_proj.weight", (inter, h), 0, unit),
         ]
     out.append(ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit))
-    if spec.qk_norm:  # one weight per head dim, shared by every head: replicated
+    if spec.traits.qk_norm:  # one weight per head dim, shared by every head: replicated
         out += [
             ParamShard(f"{p}.self_attn.q_norm.weight", (spec.head_dim,), None, unit),
             ParamShard(f"{p}.self_attn.k_norm.weight", (spec.head_dim,), None, unit),
@@ -105,8 +106,8 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
     return out
 
 
-def _gpt2_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
-    h, inter, unit, p = spec.hidden_size, spec.intermediate_size, i + 1, f"transformer.h.{i}"
+def _conv1d_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
+    h, inter, unit, p = spec.hidden_size, spec.intermediate_size, i + 1, layer_prefix(spec, i)
     return [
         ParamShard(f"{p}.ln_1.weight", (h,), None, unit),
         ParamShard(f"{p}.ln_1.bias", (h,), None, unit),
@@ -126,20 +127,17 @@ def _gpt2_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
 def param_shards(spec: ModelSpec) -> list[ParamShard]:
     """Every parameter of the model, in unit order."""
     v, h, last = spec.vocab_size, spec.hidden_size, spec.n_layers + 1
-    gpt2 = spec.family == "gpt2"
-    out = [ParamShard(f"{spec.prefix}.{'wte' if gpt2 else 'embed_tokens'}.weight", (v, h), 0, 0)]
-    if gpt2:
-        out.append(ParamShard("transformer.wpe.weight", (spec.max_positions, h), None, 0))
-    layer = _gpt2_layer if gpt2 else _llama_layer
+    out = [ParamShard(embedding_name(spec), (v, h), 0, 0)]
+    positions = position_table_name(spec)
+    if positions is not None:
+        out.append(ParamShard(positions, (spec.max_positions, h), None, 0))
+    layer = _conv1d_layer if spec.traits.block == "conv1d" else _llama_layer
     for i in range(spec.n_layers):
         out += layer(spec, i)
-    if gpt2:
-        out += [
-            ParamShard("transformer.ln_f.weight", (h,), None, last),
-            ParamShard("transformer.ln_f.bias", (h,), None, last),
-        ]
-    else:
-        out.append(ParamShard("model.norm.weight", (h,), None, last))
+    norm = final_norm_name(spec)
+    out.append(ParamShard(f"{norm}.weight", (h,), None, last))
+    if spec.traits.norm == "layernorm":
+        out.append(ParamShard(f"{norm}.bias", (h,), None, last))
     if spec.value_head:
         out.append(ParamShard("score.weight", (1, h), None, last))
     elif not spec.tied:
@@ -148,7 +146,24 @@ def param_shards(spec: ModelSpec) -> list[ParamShard]:
 
 
 def embedding_name(spec: ModelSpec) -> str:
-    return f"{spec.prefix}.{'wte' if spec.family == 'gpt2' else 'embed_tokens'}.weight"
+    """The token embedding's weight."""
+    return f"{spec.prefix}.{spec.traits.embedding}.weight"
+
+
+def position_table_name(spec: ModelSpec) -> str | None:
+    """The learned position embedding's weight (GPT-2's); None with RoPE."""
+    table = spec.traits.position_table
+    return None if table is None else f"{spec.prefix}.{table}.weight"
+
+
+def final_norm_name(spec: ModelSpec) -> str:
+    """The final norm's module (``.weight``, and ``.bias`` for a LayerNorm)."""
+    return f"{spec.prefix}.{spec.traits.final_norm}"
+
+
+def layer_prefix(spec: ModelSpec, i: int) -> str:
+    """Decoder layer ``i``'s module (``model.layers.3``)."""
+    return f"{spec.prefix}.{spec.traits.layers}.{i}"
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:

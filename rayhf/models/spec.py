@@ -1,25 +1,19 @@
 """The shape of a supported Hugging Face model, read once from its config.
 
 Everything that shards, stages or runs a model reads a ``ModelSpec`` rather than the Hugging
-Face config, so the families (Llama, including Llama 3.x's scaled RoPE; Qwen2; Qwen3, with its
-per-head q/k norms; Mistral; Phi-3, with fused q|k|v and gate|up weights and partial RoPE;
-Gemma 2 and 3, with soft-capping, sandwich norms and alternating sliding-window layers; GPT-2)
-differ in one place: here (sizes, norms, position encoding, biases) and in ``sharding``
-(parameter names and split dims).
+Face config: its sizes and numbers (norm epsilon, RoPE frequencies, window, soft-caps) read here,
+and its family's row of traits (``rayhf.models.families``: parameter names, fused weights, norm
+kind and placement), which it carries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rayhf.errors import RayhfError
+from rayhf.models.families import FamilyTraits, family_traits
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"]
-FAMILIES: tuple[str, ...] = (
-    "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"
-)  # fmt: skip
-GEMMAS = ("gemma2", "gemma3_text")
 # RoPE variants whose frequencies are fixed at load (Hugging Face computes them the same way);
 # "dynamic" and "longrope" change with the sequence length and are refused.
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -27,9 +21,10 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes and per-family switches of one causal LM (+ scalar head when ``value_head``)."""
+    """Sizes and family traits of one causal LM (+ scalar head when ``value_head``)."""
 
-    family: Family
+    family: str  # its Hugging Face model type, a key of rayhf.models.families.FAMILIES
+    traits: FamilyTraits  # that family's row
     vocab_size: int
     hidden_size: int
     n_layers: int
@@ -52,16 +47,14 @@ class ModelSpec:
     # rotate and the rest pass (Phi-3's partial_rotary_factor)
     rope_inv_freq: tuple[float, ...] | None = None
     rope_scale: float = 1.0  # cos and sin multiplier (YaRN's attention factor)
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
     # The layers the sliding window applies to (None: every layer; Gemma alternates) and, when
     # they rotate at other frequencies (Gemma 3), their RoPE.
     window_layers: tuple[int, ...] | None = None
     rope_inv_freq_local: tuple[float, ...] | None = None
     rope_scale_local: float = 1.0
-    # Gemma: norms scale by (1 + weight) in fp32, a norm after attention and around the MLP,
+    # Where the family has them (``traits.embed_scaled``, ``traits.query_scalar_and_softcaps``):
     # embeddings times sqrt(hidden), attention scaled by query_pre_attn_scalar ** -0.5, and
     # tanh soft-capping of attention scores and final logits (Gemma 2).
-    gemma: bool = False
     embed_scale: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
@@ -75,7 +68,7 @@ class ModelSpec:
     @property
     def prefix(self) -> str:
         """Where the backbone's parameters live in the Hugging Face state dict."""
-        return "transformer" if self.family == "gpt2" else "model"
+        return self.traits.prefix
 
     @property
     def head_name(self) -> str:
@@ -93,85 +86,80 @@ def _default_inv_freq(theta: float, head_dim: int) -> tuple[float, ...]:
 def model_spec(config: Any, value_head: bool) -> ModelSpec:
     """The spec of a Hugging Face config; unsupported families or features are refused."""
     family = config.model_type
-    if family not in FAMILIES:
-        raise RayhfError(
-            f"model type '{family}' is not supported; use one of {', '.join(FAMILIES)}"
-        )
-    tied = bool(getattr(config, "tie_word_embeddings", False)) and not value_head
-    if family == "gpt2":
-        hidden = config.n_embd
-        return ModelSpec(
-            family="gpt2",
-            vocab_size=config.vocab_size,
-            hidden_size=hidden,
-            n_layers=config.n_layer,
-            n_heads=config.n_head,
-            n_kv_heads=config.n_head,
-            head_dim=hidden // config.n_head,
-            intermediate_size=config.n_inner or 4 * hidden,
-            max_positions=config.n_positions,
-            norm_eps=config.layer_norm_epsilon,
-            act=config.activation_function,
-            rope_theta=None,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            sliding_window=None,
-            tied=tied,
-            value_head=value_head,
-        )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    traits = family_traits(family)
+    names = traits.config_names
+    hidden, n_heads = getattr(config, names.hidden_size), getattr(config, names.n_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // n_heads
+    n_kv_heads = getattr(config, names.n_kv_heads) if names.n_kv_heads is not None else None
+    attention_bias = traits.all_biases or bool(getattr(config, "attention_bias", False))
+    return ModelSpec(
+        family=family,
+        traits=traits,
+        vocab_size=config.vocab_size,
+        hidden_size=hidden,
+        n_layers=getattr(config, names.n_layers),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads or n_heads,
+        head_dim=head_dim,
+        intermediate_size=getattr(config, names.intermediate_size) or 4 * hidden,
+        max_positions=getattr(config, names.max_positions),
+        norm_eps=getattr(config, names.norm_eps),
+        act=next(a for a in (getattr(config, n, None) for n in names.act) if a),
+        qkv_bias=traits.qkv_bias or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=traits.all_biases or bool(getattr(config, "mlp_bias", False)),
+        tied=bool(getattr(config, "tie_word_embeddings", False)) and not value_head,
+        value_head=value_head,
+        padding_idx=getattr(config, "pad_token_id", None) if traits.pad_row_frozen else None,
+        **_rope_fields(config, traits, head_dim),
+        **_window_fields(config, traits),
+        **_scale_and_cap_fields(config, traits, hidden),
+    )
+
+
+def _rope_fields(config: Any, traits: FamilyTraits, head_dim: int) -> dict[str, Any]:
+    """RoPE's ``ModelSpec`` fields (none with learned positions)."""
+    if not traits.rope:
+        return {"rope_theta": None}
     rope = getattr(config, "rope_parameters", None) or {}
-    gemma = family in GEMMAS
-    if "full_attention" in rope:  # Gemma 3: one RoPE for full-attention layers, one for sliding
-        inv_freq, rope_scale, theta = _rope(
-            config, rope["full_attention"], head_dim, "full_attention"
-        )
+    if traits.rope_per_layer_type:  # one RoPE for full-attention layers, one for sliding
+        inv_freq, scale, theta = _rope(config, rope["full_attention"], head_dim, "full_attention")
         local, local_scale, _ = _rope(
             config, rope["sliding_attention"], head_dim, "sliding_attention"
         )
     else:
-        inv_freq, rope_scale, theta = _rope(config, rope, head_dim)
+        inv_freq, scale, theta = _rope(config, rope, head_dim)
         local, local_scale = None, 1.0
-    attention_bias = bool(getattr(config, "attention_bias", False))
+    return {
+        "rope_theta": float(theta),
+        "rope_inv_freq": inv_freq,
+        "rope_scale": float(scale),
+        "rope_inv_freq_local": local,
+        "rope_scale_local": float(local_scale),
+    }
+
+
+def _window_fields(config: Any, traits: FamilyTraits) -> dict[str, Any]:
+    """The sliding window and the layers it applies to (``layer_types``: alternating)."""
     window, window_layers = None, None
-    if family in ("mistral", "phi3", *GEMMAS) or getattr(config, "use_sliding_window", False):
+    if traits.always_windowed or getattr(config, "use_sliding_window", False):
         window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if window is not None and types is not None:  # alternating sliding and full attention
         window_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    return ModelSpec(
-        family=family,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        n_layers=config.num_hidden_layers,
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-        head_dim=head_dim,
-        intermediate_size=config.intermediate_size,
-        max_positions=config.max_position_embeddings,
-        norm_eps=config.rms_norm_eps,
-        act=getattr(config, "hidden_activation", None) or config.hidden_act,
-        rope_theta=float(theta),
-        qkv_bias=family == "qwen2" or attention_bias,
-        qk_norm=family in ("qwen3", "gemma3_text"),
-        rope_inv_freq=inv_freq,
-        rope_scale=float(rope_scale),
-        o_bias=attention_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        sliding_window=window,
-        tied=tied,
-        value_head=value_head,
-        padding_idx=getattr(config, "pad_token_id", None),
-        window_layers=window_layers,
-        rope_inv_freq_local=local,
-        rope_scale_local=float(local_scale),
-        gemma=gemma,
-        embed_scale=float(config.hidden_size**0.5) if gemma else 1.0,
-        attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else None,
-        attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
-        final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
-    )
+    return {"sliding_window": window, "window_layers": window_layers}
+
+
+def _scale_and_cap_fields(config: Any, traits: FamilyTraits, hidden: int) -> dict[str, Any]:
+    """The embedding scale, attention scale and soft-caps where the family has them."""
+    out: dict[str, Any] = {}
+    if traits.embed_scaled:
+        out["embed_scale"] = float(hidden**0.5)
+    if traits.query_scalar_and_softcaps:
+        out["attn_scale"] = float(config.query_pre_attn_scalar) ** -0.5
+        out["attn_softcap"] = getattr(config, "attn_logit_softcapping", None)
+        out["final_softcap"] = getattr(config, "final_logit_softcapping", None)
+    return out
 
 
 def _rope(

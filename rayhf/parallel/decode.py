@@ -326,7 +326,7 @@ class DecodeEngine:
         waiting = deque(range(n))
         rows: list[_Row | None] = [None] * n_slots
         call = _Call(prompts, results, rules, seed, feed, {})
-        with torch.inference_mode(), self.model.lend(self.lent):
+        with torch.inference_mode(), self.model.reading_lent(self.lent):
             self._fill(rows, waiting, call)
             while any(r is not None for r in rows):
                 b = self._bucket(max(i for i, r in enumerate(rows) if r is not None) + 1)

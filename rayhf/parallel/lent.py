@@ -45,20 +45,22 @@ def lent_weights(
     fp32_head = model.head_name if model.numerics.head_in_fp32 else None
     for key, names in model.lendable().items():
         if key == fp32_head:
-            lent[key] = model.w(key).float()
+            lent[key] = model.param(key).float()
             continue
         if low is None and not pack:
             continue
         if len(names) == 1:
-            weight = model.w(names[0]) if low is None else model.w(names[0]).to(low).contiguous()
+            weight = (
+                model.param(names[0]) if low is None else model.param(names[0]).to(low).contiguous()
+            )
         else:
-            weight = torch.cat([model.w(n) for n in names])
+            weight = torch.cat([model.param(n) for n in names])
             weight = weight if low is None else weight.to(low)
             biases = [_bias(model, n) for n in names]
             if biases[0] is not None:
                 lent[f"{key}.bias"] = torch.cat(biases)  # type: ignore[arg-type]
         if pack and weight.numel() >= PACK_MIN_ELEMENTS:
-            out_in = weight if len(names) > 1 else model.out_in(names[0])
+            out_in = weight if len(names) > 1 else model.weight_out_in(names[0])
             weight = torch.ops.mkldnn._reorder_linear_weight(out_in.contiguous(), None)
         lent[key] = weight
     return lent
@@ -66,7 +68,7 @@ def lent_weights(
 
 def _bias(model: ShardedModel, weight: str) -> torch.Tensor | None:
     """The bias beside matmul weight ``weight`` (``...proj.weight`` -> ``...proj.bias``)."""
-    return model.b(weight.removesuffix(".weight") + ".bias")
+    return model.param_or_none(weight.removesuffix(".weight") + ".bias")
 
 
 def refresh_lent(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
@@ -76,7 +78,7 @@ def refresh_lent(lent: dict[str, torch.Tensor], model: ShardedModel) -> None:
             continue
         row = 0
         for name in names:
-            weight = model.w(name)
+            weight = model.param(name)
             lent[key][row : row + weight.shape[0]].copy_(weight)
             bias = _bias(model, name)
             if f"{key}.bias" in lent and bias is not None:

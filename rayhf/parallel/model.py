@@ -2,12 +2,12 @@
 
 Parameters keep their Hugging Face names (``model.layers.3.mlp.up_proj.weight``) and hold the
 slice ``rayhf.models.sharding`` assigns to this rank, so checkpoints and reallocation need no
-renaming. The forward pass is written once for every family (GPT-2's blocks, and the Llama-style
-blocks with their per-family switches from ``ModelSpec``); it mirrors the Hugging Face modules
-operation by operation, so results match a single-process Hugging Face model in the same
-precision to rounding (``rayhf.checks.parity``). Stage 0 maps token ids to hidden states; the last
-stage maps hidden states to logits (or, with a value head, one value per token); the stages
-between map hidden to hidden.
+renaming. The forward pass is written once for every family (GPT-2's Conv1D blocks, and the
+Llama-style blocks with the switches of the family's traits, ``ModelSpec.traits``); it mirrors
+the Hugging Face modules operation by operation, so results match a single-process Hugging
+Face model in the same precision to rounding (``rayhf.checks.parity``). Stage 0 maps token ids
+to hidden states; the last stage maps hidden states to logits (or, with a value head, one value
+per token); the stages between map hidden to hidden.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from rayhf.models.sharding import (
     ParamShard,
     chunk_bounds,
     embedding_name,
+    final_norm_name,
+    layer_prefix,
     param_shards,
+    position_table_name,
     shard_shape,
     stage_layers,
     stage_units,
@@ -102,7 +105,7 @@ class ShardedModel(torch.nn.Module):
             else:
                 local = take_shard(full[name].to(dtype), p, tp, c.tp_rank)
             self.register_parameter(_key(name), torch.nn.Parameter(local))
-        self.shard_shapes = {name: tuple(self.w(name).shape) for name in self.shards}
+        self.shard_shapes = {name: tuple(self.param(name).shape) for name in self.shards}
         self.n_heads = spec.n_heads // tp
         self.n_kv_heads = spec.n_kv_heads // tp
         self.vocab_range = chunk_bounds(spec.vocab_size, tp, c.tp_rank)
@@ -117,36 +120,42 @@ class ShardedModel(torch.nn.Module):
         self.checkpointing = False
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
         self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
-        self.lent: dict[str, torch.Tensor] | None = None  # see ``lend``
+        self.lent: dict[str, torch.Tensor] | None = None  # see ``reading_lent``
+        # GPT-2's blocks keep their matmul weights [in, out] (Conv1D); None: every one [out, in]
+        conv1d = spec.traits.block == "conv1d"
+        self.conv1d_prefix = f"{spec.prefix}.{spec.traits.layers}." if conv1d else None
 
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def w(self, name: str) -> torch.Tensor:
+    def param(self, name: str) -> torch.Tensor:
+        """This rank's shard of parameter ``name`` (a Hugging Face name)."""
         return getattr(self, _key(name))
 
-    def b(self, name: str) -> torch.Tensor | None:
+    def param_or_none(self, name: str) -> torch.Tensor | None:
+        """``param(name)``, or None where the model has no such parameter (a bias)."""
         return getattr(self, _key(name), None)
 
     def matmul_weights(self) -> list[str]:
         """The weights matmuls read (``matmul``): every 2-D weight but the embedding lookups
         (the embedding too when the LM head is tied to it)."""
-        lookups = {"transformer.wpe.weight"}
+        lookups = {position_table_name(self.spec)}
         if not self.spec.tied:
             lookups.add(embedding_name(self.spec))
-        return [n for n in self.shards if self.w(n).dim() == 2 and n not in lookups]
+        return [n for n in self.shards if self.param(n).dim() == 2 and n not in lookups]
 
     def lendable(self) -> dict[str, list[str]]:
-        """What a generator may lend (``lend``), by key: each layer's q, k and v projections as
-        one ``[out, in]`` matrix (key ``{layer}.self_attn.qkv``) and its gate and up
-        projections (``{layer}.mlp.gate_up``) where they are kept apart, every other matmul
+        """What a generator may lend (``reading_lent``), by key: each layer's q, k and v
+        projections as one ``[out, in]`` matrix (key ``{layer}.self_attn.qkv``) and its gate and
+        up projections (``{layer}.mlp.gate_up``) where they are kept apart, every other matmul
         weight alone under its own name."""
         groups: dict[str, list[str]] = {}
         fused = set()
-        if self.spec.family not in ("gpt2", "phi3"):
+        traits = self.spec.traits
+        if traits.block == "llama" and not traits.fused_projections:
             for i in self.layers:
-                p = f"model.layers.{i}"
+                p = layer_prefix(self.spec, i)
                 for prefix, group, names in ((f"{p}.self_attn", "qkv", QKV),
                                              (f"{p}.mlp", "gate_up", GATE_UP)):  # fmt: skip
                     groups[f"{prefix}.{group}"] = [f"{prefix}.{n}.weight" for n in names]
@@ -156,16 +165,16 @@ class ShardedModel(torch.nn.Module):
                 groups[name] = [name]
         return groups
 
-    def out_in(self, name: str) -> torch.Tensor:
+    def weight_out_in(self, name: str) -> torch.Tensor:
         """Matmul weight ``name`` as ``[out, in]`` (GPT-2's Conv1D keeps ``[in, out]``)."""
-        w = self.w(name)
+        w = self.param(name)
         return w.T if self._conv1d(name) else w
 
     def _conv1d(self, name: str) -> bool:
-        return name.startswith("transformer.h.")  # GPT-2's blocks
+        return self.conv1d_prefix is not None and name.startswith(self.conv1d_prefix)
 
     @contextlib.contextmanager
-    def lend(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    def reading_lent(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
         """Matmuls inside read ``weights`` (a generator's, by ``lendable`` key; a fused group's
         bias under ``{key}.bias``): copies cast to the autocast dtype (what autocast would cast
         them to anyway), or oneDNN-packed copies on CPUs; the weights as they are where none is
@@ -180,7 +189,7 @@ class ShardedModel(torch.nn.Module):
         """``x`` times matmul weight ``name`` (transposed: a linear layer), plus ``bias``; a lent
         weight is ``[out, in]`` (or packed), except a single Conv1D one, lent as it is kept."""
         lent = self.lent
-        w = lent[name] if lent is not None and name in lent else self.w(name)
+        w = lent[name] if lent is not None and name in lent else self.param(name)
         if w.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
         if self._conv1d(name):
@@ -195,17 +204,17 @@ class ShardedModel(torch.nn.Module):
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards under their Hugging Face names."""
-        return {name: self.w(name) for name in self.shards}
+        return {name: self.param(name) for name in self.shards}
 
     def release(self) -> None:
         """Free the weights' memory (a copy that reallocation refills before its next call)."""
         for name in self.shards:
-            self.w(name).data = torch.empty(0, device=self.device, dtype=self.numerics.storage)
+            self.param(name).data = torch.empty(0, device=self.device, dtype=self.numerics.storage)
 
     def allocate(self) -> None:
         """Give released weights storage again (uninitialized: reallocation fills it)."""
         for name, shape in self.shard_shapes.items():
-            p = self.w(name)
+            p = self.param(name)
             if tuple(p.shape) != shape:
                 p.data = torch.empty(shape, device=p.device, dtype=p.dtype)
 
@@ -225,7 +234,7 @@ class ShardedModel(torch.nn.Module):
         fused = self._lent_fused(h, f"{prefix}.{group}")
         if fused is not None:
             return list(fused.split(sizes, dim=-1))
-        outs = [self.matmul(h, f"{prefix}.{n}.weight", self.b(f"{prefix}.{n}.bias"))
+        outs = [self.matmul(h, f"{prefix}.{n}.weight", self.param_or_none(f"{prefix}.{n}.bias"))
                 for n in names]  # fmt: skip
         return outs if len(outs) == len(sizes) else list(outs[0].split(sizes, dim=-1))
 
@@ -248,9 +257,9 @@ class ShardedModel(torch.nn.Module):
 
     def rotary_tables(self, positions: torch.Tensor) -> Rotations:
         """cos and sin of ``positions`` for every frequency set the layers use (Gemma 3's local
-        layers rotate at their own), computed once per forward; none for GPT-2."""
+        layers rotate at their own), computed once per forward; none with learned positions."""
         spec = self.spec
-        if spec.family == "gpt2":
+        if not spec.traits.rope:
             return {}
         freq = self._rope_freq(False, positions.device)
         tables = {False: rotary(positions, freq, spec.rope_scale)}
@@ -314,9 +323,10 @@ class ShardedModel(torch.nn.Module):
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: rows outside this rank's range give 0, then sum over tp."""
         lo, hi = self.vocab_range
-        table = self.w(embedding_name(self.spec))
+        table = self.param(embedding_name(self.spec))
         spec = self.spec
-        if self.groups.tp_group is None and spec.embed_scale == 1.0 and spec.family != "gpt2":
+        positions_table = position_table_name(spec)
+        if self.groups.tp_group is None and spec.embed_scale == 1.0 and positions_table is None:
             return F.embedding(ids, table, padding_idx=spec.padding_idx)
         inside = (ids >= lo) & (ids < hi)
         pad = self.spec.padding_idx
@@ -326,27 +336,27 @@ class ShardedModel(torch.nn.Module):
         x = reduce_from_tp(local, self.groups.tp_group)
         if self.spec.embed_scale != 1.0:  # Gemma: sqrt(hidden), in the table's dtype
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        if self.spec.family == "gpt2":
-            x = x + F.embedding(positions, self.w("transformer.wpe.weight"))
+        if positions_table is not None:  # GPT-2's learned positions
+            x = x + F.embedding(positions, self.param(positions_table))
         return x
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        if self.spec.family == "gpt2":
+        if self.spec.traits.norm == "layernorm":
             return F.layer_norm(
-                x, x.shape[-1:], self.w(f"{name}.weight"), self.b(f"{name}.bias"),
+                x, x.shape[-1:], self.param(f"{name}.weight"), self.param_or_none(f"{name}.bias"),
                 self.spec.norm_eps,
             )  # fmt: skip
-        return self._scaled(self.w(f"{name}.weight"), x)
+        return self._scaled(self.param(f"{name}.weight"), x)
 
     def _scaled(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` times ``weight``: Llama-style (normalize in fp32, cast, times the
         weight) or Gemma's (times 1 + weight in fp32, then cast)."""
-        eps = self.spec.norm_eps
-        if x.dtype == weight.dtype == torch.float32 and not self.spec.gemma:
+        eps, adds_one = self.spec.norm_eps, self.spec.traits.norm_adds_one
+        if x.dtype == weight.dtype == torch.float32 and not adds_one:
             # the same rounding in one op (a decode step's 9+ norms are most of its small ops)
             return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
         h = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
-        if self.spec.gemma:
+        if adds_one:
             return (h * (1.0 + weight.float())).to(x.dtype)
         return weight * h.to(x.dtype)
 
@@ -354,7 +364,7 @@ class ShardedModel(torch.nn.Module):
         """RMSNorm over each head of this rank's heads. Its weight is shared by every head, on
         every tp rank; each rank's gradient covers its own heads, so backward sums them over tp
         (``copy_to_tp`` of the weight)."""
-        weight = copy_to_tp(self.w(f"{name}.weight"), self.groups.tp_group)
+        weight = copy_to_tp(self.param(f"{name}.weight"), self.groups.tp_group)
         return self._scaled(weight, x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -364,7 +374,7 @@ class ShardedModel(torch.nn.Module):
         return self.lm_logits(x)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, "transformer.ln_f" if self.spec.family == "gpt2" else "model.norm")
+        return self.norm(x, final_norm_name(self.spec))
 
     @property
     def head_name(self) -> str:
@@ -377,7 +387,7 @@ class ShardedModel(torch.nn.Module):
         or a cast of it (a low copy)."""
         if self.lent is not None and self.head_name in self.lent:
             return self.lent[self.head_name]
-        return self.w(self.head_name).float()
+        return self.param(self.head_name).float()
 
     def lm_logits(self, x: torch.Tensor, fp32_table: torch.Tensor | None = None) -> torch.Tensor:
         """The vocab-parallel LM head over normed hidden states: whole-vocabulary logits (gathered
@@ -434,14 +444,13 @@ class ShardedModel(torch.nn.Module):
     def layer(
         self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
     ) -> torch.Tensor:
-        if self.spec.family == "gpt2":
-            p = f"transformer.h.{i}"
-            x = x + self._gpt2_attention(self.norm(x, f"{p}.ln_1"), i, where, cache)
-            return x + self._gpt2_mlp(self.norm(x, f"{p}.ln_2"), p)
-        p = f"model.layers.{i}"
+        p = layer_prefix(self.spec, i)
+        if self.spec.traits.block == "conv1d":
+            x = x + self._conv1d_attention(self.norm(x, f"{p}.ln_1"), p, where, cache, i)
+            return x + self._conv1d_mlp(self.norm(x, f"{p}.ln_2"), p)
         h = self.norm(x, f"{p}.input_layernorm")
         attn = self._llama_attention(h, i, where, cache, rot)
-        if self.spec.gemma:  # a norm on each block's output, and one before the MLP
+        if self.spec.traits.sandwich_norms:  # a norm on each block's output, and one before the MLP
             x = x + self.norm(attn, f"{p}.post_attention_layernorm")
             mlp = self._llama_mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), p)
             return x + self.norm(mlp, f"{p}.post_feedforward_layernorm")
@@ -452,22 +461,22 @@ class ShardedModel(torch.nn.Module):
         """A row-parallel linear layer: this rank's input columns times its weight rows, summed
         over tp, then the bias (whole on every rank)."""
         out = reduce_from_tp(self.matmul(x, f"{name}.weight"), self.groups.tp_group)
-        bias = self.b(f"{name}.bias")
+        bias = self.param_or_none(f"{name}.bias")
         return out if bias is None else out + bias
 
     def _llama_attention(
         self, h, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
     ) -> torch.Tensor:
-        p, d = f"model.layers.{i}.self_attn", self.spec.head_dim
+        spec = self.spec
+        p, d = f"{layer_prefix(spec, i)}.self_attn", spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
         # this rank's heads of q, k and v (Phi-3 keeps them in one weight)
-        names = ["qkv_proj"] if self.spec.family == "phi3" else list(QKV)
+        names = ["qkv_proj"] if spec.traits.fused_projections else list(QKV)
         sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
-        spec = self.spec
         local = spec.window_layers is None or i in spec.window_layers  # a sliding-window layer
         window = spec.sliding_window if local else None
         cos, sin = rot[local and spec.rope_inv_freq_local is not None]  # Gemma 3's local layers
-        fused = None if spec.qk_norm else self._lent_fused(h, f"{p}.qkv")
+        fused = None if spec.traits.qk_norm else self._lent_fused(h, f"{p}.qkv")
         if fused is not None:  # q and k side by side: one rotation of both
             qk, v = fused.split([sizes[0] + sizes[1], sizes[2]], dim=-1)
             qk = apply_rotary(qk.reshape(-1, self.n_heads + self.n_kv_heads, d), cos, sin)
@@ -475,7 +484,7 @@ class ShardedModel(torch.nn.Module):
         else:
             q, k, v = self._linears(h, p, names, sizes, "qkv")
             q, k = q.reshape(-1, self.n_heads, d), k.reshape(-1, self.n_kv_heads, d)
-            if spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+            if spec.traits.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
                 q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(-1, self.n_kv_heads, d)
@@ -487,20 +496,22 @@ class ShardedModel(torch.nn.Module):
     def _llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
         # this rank's columns of gate and of up (Phi-3 keeps them in one weight)
-        names = ["gate_up_proj"] if self.spec.family == "phi3" else list(GATE_UP)
-        width = self.w(f"{p}.mlp.down_proj.weight").shape[1]  # this rank's intermediate units
+        names = ["gate_up_proj"] if self.spec.traits.fused_projections else list(GATE_UP)
+        width = self.param(f"{p}.mlp.down_proj.weight").shape[1]  # this rank's intermediate units
         gate, up = self._linears(h, f"{p}.mlp", names, [width, width], "gate_up")
         return self._row_linear(self.act(gate) * up, f"{p}.mlp.down_proj")
 
-    def _gpt2_attention(self, h, i: int, where: TokenLayout, cache: KVCache | None):
-        p, d = f"transformer.h.{i}.attn", self.spec.head_dim
+    def _conv1d_attention(
+        self, h: torch.Tensor, layer: str, where: TokenLayout, cache: KVCache | None, i: int
+    ) -> torch.Tensor:
+        p, d = f"{layer}.attn", self.spec.head_dim
         h = copy_to_tp(h, self.groups.tp_group)
-        qkv = self.matmul(h, f"{p}.c_attn.weight", self.w(f"{p}.c_attn.bias"))
+        qkv = self.matmul(h, f"{p}.c_attn.weight", self.param(f"{p}.c_attn.bias"))
         q, k, v = (t.reshape(-1, self.n_heads, d) for t in qkv.chunk(3, dim=-1))
         out = attention(q, k, v, where, None, cache, i).flatten(1)
         return self._row_linear(out, f"{p}.c_proj")
 
-    def _gpt2_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+    def _conv1d_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         h = copy_to_tp(h, self.groups.tp_group)
-        inner = self.act(self.matmul(h, f"{p}.mlp.c_fc.weight", self.w(f"{p}.mlp.c_fc.bias")))
+        inner = self.act(self.matmul(h, f"{p}.mlp.c_fc.weight", self.param(f"{p}.mlp.c_fc.bias")))
         return self._row_linear(inner, f"{p}.mlp.c_proj")

@@ -21,6 +21,7 @@ from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import standalone_engine
 from rayhf.engines.call import CallEngine
 from rayhf.engines.torch_trainer import OptimizerConfig
+from rayhf.models.families import FAMILIES
 from rayhf.models.hf import build_model
 from rayhf.models.spec import ModelSpec, model_spec
 from rayhf.planner.profile import (
@@ -115,7 +116,7 @@ def _with_depth(config: Any, depth: int) -> Any:
     """``config`` with ``depth`` layers; a per-layer list (``layer_types``: Qwen2's, Gemma's)
     keeps its first ``depth`` entries, as Hugging Face checks the two agree."""
     fields = config.to_dict()
-    fields["n_layer" if config.model_type == "gpt2" else "num_hidden_layers"] = depth
+    fields[FAMILIES[config.model_type].config_names.n_layers] = depth
     if fields.get("layer_types") is not None:
         fields["layer_types"] = fields["layer_types"][:depth]
     return type(config).from_dict(fields)

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from parity_support import TOLERANCES
 
 import rayhf
-from rayhf.checks.parity import FAMILY_SHAPES
+from rayhf.checks.parity import CASES
 from rayhf.parallel.groups import host_store
 
 pytestmark = [
@@ -40,7 +40,7 @@ def test_every_family_matches_hugging_face_on_cuda_in_fp32_and_bf16(tmp_path):
     subprocess.run([*cmd, "--device", "cuda"], check=True, timeout=900)
     rows = json.loads(out.read_text())
     assert {(r["family"], r["precision"]) for r in rows} == {
-        (f, p) for f in FAMILY_SHAPES for p in TOLERANCES
+        (f, p) for f in CASES for p in TOLERANCES
     }
     for r in rows:  # the CPU harness's bounds, on CUDA kernels
         tol = TOLERANCES[r["precision"]]
@@ -71,7 +71,7 @@ def test_the_captured_decode_step_matches_hugging_face_and_follows_weight_moves(
     from rayhf.sampling import GenerationConfig
     from rayhf.sampling import generate as reference
 
-    shape = {k: v for k, v in FAMILY_SHAPES[family].items() if k != "family"}
+    shape = dict(CASES[family].shape)
     hf = tiny_model(family, shape, seed=3).cuda()
     with torch.no_grad():  # large weights: trajectories differ from token to token
         for p in hf.parameters():
@@ -284,8 +284,9 @@ def test_models_are_timed_on_the_gpu_for_plan_auto(tmp_path, monkeypatch):
     """``plan: auto`` on cuda: the roles' shapes timed on the GPU in a process of their own
     (cached under the GPU's name), then searched for two GPUs with the GPU's datasheet."""
     from rayhf.checks.common import tiny_model
-    from rayhf.planner.auto import plan_for_run, workloads
+    from rayhf.planner.auto import RunDevices, StepBatch, plan_for_run, run_cost, workloads
     from rayhf.planner.cluster import ClusterConfig
+    from rayhf.planner.problem import Problem
     from rayhf.runtime.profiling import gpu_profiles
 
     monkeypatch.setenv("RAYHF_CACHE_DIR", str(tmp_path))
@@ -300,9 +301,10 @@ def test_models_are_timed_on_the_gpu_for_plan_auto(tmp_path, monkeypatch):
     for prof in profiles.values():
         assert sum(prof.train.base) + sum(prof.train.layer) > 0, "the train step was timed"
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
-    graph = rayhf.load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
-    works = workloads(graph, 64, 24, 128, 4)
+    graph = rayhf.load_graph(REPO / "graphs" / "ppo.yaml")
+    works = workloads(graph, StepBatch(64, 24, 128, 4))
     cluster = ClusterConfig(n_devices=2, device="cuda")
-    plan = plan_for_run(graph, specs, profiles, works, cluster, device_name=name)
-    if "H100" in name or "H200" in name or "A100" in name:
+    cost = run_cost(RunDevices(cluster, name), profiles)  # None: a kind with no datasheet entry
+    if cost is not None:
+        plan = plan_for_run(Problem(graph, specs, works, cost))
         assert plan.estimates["auto"] <= plan.estimates["colocated"]

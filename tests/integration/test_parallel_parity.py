@@ -1,12 +1,15 @@
 """dp x tp x pp parity against single-process Hugging Face models, on 4 emulated CPU devices,
 in fp32 and bf16.
 
-One subprocess (``python -m rayhf.checks.parity``) runs 4 gloo ranks through every precision,
-every family and every layout with dp, tp, pp in {1, 2, 4} and dp*tp*pp <= 4; these tests read
-its rows. In bf16 the reference is Hugging Face's own model in bf16 (frozen copies) or its fp32
-model under the same autocast (trained copies), and the tolerances are a few bf16 roundings
-(2**-8 relative) of the largest value: the sums run in another order here (tp shards, packed
-rows), so results differ by roundings, not by more.
+One subprocess (``python -m rayhf.checks.parity``) runs 4 gloo ranks through every precision
+and every case (one per family of ``rayhf.models.families``, and ``EXTRA_CASES``), each on the
+harness's covering set of layouts (dp, tp, pp in {1, 2, 4}, dp*tp*pp <= 4): dp alone and tp
+with pp for every case, and one more layout that rotates over the cases, so that every layout
+runs in each precision without the whole product; these tests read its rows. In bf16 the
+reference is Hugging Face's own model in bf16 (frozen copies) or its fp32 model under the same
+autocast (trained copies), and the tolerances are a few bf16 roundings (2**-8 relative) of the
+largest value: the sums run in another order here (tp shards, packed rows), so results differ by
+roundings, not by more.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import sys
 import pytest
 from parity_support import TOLERANCES
 
-from rayhf.checks.parity import FAMILY_SHAPES, _model, layouts
+from rayhf.checks.parity import CASES, _model, covering, layouts
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import model_spec
 
-# the harness runs every family, layout and precision in one subprocess (the module fixture):
-# minutes alone on 2 cores, more when the machine is shared
+# the harness runs every case and precision in one subprocess (the module fixture): a minute or
+# more alone on 2 cores, more when the machine is shared
 pytestmark = pytest.mark.timeout(1500)
 
 LR = 1e-4  # the harness's AdamW learning rate: a first step moves each weight by about this
@@ -43,31 +46,44 @@ def rows(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("precision", sorted(TOLERANCES))
-@pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
-def test_every_layout_matches_hugging_face(rows, family, precision):
+def _assert_matches(r: dict, precision: str) -> None:
+    """One rank's row within the bounds of its precision."""
     tol = TOLERANCES[precision]
-    mine = [r for r in rows if r["family"] == family and r["precision"] == precision]
-    expected = {(d, t, p): d * t * p for d, t, p in layouts(4)}
-    assert len(expected) == 10
+    where = f"{precision} {r['family']} dp{r['dp']}tp{r['tp']}pp{r['pp']} rank {r['rank']}"
+    assert r["logits"] < tol.logits, f"{where}: logits off by {r['logits']:.2e}"
+    assert r["scores"] < tol.logits, f"{where}: scores off by {r['scores']:.2e}"
+    assert r["values"] < tol.values, f"{where}: values off by {r['values']:.2e}"
+    assert r["grads"] < tol.grads, f"{where}: gradients off by {r['grads']:.2e}"
+    assert r["step_off"] <= tol.step_off, f"{where}: {r['step_off']:.2%} steps differ"
+    # a weight off is off by at most the two opposite first steps
+    bound = TOL if precision == "fp32" else 2.01 * LR
+    assert r["step"] < bound, where
+    assert r["moved"] > 10 * TOL, f"{where}: the optimizer step changed nothing"
+    if CASES.get(r["family"]) is not None and CASES[r["family"]].zero1 and r["dp"] > 1:
+        assert r["zero1_step"] < bound, f"{where}: ZeRO-1 step off by {r['zero1_step']}"
+
+
+def _assert_tokens_agree(rows: list[dict], precision: str, case: str) -> None:
+    share = sum(r["generate"] for r in rows) / len(rows)
+    tol = TOLERANCES[precision]
+    assert share >= tol.same_tokens, f"{precision} {case}: {share:.0%} greedy tokens agree"
+
+
+@pytest.mark.parametrize("precision", sorted(TOLERANCES))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_covering_layout_matches_hugging_face(rows, case, precision):
+    mine = [r for r in rows if r["family"] == case and r["precision"] == precision]
+    checked = [
+        s for p, c, s in covering(4, list(CASES), sorted(TOLERANCES)) if (p, c) == (precision, case)
+    ]
+    expected = {(d, t, p): d * t * p for d, t, p in checked}
+    assert len(expected) == 3
     for (d, t, p), n_ranks in expected.items():
         ranks = [r for r in mine if (r["dp"], r["tp"], r["pp"]) == (d, t, p)]
-        assert len(ranks) == n_ranks, f"{family} dp{d}tp{t}pp{p}: {len(ranks)} ranks reported"
+        assert len(ranks) == n_ranks, f"{case} dp{d}tp{t}pp{p}: {len(ranks)} ranks reported"
         for r in ranks:
-            where = f"{precision} {family} dp{d}tp{t}pp{p} rank {r['rank']}"
-            assert r["logits"] < tol.logits, f"{where}: logits off by {r['logits']:.2e}"
-            assert r["scores"] < tol.logits, f"{where}: scores off by {r['scores']:.2e}"
-            assert r["values"] < tol.values, f"{where}: values off by {r['values']:.2e}"
-            assert r["grads"] < tol.grads, f"{where}: gradients off by {r['grads']:.2e}"
-            assert r["step_off"] <= tol.step_off, f"{where}: {r['step_off']:.2%} steps differ"
-            # a weight off is off by at most the two opposite first steps
-            assert r["step"] < (TOL if precision == "fp32" else 2.01 * LR), where
-            assert r["moved"] > 10 * TOL, f"{where}: the optimizer step changed nothing"
-            if family == "llama" and d > 1:
-                bound = TOL if precision == "fp32" else 2.01 * LR
-                assert r["zero1_step"] < bound, f"{where}: ZeRO-1 step off by {r['zero1_step']}"
-    share = sum(r["generate"] for r in mine) / len(mine)
-    assert share >= tol.same_tokens, f"{precision} {family}: {share:.0%} greedy tokens agree"
+            _assert_matches(r, precision)
+    _assert_tokens_agree(mine, precision, case)
 
 
 def test_frozen_bf16_copies_hold_half_the_bytes(rows):
@@ -75,6 +91,18 @@ def test_frozen_bf16_copies_hold_half_the_bytes(rows):
     for r in rows:
         ratio = 2 if r["precision"] == "bf16" else 1
         assert r["bytes"] == ratio * r["frozen_bytes"], r
+
+
+def test_the_covering_set_runs_every_layout_in_each_precision_and_every_axis_for_each_case():
+    """Not every product: each layout of 4 ranks for some case, each case split over dp, tp and
+    pp, in each precision."""
+    checks = covering(4, list(CASES), sorted(TOLERANCES))
+    assert len(checks) < len(CASES) * len(TOLERANCES) * len(layouts(4)) / 3
+    for precision in TOLERANCES:
+        assert {s for p, _, s in checks if p == precision} == set(layouts(4)), precision
+        for case in CASES:
+            sizes = [s for p, c, s in checks if (p, c) == (precision, case)]
+            assert all(any(s[axis] > 1 for s in sizes) for axis in range(3)), (precision, case)
 
 
 def _bound(family: str, tp: int, pp: int) -> int:
@@ -94,7 +122,7 @@ def _bound(family: str, tp: int, pp: int) -> int:
     return 4 * (split_layers // (tp * pp) + split_ends // tp + whole + slack)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
+@pytest.mark.parametrize("family", sorted(CASES))
 def test_parameter_bytes_per_device_shrink_with_tp_and_pp(rows, family):
     rows = [r for r in rows if r["precision"] == "fp32"]
     full = next(r["bytes"] for r in rows if r["family"] == family and r["tp"] * r["pp"] == 1)
@@ -104,3 +132,32 @@ def test_parameter_bytes_per_device_shrink_with_tp_and_pp(rows, family):
         bound = _bound(family, r["tp"], r["pp"])
         assert r["bytes"] <= bound, f"{r}: {r['bytes']} bytes > bound {bound}"
         assert r["bytes"] < full, f"{r}: a shard is not smaller than the whole model"
+
+
+# A family added as one row: Llama's traits under another name (its config class LlamaConfig,
+# its configs marked "toyllama"), registered in the harness's process and sent to its ranks.
+TOY_FAMILY = """
+import dataclasses, sys
+from rayhf.checks.parity import Case, run
+from rayhf.models.families import FAMILIES, register_family
+toy = dataclasses.replace(FAMILIES["llama"], hf_config_class="LlamaConfig")
+register_family("toyllama", toy)
+cases = {"toyllama": Case("toyllama", toy.check_shape)}
+run(sys.argv[1], world=2, precisions=["fp32"], cases=cases, sizes=[(1, 2, 1), (1, 1, 2)])
+"""
+
+
+@pytest.mark.slow
+def test_a_family_added_as_one_row_matches_hugging_face(tmp_path):
+    """The parity harness runs a family that exists only as a registered row of traits: tp and
+    pp on 2 ranks, fp32, within the bounds every family is held to."""
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "-c", TOY_FAMILY, str(out)], check=True, timeout=600)
+    rows = json.loads(out.read_text())
+    assert sorted((r["dp"], r["tp"], r["pp"], r["rank"]) for r in rows) == [
+        (1, 1, 2, 0), (1, 1, 2, 1), (1, 2, 1, 0), (1, 2, 1, 1)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["family"] == "toyllama" and r["precision"] == "fp32"
+        _assert_matches(r, "fp32")
+    _assert_tokens_agree(rows, "fp32", "toyllama")

@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from rayhf.checks.common import BOS, EOS, PAD, VOCAB, Tok, tiny_model
-from rayhf.models.spec import FAMILIES, model_spec
+from rayhf.models.families import FAMILIES
+from rayhf.models.spec import model_spec
 
-SHAPES = {"llama": {"n_heads": 8, "n_kv_heads": 4}, "qwen2": {"n_heads": 4},
-          "mistral": {"n_heads": 8, "n_kv_heads": 4}, "gpt2": {"n_heads": 4},
-          "qwen3": {"n_heads": 8, "n_kv_heads": 4}, "phi3": {"n_heads": 4},
-          "gemma2": {"n_heads": 4}, "gemma3_text": {"n_heads": 4}}  # fmt: skip
+SHAPES = {name: traits.check_shape for name, traits in FAMILIES.items()}  # the tiny ones
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 from rayhf.checks.common import EOS, PAD, Tok, tiny_model
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import NativeEngineConfig
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.precision import Numerics
@@ -77,7 +77,7 @@ def test_a_call_s_engine_settings_reach_its_decode_engine(hf):
     cfg = GenerationConfig(max_new_tokens=8, temperature=1.5)
     prompts = [*PROMPTS, [12, 13], [3, 4, 5]]
     free = NativeGenerator(model).generate(prompts, cfg, seed=2)
-    settings = EngineConfig(engine="native", max_rows=2, release_memory=True)
+    settings = NativeEngineConfig(max_rows=2, release_memory=True)
     gen = NativeGenerator(model, settings)
     assert not gen.engine.options.capture  # CUDA graphs on CUDA only
     out = gen.generate(prompts, cfg, seed=2)  # two rows at a time, refilled
@@ -85,7 +85,7 @@ def test_a_call_s_engine_settings_reach_its_decode_engine(hf):
     for got, expected in zip(out.logprobs, free.logprobs, strict=True):
         assert got == pytest.approx(expected, abs=1e-5)  # matmuls of other widths round so
     assert gen.engine.cache is None and gen.engine.slots is None  # released after the call
-    compiled = NativeGenerator(model, EngineConfig(engine="native", compile=True))
+    compiled = NativeGenerator(model, NativeEngineConfig(compile=True))
     assert compiled.engine.options.compile
 
 
@@ -154,7 +154,7 @@ def test_an_fp32_lm_head_samples_with_log_probs_of_an_fp32_head(
 
     torch.testing.assert_close(got, logp(torch.float32), rtol=0, atol=1e-5)
     assert (got - logp(torch.bfloat16)).abs().max() > 1e-4  # 10x the tolerance above
-    lent, head = gen.engine.lent, module.w(module.head_name)
+    lent, head = gen.engine.lent, module.param(module.head_name)
     assert lent is not None and lent[module.head_name].dtype == torch.float32
     assert (lent[module.head_name] is head) == master  # a bf16 copy: cast once
     if not master:  # nothing else to lend where nothing is packed (a compiled step)

@@ -103,7 +103,7 @@ def test_an_fp32_lm_head_scores_its_hidden_states_in_fp32(family, master, head_i
     )
     assert (logits - head_logits(module, seen[0], torch.bfloat16)).abs().max() > 1e-4
     if master:  # a trained role: the head's fp32 weight learns through the fp32 matmul
-        head = module.w(module.head_name)
+        head = module.param(module.head_name)
         head.requires_grad_(True)
         model.score(ids, mask, targets, 0.7).sum().backward()
         assert head.grad is not None and head.grad.dtype == torch.float32

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayhf.checks.common import EOS, PAD
-from rayhf.checks.parity import FAMILY_SHAPES, _batch, _model, _rel
+from rayhf.checks.parity import CASES, _batch, _model, _rel
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import load_model, save_model
 
@@ -23,7 +23,7 @@ class _Tok:
         pass
 
 
-@pytest.mark.parametrize("case", sorted(FAMILY_SHAPES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_a_saved_model_loads_back_and_runs_as_saved(case, tmp_path):
     original = _model(case, False)
     loaded = load_model(save_model(original, tmp_path / "saved"), False, "models.actor.path")

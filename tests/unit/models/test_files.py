@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rayhf.checks.parity import FAMILY_SHAPES, _model
+from rayhf.checks.parity import CASES, _model
 from rayhf.models import files
 from rayhf.models.files import TokenizerDir, read_weights, special_ids, write_model
 from rayhf.models.hf import model_files, read_model_config
@@ -32,7 +32,7 @@ def _both(tmp_path: Path, hf, value_head: bool) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("value_head", [False, True])
-@pytest.mark.parametrize("case", sorted(FAMILY_SHAPES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_every_family_is_written_as_save_pretrained_writes_it(tmp_path, case, value_head):
     theirs, ours = _both(tmp_path, _model(case, value_head), value_head)
     names = sorted(p.name for p in ours.iterdir())
@@ -65,7 +65,7 @@ def test_a_model_past_the_shard_size_is_split_and_read_back(tmp_path, monkeypatc
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert (tmp_path / files.INDEX).is_file()
     back = read_weights(tmp_path, spec.spec)
-    assert back is not None and all(torch.equal(back[k], full[k]) for k in back)
+    assert back and all(torch.equal(back[k], full[k]) for k in back)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in full.items())
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rayhf.errors import RayhfError
+from rayhf.models.families import FAMILIES
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.sharding import (
     ParamShard,
@@ -47,7 +48,7 @@ def test_shards_cover_the_parameter_exactly(tp):
 def test_every_family_lists_every_hugging_face_parameter():
     from rayhf.models.hf import build_model
 
-    for family in ("llama", "qwen2", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"):
+    for family in FAMILIES:
         for value_head in (False, True):
             init = ModelInit(family=family, hidden_size=32, n_layers=2, n_heads=4)
             config = hf_config(init, 37, 0, 2, 1)

@@ -11,9 +11,10 @@ import torch
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from rayhf.errors import RayhfError
+from rayhf.models.families import FAMILIES
 from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.sharding import param_shards
-from rayhf.models.spec import FAMILIES, model_spec
+from rayhf.models.spec import model_spec
 
 IDS = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
 SIZES = {
@@ -32,13 +33,14 @@ def test_llama_spec():
     spec = model_spec(cfg, value_head=False)
     freqs = tuple(float(torch.tensor(500.0 ** (-i / 8), dtype=torch.float32)) for i in (0, 2, 4, 6))
     assert dataclasses.asdict(spec) == {
-        "family": "llama", "vocab_size": 40, "hidden_size": 32, "n_layers": 3, "n_heads": 4,
+        "family": "llama", "traits": dataclasses.asdict(FAMILIES["llama"]), "vocab_size": 40,
+        "hidden_size": 32, "n_layers": 3, "n_heads": 4,
         "n_kv_heads": 2, "head_dim": 8, "intermediate_size": 72, "max_positions": 64,
         "norm_eps": 1e-5, "act": "silu", "rope_theta": 500.0, "qkv_bias": False, "o_bias": False,
         "mlp_bias": False, "sliding_window": None, "tied": False, "value_head": False,
         "padding_idx": 0, "rope_inv_freq": pytest.approx(freqs, rel=1e-6), "rope_scale": 1.0,
-        "qk_norm": False, "window_layers": None, "rope_inv_freq_local": None,
-        "rope_scale_local": 1.0, "gemma": False, "embed_scale": 1.0, "attn_scale": None,
+        "window_layers": None, "rope_inv_freq_local": None,
+        "rope_scale_local": 1.0, "embed_scale": 1.0, "attn_scale": None,
         "attn_softcap": None, "final_softcap": None, "dtype_bytes": 0, "master": False,
     }  # fmt: skip
     assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
@@ -125,7 +127,7 @@ def test_scaled_rope_takes_hugging_face_s_frequencies_and_length_dependent_rope_
 def test_qwen3_normalizes_each_head_s_q_and_k():
     cfg = Qwen3Config(**SIZES, head_dim=8)
     spec = model_spec(cfg, value_head=False)
-    assert spec.family == "qwen3" and spec.qk_norm and not spec.qkv_bias
+    assert spec.family == "qwen3" and spec.traits.qk_norm and not spec.qkv_bias
     names = {p.name for p in param_shards(spec)}
     assert {
         "model.layers.0.self_attn.q_norm.weight",

@@ -101,7 +101,8 @@ def test_without_weights_every_shard_is_zero():
 def test_release_frees_and_allocate_restores_the_shapes():
     model = _sharded(tiny_model("llama", SHAPES["llama"]))
     model.release()
-    assert all(p.numel() == 0 for p in model.parameters())
+    released = list(model.parameters())
+    assert released and all(p.numel() == 0 for p in released)
     model.allocate()
     assert {k: tuple(v.shape) for k, v in model.local_state().items()} == model.shard_shapes
 
@@ -111,7 +112,7 @@ def test_the_padding_row_of_llama_s_embedding_gets_no_gradient():
     model = _sharded(hf)
     ids = torch.tensor([5, PAD, 7, PAD])
     model(ids, TokenLayout.packed([4])).sum().backward()
-    grad = model.w("model.embed_tokens.weight").grad
+    grad = model.param("model.embed_tokens.weight").grad
     hf(ids[None]).logits.sum().backward()
     ref = hf.model.embed_tokens.weight.grad
     assert grad[PAD].abs().sum() == 0 and ref[PAD].abs().sum() == 0
@@ -136,15 +137,15 @@ def test_matmuls_on_lent_casts_give_what_autocast_gives(family):
     model = ShardedModel(spec, single(), hf.state_dict(), Numerics("bf16", master=True))
     ids = torch.tensor([t for r in _rows() for t in r])
     names = model.matmul_weights()
-    assert names and all(model.w(n).dim() == 2 for n in names)
+    assert names and all(model.param(n).dim() == 2 for n in names)
     assert "transformer.wpe.weight" not in names and "model.norm.weight" not in names
-    casts = {n: model.w(n).to(torch.bfloat16) for n in names}
+    casts = {n: model.param(n).to(torch.bfloat16) for n in names}
     with torch.no_grad():
         plain = model(ids, TokenLayout.packed(LENGTHS))
-        with model.lend(casts):
+        with model.reading_lent(casts):
             lent = model(ids, TokenLayout.packed(LENGTHS))
         casts[names[0]].zero_()  # the lent copy is what the matmul reads
-        with model.lend(casts):
+        with model.reading_lent(casts):
             zeroed = model(ids, TokenLayout.packed(LENGTHS))
     assert torch.equal(lent, plain) and not torch.equal(zeroed, plain)
     assert model.lent is None  # lent for the block only

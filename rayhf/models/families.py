@@ -1,0 +1,233 @@
+"""Every supported model family as one row of traits: what the code reads, never a name it tests.
+
+A family is a Hugging Face model type (``config.model_type``). Its row says what its checkpoint
+looks like (state-dict names, fused weights, biases), how its layers compute (norm kind and
+placement, q/k norms, sliding windows, Gemma's scalings) and how its config names its sizes.
+``rayhf.models.spec`` reads a config through the row into a ``ModelSpec`` that carries it;
+sharding, the sharded model, Hugging Face conversion and the parity check read the traits.
+
+Adding a family: a row here (with the tiny shape the parity check builds of it) and nothing
+else, when its layers are made of traits that exist; a new kind of layer needs its trait here
+and the code that reads it (``rayhf.models.sharding`` for names and splits,
+``rayhf.parallel.model`` for the forward pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from rayhf.errors import RayhfError
+
+BlockKind = Literal["llama", "conv1d"]
+"""``llama``: Llama-style decoder layers (``{prefix}.layers.{i}.self_attn.q_proj``, ``mlp.
+gate_proj``, ..., weights ``[out, in]``); ``conv1d``: GPT-2's (``{prefix}.h.{i}.attn.c_attn``
+holding q|k|v, ``mlp.c_fc``, ..., ``Conv1D`` weights ``[in, out]``)."""
+
+NormKind = Literal["rmsnorm", "layernorm"]
+"""``rmsnorm``: a weight only; ``layernorm``: a weight and a bias (GPT-2)."""
+
+
+@dataclass(frozen=True)
+class ConfigNames:
+    """The Hugging Face config's names for a model's sizes."""
+
+    hidden_size: str
+    n_layers: str
+    n_heads: str
+    n_kv_heads: str | None  # None: as many key/value heads as query heads
+    intermediate_size: str
+    max_positions: str
+    norm_eps: str
+    act: tuple[str, ...]  # the first one set names the activation
+    zeroed: tuple[str, ...] = ()  # dropouts a created config sets to 0 (log-probs reproduce)
+
+
+LLAMA_NAMES = ConfigNames(
+    hidden_size="hidden_size",
+    n_layers="num_hidden_layers",
+    n_heads="num_attention_heads",
+    n_kv_heads="num_key_value_heads",
+    intermediate_size="intermediate_size",
+    max_positions="max_position_embeddings",
+    norm_eps="rms_norm_eps",
+    act=("hidden_activation", "hidden_act"),
+)
+GPT2_NAMES = ConfigNames(
+    hidden_size="n_embd",
+    n_layers="n_layer",
+    n_heads="n_head",
+    n_kv_heads=None,
+    intermediate_size="n_inner",
+    max_positions="n_positions",
+    norm_eps="layer_norm_epsilon",
+    act=("activation_function",),
+    zeroed=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+)
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What one model family is. Defaults: a Llama-style decoder with plain RoPE."""
+
+    hf_config_class: str
+    """Its config class in ``transformers`` (imported by name where a config is created)."""
+    config_names: ConfigNames = LLAMA_NAMES
+    """How its config names its sizes."""
+    mlp_ratio: float | None = 2.75
+    """intermediate_size per hidden unit when ``init`` leaves it out; None: the config class's
+    own default (GPT-2's: 4)."""
+
+    # the checkpoint's names
+    prefix: str = "model"
+    """Where the backbone lives in the state dict (``transformer`` for GPT-2)."""
+    layers: str = "layers"
+    """The decoder layers' list under ``prefix`` (``h`` for GPT-2)."""
+    embedding: str = "embed_tokens"
+    """The token embedding under ``prefix``."""
+    final_norm: str = "norm"
+    """The norm before the head under ``prefix``."""
+    position_table: str | None = None
+    """Learned absolute positions under ``prefix`` (GPT-2's ``wpe``); None: RoPE."""
+    block: BlockKind = "llama"
+    """The decoder layer's parameters and computation (see ``BlockKind``)."""
+    fused_projections: bool = False
+    """q|k|v in one ``qkv_proj`` weight and gate|up in one ``gate_up_proj`` (Phi-3)."""
+    all_biases: bool = False
+    """Every linear layer has a bias, whatever the config says (GPT-2)."""
+    qkv_bias: bool = False
+    """q/k/v projections have biases, whatever the config says (Qwen2)."""
+    pad_row_frozen: bool = True
+    """The embedding's ``pad_token_id`` row gets no gradient (Hugging Face's ``padding_idx``)."""
+
+    # how the layers compute
+    norm: NormKind = "rmsnorm"
+    norm_adds_one: bool = False
+    """RMSNorm scales by ``1 + weight`` in fp32, then casts (Gemma)."""
+    sandwich_norms: bool = False
+    """A norm on each block's output and one before the MLP (Gemma's four norms a layer)."""
+    embed_scaled: bool = False
+    """Embeddings times sqrt(hidden_size), in the table's dtype (Gemma)."""
+    query_scalar_and_softcaps: bool = False
+    """Attention scaled by ``query_pre_attn_scalar ** -0.5`` and the config's tanh soft-caps of
+    scores and logits read (Gemma)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)."""
+    always_windowed: bool = False
+    """The config's ``sliding_window`` applies without ``use_sliding_window`` (Mistral, Phi-3,
+    Gemma); its ``layer_types`` say which layers it applies to."""
+    rope_per_layer_type: bool = False
+    """``rope_parameters`` hold one RoPE per layer type (Gemma 3: full and sliding attention)."""
+    alternating_layer_types: bool = False
+    """A created config alternates sliding and full attention layers (Gemma 3's ``layer_types``;
+    Gemma 2's config alternates them itself)."""
+
+    check_shape: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The tiny model ``rayhf.checks.parity`` builds of this family (``ModelInit`` fields beside
+    hidden_size 32 and 4 layers): heads and options that make each trait bite."""
+
+    @property
+    def rope(self) -> bool:
+        """Positions are rotary (no learned table)."""
+        return self.position_table is None
+
+
+_LLAMA = FamilyTraits(
+    "LlamaConfig",
+    check_shape={"n_heads": 8, "n_kv_heads": 4},  # grouped-query attention
+)
+_GEMMA = FamilyTraits(
+    "Gemma2Config",
+    norm_adds_one=True,
+    sandwich_norms=True,
+    embed_scaled=True,
+    query_scalar_and_softcaps=True,
+    always_windowed=True,
+    # (1 + w) norms around both blocks, scaled embeddings, alternating sliding-window layers,
+    # attention scaled by query_pre_attn_scalar, scores and logits soft-capped hard enough to
+    # bite, and the LM head tied to the embedding (under pp: a copy on the last stage)
+    check_shape={"n_heads": 8, "n_kv_heads": 4, "sliding_window": 4, "tied": True,
+                 "config": {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0,
+                            "query_pre_attn_scalar": 16}},
+)  # fmt: skip
+
+FAMILIES: dict[str, FamilyTraits] = {
+    "llama": _LLAMA,
+    "qwen2": FamilyTraits("Qwen2Config", qkv_bias=True, check_shape={"n_heads": 4}),
+    "qwen3": replace(_LLAMA, hf_config_class="Qwen3Config", qk_norm=True),
+    "mistral": FamilyTraits(
+        "MistralConfig",
+        always_windowed=True,
+        check_shape={"n_heads": 8, "n_kv_heads": 4, "intermediate_size": 90},  # uneven MLP shards
+    ),
+    # fused q|k|v and gate|up, RoPE over half of each head, a window shorter than the rows
+    "phi3": FamilyTraits(
+        "Phi3Config",
+        fused_projections=True,
+        always_windowed=True,
+        check_shape={
+            "n_heads": 8,
+            "n_kv_heads": 4,
+            "sliding_window": 5,
+            "rope_parameters": {"partial_rotary_factor": 0.5},
+        },
+    ),
+    "gemma2": _GEMMA,
+    # + q/k norms, and other RoPE on the full-attention layers (scaled) than on the sliding ones
+    "gemma3_text": replace(
+        _GEMMA,
+        hf_config_class="Gemma3TextConfig",
+        qk_norm=True,
+        rope_per_layer_type=True,
+        alternating_layer_types=True,
+        check_shape={
+            "n_heads": 8,
+            "n_kv_heads": 4,
+            "sliding_window": 4,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    # fused q|k|v, Conv1D, learned positions
+    "gpt2": FamilyTraits(
+        "GPT2Config",
+        config_names=GPT2_NAMES,
+        mlp_ratio=None,
+        prefix="transformer",
+        layers="h",
+        embedding="wte",
+        final_norm="ln_f",
+        position_table="wpe",
+        block="conv1d",
+        all_biases=True,
+        pad_row_frozen=False,
+        norm="layernorm",
+        check_shape={"n_heads": 4},
+    ),
+}
+"""Every supported family by Hugging Face model type, in the order messages list them."""
+
+
+def family_traits(family: str) -> FamilyTraits:
+    """The row of ``family`` (a Hugging Face model type), or an error naming the supported
+    ones."""
+    if family not in FAMILIES:
+        raise RayhfError(
+            f"model type '{family}' is not supported; use one of {', '.join(FAMILIES)}"
+        )
+    return FAMILIES[family]
+
+
+def register_family(name: str, traits: FamilyTraits) -> None:
+    """Add a row for a family defined outside this table (a test's renamed copy of one)."""
+    FAMILIES[name] = traits
+
+
+def name_registered_row(config: Any, family: str) -> None:
+    """Mark a config created for ``family`` whose class has another model type (a registered
+    copy of a row) with the row's name, which ``model_spec`` reads. It still saves as its
+    class's model type."""
+    if type(config).model_type != family:
+        config.model_type = family
