@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from _common import write_results
 
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import NativeEngineConfig
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import ModelInit, build_model, hf_config
@@ -97,7 +97,7 @@ def measure_shape(name: str, args: argparse.Namespace, tok: Any) -> list[dict[st
     sdpa.load_state_dict(eager.state_dict())
     model = RankModel.from_hf(eager, tok, False)
     native = NativeGenerator(model)
-    compiled = NativeGenerator(model, EngineConfig(engine="native", compile=True))
+    compiled = NativeGenerator(model, NativeEngineConfig(compile=True))
     vllm = VllmGenerator(model, seed=0, sleeps=True)
     vllm.sync()
     cfg = GenerationConfig(max_new_tokens=args.new, min_new_tokens=args.new)

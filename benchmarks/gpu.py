@@ -343,7 +343,7 @@ def memory_floor(model: Any, rows: int, prompt: float, new_tokens: int) -> float
 def _native(tok: Any, precision: str, master: bool, cuda_graphs: bool = True) -> Any:
     """A rank's model of this shape on the GPU with the native generator (``master``: fp32
     weights under autocast, as a trained actor generates)."""
-    from rayhf.engines.config import EngineConfig
+    from rayhf.engines.config import NativeEngineConfig
     from rayhf.engines.native import NativeGenerator
     from rayhf.engines.rank_model import RankModel
     from rayhf.models.precision import Numerics
@@ -351,7 +351,7 @@ def _native(tok: Any, precision: str, master: bool, cuda_graphs: bool = True) ->
     model = RankModel.from_hf(
         _model(tok), tok, False, device="cuda", numerics=Numerics(precision, master=master)
     )
-    return NativeGenerator(model, EngineConfig(engine="native", cuda_graphs=cuda_graphs))
+    return NativeGenerator(model, NativeEngineConfig(cuda_graphs=cuda_graphs))
 
 
 def generation(batch: int, new_tokens: int) -> dict[str, Any]:

@@ -164,7 +164,8 @@ def config_reference() -> str:
         "models by `python scripts/gen_docs.py`; a test fails when this page is stale.",
         "`rayhf config show CONFIG` prints a config with every default filled in, `rayhf config",
         "schema` its JSON schema. A `models.<role>` entry is a `RoleConfig`, an `engines.<call>`",
-        "entry an `EngineConfig`; `algorithm` is one of the algorithm sections, chosen by `name`.",
+        "entry one of the engine sections, chosen by `engine`; `algorithm` is one of the",
+        "algorithm sections, chosen by `name`.",
     ]
     _sections(ExperimentConfig, "", out, set())
     return "\n".join(out) + "\n"

@@ -31,7 +31,7 @@ from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, grpo_advantages, over_groups
-from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallEngine
 from rayhf.algorithms.refill import GroupRefill, ShortBatch
 from rayhf.algorithms.seqs import response_lengths
 from rayhf.data.batch import PackedBatch
@@ -109,13 +109,13 @@ def overlong_shaping(lengths: Tensor, max_len: int, buffer: int, penalty: float)
     return -penalty * over / buffer
 
 
-@register("dapo_actor")
 class DAPOActorInterface(GRPOActorInterface):
     """``group_size`` samples per prompt; GRPO's advantages of the shaped scores, clip-higher."""
 
+    name = "dapo_actor"
     config_type = DAPOConfig
 
-    def advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> Tensor:
+    def advantages(self, engine: CallEngine, batch: PackedBatch, rank: int) -> Tensor:
         """Group-normalized advantages of each score plus its overlong shaping."""
         cfg = self.cfg
         assert isinstance(cfg, DAPOConfig)
@@ -126,3 +126,7 @@ class DAPOActorInterface(GRPOActorInterface):
             lengths, limit, buffer, cfg.overlong_penalty
         )
         return over_groups(engine, batch, rank, shaped, lambda x, g: grpo_advantages(x, g, cfg))
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(DAPOConfig, (DAPOActorInterface,))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallEngine
 from rayhf.algorithms.lm import padded, response_forward
 from rayhf.algorithms.offline import OfflineInterface, as_seq
 from rayhf.algorithms.offpolicy import OnPolicyConfig
@@ -80,10 +80,10 @@ def dpo_loss(
     return losses.mean(), stats
 
 
-@register("dpo")
 class DPOInterface(OfflineInterface):
     """Direct preference optimization against the reference's sequence log-probs."""
 
+    name = "dpo"
     config_type = DPOConfig
     sequence_keys = ("chosen", "rejected")
 
@@ -91,7 +91,7 @@ class DPOInterface(OfflineInterface):
     def cfg(self) -> DPOConfig:
         return self.settings.algorithm
 
-    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, engine: CallEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         pi = {}
         for key in ("chosen", "rejected"):
             logp, _, mask = response_forward(engine, as_seq(mb, key))
@@ -102,3 +102,7 @@ class DPOInterface(OfflineInterface):
             self.cfg.beta, self.cfg.label_smoothing,
         )  # fmt: skip
         return loss, {"dpo_loss": loss.item(), **stats}
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(DPOConfig, (DPOInterface,))

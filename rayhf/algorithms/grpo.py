@@ -26,7 +26,7 @@ import torch
 from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, ModelEngine, WorkShape, register
+from rayhf.algorithms.interface import Algorithm, CallContext, CallEngine, WorkShape
 from rayhf.algorithms.lm import (
     LMInterface,
     generation_config,
@@ -127,7 +127,7 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, cfg: GRPOConfig) -> Tenso
 
 
 def over_groups(
-    engine: ModelEngine, batch: PackedBatch, rank: int, values: Tensor,
+    engine: CallEngine, batch: PackedBatch, rank: int, values: Tensor,
     fn: Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:  # fmt: skip
     """``fn(values, group_ids)`` over every dp rank's samples (a prompt's group may be split
@@ -217,10 +217,10 @@ def grpo_loss(
     return loss, stats
 
 
-@register("grpo_actor")
 class GRPOActorInterface(LMInterface):
     """Generate ``group_size`` samples per prompt; GRPO / Dr. GRPO policy update."""
 
+    name = "grpo_actor"
     config_type = GRPOConfig
 
     @property
@@ -265,18 +265,18 @@ class GRPOActorInterface(LMInterface):
             return WorkShape()
         return policy_train_shape(algorithm, algorithm.ppo_epochs, algorithm.n_minibatches)
 
-    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         cfg = generation_config(self.settings.generation, ctx.args)
         return sample_batch(engine, batch, cfg, ctx, n_samples=self.cfg.group_size)
 
-    def advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> torch.Tensor:
+    def advantages(self, engine: CallEngine, batch: PackedBatch, rank: int) -> torch.Tensor:
         """This rank's per-sample advantages, normalized over every rank's groups."""
         scores = batch.tensors["scores"].float()
         return over_groups(
             engine, batch, rank, scores, lambda x, g: grpo_advantages(x, g, self.cfg)
         )
 
-    def add_advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> None:
+    def add_advantages(self, engine: CallEngine, batch: PackedBatch, rank: int) -> None:
         """The batch's ``advantages`` key: one per sample (REINFORCE++'s: one per token)."""
         batch.add("advantages", self.advantages(engine, batch, rank), [1] * batch.n_samples)
 
@@ -284,7 +284,7 @@ class GRPOActorInterface(LMInterface):
         return mb.tensors["advantages"]
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = rollout_stats(engine, batch)
         self.add_advantages(engine, batch, ctx.dp_rank)
@@ -308,3 +308,7 @@ class GRPOActorInterface(LMInterface):
             stats.update(engine.train(minibatches, loss_fn, weight))
         stats.update(reference.stats(engine))
         return stats
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(GRPOConfig, (GRPOActorInterface,))

@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, kl_loss_term
-from rayhf.algorithms.interface import register
+from rayhf.algorithms.interface import Algorithm
 from rayhf.algorithms.offpolicy import behaviour_weights, bounded_ratio
 from rayhf.algorithms.ppo import clipped_surrogate, masked_mean
 from rayhf.engines.torch_trainer import Weight, samples
@@ -103,10 +103,10 @@ def gspo_loss(
     return loss, stats
 
 
-@register("gspo_actor")
 class GSPOActorInterface(GRPOActorInterface):
     """``group_size`` samples per prompt; GRPO's advantages, GSPO's sequence-level update."""
 
+    name = "gspo_actor"
     config_type = GSPOConfig
 
     def policy_loss(
@@ -120,3 +120,7 @@ class GSPOActorInterface(GRPOActorInterface):
     @property
     def loss_weight(self) -> Weight:
         return samples  # a mean over sequences
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(GSPOConfig, (GSPOActorInterface,))

@@ -1,73 +1,30 @@
-"""The interface base class and registry: what a call computes, separate from where it runs.
+"""The interface base class and an algorithm's registration: what a call computes, separate
+from where it runs.
 
-It holds ``ModelEngine`` (the model-side operations an interface may use), ``CallContext`` and
-``InterfaceSettings`` (what a call is given), the ``Interface`` base class, and the ``INTERFACES``
-registry with ``register`` and ``make_interface``.
+It holds ``CallContext`` and ``InterfaceSettings`` (what a call is given), the ``Interface``
+base class, and ``Algorithm``: the row an algorithm module exports (``ALGORITHM``), its config
+section and its interfaces, which ``rayhf.config.registry`` lists.
 
-An *interface* (named in the graph file, e.g. ``ppo_actor``) turns a packed batch into outputs
-(generate, inference) or into an optimizer update (train). It sees the model only through the
-``ModelEngine`` protocol, so the runtime that hosts it names no algorithm, and an algorithm is
-added by registering an interface here, not by touching the runtime.
+An *interface* (named in the graph file by its ``name``, e.g. ``ppo_actor``) turns a packed
+batch into outputs (generate, inference) or into an optimizer update (train). It sees the model
+only through ``CallEngine`` (``rayhf.engines.call``: the rank's model, the call's generator and
+trainer, the dp reductions), so the runtime that hosts it names no algorithm, and an algorithm
+is added by a row in the registry, not by touching the runtime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-import torch
 from pydantic import BaseModel
 
 from rayhf.data.batch import PackedBatch
-from rayhf.sampling import Feed, GenerateOutput, GenerationConfig
+from rayhf.engines.call import CallEngine
+from rayhf.sampling import GenerationConfig
 
 # per sample a generate call made: the step whose update made the weights that sampled it
 VERSION_EXTRA = "policy_version"
-
-
-class ModelEngine(Protocol):
-    """The model-side operations an interface may use (``rayhf.engines`` implements it)."""
-
-    tokenizer: Any
-
-    @property
-    def pad_id(self) -> int: ...
-
-    @property
-    def eos_id(self) -> int: ...
-
-    @property
-    def value_head(self) -> bool: ...
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
-
-    def score(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float = ...,
-    ) -> torch.Tensor: ...
-
-    def generate(
-        self, prompts: list[list[int]], cfg: GenerationConfig, seed: int, feed: Feed | None = ...
-    ) -> GenerateOutput: ...
-
-    def train(
-        self,
-        minibatches: Sequence[PackedBatch],
-        loss_fn: Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]],
-        weight: Callable[[PackedBatch], float] = ...,
-    ) -> dict[str, float]: ...
-
-    def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]: ...
-
-    def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]: ...
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
-
-    def all_gather_object(self, obj: object) -> list[object]: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +45,7 @@ class InterfaceSettings:
     algorithm: Any  # the algorithm's config model, e.g. PPOConfig
     generation: GenerationConfig
     function: str | None = None  # "module:function" for a function-valued role (rewards)
-    env: Any = None  # the experiment's ``env:`` (rayhf.envs.EnvConfig) for multi-turn calls
+    env: Any = None  # the experiment's ``env:`` (rayhf.envs.env.EnvConfig) for multi-turn calls
     judge: Any = None  # the experiment's ``judge:`` (rayhf.algorithms.judge.JudgeConfig)
 
 
@@ -108,7 +65,7 @@ class WorkShape:
 class Interface:
     """Base class: a call kind an interface does not support is a graph error."""
 
-    name = "interface"
+    name = "interface"  # the name graphs call it by (each interface class sets its own)
     config_type: ClassVar[type[BaseModel] | None] = (
         None  # the algorithm config it needs; None = any
     )
@@ -130,19 +87,19 @@ class Interface:
         del algorithm, kind
         return WorkShape()
 
-    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         raise NotImplementedError(f"interface '{self.name}' has no generate call")
 
-    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def inference(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         raise NotImplementedError(f"interface '{self.name}' has no inference call")
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         raise NotImplementedError(f"interface '{self.name}' has no train call")
 
     def evaluate(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         """Held-out metrics of a train call, without updating anything (none by default).
 
@@ -158,17 +115,18 @@ class Interface:
         del state
 
 
-INTERFACES: dict[str, type[Interface]] = {}
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm's registration: its ``algorithm:`` config section (whose ``name`` default
+    selects it) and the interfaces its graphs name (``graphs/<name>.yaml`` among them)."""
 
+    config: type[BaseModel]
+    interfaces: tuple[type[Interface], ...]
 
-def register(name: str) -> Callable[[type[Interface]], type[Interface]]:
-    def wrap(cls: type[Interface]) -> type[Interface]:
-        cls.name = name
-        INTERFACES[name] = cls
-        return cls
+    @property
+    def name(self) -> str:
+        return str(self.config.model_fields["name"].default)
 
-    return wrap
-
-
-def make_interface(name: str, settings: InterfaceSettings) -> Interface:
-    return INTERFACES[name](settings)
+    def with_interfaces(self, *more: type[Interface]) -> Algorithm:
+        """This row with ``more`` interfaces of the algorithm that live in a higher layer."""
+        return Algorithm(self.config, self.interfaces + more)

@@ -30,10 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayhf.algorithms.interface import (
     CallContext,
+    CallEngine,
     Interface,
-    ModelEngine,
     WorkShape,
-    register,
 )
 from rayhf.algorithms.reward import decode_samples
 from rayhf.data.batch import PackedBatch
@@ -108,9 +107,10 @@ def render_prompt(template: str, prompt: str, response: str, row: dict[str, Any]
         ) from None
 
 
-@register("judge")
 class JudgeInterface(Interface):
     """A generate call on the judge role: ``scores`` and ``verdict_unparsable`` per sample."""
+
+    name = "judge"
 
     balance_keys = ("seq",)
     needs_judge = True
@@ -121,7 +121,7 @@ class JudgeInterface(Interface):
         del algorithm, kind
         return WorkShape(reads_answers=True)
 
-    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         cfg: JudgeConfig = self.settings.judge
         assert cfg is not None and cfg.template is not None, "checked before the run"
         prompts, responses, _ = decode_samples(engine, batch)

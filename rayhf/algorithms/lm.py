@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.interface import CallContext, CallEngine, Interface
 from rayhf.algorithms.seqs import (
     gather_positions,
     pack_per_token,
@@ -60,7 +60,7 @@ def scores_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1.0
     return torch.stack([logp, entropy], dim=-1) * keep.unsqueeze(-1)
 
 
-def response_forward(engine: ModelEngine, batch: PackedBatch, temperature: float = 1.0):
+def response_forward(engine: CallEngine, batch: PackedBatch, temperature: float = 1.0):
     """``(logprobs or values [B, R], entropy [B, R] or None, mask [B, R])``, on the CPU.
 
     An LM gives the log-probs of the response tokens under ``softmax(logits / temperature)``
@@ -93,7 +93,7 @@ def generation_config(base: GenerationConfig, args: dict[str, Any]) -> Generatio
 
 
 def sample_batch(
-    engine: ModelEngine,
+    engine: CallEngine,
     batch: PackedBatch,
     cfg: GenerationConfig,
     ctx: CallContext,
@@ -127,7 +127,7 @@ def sample_batch(
 
 
 def logprob_batch(
-    engine: ModelEngine, batch: PackedBatch, temperature: float, key: str = "logprobs"
+    engine: CallEngine, batch: PackedBatch, temperature: float, key: str = "logprobs"
 ) -> PackedBatch:
     """Per-response-token log-probs (or values, for a value head) under ``key``, one forward
     per micro-batch of the call's token budget."""
@@ -148,12 +148,11 @@ def rollout_means(batch: PackedBatch) -> dict[str, float]:
     }
 
 
-def rollout_stats(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
+def rollout_stats(engine: CallEngine, batch: PackedBatch) -> dict[str, float]:
     """``rollout_means`` over every dp rank's batch."""
     return engine.all_reduce_mean(rollout_means(batch))
 
 
-@register("lm")
 class LMInterface(Interface):
     """A causal LM's generate (``seq``, ``prompt_lens``, ``logprobs``) and log-prob inference.
 
@@ -161,14 +160,16 @@ class LMInterface(Interface):
     ``{greedy: true}``).
     """
 
+    name = "lm"
+
     @property
     def temperature(self) -> float:
         gen = self.settings.generation
         return 1.0 if gen.greedy else gen.temperature
 
-    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         cfg = generation_config(self.settings.generation, ctx.args)
         return sample_batch(engine, batch, cfg, ctx)
 
-    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def inference(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         return logprob_batch(engine, batch, self.temperature)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rayhf.algorithms.interface import CallContext, Interface, ModelEngine
+from rayhf.algorithms.interface import CallContext, CallEngine, Interface
 from rayhf.data.batch import PackedBatch
 
 
@@ -25,17 +25,17 @@ def as_seq(batch: PackedBatch, key: str) -> PackedBatch:
 class OfflineInterface(Interface):
     """Train = minibatched optimizer steps on ``loss``; evaluate = the loss's stats, no update."""
 
-    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, engine: CallEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         n = self.settings.algorithm.n_minibatches
         return engine.train(batch.split(n), lambda mb: self.loss(engine, mb))
 
     def evaluate(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats: dict[str, float] = {}
         if batch.n_samples:

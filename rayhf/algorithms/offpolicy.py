@@ -48,7 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from rayhf.algorithms.interface import VERSION_EXTRA, ModelEngine, WorkShape
+from rayhf.algorithms.interface import VERSION_EXTRA, CallEngine, WorkShape
 from rayhf.algorithms.lm import logprob_batch, padded
 from rayhf.algorithms.seqs import response_index
 from rayhf.data.batch import PackedBatch
@@ -242,7 +242,7 @@ class PolicyReference:
 
     def __init__(
         self,
-        engine: ModelEngine,
+        engine: CallEngine,
         batch: PackedBatch,
         temperature: float,
         cfg: OffPolicyConfig,
@@ -324,7 +324,7 @@ class PolicyReference:
         diff = torch.where(mask, (behaviour - proximal).abs(), torch.zeros_like(behaviour))
         self.sums += torch.stack([diff.double().sum(), mask.sum().double()])
 
-    def stats(self, engine: ModelEngine) -> dict[str, float]:
+    def stats(self, engine: CallEngine) -> dict[str, float]:
         """``logprob_mismatch``: mean |behaviour - proximal| per token over every dp rank."""
         total = engine.all_reduce_sum(self.sums)
         return {"logprob_mismatch": float(total[0] / total[1].clamp(min=1))}

@@ -29,7 +29,7 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, WorkShape, register
+from rayhf.algorithms.interface import Algorithm, CallContext, CallEngine, Interface, WorkShape
 from rayhf.algorithms.lm import LMInterface, logprob_batch, padded, response_forward
 from rayhf.algorithms.offpolicy import (
     LossAgg,
@@ -332,7 +332,7 @@ def make_kl_controller(cfg: PPOConfig) -> KLController:
     return FixedKLController(cfg.kl_coef)
 
 
-def global_whiten(engine: ModelEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def global_whiten(engine: CallEngine, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Whiten ``x`` over the valid entries of every dp rank's batch."""
     v = x[mask].double()
     count = torch.tensor(v.numel(), dtype=v.dtype, device=v.device)
@@ -379,7 +379,7 @@ class _PPOBase(Interface):
         adv, returns = gae_advantages(rewards, values, kept, self.cfg.gamma, self.cfg.lam)
         return tuple(spread(x, order, mask.shape) for x in (adv, returns, kl, rewards))
 
-    def add_targets(self, engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
+    def add_targets(self, engine: CallEngine, batch: PackedBatch) -> dict[str, float]:
         """Put advantages and returns into ``batch``; returns the step's reward statistics."""
         _, mask = response_index(batch)
         adv, returns, kl, _ = self.advantages(batch, mask)
@@ -407,9 +407,10 @@ class _PPOBase(Interface):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
 
 
-@register("ppo_actor")
 class PPOActorInterface(_PPOBase, LMInterface):
     """The policy: samples responses, scores log-probs (also for the reference), PPO update."""
+
+    name = "ppo_actor"
 
     @classmethod
     def work_shape(cls, algorithm: PPOConfig, kind: str) -> WorkShape:
@@ -419,7 +420,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
         return policy_train_shape(algorithm, algorithm.ppo_epochs, algorithm.n_minibatches)
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = self.add_targets(engine, batch)
         cfg = self.cfg
@@ -446,15 +447,16 @@ class PPOActorInterface(_PPOBase, LMInterface):
         return stats
 
 
-@register("ppo_critic")
 class PPOCriticInterface(_PPOBase):
     """The value function: per-token values, clipped value-loss update toward GAE returns."""
 
-    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    name = "ppo_critic"
+
+    def inference(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         return logprob_batch(engine, batch, 1.0, key="values")
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = self.add_targets(engine, batch)
 
@@ -473,3 +475,7 @@ class PPOCriticInterface(_PPOBase):
             stats.update(engine.train(self.minibatches(batch), loss_fn))
         self.kl_ctl.update(stats["kl"], n_steps=batch.n_samples * ctx.dp_size)
         return {k: v for k, v in stats.items() if k in ("value_loss", "value_clip_frac")}
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(PPOConfig, (PPOActorInterface, PPOCriticInterface))

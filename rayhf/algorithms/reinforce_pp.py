@@ -35,7 +35,7 @@ from rayhf.algorithms.grpo import (
     kl_loss_term,
     over_groups,
 )
-from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallEngine
 from rayhf.algorithms.lm import padded
 from rayhf.algorithms.ppo import (
     aggregate,
@@ -102,13 +102,13 @@ def trained_returns(batch: PackedBatch, mask: Tensor, kl_coef: float) -> Tensor:
     return spread(reinforce_pp_advantages(scores, logp, ref, kept, kl_coef), order, mask.shape)
 
 
-@register("reinforce_pp_actor")
 class ReinforcePPActorInterface(GRPOActorInterface):
     """``group_size`` samples per prompt; REINFORCE++'s token advantages, PPO's update."""
 
+    name = "reinforce_pp_actor"
     config_type = ReinforcePPConfig
 
-    def add_advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> None:
+    def add_advantages(self, engine: CallEngine, batch: PackedBatch, rank: int) -> None:
         cfg = cast(ReinforcePPConfig, self.cfg)
         _, mask = response_index(batch)
         if cfg.baseline:
@@ -119,7 +119,7 @@ class ReinforcePPActorInterface(GRPOActorInterface):
         batch.add("advantages", *pack_per_token(batch, adv))
 
     def _group_centred(
-        self, engine: ModelEngine, batch: PackedBatch, rank: int, mask: Tensor
+        self, engine: CallEngine, batch: PackedBatch, rank: int, mask: Tensor
     ) -> Tensor:
         """Each sample's score minus its group's mean, on each token ``mask`` keeps."""
         if "group_ids" not in batch.tensors:
@@ -148,3 +148,7 @@ class ReinforcePPActorInterface(GRPOActorInterface):
         if cfg.baseline:
             loss = loss + cfg.kl_coef * aggregate(kl, mask, cfg.loss_agg)
         return loss, {**stats, "kl": masked_mean(kl, mask).item()}
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(ReinforcePPConfig, (ReinforcePPActorInterface,))

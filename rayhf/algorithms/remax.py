@@ -24,7 +24,7 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallContext, CallEngine
 from rayhf.algorithms.lm import LMInterface, padded, response_forward, rollout_stats
 from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.ppo import compact, global_whiten, kl_shaped_rewards, masked_mean, spread
@@ -89,17 +89,17 @@ def reinforce_loss(
     return loss, stats
 
 
-@register("remax_actor")
 class ReMaxActorInterface(LMInterface):
     """REINFORCE with the greedy response's reward as the baseline (ReMax, Li et al. 2023)."""
 
+    name = "remax_actor"
     config_type = ReMaxConfig
 
     @property
     def cfg(self) -> ReMaxConfig:
         return self.settings.algorithm
 
-    def add_advantages(self, engine: ModelEngine, batch: PackedBatch) -> None:
+    def add_advantages(self, engine: CallEngine, batch: PackedBatch) -> None:
         """The batch's ``advantages`` key, one per response token: ``remax_advantages`` over the
         trained tokens (a multi-turn sample's model tokens, moved together; 0 on the others),
         whitened over every dp rank's with ``adv_norm``."""
@@ -115,7 +115,7 @@ class ReMaxActorInterface(LMInterface):
         batch.add("advantages", *pack_per_token(batch, adv))
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = rollout_stats(engine, batch)
         stats["greedy_reward"] = engine.all_reduce_mean(
@@ -132,3 +132,7 @@ class ReMaxActorInterface(LMInterface):
 
         stats.update(engine.train(batch.split(self.cfg.n_minibatches, "seq"), loss_fn))
         return stats
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(ReMaxConfig, (ReMaxActorInterface,))

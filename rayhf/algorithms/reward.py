@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rayhf.algorithms.interface import CallContext, Interface, ModelEngine, register
+from rayhf.algorithms.interface import CallContext, CallEngine, Interface
 from rayhf.algorithms.rm import final_token_scores
 from rayhf.algorithms.seqs import padded_inputs
 from rayhf.data.batch import PackedBatch
@@ -88,7 +88,7 @@ def function_kwargs(
 
 
 def decode_samples(
-    engine: ModelEngine, batch: PackedBatch
+    engine: CallEngine, batch: PackedBatch
 ) -> tuple[list[str], list[str], list[bool]]:
     """Prompts (without BOS), responses (without EOS) as text, and whether each ended in EOS."""
     tok, prompts, responses, finished = engine.tokenizer, [], [], []
@@ -104,7 +104,6 @@ def decode_samples(
     return prompts, responses, finished
 
 
-@register("reward")
 class RewardInterface(Interface):
     """``scores``: one float per sample, from the function or the reward model.
 
@@ -114,6 +113,8 @@ class RewardInterface(Interface):
     scored above the correct answers).
     """
 
+    name = "reward"
+
     takes_function = True
 
     def __init__(self, settings) -> None:
@@ -122,7 +123,7 @@ class RewardInterface(Interface):
             resolve_function(settings.function, "reward function") if settings.function else None
         )
 
-    def inference(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def inference(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         if self.fn is not None:
             prompts, responses, finished = decode_samples(engine, batch)
             more = function_kwargs(self.fn, batch.extras, finished)
@@ -139,7 +140,7 @@ class RewardInterface(Interface):
         return result
 
     @staticmethod
-    def _model_scores(engine: ModelEngine, batch: PackedBatch) -> torch.Tensor:
+    def _model_scores(engine: CallEngine, batch: PackedBatch) -> torch.Tensor:
         """The reward model's value at each sequence's last token."""
         ids, attn = padded_inputs(batch, engine.pad_id)
         with torch.no_grad():

@@ -47,7 +47,7 @@ from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
 
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig, over_groups
-from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallEngine
 from rayhf.algorithms.lm import padded
 from rayhf.algorithms.offpolicy import behaviour_weights, bounded_ratio
 from rayhf.algorithms.ppo import clipped_surrogate, masked_mean
@@ -135,11 +135,11 @@ def sequence_ratio_loss(
     return loss, stats
 
 
-@register("rloo_actor")
 class RLOOActorInterface(GRPOActorInterface):
     """``group_size`` samples per prompt; RLOO's advantages, GRPO's clipped update per token or
     TRL's per sequence (``ratio_level``)."""
 
+    name = "rloo_actor"
     config_type = RLOOConfig
 
     @property
@@ -162,10 +162,14 @@ class RLOOActorInterface(GRPOActorInterface):
             return super().policy_loss(logp, old, ref, adv, mask, behaviour)
         return sequence_ratio_loss(logp, old, adv, mask, self.cfg, behaviour)
 
-    def advantages(self, engine: ModelEngine, batch: PackedBatch, rank: int) -> Tensor:
+    def advantages(self, engine: CallEngine, batch: PackedBatch, rank: int) -> Tensor:
         """This rank's leave-one-out advantages of KL-penalized rewards, over every rank's
         groups."""
         _, mask = response_index(batch)
         logp, ref = padded(batch, "logprobs"), padded(batch, "ref_logprobs")
         rewards = kl_rewards(batch.tensors["scores"].float(), logp, ref, mask, self.cfg.kl_coef)
         return over_groups(engine, batch, rank, rewards, loo_advantages)
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(RLOOConfig, (RLOOActorInterface,))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallEngine
 from rayhf.algorithms.offline import OfflineInterface, as_seq
 from rayhf.algorithms.offpolicy import OnPolicyConfig
 from rayhf.algorithms.seqs import padded_inputs
@@ -65,9 +65,10 @@ def bradley_terry_loss(
     return loss, stats
 
 
-@register("rm")
 class RewardModelInterface(OfflineInterface):
     """Bradley-Terry training of a value-head model on the final-token scores of pairs."""
+
+    name = "rm"
 
     sequence_keys = ("chosen", "rejected")
     config_type = RMConfig
@@ -76,7 +77,7 @@ class RewardModelInterface(OfflineInterface):
     def cfg(self) -> RMConfig:
         return self.settings.algorithm
 
-    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, engine: CallEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         scores = {}
         for key in ("chosen", "rejected"):
             ids, attn = padded_inputs(as_seq(mb, key), engine.pad_id)
@@ -84,3 +85,7 @@ class RewardModelInterface(OfflineInterface):
             scores[key] = final_token_scores(values, torch.tensor(mb.seqlens[key]))
         loss, stats = bradley_terry_loss(scores["chosen"], scores["rejected"])
         return loss, {"rm_loss": loss.item(), **stats}
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(RMConfig, (RewardModelInterface,))

@@ -14,7 +14,7 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import Tensor
 
-from rayhf.algorithms.interface import ModelEngine, register
+from rayhf.algorithms.interface import Algorithm, CallEngine
 from rayhf.algorithms.lm import response_forward
 from rayhf.algorithms.offline import OfflineInterface
 from rayhf.algorithms.offpolicy import OnPolicyConfig
@@ -44,16 +44,20 @@ def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, float]]:
     return loss, {"nll": loss.item()}
 
 
-@register("sft")
 class SFTInterface(OfflineInterface):
     """Token-level cross entropy on the response tokens of demonstrations."""
 
+    name = "sft"
     config_type = SFTConfig
 
     @property
     def cfg(self) -> SFTConfig:
         return self.settings.algorithm
 
-    def loss(self, engine: ModelEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, engine: CallEngine, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs, _, mask = response_forward(engine, mb)
         return sft_loss(logprobs, mask)
+
+
+# the registration (rayhf.config.registry lists it)
+ALGORITHM = Algorithm(SFTConfig, (SFTInterface,))

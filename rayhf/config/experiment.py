@@ -8,8 +8,9 @@ field. Unknown keys are rejected everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import (
@@ -23,20 +24,13 @@ from pydantic import (
 )
 
 from rayhf.algorithms.dapo import DAPOConfig
-from rayhf.algorithms.dpo import DPOConfig
-from rayhf.algorithms.grpo import GRPOConfig
-from rayhf.algorithms.gspo import GSPOConfig
+from rayhf.algorithms.interface import Algorithm
 from rayhf.algorithms.judge import JudgeConfig
-from rayhf.algorithms.ppo import PPOConfig
-from rayhf.algorithms.reinforce_pp import ReinforcePPConfig
-from rayhf.algorithms.remax import ReMaxConfig
-from rayhf.algorithms.rloo import RLOOConfig
-from rayhf.algorithms.rm import RMConfig
-from rayhf.algorithms.sft import SFTConfig
 from rayhf.config.driver import DriverConfig
 from rayhf.config.faults import FaultToleranceConfig
+from rayhf.config.registry import ALGORITHMS, DEFAULT_ALGORITHM
 from rayhf.data.datasets import DatasetConfig
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import ENGINES, EngineConfig, default_engine, owner_of
 from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.envs.env import EnvConfig
 from rayhf.errors import RayhfError
@@ -51,25 +45,22 @@ REPO_ROOT = PACKAGE_ROOT.parent  # a checkout: examples/ beside the package
 
 
 def _algorithm_name(value: Any) -> str:
-    """The ``name`` that selects an algorithm config; PPO when none is given."""
+    """The ``name`` that selects an algorithm config; the default algorithm when none is given."""
     if isinstance(value, dict):
-        return value.get("name", "ppo")
-    return getattr(value, "name", "ppo")
+        return value.get("name", DEFAULT_ALGORITHM)
+    return getattr(value, "name", DEFAULT_ALGORITHM)
 
 
-AlgorithmConfig = Annotated[
-    Annotated[PPOConfig, Tag("ppo")]
-    | Annotated[GRPOConfig, Tag("grpo")]
-    | Annotated[RLOOConfig, Tag("rloo")]
-    | Annotated[GSPOConfig, Tag("gspo")]
-    | Annotated[DAPOConfig, Tag("dapo")]
-    | Annotated[ReinforcePPConfig, Tag("reinforce_pp")]
-    | Annotated[ReMaxConfig, Tag("remax")]
-    | Annotated[DPOConfig, Tag("dpo")]
-    | Annotated[RMConfig, Tag("rm")]
-    | Annotated[SFTConfig, Tag("sft")],
-    Discriminator(_algorithm_name),
-]
+def algorithm_union(algorithms: Mapping[str, Algorithm]) -> Any:
+    """The ``algorithm:`` section's type: one of ``algorithms``' configs, chosen by ``name``."""
+    tagged = tuple(Annotated[a.config, Tag(n)] for n, a in algorithms.items())
+    return Annotated[Union[tagged], Discriminator(_algorithm_name)]  # noqa: UP007
+
+
+if TYPE_CHECKING:
+    AlgorithmConfig = Any  # as ``InterfaceSettings.algorithm``: each interface narrows it
+else:
+    AlgorithmConfig = algorithm_union(ALGORITHMS)
 
 
 class RoleConfig(BaseModel):
@@ -84,10 +75,10 @@ class RoleConfig(BaseModel):
     init_from: str | None = None
     """Start from another role's initial weights (ref <- actor)"""
     ema: float | None = Field(None, gt=0, le=1)
-    """With init_from: after each train step of that."""
+    """With init_from: after each train step of that role, w = ema * source + (1 - ema) * w (a
+    moving-average reference); None = frozen."""
     function: str | None = None
-    """Role, w = ema * source + (1 - ema) * w (a moving-average reference); None = frozen
-    "module:function" reward instead of a model."""
+    """A "module:function" reward instead of a model."""
     value_head: bool = False
     """Scalar head per token (critic, reward model)"""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -163,7 +154,7 @@ class ExperimentConfig(BaseModel):
     """"module:function(path)" that writes a missing dataset."""
     dataset_builder_args: dict[str, Any] = Field(default_factory=dict)
     """The dataset builder's keyword arguments."""
-    algorithm: AlgorithmConfig = Field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=ALGORITHMS[DEFAULT_ALGORITHM].config)
     """One algorithm's section, chosen by its ``name`` (default ppo)."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """How generate calls sample: lengths, temperature, top-k/top-p, group size."""
@@ -176,7 +167,7 @@ class ExperimentConfig(BaseModel):
     driver: DriverConfig = Field(default_factory=DriverConfig)
     """How each step's DAG runs."""
     engines: dict[str, EngineConfig] = Field(default_factory=dict)
-    """Call -> its backend."""
+    """Call -> its backend: one of the engines' sections, chosen by its ``engine``."""
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     """Recovery from dead actors and lost nodes, SIGTERM, injected faults."""
     env: EnvConfig | None = None
@@ -231,7 +222,7 @@ class ExperimentConfig(BaseModel):
 
     def engine_of(self, call: str, kind: str) -> EngineConfig:
         """A call's backend: its ``engines`` entry or its kind's default."""
-        return self.engines.get(call) or EngineConfig.default(kind)
+        return self.engines.get(call) or default_engine(kind)
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir or f"runs/{self.name}")
@@ -291,14 +282,24 @@ RENAMED = {"algorithm.kl_ctl": "algorithm.kl_coef"}  # the KL weight's one name 
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = [str(p) for p in first["loc"] if not str(p).startswith("function-after")]
+    engine = None  # the engine section a field is in: engines.<call>.<tag>.<field>
     if len(loc) > 1 and loc[0] == "algorithm":
         loc.pop(1)  # the union tag (ppo, grpo, ...) is not a key the user wrote
+    elif len(loc) > 3 and loc[0] == "engines" and loc[2] in ENGINES:
+        engine = loc.pop(2)  # nor is the engine's (native, vllm, ...)
     field = ".".join(loc)
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key (remove it or check its spelling)"
         if field in RENAMED:
             msg = f"renamed: write {RENAMED[field]}"
+        owner = owner_of(loc[-1]) if engine is not None else None
+        if owner is not None:
+            msg = f"not a setting of engine '{engine}': {loc[-1]} is a setting of engine '{owner}'"
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found") and loc[0] == "engines":
+        given = first["ctx"].get("tag") if first["type"] == "union_tag_invalid" else None
+        what = f"'{given}' is not an engine" if given else "missing"
+        return f"{source}: config field {field}.engine: {what} (one of {', '.join(ENGINES)})"
     extra = (
         f" (got {first['input']!r})" if first["type"] not in ("extra_forbidden", "missing") else ""
     )

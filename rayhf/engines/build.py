@@ -1,12 +1,13 @@
-"""Assemble a rank's engines from its calls' ``EngineConfig``s: the trainer its train call asks
-for, one generator per generate call (vLLM engines shared by the calls that ask for vLLM)."""
+"""Assemble a rank's engines from its calls' engine configs: the trainer its train call asks
+for, one generator per generate call (an engine that is ``shared_per_rank``, vLLM, built once
+and shared by the calls that ask for it)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from rayhf.engines.call import CallEngine, Generator, Trainer
+from rayhf.engines.call import CallEngine, Generator, RankTrainer
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.config import EngineConfig
 from rayhf.engines.native import NativeGenerator
@@ -16,12 +17,8 @@ from rayhf.models.precision import Numerics
 from rayhf.parallel.groups import ParallelGroups
 
 
-def make_trainer(model: RankModel, optimizer: OptimizerConfig, engine: EngineConfig) -> Trainer:
-    if engine.engine == "deepspeed":
-        from rayhf.engines.deepspeed_trainer import DeepSpeedTrainer
-
-        return DeepSpeedTrainer(model, optimizer, engine)
-    return TorchTrainer(model, optimizer)
+def make_trainer(model: RankModel, optimizer: OptimizerConfig, engine: EngineConfig) -> RankTrainer:
+    return engine.make_trainer(model, optimizer)
 
 
 def make_generators(
@@ -30,19 +27,18 @@ def make_generators(
     """A generator per generate call (``engines``: call -> its engine); ``sleeps``: the rank
     also trains, so a vLLM engine sleeps between its calls."""
     out: dict[str, Generator] = {}
-    vllm: Generator | None = None
-    # the vLLM calls share one engine, so one sync serves them all: it is checked when any of
-    # them asks to, and the error names each that does (all must say false to skip the check)
-    checked_by = tuple(c for c, e in engines.items() if e.engine == "vllm" and e.check_sync)
+    shared: dict[type, Generator] = {}
     for call, engine in engines.items():
-        if engine.engine == "vllm":
-            if vllm is None:
-                from rayhf.engines.vllm_generator import VllmGenerator
-
-                vllm = VllmGenerator(model, seed, sleeps, checked_by)
-            out[call] = vllm
-        else:
-            out[call] = NativeGenerator(model, engine)
+        kind = type(engine)
+        if kind in shared:
+            out[call] = shared[kind]
+            continue
+        # a shared engine's calls share one weight sync: it is checked when any of them asks
+        # to, and the error names each that does (all must say false to skip the check)
+        checked_by = tuple(c for c, e in engines.items() if type(e) is kind and e.checks_sync)
+        out[call] = engine.make_generator(model, seed, sleeps, checked_by)
+        if engine.shared_per_rank:
+            shared[kind] = out[call]
     return out
 
 
@@ -52,7 +48,7 @@ def standalone_engine(
     value_head: bool,
     optimizer: OptimizerConfig | None = None,
     groups: ParallelGroups | None = None,
-    n_mbs: int = 1,
+    n_microbatches: int = 1,
     device: str = "cpu",
     precision: str = "fp32",
 ) -> CallEngine:
@@ -61,8 +57,8 @@ def standalone_engine(
     master weights at a lower ``precision``)."""
     numerics = Numerics(precision, master=optimizer is not None)
     model = RankModel.from_hf(
-        hf_model, tokenizer, value_head, groups=groups, n_mbs=n_mbs, device=device,
-        numerics=numerics,
+        hf_model, tokenizer, value_head, groups=groups, n_microbatches=n_microbatches,
+        device=device, numerics=numerics,
     )  # fmt: skip
     trainer = TorchTrainer(model, optimizer) if optimizer is not None else None
     comm = DataParallel(model.groups.dp_group)

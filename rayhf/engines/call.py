@@ -1,13 +1,12 @@
 """The seams: a call's generator and a role's trainer, and the view of them an interface gets.
 
-    Generator  generate(prompts, cfg, seed) -> tokens + log-probs   NativeGenerator, VllmGenerator
-    Trainer    train(minibatches, loss_fn) -> stats, optimizer I/O   TorchTrainer, DeepSpeedTrainer
+    Generator    generate(prompts, cfg, seed) -> tokens + log-probs  NativeGenerator, VllmGenerator
+    RankTrainer  train(minibatches, loss_fn) -> stats, optimizer I/O  TorchTrainer, DeepSpeedTrainer
 
 A worker holds one trainer per rank (its role's train call picks it) and one generator per
 generate call (each call's ``engines:`` entry picks its own), and hands each call a
 ``CallEngine``: the rank's model for forwards, the call's generator, the trainer, and the
-data-parallel reductions. ``CallEngine`` is what ``rayhf.algorithms.interface.ModelEngine``
-describes.
+data-parallel reductions; it is all an algorithm's interface sees of the model.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch
 
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
+from rayhf.engines.config import default_engine
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import LossFn, Weight, response_tokens
 from rayhf.sampling import Feed, GenerateOutput, GenerationConfig
@@ -37,7 +37,7 @@ class Generator(Protocol):
     ) -> GenerateOutput: ...
 
 
-class Trainer(Protocol):
+class RankTrainer(Protocol):
     """Optimizer steps over a rank's model, and the state a checkpoint keeps of them."""
 
     name: str
@@ -73,7 +73,7 @@ class CallEngine:
     model: RankModel | None
     comm: DataParallel
     generator: Generator | None = None
-    trainer: Trainer | None = None
+    trainer: RankTrainer | None = None
     token_budget: int | None = None  # the call's max_tokens_per_microbatch
 
     @property
@@ -90,12 +90,12 @@ class CallEngine:
 
     @property
     def name(self) -> str:
-        """The backend that runs this call: its generator, its trainer, else ``torch`` (the
-        rank's forward), or ``function`` for a role without a model."""
+        """The backend that runs this call: its generator, its trainer, else the inference
+        default (the rank's forward), or ``function`` for a role without a model."""
         for part in (self.generator, self.trainer):
             if part is not None:
                 return part.name
-        return "torch" if self.model is not None else "function"
+        return default_engine("inference").engine if self.model is not None else "function"
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "forward on a role without a model"
@@ -154,7 +154,7 @@ class CallEngine:
         return whole_state(self.model, self.trainer)
 
 
-def whole_state(model: RankModel, trainer: Trainer | None) -> dict[str, torch.Tensor]:
+def whole_state(model: RankModel, trainer: RankTrainer | None) -> dict[str, torch.Tensor]:
     """``model``'s whole state dict, gathered over the replica's tp and pp ranks (and the dp
     ranks where the trainer shards parameters: ZeRO-3), as tensors of its own."""
     gather = trainer.gathered() if trainer is not None else contextlib.nullcontext()

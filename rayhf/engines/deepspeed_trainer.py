@@ -31,7 +31,7 @@ import torch
 
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.collectives import DataParallel
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import DeepSpeedEngineConfig
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import (
     LossFn,
@@ -64,8 +64,8 @@ def import_deepspeed() -> Any:
 
 
 def check_deepspeed(
-    call: str, role: str, engine: EngineConfig, role_layouts: Mapping[str, Layout], zero1: bool,
-    init_from: str | None, precision: str = "fp32",
+    call: str, role: str, engine: DeepSpeedEngineConfig, role_layouts: Mapping[str, Layout],
+    zero1: bool, init_from: str | None, precision: str = "fp32",
 ) -> None:  # fmt: skip
     """Refuse, naming the field, what DeepSpeed cannot run here: a tp/pp layout, torch's
     ``zero1`` beside it, ZeRO-3 receiving weights (``init_from``), ZeRO-3 ranks shared with the
@@ -143,7 +143,9 @@ class DeepSpeedTrainer:
 
     name = "deepspeed"
 
-    def __init__(self, model: RankModel, cfg: OptimizerConfig, engine: EngineConfig) -> None:
+    def __init__(
+        self, model: RankModel, cfg: OptimizerConfig, engine: DeepSpeedEngineConfig
+    ) -> None:
         assert model.groups.tp == 1 and model.groups.pp == 1, "DeepSpeed ranks hold whole models"
         self.model, self.zero_stage = model, engine.zero_stage
         self.comm = DataParallel(model.groups.dp_group)

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import NativeEngineConfig
 from rayhf.engines.rank_model import RankModel
 from rayhf.parallel.decode import DecodeEngine, DecodeOptions
 from rayhf.sampling import DecodeRules, Feed, GenerateOutput, GenerationConfig, check_prompts
 
 
-def decode_options(engine: EngineConfig | None, model: RankModel) -> DecodeOptions:
+def decode_options(engine: NativeEngineConfig | None, model: RankModel) -> DecodeOptions:
     """The decode engine's options for a call's ``engines:`` entry (None: the defaults): CUDA
     graphs only on CUDA, and with tp > 1 only over NCCL (a graph captures NCCL's all-reduces;
     gloo's stage CUDA tensors through host memory, which a graph cannot hold)."""
-    engine = engine or EngineConfig(engine="native")
+    engine = engine or NativeEngineConfig()
     tp = model.groups.tp_group
     capturable = tp is None or dist.get_backend(tp) == "nccl"
     return DecodeOptions(
@@ -30,7 +30,7 @@ def decode_options(engine: EngineConfig | None, model: RankModel) -> DecodeOptio
 class NativeGenerator:
     name = "native"
 
-    def __init__(self, model: RankModel, engine: EngineConfig | None = None) -> None:
+    def __init__(self, model: RankModel, engine: NativeEngineConfig | None = None) -> None:
         self.model = model
         self.engine = DecodeEngine(model.pipe, decode_options(engine, model))
         self.release_memory = engine is not None and engine.release_memory

@@ -39,7 +39,7 @@ class RankModel:
         full: Mapping[str, torch.Tensor] | None,
         tokenizer: Any,
         groups: ParallelGroups | None = None,
-        n_mbs: int = 1,
+        n_microbatches: int = 1,
         device: str = "cpu",
         checkpointing: bool = False,
         numerics: Numerics | None = None,
@@ -50,11 +50,11 @@ class RankModel:
         self.module = ShardedModel(self.spec, self.groups, full, self.numerics).to(device)
         self.module.checkpointing = checkpointing  # recompute each layer in backward
         self.module.train(False)
-        self.pipe = Pipeline(self.module, self.groups, n_mbs)
+        self.pipe = Pipeline(self.module, self.groups, n_microbatches)
 
     @classmethod
     def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
-        """This rank's shards of a whole Hugging Face model (``kw``: groups, n_mbs, device,
+        """This rank's shards of a whole Hugging Face model (``kw``: groups, n_microbatches, device,
         checkpointing, numerics)."""
         from rayhf.models.hf import model_files
 

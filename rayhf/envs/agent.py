@@ -29,7 +29,7 @@ import time
 import torch
 
 from rayhf.algorithms.grpo import GRPOActorInterface
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, ModelEngine, register
+from rayhf.algorithms.interface import CallContext, CallEngine, InterfaceSettings
 from rayhf.algorithms.lm import generation_config
 from rayhf.algorithms.ppo import PPOActorInterface
 from rayhf.data.batch import PackedBatch
@@ -47,7 +47,7 @@ ENV_STATS = ("turns", "tool_calls", "tool_errors", "env_seconds", "generator_idl
 
 
 def agent_batch(
-    engine: ModelEngine,
+    engine: CallEngine,
     batch: PackedBatch,
     cfg: GenerationConfig,
     ctx: CallContext,
@@ -86,7 +86,7 @@ def agent_batch(
 
 
 def _batcher(
-    engine: ModelEngine, cfg: GenerationConfig, version: int, seed: int, n: int, env: EnvConfig
+    engine: CallEngine, cfg: GenerationConfig, version: int, seed: int, n: int, env: EnvConfig
 ) -> RoundBatcher | ArrivalBatcher:
     """The call's batcher as ``env.joining`` says: rounds (reproducible) or by arrival."""
     if env.joining == "rounds":
@@ -137,7 +137,7 @@ def _pack(
     return out
 
 
-def env_metrics(engine: ModelEngine, batch: PackedBatch) -> dict[str, float]:
+def env_metrics(engine: CallEngine, batch: PackedBatch) -> dict[str, float]:
     """Means over every dp rank's trajectories: turns, tool calls and errors, environment
     seconds, generator idle share, and the share of each ending (``ended_error``,
     ``ended_timeout``, ``ended_tokens``: truncated...)."""
@@ -156,7 +156,7 @@ class _Agent:
     def samples_per_prompt(self) -> int:
         return 1
 
-    def generate(self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
         env = self.settings.env
         if env is None:
             raise RayhfError(
@@ -166,23 +166,25 @@ class _Agent:
         return agent_batch(engine, batch, cfg, ctx, self.samples_per_prompt(), env)
 
     def train_step(
-        self, engine: ModelEngine, batch: PackedBatch, ctx: CallContext
+        self, engine: CallEngine, batch: PackedBatch, ctx: CallContext
     ) -> dict[str, float]:
         stats = super().train_step(engine, batch, ctx)  # type: ignore[misc]
         return {**stats, **env_metrics(engine, batch)}
 
 
-@register("grpo_agent")
 class GRPOAgentInterface(_Agent, GRPOActorInterface):
     """GRPO over multi-turn trajectories: ``group_size`` trajectories per prompt; trains as
     ``grpo_actor`` does, on the model's tokens only (``loss_mask``)."""
+
+    name = "grpo_agent"
 
     def samples_per_prompt(self) -> int:
         return self.cfg.group_size
 
 
-@register("ppo_agent")
 class PPOAgentInterface(_Agent, PPOActorInterface):
     """PPO's actor over multi-turn trajectories: one trajectory per prompt; rewards and GAE
     over the model's tokens (``loss_mask``: the environment's tokens between turns are
     skipped), the critic as ``ppo_critic``."""
+
+    name = "ppo_agent"

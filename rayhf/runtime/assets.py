@@ -13,15 +13,14 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
 
-from rayhf.algorithms import INTERFACES, resolve_function
+from rayhf.algorithms import resolve_function
 from rayhf.algorithms.refill import GroupRefill
 from rayhf.algorithms.reward import check_columns
 from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
+from rayhf.config.registry import INTERFACES
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
-from rayhf.engines.config import check_kind
-from rayhf.engines.deepspeed_trainer import check_deepspeed
-from rayhf.engines.vllm_generator import check_vllm
+from rayhf.engines.config import EngineSite, check_kind
 from rayhf.envs.env import check_env
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
@@ -268,27 +267,24 @@ def check_engines(
     cfg: ExperimentConfig, graph: Graph, plan: Plan, specs: dict[str, ModelSpec]
 ) -> None:
     """Each ``engines.<call>`` names a call of the graph and an engine for its kind, which
-    checks the layout and model it gets (``check_vllm``, ``check_deepspeed``)."""
+    checks the layout and model it gets (its ``check``)."""
     for name, ec in cfg.engines.items():
         if name not in graph.by_name:
             raise RayhfError(f"engines.{name}: graph '{graph.name}' has no call '{name}'")
         call = graph.by_name[name]
         check_kind(name, call.kind, ec)
-        if ec.engine == "vllm":
-            check_vllm(name, call.role, plan.layouts[name], specs[call.role].head_dim,
-                       cfg.cluster.device)  # fmt: skip
-        elif ec.engine == "deepspeed":
-            rc = cfg.models[call.role]
-            layouts = {c: plan.layouts[c] for c in graph.role_calls(call.role)}
-            check_deepspeed(
-                name, call.role, ec, layouts, rc.optimizer.zero1, rc.init_from, rc.precision
-            )
+        rc, spec = cfg.models[call.role], specs.get(call.role)
+        layouts = {c: plan.layouts[c] for c in graph.role_calls(call.role) if c in plan.layouts}
+        ec.check(EngineSite(
+            name, call.role, layouts, spec.head_dim if spec is not None else 0,
+            cfg.cluster.device, rc.optimizer.zero1, rc.init_from, rc.precision,
+        ))  # fmt: skip
 
 
 def _check_token_budgets(cfg: ExperimentConfig, datasets: list[PromptDataset]) -> None:
     """Every call's token budget holds the longest sample it may get."""
     for call, engine in cfg.engines.items():
-        budget = engine.max_tokens_per_microbatch
+        budget = engine.token_budget
         if budget is None:
             continue
         for data in datasets:

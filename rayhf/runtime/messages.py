@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayhf.algorithms.interface import InterfaceSettings
+from rayhf.algorithms.interface import Interface, InterfaceSettings
 from rayhf.config.faults import FaultInjection
+from rayhf.config.registry import INTERFACES
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import EngineConfig, default_engine
 from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.models.files import ModelFiles
 from rayhf.models.precision import Numerics
@@ -25,7 +26,17 @@ class CallSpec:
     args: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key read
     outputs: dict[str, str] = field(default_factory=dict)  # interface name -> graph key written
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(engine="torch"))
+    # the call's engine; left out, the kind's default (filled in on creation, never None after)
+    engine: EngineConfig = None  # type: ignore[assignment]
+    # the class ``interface`` names, resolved from the registry where the spec is made (the
+    # driver), so a worker builds what the driver checked; never None after creation
+    interface_type: type[Interface] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            object.__setattr__(self, "engine", default_engine(self.kind))
+        if self.interface_type is None:
+            object.__setattr__(self, "interface_type", INTERFACES[self.interface])
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,7 @@ class WorkerSpec:
     dp_size: int
     tp_size: int
     pp_size: int
-    n_mbs: int  # micro-batches per forward (pipeline)
+    n_microbatches: int  # micro-batches per forward (pipeline)
     calls: tuple[CallSpec, ...]
     settings: InterfaceSettings
     tokenizer_dir: str

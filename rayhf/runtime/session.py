@@ -215,7 +215,7 @@ class Session:
             dp_size=layout.dp,
             tp_size=layout.tp,
             pp_size=layout.pp,
-            n_mbs=layout.n_mbs,
+            n_microbatches=layout.n_microbatches,
             calls=calls,
             settings=InterfaceSettings(
                 cfg.algorithm, cfg.generation, rc.function, cfg.env, cfg.judge
@@ -259,17 +259,18 @@ class Session:
     def numerics(self, role: str, layout: Layout) -> Numerics:
         """How a role's copy on ``layout`` computes: fp32 master weights where it trains on the
         torch engine (its home layout) or blends (a moving-average role), the low dtype
-        elsewhere; DeepSpeed keeps its fp32 master copy in its optimizer."""
+        elsewhere; an engine that trains in the compute dtype (DeepSpeed) keeps its fp32 master
+        copy in its optimizer."""
         rc, assets, cfg = self.cfg.models[role], self.assets, self.cfg
         device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         trains = role in assets.trainable and assets.plan.home_layouts(assets.graph)[role] == layout
-        deepspeed = any(
+        master_in_optimizer = any(
             c.role == role
             and c.kind == "train"
-            and cfg.engine_of(c.name, c.kind).engine == "deepspeed"
+            and cfg.engine_of(c.name, c.kind).trains_in_compute_dtype
             for c in assets.graph.calls
         )
-        master = (trains and not deepspeed) or rc.ema is not None
+        master = (trains and not master_in_optimizer) or rc.ema is not None
         return Numerics(resolve(rc.precision, device), master, rc.fp32_lm_head)
 
     def _weights_source(self, role: str) -> tuple[str | None, str | None]:

@@ -29,8 +29,9 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
-from rayhf.algorithms import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms import CallContext, InterfaceSettings
 from rayhf.config import ExperimentConfig, dump_config
+from rayhf.config.registry import make_interface
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs, to_packed
 from rayhf.engines.build import standalone_engine
 from rayhf.engines.call import CallEngine

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import ray
 
-from rayhf.algorithms import INTERFACES
 from rayhf.config import ExperimentConfig, dump_config, load_config
 from rayhf.config.experiment import parse_override
+from rayhf.config.registry import INTERFACES
 from rayhf.data.batch import PackedBatch
 from rayhf.data.datasets import to_packed
 from rayhf.errors import RayhfError, RunFailed, RunInterrupted, RunPreempted
@@ -178,7 +178,7 @@ def interrupted(run_dir: Path) -> RunInterrupted:
     )
 
 
-class Trainer:
+class RunLoop:
     """Owns the step loop of one run."""
 
     def __init__(self, cfg: ExperimentConfig, assets: RunAssets, session: Session) -> None:
@@ -426,7 +426,7 @@ def _attempts(cfg: ExperimentConfig, assets: RunAssets, ckpt: Path | None) -> di
                     info["init_realloc_bytes"] = float(session.init_realloc.bytes)
                 if recovered is not None:
                     recovered = dataclasses.replace(recovered, restarted_at=time.time())
-                Trainer(cfg, assets, session).loop(start, recovered)
+                RunLoop(cfg, assets, session).loop(start, recovered)
             return info
         except RunFailed as e:
             if not e.recoverable or count >= ft.max_restarts:

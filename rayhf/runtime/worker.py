@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rayhf.algorithms import CallContext, make_interface
+from rayhf.algorithms import CallContext
 from rayhf.algorithms.interface import VERSION_EXTRA, Interface
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import make_generators, make_trainer
-from rayhf.engines.call import CallEngine, Generator, Trainer, whole_state
+from rayhf.engines.call import CallEngine, Generator, RankTrainer, whole_state
 from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import step_to
@@ -100,15 +100,13 @@ class RoleWorker:
         self.tokenizer = TokenizerDir(spec.tokenizer_dir, **spec.special_ids)
         self.groups: ParallelGroups = single()
         self.model: RankModel | None = None
-        self.trainer: Trainer | None = None
+        self.trainer: RankTrainer | None = None
         self.generators: dict[str, Generator] = {}
         self.transfer_groups: dict[str, TransferGroup] = {}
         self.hosted: dict[str, dist.TCPStore] = {}  # rendezvous stores this rank opened, by address
         self.calls = {c.name: c for c in spec.calls}
         self.version = spec.version  # the step whose update made this rank's weights
-        self.interfaces = {
-            c.interface: make_interface(c.interface, spec.settings) for c in spec.calls
-        }
+        self.interfaces = {c.interface: c.interface_type(spec.settings) for c in spec.calls}
         reads_text = any(i.needs_env or i.needs_judge for i in self.interfaces.values())
         if spec.model is None or reads_text:  # a reward function, an env, a judge: load it now,
             self.tokenizer.loaded  # noqa: B018 (while the other ranks start, not in a step)
@@ -149,7 +147,7 @@ class RoleWorker:
             return  # a function-valued role
         self.model = RankModel(
             spec.model, weights, self.tokenizer,
-            groups=self.groups, n_mbs=spec.n_mbs, device=spec.device,
+            groups=self.groups, n_microbatches=spec.n_microbatches, device=spec.device,
             checkpointing=spec.activation_checkpointing, numerics=spec.numerics,
         )  # fmt: skip
         trainer = next((c for c in spec.calls if c.kind == "train"), None)
@@ -164,7 +162,7 @@ class RoleWorker:
         comm = DataParallel(self.groups.dp_group)
         generator = self.generators.get(call)
         trainer = self.trainer if self.calls[call].kind == "train" else None
-        budget = self.calls[call].engine.max_tokens_per_microbatch
+        budget = self.calls[call].engine.token_budget
         return CallEngine(self.tokenizer, self.model, comm, generator, trainer, budget)
 
     def run(self, req: CallRequest) -> CallResult:

@@ -423,7 +423,7 @@ class PolicyServer:
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve application for ``args`` (see ``ServeConfig``); ``checkpoint`` is required."""
     cfg = parse_args(args)
-    if cfg.engine == "vllm":
+    if not cfg.in_process:  # vllm: Ray Serve LLM's own app
         if cfg.api_key is not None:
             raise RayhfError("serve --api-key: the vllm engine (Ray Serve LLM) does not take it")
         return _vllm_app(cfg)

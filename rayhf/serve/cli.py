@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from rayhf.serve.engine import check_checkpoint
+from rayhf.serve.engine import IN_PROCESS, check_checkpoint
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -55,7 +55,7 @@ def serve(
     """Serve CHECKPOINT at http://HOST:PORT/v1 (completions, chat) until Ctrl-C."""
     from rayhf.serve.app import serve_checkpoint
 
-    if engine == "native":
+    if engine in IN_PROCESS:
         check_checkpoint(checkpoint)  # before Ray starts: a wrong path is a one-line error
     typer.echo(f"serving {checkpoint} at http://{host}:{port}/v1 (Ctrl-C stops)")
     serve_checkpoint(

@@ -60,6 +60,11 @@ from rayhf.models.hf import load_model
 from rayhf.parallel.decode import DecodeEngine, DecodeOptions
 from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, seed_from
 
+ServingEngineName = Literal["native", "vllm"]
+# the serving engines that run inside the replica's process (rayhf's decode engine); the others
+# are a server app of their own (vllm: Ray Serve LLM on GPUs)
+IN_PROCESS: frozenset[str] = frozenset({"native"})
+
 
 class ServingEngineConfig(BaseModel):
     """What to serve and the per-request limits."""
@@ -67,10 +72,15 @@ class ServingEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: str  # Hugging Face model directory with its tokenizer, e.g. a training actor/
-    engine: Literal["native", "vllm"] = "native"  # vllm = Ray Serve LLM on GPUs
+    engine: ServingEngineName = "native"  # vllm = Ray Serve LLM on GPUs
     max_prompt_tokens: int = Field(512, gt=0)  # longer prompts (bos included) are rejected
     max_tokens: int = Field(256, gt=0)  # ceiling on a request's max_tokens
     default_max_tokens: int = Field(16, gt=0)  # when a request gives none (OpenAI's default)
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine runs in the replica's process (else it is a server app)."""
+        return self.engine in IN_PROCESS
 
     @model_validator(mode="after")
     def _check_defaults(self) -> ServingEngineConfig:
@@ -405,6 +415,6 @@ def require_vllm() -> None:
 def load_engine(cfg: ServingEngineConfig, max_rows: int) -> ServingEngine:
     """The in-process engine for ``cfg``, decoding at most ``max_rows`` rows at once; ``vllm``
     is served by Ray Serve LLM, not from here."""
-    if cfg.engine != "native":
+    if not cfg.in_process:
         raise RayhfError(f"engine: {cfg.engine} has no in-process engine; use engine: native")
     return NativeEngine(cfg, max_rows)

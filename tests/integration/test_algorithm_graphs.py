@@ -13,13 +13,15 @@ from conftest import REPO
 import rayhf
 from rayhf.algorithms import InterfaceSettings
 from rayhf.algorithms.grpo import GRPOActorInterface, GRPOConfig
+from rayhf.config.registry import ALGORITHMS
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 from rayhf.runtime.assets import check_graph_against_config
 from rayhf.sampling import GenerationConfig
 
+# every registered algorithm's name, and words that name one's parts
 ALGORITHM_WORDS = re.compile(
-    r"\b(ppo|grpo|rloo|gspo|dapo|reinforce|remax|dpo|sft|bradley|critic)\b", re.IGNORECASE
+    rf"\b({'|'.join([*ALGORITHMS, 'reinforce', 'bradley', 'critic'])})\b", re.IGNORECASE
 )
 
 
@@ -88,7 +90,7 @@ def test_graph_and_algorithm_must_match():
 
 
 def test_remap_to_missing_key_names_call_and_key(tmp_path: Path):
-    graph = yaml.safe_load((REPO / "rayhf" / "graphs" / "remax.yaml").read_text())
+    graph = yaml.safe_load((REPO / "graphs" / "remax.yaml").read_text())
     graph["calls"][3]["input_remap"] = {"seq": "greedy_sequence"}
     path = tmp_path / "remax.yaml"
     path.write_text(yaml.safe_dump(graph))
@@ -112,6 +114,11 @@ RUNS = {
     "rm": {"eval_every": 1},
     "sft": {"eval_every": 1},
 }
+
+
+def test_every_registered_algorithm_runs_here():
+    """Each algorithm in the registry has its two-step run below (PPO's: test_runtime_ppo)."""
+    assert set(RUNS) == set(ALGORITHMS) - {"ppo"}
 
 
 @pytest.mark.ray
@@ -154,6 +161,46 @@ def test_each_algorithm_runs_on_the_shared_runtime(ray_cluster, tmp_path, name):
             assert m["eval/pass@1"] <= m["eval/task_reward"] + 1e-6  # a score of 1 counts only
     trained = next(p for p in result.final_checkpoint.iterdir() if (p / "config.json").exists())
     assert trained.name in ("actor", "reward")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_an_algorithm_added_by_the_checklist_runs_on_the_shared_runtime(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """The checklist's steps for a new algorithm, ``toygrpo`` (``toy_algorithm``: its config,
+    its interface, its ``ALGORITHM`` row): its row in the registry (patched in here, for this
+    test only), its graph file, and the ``algorithm:`` union that takes its section; two steps
+    on the shared runtime, whose workers build the interface the driver resolved (sent by
+    value: the workers cannot import this test's module)."""
+    import ray.cloudpickle
+    import toy_algorithm
+    from conftest import tiny_overrides
+    from pydantic import TypeAdapter
+
+    from rayhf.config import registry
+    from rayhf.config.experiment import algorithm_union
+
+    toy = toy_algorithm.ALGORITHM
+    monkeypatch.setitem(registry.ALGORITHMS, toy.name, toy)
+    for cls in toy.interfaces:
+        monkeypatch.setitem(registry.INTERFACES, cls.name, cls)
+    graph = (REPO / "graphs" / "grpo.yaml").read_text().replace("grpo_actor", "toygrpo_actor")
+    assert "toygrpo_actor" in graph
+    (tmp_path / "toygrpo.yaml").write_text(graph)
+    section = {"name": "toygrpo", "group_size": 2}
+    algorithm = TypeAdapter(algorithm_union(registry.ALGORITHMS)).validate_python(section)
+    assert type(algorithm) is toy.config
+    cfg = _cfg("grpo", **tiny_overrides(tmp_path / "run", graph=str(tmp_path / "toygrpo.yaml")))
+    cfg = cfg.model_copy(update={"algorithm": algorithm})  # as if the union held it at import
+    ray.cloudpickle.register_pickle_by_value(toy_algorithm)
+    try:
+        result = rayhf.run(cfg)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(toy_algorithm)
+    rows = [m for m in result.metrics if m["step"] > 0]
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all("clip_frac" in m for m in rows)
 
 
 @pytest.mark.ray
@@ -239,6 +286,6 @@ def test_a_judge_model_scores_on_the_shared_runtime(ray_cluster, tmp_path):
     assert "judge_gen" in json.dumps(plan)
     with pytest.raises(RayhfError, match=r"call 'judge_gen' .* set judge\.template"):
         check_graph_against_config(
-            rayhf.load_graph(REPO / "rayhf" / "graphs" / "grpo_judge.yaml"),
+            rayhf.load_graph(REPO / "graphs" / "grpo_judge.yaml"),
             _cfg("grpo", **{**ov, "judge": {"verdict": "number"}}),
         )

@@ -75,7 +75,7 @@ def test_zero3_slices_move_bit_exactly_into_a_tp2_layout(ray_cluster, tiny_confi
 
     from rayhf.runtime.assets import prepare_run
     from rayhf.runtime.session import Session
-    from rayhf.runtime.trainer import Trainer
+    from rayhf.runtime.trainer import RunLoop
 
     cfg = tiny_config(
         steps=1,
@@ -97,7 +97,7 @@ def test_zero3_slices_move_bit_exactly_into_a_tp2_layout(ray_cluster, tiny_confi
         init = _weights(assets.model_dirs["actor"])
         first = whole(ref)  # ref's weights came by init_from: from the actor's flat slices
         assert all(torch.equal(first[k], init[k]) for k in init)
-        Trainer(cfg, assets, session).loop(0)  # one PPO step: ZeRO-3 trains the actor
+        RunLoop(cfg, assets, session).loop(0)  # one PPO step: ZeRO-3 trains the actor
         assert_trace_is_priced(cfg, assets)  # ZeRO-3 home, a tp2 generation copy
         session.mover.move(home, gen, assets.specs["actor"])
         src, dst = whole(home), whole(gen)
@@ -158,7 +158,7 @@ def test_a_zero2_role_trains_from_the_weights_it_receives(ray_cluster, tiny_conf
 
     from rayhf.runtime.assets import prepare_run
     from rayhf.runtime.session import Session
-    from rayhf.runtime.trainer import Trainer
+    from rayhf.runtime.trainer import RunLoop
 
     cfg = tiny_config(
         steps=1, plan="colocated",
@@ -173,7 +173,7 @@ def test_a_zero2_role_trains_from_the_weights_it_receives(ray_cluster, tiny_conf
         start = ray.get(ref.actors[0].get_weights.remote())
         got = ray.get(actor.actors[0].get_weights.remote())
         assert all(torch.equal(got[k], start[k]) for k in start)
-        Trainer(cfg, assets, session).loop(0)
+        RunLoop(cfg, assets, session).loop(0)
         after = ray.get(actor.actors[0].get_weights.remote())  # a group of one rank
     moved = max(float((after[k] - start[k]).abs().max()) for k in start)
     assert 0 < moved < 0.05, "one small step away from the received weights"

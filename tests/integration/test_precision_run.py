@@ -12,7 +12,7 @@ import torch
 
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
-from rayhf.runtime.trainer import Trainer
+from rayhf.runtime.trainer import RunLoop
 
 pytestmark = pytest.mark.ray
 
@@ -42,7 +42,7 @@ def test_bf16_roles_train_fp32_masters_and_move_bf16_copies(ray_cluster, tiny_co
         ref_weights = ray.get(ref.actors[0].get_weights.remote())
         assert {t.dtype for t in ref_weights.values()} == {torch.bfloat16}
         assert all(torch.equal(ref_weights[k], v.to(torch.bfloat16)) for k, v in master.items())
-        trainer = Trainer(cfg, assets, session)
+        trainer = RunLoop(cfg, assets, session)
         trainer.loop(0)
         generated = ray.get(copy.actors[0].get_weights.remote())
         trained = ray.get(actor.actors[0].get_weights.remote())

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import rayhf
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
-from rayhf.runtime.trainer import Trainer, run
+from rayhf.runtime.trainer import RunLoop, run
 
 pytestmark = pytest.mark.ray
 
@@ -60,7 +60,7 @@ def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_co
             for w in ray.get([a.weights_summary.remote() for a in actor.actors + ref.actors])
         ]
         assert len(set(digests)) == 1, "ref must start as an exact copy of the actor"
-        Trainer(cfg, assets, session).loop(0)
+        RunLoop(cfg, assets, session).loop(0)
         after = [w.digest for w in ray.get([a.weights_summary.remote() for a in actor.actors])]
         assert after[0] == after[1], "dp replicas must stay identical (gradients all-reduced)"
         assert after[0] != digests[0]
@@ -84,7 +84,7 @@ def test_token_budgets_and_checkpointing_change_memory_not_results(
         runs[name] = run(cfg).metrics
     assert not any("micro_batches" in m for m in runs["whole"])
     cut_rows = [(m.get("micro_batches"), m["step"]) for m in runs["cut"]]
-    assert all(n is not None and n > 1.0 for n, _ in cut_rows), cut_rows
+    assert cut_rows and all(n is not None and n > 1.0 for n, _ in cut_rows), cut_rows
     for key in ("kl", "policy_loss", "value_loss", "task_reward", "grad_norm"):
         whole = [m[key] for m in runs["whole"]]
         assert [m[key] for m in runs["cut"]] == pytest.approx(whole, rel=1e-3, abs=1e-6), key

@@ -446,7 +446,7 @@ def test_openai_client_n_logprobs_seed_and_max_completion_tokens_on_chat(client)
         entries = choice.logprobs.content
         text = "".join(e.token for e in entries if e.token not in specials)
         assert text == choice.message.content
-        assert all(len(e.top_logprobs) == 5 and e.logprob <= 0 for e in entries)
+        assert entries and all(len(e.top_logprobs) == 5 and e.logprob <= 0 for e in entries)
         assert all(e.bytes == list(e.token.encode()) for e in entries)
     usage = first.usage
     assert usage.prompt_tokens == 1 + len("user: 3 1 4 =\nassistant:"), "the prompt counted once"

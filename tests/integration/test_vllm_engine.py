@@ -74,7 +74,8 @@ def test_a_good_sync_passes_its_check_which_covers_every_vllm_parameter(tmp_path
     held = gen.vllm.load_weights(weights.items(), check=True)
     verify(held, weights, "")
     groups = {h.group.name: h.group for h in held.params}
-    assert all(h.checksum is not None for h in held.params) and held.unused == ()
+    assert held.params and all(h.checksum is not None for h in held.params)
+    assert held.unused == ()
     qkv = groups["model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv.parts == tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
     vocab = weights["model.embed_tokens.weight"].shape[0]
@@ -160,7 +161,7 @@ def test_after_a_ppo_step_vllm_generates_what_hugging_face_does_on_the_new_weigh
     from rayhf.runtime.assets import prepare_run
     from rayhf.runtime.messages import CallRequest
     from rayhf.runtime.session import Session
-    from rayhf.runtime.trainer import Trainer
+    from rayhf.runtime.trainer import RunLoop
 
     cfg = tiny_config(
         steps=1, plan="colocated", engines={"actor_gen": {"engine": "vllm"}},
@@ -169,7 +170,7 @@ def test_after_a_ppo_step_vllm_generates_what_hugging_face_does_on_the_new_weigh
     )  # fmt: skip
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
-        Trainer(cfg, assets, session).loop(0)  # generate on vLLM, train, checkpoint
+        RunLoop(cfg, assets, session).loop(0)  # generate on vLLM, train, checkpoint
         actor = session.groups["actor"].actors[0]
         asleep = actor.__ray_call__.remote(lambda w: w.generators["actor_gen"].vllm.asleep)
         assert ray.get(asleep), (

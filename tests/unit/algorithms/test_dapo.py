@@ -14,10 +14,11 @@ from pydantic import ValidationError
 import rayhf
 from rayhf.algorithms.dapo import DAPOConfig, overlong_shaping
 from rayhf.algorithms.grpo import GRPOConfig, grpo_loss
-from rayhf.algorithms.interface import InterfaceSettings, make_interface
+from rayhf.algorithms.interface import InterfaceSettings
 from rayhf.algorithms.ppo import PPOConfig, aggregate
 from rayhf.algorithms.refill import GroupRefill, Progress
 from rayhf.algorithms.seqs import informative_groups
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 from rayhf.sampling import GenerationConfig
 
@@ -205,6 +206,6 @@ def test_bad_dapo_settings_are_refused_naming_the_field(override, says):
 def test_dynamic_sampling_needs_group_scores():
     refill = rayhf.load_config(REPO / "examples" / "dapo_tiny.yaml").algorithm.refill()
     assert refill == GroupRefill(3)
-    graph = rayhf.load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
+    graph = rayhf.load_graph(REPO / "graphs" / "sft.yaml")
     with pytest.raises(rayhf.RayhfError, match=r"dynamic_sampling filters groups .* no 'scores'"):
         refill.check(graph)

@@ -13,7 +13,8 @@ import torch
 from algo_support import LENGTHS, ScoresFromForward, _close, _mask, _rand, _softplus, _valid, _vec
 
 from rayhf.algorithms.dpo import DPOConfig, dpo_loss, sequence_logprob
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.interface import CallContext, InterfaceSettings
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 
 # ----- config -------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from rayhf.algorithms.grpo import (
     k3_kl,
     kl_loss_term,
 )
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.interface import CallContext, InterfaceSettings
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 from rayhf.errors import RayhfError
 from rayhf.sampling import GenerateOutput, GenerationConfig
@@ -385,7 +386,6 @@ def test_the_kl_estimators_by_hand() -> None:
 def test_dr_grpo_divides_a_multi_turn_trajectory_by_env_max_tokens() -> None:
     """A trajectory's turns together may pass one turn's max_new_tokens: Dr. GRPO's default
     divisor for the agent interface is ``env.max_tokens`` (it never fails on a long one)."""
-    import rayhf.envs.agent  # noqa: F401 (registers grpo_agent)
     from rayhf.envs.env import EnvConfig
 
     settings = InterfaceSettings(

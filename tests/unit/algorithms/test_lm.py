@@ -8,7 +8,7 @@ import torch
 from algo_support import ScoresFromForward
 from pydantic import ValidationError
 
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.interface import CallContext, InterfaceSettings
 from rayhf.algorithms.lm import (
     entropy_from_logits,
     generation_config,
@@ -18,6 +18,7 @@ from rayhf.algorithms.lm import (
     sample_batch,
     token_logprobs,
 )
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
@@ -29,7 +30,7 @@ def _close(a: torch.Tensor, b, tol: float = 1e-9) -> None:
 
 
 class BigramEngine(ScoresFromForward):
-    """A ``ModelEngine`` whose output at a position depends on that position's token only:
+    """A ``CallEngine`` whose output at a position depends on that position's token only:
     logits ``table[token]`` (``[V, V]``), or a value ``table[token]`` (``[V]``)."""
 
     pad_id, eos_id = 0, 1

@@ -12,8 +12,9 @@ import pytest
 import torch
 from algo_support import LENGTHS, ScoresFromForward, _close, _mask, _pad, _rand, _valid, _vec
 
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.interface import CallContext, InterfaceSettings
 from rayhf.algorithms.remax import ReMaxConfig, reinforce_loss, remax_advantages
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 from rayhf.sampling import GenerationConfig
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayhf.algorithms import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms import CallContext, InterfaceSettings
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.algorithms.reward import check_columns, wanted_columns
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 from rayhf.engines.build import standalone_engine
 from rayhf.engines.call import CallEngine

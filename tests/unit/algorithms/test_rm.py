@@ -10,8 +10,9 @@ import pytest
 import torch
 from algo_support import GARBAGE, LN, _close, _rand, _softplus, _vec
 
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.interface import CallContext, InterfaceSettings
 from rayhf.algorithms.rm import RMConfig, bradley_terry_loss, final_token_scores
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 
 # ----- config -------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from algo_support import LENGTHS, LN, ScoresFromForward, T, _close, _mask
 
-from rayhf.algorithms.interface import CallContext, InterfaceSettings, make_interface
+from rayhf.algorithms.interface import CallContext, InterfaceSettings
 from rayhf.algorithms.lm import token_logprobs
 from rayhf.algorithms.sft import SFTConfig, sft_loss
+from rayhf.config.registry import make_interface
 from rayhf.data.batch import PackedBatch
 
 # ----- config -------------------------------------------------------------------------------

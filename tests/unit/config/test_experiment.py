@@ -38,6 +38,24 @@ def test_overrides_parse_yaml_values_and_nested_keys():
             "fault_tolerance.inject.1.role 'critc' is not a role",
         ),
         ("resume=always", "config field resume"),
+        (
+            "engines.actor_train={engine: torch, zero_stage: 3}",
+            "config field engines.actor_train.zero_stage: not a setting of engine 'torch': "
+            "zero_stage is a setting of engine 'deepspeed'",
+        ),
+        (
+            "engines.actor_gen={engine: vllm, max_rows: 8}",
+            "engines.actor_gen.max_rows: not a setting of engine 'vllm': max_rows is a setting "
+            "of engine 'native'",
+        ),
+        ("engines.actor_train={engine: torch, zero: 3}", "engines.actor_train.zero: unknown key"),
+        (
+            "engines.actor_gen.engine=jax",
+            "config field engines.actor_gen.engine: 'jax' is not an engine (one of native, vllm, "
+            "torch, deepspeed)",
+        ),
+        ("engines.actor_gen.max_rows=8", "config field engines.actor_gen.engine: missing"),
+        ("engines.actor_gen={engine: native, max_rows: 0}", "engines.actor_gen.max_rows"),
         ("algorithm.max_staleness=-1", "config field algorithm.max_staleness"),
         (
             "algorithm={name: remax, max_staleness: 1}",
@@ -66,6 +84,23 @@ def test_resolved_config_roundtrip(tmp_path):
     assert again == cfg
     raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert raw["algorithm"]["gamma"] == 1.0  # defaults are written out, not left implicit
+
+
+def test_an_engine_section_keeps_only_its_own_fields_through_a_dump(tmp_path):
+    engines = [
+        "engines.actor_train={engine: deepspeed, zero_stage: 3}",
+        "engines.actor_gen={engine: vllm, check_sync: false}",
+    ]
+    cfg = load_config(EXAMPLE, engines)
+    dump_config(cfg, tmp_path / "config.yaml")
+    raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert raw["engines"] == {
+        "actor_train": {"engine": "deepspeed", "zero_stage": 3, "offload": False},
+        "actor_gen": {"engine": "vllm", "check_sync": False},
+    }
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert cfg.engine_of("critic_train", "train").engine == "torch"  # the kind's default
+    assert cfg.engine_of("actor_gen", "generate").checks_sync is False
 
 
 def test_override_into_a_scalar_is_refused():

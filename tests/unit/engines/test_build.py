@@ -10,12 +10,17 @@ import torch
 
 from rayhf.checks.common import Tok, tiny_model
 from rayhf.engines import build
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import (
+    DeepSpeedEngineConfig,
+    NativeEngineConfig,
+    TorchEngineConfig,
+    VllmEngineConfig,
+)
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer
 
-NATIVE, VLLM = EngineConfig(engine="native"), EngineConfig(engine="vllm")
+NATIVE, VLLM = NativeEngineConfig(), VllmEngineConfig()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def test_vllm_calls_share_one_engine_beside_native_ones(model, fake_vllm):
 
 
 def test_the_shared_vllm_engine_checks_its_syncs_when_any_of_its_calls_asks(model, fake_vllm):
-    unchecked = EngineConfig(engine="vllm", check_sync=False)
+    unchecked = VllmEngineConfig(check_sync=False)
     build.make_generators(model, {"gen": VLLM, "eval_gen": unchecked, "g": NATIVE}, 0, False)
     build.make_generators(model, {"gen": unchecked, "eval_gen": unchecked}, 0, False)
     assert [v.checked_by for v in fake_vllm] == [("gen",), ()]
@@ -69,13 +74,13 @@ def test_the_shared_vllm_engine_checks_its_syncs_when_any_of_its_calls_asks(mode
 
 def test_make_trainer_follows_the_train_call_s_engine(model, monkeypatch):
     optim = OptimizerConfig(lr=1e-3)
-    trainer = build.make_trainer(model, optim, EngineConfig(engine="torch"))
+    trainer = build.make_trainer(model, optim, TorchEngineConfig())
     assert isinstance(trainer, TorchTrainer) and trainer.cfg is optim
     made = []
     monkeypatch.setattr(
         "rayhf.engines.deepspeed_trainer.DeepSpeedTrainer", lambda *a: made.append(a) or "ds"
     )
-    ds = EngineConfig(engine="deepspeed", zero_stage=3)
+    ds = DeepSpeedEngineConfig(zero_stage=3)
     assert build.make_trainer(model, optim, ds) == "ds"
     assert made == [(model, optim, ds)]
 
@@ -90,6 +95,6 @@ def test_standalone_engine_with_and_without_an_optimizer():
     with torch.no_grad():
         expected = hf(ids).logits
     torch.testing.assert_close(frozen.forward(ids, torch.ones_like(ids)), expected)
-    trainable = build.standalone_engine(hf, Tok(), False, OptimizerConfig(), n_mbs=2)
+    trainable = build.standalone_engine(hf, Tok(), False, OptimizerConfig(), n_microbatches=2)
     assert isinstance(trainable.trainer, TorchTrainer)
-    assert trainable.trainer.model is trainable.model and trainable.model.pipe.n_mbs == 2
+    assert trainable.trainer.model is trainable.model and trainable.model.pipe.n_microbatches == 2

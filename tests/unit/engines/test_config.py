@@ -1,113 +1,147 @@
-"""Which backend runs a call: ``EngineConfig`` validation, defaults per call kind, the ZeRO stage
-a trainer shards with, and the error for an engine that cannot run a kind of call."""
+"""The engine registry: one config class per engine chosen by ``engine``, each with only its own
+fields, the defaults per call kind, the traits the planner and runtime read, and the error for
+an engine that cannot run a kind of call."""
 
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from rayhf.engines.config import ENGINES_BY_KIND, EngineConfig, check_kind
+from rayhf.engines.config import (
+    ENGINES,
+    DeepSpeedEngineConfig,
+    EngineConfig,
+    NativeEngineConfig,
+    TorchEngineConfig,
+    VllmEngineConfig,
+    check_kind,
+    default_engine,
+    engines_for,
+    owner_of,
+)
 from rayhf.errors import RayhfError
+
+UNION = TypeAdapter(EngineConfig)
 
 
 def test_defaults_per_kind_are_the_plain_engines():
-    assert EngineConfig.default("generate") == EngineConfig(engine="native")
-    assert EngineConfig.default("inference") == EngineConfig(engine="torch")
-    assert EngineConfig.default("train") == EngineConfig(engine="torch")
+    assert default_engine("generate") == NativeEngineConfig()
+    assert default_engine("inference") == TorchEngineConfig()
+    assert default_engine("train") == TorchEngineConfig()
     with pytest.raises(KeyError):
-        EngineConfig.default("evaluate")
+        default_engine("evaluate")
+    assert engines_for("generate") == ("native", "vllm")
+    assert engines_for("train") == ("torch", "deepspeed")
+    assert engines_for("inference") == ("torch",)
 
 
-def test_deepspeed_settings_belong_to_deepspeed_only():
-    ds = EngineConfig(engine="deepspeed", zero_stage=3, offload=True)
-    assert (ds.zero_stage, ds.offload) == (3, True)
-    assert EngineConfig(engine="deepspeed").zero_stage == 2
+def test_every_row_is_chosen_by_its_name_and_has_its_own_fields_only():
+    for name, cls in ENGINES.items():
+        cfg = UNION.validate_python({"engine": name})
+        assert type(cfg) is cls and cfg.engine == name
+        # every field says what it does (the configuration reference reads them)
+        assert all(f.description for f in cls.model_fields.values()), name
+        assert UNION.validate_python(cfg.model_dump()) == cfg  # a dump validates back
+        for kind in cls.kinds:
+            check_kind("c", kind, cfg)
+    owned = [f for cls in ENGINES.values() for f in cls.model_fields if f != "engine"]
+    assert len(owned) == len(set(owned)), "a field belongs to one engine"
+
+
+def test_another_engine_s_field_is_refused_by_name():
+    ds = UNION.validate_python({"engine": "deepspeed", "zero_stage": 3, "offload": True})
+    assert ds == DeepSpeedEngineConfig(zero_stage=3, offload=True)
+    assert DeepSpeedEngineConfig().zero_stage == 2
     for engine in ("native", "vllm", "torch"):
         for extra in ({"zero_stage": 1}, {"offload": True}):
-            with pytest.raises(ValidationError, match="settings of engine 'deepspeed'"):
-                EngineConfig(engine=engine, **extra)
-    # a dump holds every field at its default; validated again (with_overrides), it is the same
-    torch = EngineConfig(engine="torch", max_tokens_per_microbatch=64)
-    assert EngineConfig.model_validate(torch.model_dump()) == torch
-    with pytest.raises(ValidationError, match="max_tokens_per_microbatch is a setting of engine"):
-        EngineConfig(engine="vllm", max_tokens_per_microbatch=64)
+            with pytest.raises(ValidationError, match=f"{engine}.{next(iter(extra))}\n.*Extra"):
+                UNION.validate_python({"engine": engine, **extra})
+    with pytest.raises(ValidationError, match="max_tokens_per_microbatch"):
+        UNION.validate_python({"engine": "vllm", "max_tokens_per_microbatch": 64})
+    assert owner_of("zero_stage") == "deepspeed" and owner_of("check_sync") == "vllm"
+    assert owner_of("max_rows") == "native" and owner_of("nope") is None
 
 
 def test_check_sync_is_a_vllm_setting_on_by_default():
-    assert EngineConfig(engine="vllm").check_sync
-    assert not EngineConfig(engine="vllm", check_sync=False).check_sync
-    for engine in ("native", "torch", "deepspeed"):
-        with pytest.raises(ValidationError, match="check_sync is a setting of engine 'vllm'"):
-            EngineConfig(engine=engine, check_sync=False)
-        # compared by value: a dump holds the default, and validates again as the same config
-        cfg = EngineConfig(engine=engine)
-        assert EngineConfig.model_validate(cfg.model_dump()) == cfg
+    assert VllmEngineConfig().check_sync and VllmEngineConfig().checks_sync
+    assert not VllmEngineConfig(check_sync=False).checks_sync
+    assert not any(cls().checks_sync for cls in (NativeEngineConfig, TorchEngineConfig))
 
 
 def test_the_decode_engine_settings_belong_to_the_native_engine():
-    native = EngineConfig(engine="native", max_rows=8, cuda_graphs=False, release_memory=True)
-    assert EngineConfig.model_validate(native.model_dump()) == native
-    for field, value in (("max_rows", 8), ("cuda_graphs", False), ("compile", True)):
-        for engine in ("vllm", "torch", "deepspeed"):
-            with pytest.raises(ValidationError, match=f"{field} is a setting of engine 'native'"):
-                EngineConfig(engine=engine, **{field: value})
+    native = NativeEngineConfig(max_rows=8, cuda_graphs=False, release_memory=True)
+    assert UNION.validate_python(native.model_dump()) == native
     with pytest.raises(ValidationError, match="max_rows"):
-        EngineConfig(engine="native", max_rows=0)
+        NativeEngineConfig(max_rows=0)
 
 
 @pytest.mark.parametrize(
     "bad",
-    [{"engine": "jax"}, {"engine": "deepspeed", "zero_stage": 0}, {"engine": "torch", "x": 1}],
+    [{"engine": "jax"}, {"engine": "deepspeed", "zero_stage": 0}, {"engine": "torch", "x": 1}, {}],
 )
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValidationError):
-        EngineConfig(**bad)
+        UNION.validate_python(bad)
 
 
 def test_configs_are_frozen_values():
-    cfg = EngineConfig(engine="vllm")
+    cfg = VllmEngineConfig()
     with pytest.raises(ValidationError):
-        cfg.engine = "native"  # type: ignore[misc]
-    assert hash(cfg) == hash(EngineConfig(engine="vllm"))
+        cfg.check_sync = False  # type: ignore[misc]
+    assert hash(cfg) == hash(VllmEngineConfig())
 
 
-def test_whole_model_ranks():
-    assert EngineConfig(engine="vllm").whole_model_ranks
-    assert EngineConfig(engine="deepspeed").whole_model_ranks
-    assert not EngineConfig(engine="native").whole_model_ranks
-    assert not EngineConfig(engine="torch").whole_model_ranks
+def test_traits():
+    native, vllm, torch, ds = (
+        NativeEngineConfig(),
+        VllmEngineConfig(),
+        TorchEngineConfig(),
+        (DeepSpeedEngineConfig(offload=True)),
+    )
+    assert [e.whole_model_ranks for e in (native, vllm, torch, ds)] == [False, True, False, True]
+    assert [e.server_resident for e in (native, vllm, torch, ds)] == [False, True, False, False]
+    assert [e.trains_in_compute_dtype for e in (torch, ds)] == [False, True]
+    assert [e.offloads_optimizer for e in (torch, ds)] == [False, True]
+    assert TorchEngineConfig(max_tokens_per_microbatch=64).token_budget == 64
+    assert ds.token_budget is None and torch.token_budget is None
+    assert torch.at_zero_stage(1) is torch and torch.at_zero_stage(3) == DeepSpeedEngineConfig(
+        zero_stage=3
+    )
+    assert ds.at_zero_stage(1) is ds
+    assert (torch.zero_choices, ds.zero_choices, vllm.zero_choices) == ((0, 1, 2, 3), (1, 2, 3), ())
 
 
 @pytest.mark.parametrize(
     ("engine", "zero1", "stage"),
     [
-        ({"engine": "torch"}, False, 0),
-        ({"engine": "torch"}, True, 1),
-        ({"engine": "deepspeed", "zero_stage": 3}, False, 3),
-        ({"engine": "deepspeed", "zero_stage": 1}, True, 1),  # its own stage, zero1 or not
-        ({"engine": "native"}, True, 0),
-        ({"engine": "vllm"}, True, 0),
+        (TorchEngineConfig(), False, 0),
+        (TorchEngineConfig(), True, 1),
+        (DeepSpeedEngineConfig(zero_stage=3), False, 3),
+        (DeepSpeedEngineConfig(zero_stage=1), True, 1),  # its own stage, zero1 or not
+        (NativeEngineConfig(), True, 0),
+        (VllmEngineConfig(), True, 0),
     ],
 )
 def test_zero_stage_for(engine, zero1, stage):
-    assert EngineConfig(**engine).zero_stage_for(zero1) == stage
-
-
-def test_check_kind_accepts_every_listed_engine():
-    for kind, engines in ENGINES_BY_KIND.items():
-        for engine in engines:
-            check_kind("some_call", kind, EngineConfig(engine=engine))
+    assert engine.zero_stage_for(zero1) == stage
 
 
 def test_check_kind_names_the_field_and_the_choices():
     with pytest.raises(RayhfError) as info:
-        check_kind("actor_gen", "generate", EngineConfig(engine="torch"))
+        check_kind("actor_gen", "generate", TorchEngineConfig())
     assert str(info.value) == (
         "engines.actor_gen.engine: a generate call runs on native, vllm, not 'torch'"
     )
     with pytest.raises(
         RayhfError, match=r"^engines\.train\.engine: .*torch, deepspeed, not 'vllm'"
     ):
-        check_kind("train", "train", EngineConfig(engine="vllm"))
+        check_kind("train", "train", VllmEngineConfig())
     with pytest.raises(RayhfError, match=r"inference call runs on torch, not 'deepspeed'$"):
-        check_kind("ref_inf", "inference", EngineConfig(engine="deepspeed"))
+        check_kind("ref_inf", "inference", DeepSpeedEngineConfig())
+
+
+def test_an_engine_runs_only_its_own_kinds():
+    with pytest.raises(AssertionError, match="runs no train call"):
+        NativeEngineConfig().make_trainer(None, None)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="runs no generate call"):
+        TorchEngineConfig().make_generator(None, 0, False, ())  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import json, torch
 from rayhf.checks.common import Tok, tiny_model
 from rayhf.checks.parity import _batch, _loss
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import DeepSpeedEngineConfig
 from rayhf.engines.deepspeed_trainer import DeepSpeedTrainer
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import OptimizerConfig
@@ -27,7 +27,7 @@ ids, mask = _batch()
 for stage in (1, 2, 3):
     hf = tiny_model("llama", {"n_heads": 4})
     model = RankModel.from_hf(hf, Tok(), False, numerics=Numerics("bf16"))
-    engine = EngineConfig(engine="deepspeed", zero_stage=stage)
+    engine = DeepSpeedEngineConfig(zero_stage=stage)
     trainer = DeepSpeedTrainer(model, OptimizerConfig(lr=1e-2), engine)
     held = trainer.shard_source().source_shards()
     before = {k: v.detach().float().clone() for k, v in held.items()}

@@ -12,7 +12,7 @@ import torch
 from conftest import needs_deepspeed
 
 from rayhf.checks.common import Tok, tiny_model
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import DeepSpeedEngineConfig
 from rayhf.engines.deepspeed_trainer import (
     DEEPSPEED_EXTRA,
     _FlatSlices,
@@ -27,7 +27,7 @@ from rayhf.parallel.layout import Layout
 
 DP2 = Layout((0, 1), dp=2)
 DP2_OTHER = Layout((2, 3), dp=2)
-Z2, Z3 = EngineConfig(engine="deepspeed"), EngineConfig(engine="deepspeed", zero_stage=3)
+Z2, Z3 = DeepSpeedEngineConfig(), DeepSpeedEngineConfig(zero_stage=3)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 
-PPO = load_graph(Path(__file__).parents[3] / "rayhf" / "graphs" / "ppo.yaml")
+PPO = load_graph(Path(__file__).parents[3] / "graphs" / "ppo.yaml")
 
 
 def _homes(layouts: dict[str, Layout]) -> dict[str, Layout]:

@@ -27,7 +27,7 @@ from rayhf.runtime.assets import (
 from rayhf.runtime.planning import PLAN_FILE
 
 REPO = Path(__file__).resolve().parents[3]
-PPO = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+PPO = load_graph(REPO / "graphs" / "ppo.yaml")
 
 
 def _cfg(tmp_path: Path, *overrides: str):

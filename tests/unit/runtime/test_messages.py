@@ -13,7 +13,7 @@ from rayhf.algorithms import InterfaceSettings
 from rayhf.algorithms.ppo import PPOConfig
 from rayhf.checks.common import tiny_model
 from rayhf.data.batch import PackedBatch
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import NativeEngineConfig, TorchEngineConfig
 from rayhf.engines.torch_trainer import OptimizerConfig
 from rayhf.models.hf import model_files
 from rayhf.realloc.plan import Transfer
@@ -32,11 +32,11 @@ from rayhf.sampling import GenerationConfig
 
 CALL = CallSpec(
     "actor_gen", "generate", "ppo_actor", {"n_samples": 2}, {"prompts": "prompts"},
-    {"seq": "seq"}, EngineConfig(engine="native"),
+    {"seq": "seq"}, NativeEngineConfig(),
 )  # fmt: skip
 SPEC = WorkerSpec(
     role="actor", layout_name="d0-1.dp2tp1pp1", rank=1, dp_size=2, tp_size=1, pp_size=1,
-    n_mbs=1, calls=(CALL,), settings=InterfaceSettings(PPOConfig(), GenerationConfig()),
+    n_microbatches=1, calls=(CALL,), settings=InterfaceSettings(PPOConfig(), GenerationConfig()),
     tokenizer_dir="/run/tokenizer", special_ids={"pad_token_id": 0, "eos_token_id": 2},
     model=model_files(tiny_model("llama", {"n_heads": 4}).config, False), model_dir=None,
     value_head=False, optimizer=OptimizerConfig(lr=1e-3), seed=1, threads=2,
@@ -79,7 +79,7 @@ def test_batches_travel_inside_requests_and_results() -> None:
 
 def test_defaults_and_what_may_change_after_creation() -> None:
     call = CallSpec("critic_train", "train", "ppo_critic")
-    assert call.engine == EngineConfig(engine="torch") and call.args == call.inputs == {}
+    assert call.engine == TorchEngineConfig() and call.args == call.inputs == {}
     assert SPEC.device == "cpu"
     assert not CallRequest("c", 0, PackedBatch([])).evaluate
     node = CallNode("c", ())

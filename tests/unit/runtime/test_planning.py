@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import rayhf
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import TorchEngineConfig, VllmEngineConfig
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import Workload
@@ -24,7 +24,7 @@ from rayhf.runtime.planning import (
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
-GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 
 
 def test_the_config_s_batch_lengths_and_minibatches_are_priced():
@@ -43,7 +43,7 @@ def test_groups_epochs_and_the_proximal_forward_are_priced_as_the_interfaces_run
     train call goes over its minibatches ppo_epochs times; at max_staleness > 0 the policy's
     train call also forwards what its first minibatch does not give of the proximal log-probs."""
     grpo = rayhf.load_config(REPO / "examples" / "grpo_tiny.yaml")  # 16 prompts x 4, 4 mbs
-    graph = load_graph(REPO / "rayhf" / "graphs" / "grpo.yaml")
+    graph = load_graph(REPO / "graphs" / "grpo.yaml")
     works = planner_workloads(grpo, graph, None)
     assert {w.n_seqs for w in works.values()} == {64}
     assert works["actor_train"].forward_share == 0 and works["actor_train"].epochs == 1
@@ -63,10 +63,10 @@ def test_engines_and_zero1_reach_the_workloads():
         ["engines.actor_gen.engine=vllm", "models.actor.optimizer.zero1=true"],
     )
     engines = call_engines(cfg, GRAPH)
-    assert engines["actor_gen"] == EngineConfig(engine="vllm")
-    assert engines["critic_train"] == EngineConfig(engine="torch")
+    assert engines["actor_gen"] == VllmEngineConfig()
+    assert engines["critic_train"] == TorchEngineConfig()
     works = planner_workloads(cfg, GRAPH, None)
-    assert works["actor_gen"].engine == "vllm" and works["actor_gen"].whole_model_ranks
+    assert works["actor_gen"].engine == VllmEngineConfig() and works["actor_gen"].whole_model_ranks
     assert works["actor_train"].zero_stage == 1 and works["critic_train"].zero_stage == 0
 
 
@@ -97,7 +97,7 @@ def test_multi_turn_calls_are_priced_by_their_turns_and_need_a_dp_layout():
     from rayhf.runtime.assets import _check_env_layouts
 
     grpo = rayhf.load_config(REPO / "examples" / "grpo_tiny.yaml")  # prompts <= 24, 16 new
-    graph = load_graph(REPO / "rayhf" / "graphs" / "grpo_agent.yaml")
+    graph = load_graph(REPO / "graphs" / "grpo_agent.yaml")
     env = {"env": {"cls": "rayhf.tasks.calculator:CalculatorEnv", "max_turns": 3}}
     works = planner_workloads(grpo.with_overrides(env), graph, None)
     assert works["actor_gen"].gen_len == 48 and works["actor_train"].gen_len == 48

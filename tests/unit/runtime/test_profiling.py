@@ -13,15 +13,23 @@ from rayhf.graph import load_graph
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.auto import plan_for_run, workloads
+from rayhf.planner.auto import (
+    RunDevices,
+    StepBatch,
+    colocated_for_run,
+    plan_for_run,
+    run_cost,
+    workloads,
+)
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.hardware import cpu_cluster
-from rayhf.planner.plan import colocated_plan
+from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ProfiledCost
 from rayhf.runtime.profiling import _engine, _with_depth, profile_model, profiles_for
 
 REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 
 
 def tiny(value_head: bool = False):
@@ -43,8 +51,8 @@ def test_profile_is_measured_fitted_and_cached(tmp_path):
         assert sum(fit.base) + sum(fit.layer) > 0.0, f"{op} measured nothing"
     cost = ProfiledCost(cpu_cluster(2, 4.0), {dataclasses.replace(spec, n_layers=0): prof})
     small = Layout((0,), 1)
-    work = workloads(GRAPH, 8, 12, 8, 1)
-    big = workloads(GRAPH, 64, 12, 8, 1)
+    work = workloads(GRAPH, StepBatch(8, 12, 8, 1))
+    big = workloads(GRAPH, StepBatch(64, 12, 8, 1))
     for call in ("actor_gen", "ref_inf", "actor_train"):
         assert (
             cost.call(spec, small, big[call]).seconds > cost.call(spec, small, work[call]).seconds
@@ -75,13 +83,20 @@ def test_auto_plan_on_two_cpu_devices_is_valid_and_reproducible(tmp_path, monkey
     actor, _ = tiny()
     critic, _ = tiny(value_head=True)
     configs = {"actor": (actor, False), "ref": (actor, False), "critic": (critic, True)}
-    works = workloads(GRAPH, 32, 13, 12, 4)
+    works = workloads(GRAPH, StepBatch(32, 13, 12, 4))
     cluster = ClusterConfig(n_devices=2)
     specs, profiles = profiles_for(configs, threads=1)
-    first = plan_for_run(GRAPH, specs, profiles, works, cluster, seed=1)
-    again = plan_for_run(GRAPH, specs, profiles, works, cluster, seed=1)
+
+    def run_plan(cluster: ClusterConfig, seed: int = 0) -> Plan:
+        cost = run_cost(RunDevices(cluster), profiles)
+        if cost is None:
+            return colocated_for_run(GRAPH, cluster.n_devices)
+        return plan_for_run(Problem(GRAPH, specs, works, cost), seed)
+
+    first = run_plan(cluster, seed=1)
+    again = run_plan(cluster, seed=1)
     assert first.layouts == again.layouts and first.source == "auto"
-    assert all(set(lay.mesh) <= {0, 1} for lay in first.layouts.values())
+    assert first.layouts and all(set(lay.mesh) <= {0, 1} for lay in first.layouts.values())
     assert list((tmp_path / "profiles").glob("*.json")), "profiles are cached"
-    one = plan_for_run(GRAPH, specs, profiles, works, ClusterConfig(n_devices=1))
+    one = run_plan(ClusterConfig(n_devices=1))
     assert one.layouts == colocated_plan(GRAPH, 1).layouts

@@ -19,7 +19,7 @@ from rayhf.graph import load_graph
 from rayhf.runtime.driver import StepOutcome
 from rayhf.runtime.refill import RefillExecutor
 
-DAPO = load_graph(Path(__file__).parents[3] / "rayhf" / "graphs" / "dapo.yaml")
+DAPO = load_graph(Path(__file__).parents[3] / "graphs" / "dapo.yaml")
 GROUP = 2  # samples per prompt
 STEP = 7
 

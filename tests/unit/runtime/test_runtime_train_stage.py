@@ -38,10 +38,10 @@ def test_workers_get_absolute_paths(monkeypatch, tmp_path):
 
 
 def test_a_stage_runs_a_graph_of_exactly_one_train_call():
-    sft = SimpleNamespace(graph=load_graph(REPO / "rayhf" / "graphs" / "sft.yaml"))
+    sft = SimpleNamespace(graph=load_graph(REPO / "graphs" / "sft.yaml"))
     (call,) = sft.graph.calls
     assert _stage_call(sft) == (call.role, call.interface)  # type: ignore[arg-type]
-    ppo = SimpleNamespace(graph=load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml"))
+    ppo = SimpleNamespace(graph=load_graph(REPO / "graphs" / "ppo.yaml"))
     with pytest.raises(RayhfError, match=r"graph 'ppo' has 6 calls; .* `rayhf run`"):
         _stage_call(ppo)  # type: ignore[arg-type]
 

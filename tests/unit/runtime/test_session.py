@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import rayhf
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import NativeEngineConfig
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
@@ -19,7 +19,7 @@ from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.session import Session, _interrupts_deferred
 
 REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 HOME, GEN = Layout((0, 1), 2), Layout((0, 1), 1, 2)  # the actor trains dp=2, generates tp=2
 ONE, TWO = Layout((0,), 1), Layout((1,), 1)
 LAYOUTS = {"actor_gen": GEN, "rew_inf": ONE, "ref_inf": ONE, "critic_inf": TWO,
@@ -48,7 +48,7 @@ def test_each_rank_s_spec_follows_the_plan(tmp_path: Path):
     session = _session(tmp_path)
     home = session._spec("actor", HOME, 1, threads=3)
     assert [c.name for c in home.calls] == ["actor_train"]
-    shape = (home.role, home.rank, home.dp_size, home.tp_size, home.pp_size, home.n_mbs)
+    shape = (home.role, home.rank, home.dp_size, home.tp_size, home.pp_size, home.n_microbatches)
     assert shape == ("actor", 1, 2, 1, 1, 1)
     assert (home.layout_name, home.threads, home.device) == ("d0-1.dp2tp1pp1", 3, "cpu")
     optimizer = session.cfg.models["actor"].optimizer
@@ -61,7 +61,7 @@ def test_each_rank_s_spec_follows_the_plan(tmp_path: Path):
     assert [c.name for c in copy.calls] == ["actor_gen"] and copy.optimizer is None
     (gen,) = copy.calls
     assert (gen.kind, gen.interface) == ("generate", "ppo_actor")
-    assert gen.engine == EngineConfig(engine="native") and gen.inputs == {"prompts": "prompts"}
+    assert gen.engine == NativeEngineConfig() and gen.inputs == {"prompts": "prompts"}
     assert set(gen.outputs) == {"seq", "prompt_lens", "logprobs"}
     (ref,) = session._spec("ref", ONE, 0, threads=1).calls
     assert ref.outputs == {"logprobs": "ref_logprobs"}  # the graph's output_remap

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[3]
      ("rm", {"chosen", "rejected"})],
 )  # fmt: skip
 def test_sequence_keys_are_what_the_train_calls_learn_from(graph: str, keys: set[str]):
-    assert sequence_keys(load_graph(REPO / "rayhf" / "graphs" / f"{graph}.yaml")) == keys
+    assert sequence_keys(load_graph(REPO / "graphs" / f"{graph}.yaml")) == keys
 
 
 def _batch() -> PackedBatch:
