@@ -100,7 +100,7 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     ids, prompts = ids[share], prompts[share]
     mask = torch.ones_like(ids)
     optim = OptimizerConfig(lr=1e-5)
-    engine = standalone_engine(_model(layers), _Tok(), False, optim, groups, n_mbs=2)
+    engine = standalone_engine(_model(layers), _Tok(), False, optim, groups, n_microbatches=2)
     batch = PackedBatch(list(range(len(prompts))))
 
     def train() -> None:

@@ -12,8 +12,9 @@ list plus what the baselines and the search chose) then runs with rayhf, in inte
 two plans of each model ("all dp2", "all on device 0"; ``calibrate``: the driver's cost per
 call; per mesh size, a call's fixed cost inside the actors and its scale over the profile), and
 every other plan is a prediction: its estimate beside its mean measured step time. Writes
-docs/benchmarks/planner_calibration.{md,json}; the fitted constants go into ``hardware.py`` by
-hand.
+docs/benchmarks/planner_calibration.{md,json}, and the fitted constants into
+rayhf/planner/fitted.json (the values they replace go into its history), where
+``rayhf.planner.hardware`` reads them.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from rayhf.data.datasets import kind_for_inputs
 from rayhf.graph import load_graph
 from rayhf.models.spec import model_spec
 from rayhf.planner import baselines
-from rayhf.planner.auto import workloads
+from rayhf.planner.auto import StepBatch, workloads
 from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster
+from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, FITTED_FILE, cpu_cluster
 from rayhf.planner.layout import LayoutSpec
 from rayhf.planner.plan import Plan, make_plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import MeasuredRun, ProfiledCost, calibrate
 from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
@@ -72,14 +74,20 @@ def fixed_plans() -> dict[str, dict[str, dict]]:
 
 
 def to_plan(entries: dict[str, dict], devices: int = DEVICES) -> Plan:
-    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "graphs" / "ppo.yaml")
     specs = {k: LayoutSpec(**v) for k, v in entries.items()}
     return make_plan(graph, specs, ClusterConfig(n_devices=devices))
 
 
 def as_config(plan: Plan) -> dict[str, dict]:
     return {
-        name: {"mesh": list(lay.mesh), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "n_mbs": lay.n_mbs}
+        name: {
+            "mesh": list(lay.mesh),
+            "dp": lay.dp,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "n_microbatches": lay.n_microbatches,
+        }
         for name, lay in plan.layouts.items()
     }
 
@@ -87,7 +95,7 @@ def as_config(plan: Plan) -> dict[str, dict]:
 def run_overrides(plan: Plan) -> dict[str, Any]:
     """The config fields that make a run execute ``plan``: its layouts, and each train call's
     ZeRO stage (1: torch's ``zero1``; 2-3: DeepSpeed)."""
-    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "graphs" / "ppo.yaml")
     out: dict[str, Any] = {"plan": as_config(plan)}
     engines = {}
     for call, stage in plan.zero.items():
@@ -142,7 +150,7 @@ def prompt_len(cfg, graph) -> int:
 
 def planner(cfg, devices: int = DEVICES):
     """The graph, specs, workloads and (uncalibrated) profiled cost of ``cfg``."""
-    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "graphs" / "ppo.yaml")
     threads = 1  # each emulated device has at most one of the 2 cores
     profiles, specs = {}, {}
     for role, config in model_configs(cfg).items():
@@ -153,22 +161,22 @@ def planner(cfg, devices: int = DEVICES):
         )
     cores = os.cpu_count() or 1
     cost = ProfiledCost(cpu_cluster(devices, cfg.cluster.device_memory_gb, cores), profiles)
-    works = workloads(graph, BATCH, prompt_len(cfg, graph), NEW_TOKENS, MINIBATCHES)
-    return graph, specs, works, cost
+    batch = StepBatch(BATCH, prompt_len(cfg, graph), NEW_TOKENS, MINIBATCHES)
+    return graph, specs, workloads(graph, batch), cost
 
 
-def chosen_plans(graph, specs, works, cost) -> dict[str, Plan]:
+def chosen_plans(problem: Problem) -> dict[str, Plan]:
     """The baselines' and the search's plans under the profiled model."""
 
     def score(plan: Plan) -> float:
-        return simulate(graph, plan, specs, works, cost).iteration_seconds
+        return simulate(problem, plan).iteration_seconds
 
-    setting = baselines.Setting(graph, specs, works, DEVICES, DEVICES, score, cost)
+    setting = baselines.Setting(problem, score)
     base = {
         "baseline: colocated": baselines.colocated(setting),
         "baseline: disjoint": baselines.disjoint(setting),
     }
-    found = search(graph, specs, works, cost, list(base.values()), time_limit=10.0)
+    found = search(problem, list(base.values()), time_limit=10.0)
     return {**base, "search": found.plan}
 
 
@@ -179,7 +187,7 @@ def all_plans(setups) -> dict[str, dict[str, Plan]]:
     for name, (_, graph, specs, works, bare) in setups.items():
         cost = ProfiledCost(bare.cluster, bare.profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
         out[name] = {k: to_plan(v) for k, v in fixed_plans().items()}
-        out[name].update(chosen_plans(graph, specs, works, cost))
+        out[name].update(chosen_plans(Problem(graph, specs, works, cost)))
     return out
 
 
@@ -217,7 +225,7 @@ def fit(setups, runs) -> ProfiledCost:
     ]
     profiles = {k: v for s in setups.values() for k, v in s[4].profiles.items()}
     cost = ProfiledCost(next(iter(setups.values()))[4].cluster, profiles)
-    return calibrate(cost, load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml"), samples)
+    return calibrate(cost, load_graph(REPO / "graphs" / "ppo.yaml"), samples)
 
 
 def rows_of(name: str, setup, plans: dict[str, Plan], runs, cost: ProfiledCost) -> list[dict]:
@@ -227,7 +235,7 @@ def rows_of(name: str, setup, plans: dict[str, Plan], runs, cost: ProfiledCost) 
     for label, plan in plans.items():
         same = same_as(plans, label)
         run = runs[name, same]
-        sim = simulate(graph, plan, specs, works, cost)
+        sim = simulate(Problem(graph, specs, works, cost), plan)
         est, step = sim.iteration_seconds, run.step_seconds
         calls = {c: {"estimate": cost.call(specs[graph.by_name[c].role], plan.layouts[c],
                                            works[c]).seconds,
@@ -277,6 +285,25 @@ def report(rows: list[dict], fitted: ProfiledCost, args, commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_fitted(fitted: ProfiledCost, commit: str) -> Path:
+    """Write the fitted runtime constants into rayhf/planner/fitted.json, where the planner
+    reads them, the values they replace appended to the file's history."""
+    path = REPO / "rayhf" / "planner" / FITTED_FILE
+    data = json.loads(path.read_text())
+    actor = ", ".join(
+        f"{k}: {a * 1e3:.1f} ms + {b:.2f}x" for k, (a, b) in sorted(CPU_ACTOR.items())
+    )
+    data["history"].append(
+        f"cpu_call_overhead, cpu_actor before commit {commit}'s calibration: "
+        f"{CPU_CALL_OVERHEAD * 1e3:.1f} ms; {actor}."
+    )
+    data["cpu_call_overhead"] = fitted.call_overhead
+    data["cpu_actor"] = {str(k): [a, b] for k, (a, b) in sorted(fitted.actor.items())}
+    data["commit"] = commit
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -298,6 +325,7 @@ def main() -> None:
     text = report(rows, cost, args, commit)
     print(text)
     write_results("planner_calibration", text, rows, commit)
+    print(f"fitted constants written to {write_fitted(cost, commit)}")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from _common import git_commit, write_results
 from planner_scale import setting, setups
 
 from rayhf.planner import baselines
-from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.search import _fitting, _Scorer, candidates, search
 from rayhf.planner.simulate import simulate
 
@@ -73,15 +73,16 @@ def blocks_of(tree: tuple, start: int, size: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def exhaustive(graph, specs, w, cost: AnalyticCost, score: _Scorer) -> tuple[float, dict, int]:
+def exhaustive(score: _Scorer) -> tuple[float, dict, int]:
     """The fastest feasible plan among every role placement (see the module's docstring), its
     layouts, and how many plans were simulated."""
-    cluster = cost.cluster
+    problem = score.problem
+    graph, specs, cluster = problem.graph, problem.specs, problem.cluster
     n = cluster.n_devices
     options = _fitting(  # layouts whose call alone fits a device (all, where none does)
+        problem,
         {c.name: candidates(specs[c.role], n, cluster.devices_per_node) for c in graph.calls},
-        graph, specs, w, cost,
-    )  # fmt: skip
+    )
     best, best_layouts, tried = math.inf, {}, 0
     for tree in placements(int(math.log2(n)), frozenset(LABELS)):
         where = blocks_of(tree, 0, n)
@@ -105,20 +106,18 @@ def exhaustive(graph, specs, w, cost: AnalyticCost, score: _Scorer) -> tuple[flo
 
 
 def run_setup(actor: str, critic: str, devices: int, gen: int, limit: float, every: bool) -> dict:
-    graph, specs, w, cost = setting(actor, critic, devices, gen)
-    built = baselines.build_all(baselines.Setting.priced(graph, specs, w, cost))
+    problem = Problem(*setting(actor, critic, devices, gen))
+    built = baselines.build_all(baselines.Setting.priced(problem))
     starts = [p for p in built.values() if p is not None]
     best_base = min(
-        (s.iteration_seconds for s in (simulate(graph, p, specs, w, cost) for p in starts)
-         if s.feasible),
+        (s.iteration_seconds for s in (simulate(problem, p) for p in starts) if s.feasible),
         default=math.nan,
     )  # fmt: skip
     row: dict = {"actor": actor, "critic": critic, "devices": devices, "gen": gen,
                  "best_baseline": best_base, "search": {}}  # fmt: skip
     for label, seed, scale in [("seed 0", 0, 1), ("seed 1", 1, 1), ("seed 2", 2, 1),
                                ("seed 0, 4x", 0, 4)]:  # fmt: skip
-        found = search(graph, specs, w, cost, starts, seed=seed, max_iterations=20000 * scale,
-                       time_limit=limit * scale)  # fmt: skip
+        found = search(problem, starts, seed, 20000 * scale, limit * scale)
         row["search"][label] = {
             "seconds": found.simulation.iteration_seconds,
             "feasible": found.simulation.feasible,
@@ -126,10 +125,10 @@ def run_setup(actor: str, critic: str, devices: int, gen: int, limit: float, eve
             "plan": json.loads(found.plan.to_json()),
         }
     if every:
-        score = _Scorer(graph, specs, w, cost, deadline=math.inf)
+        score = _Scorer(problem, deadline=math.inf)
         began = time.perf_counter()
-        _, layouts, tried = exhaustive(graph, specs, w, cost, score)
-        sim = simulate(graph, Plan(layouts, "placements"), specs, w, cost)
+        _, layouts, tried = exhaustive(score)
+        sim = simulate(problem, Plan(layouts, "placements"))
         row["placements"] = {
             "seconds": sim.iteration_seconds,
             "feasible": sim.feasible,

@@ -27,6 +27,7 @@ from rayhf.planner import baselines
 from rayhf.planner.auto import open_stages
 from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ProfiledCost
 from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
@@ -45,6 +46,9 @@ class Setup(NamedTuple):
     works: dict
     cost: ProfiledCost
 
+    def problem(self) -> Problem:
+        return Problem(self.graph, self.specs, self.works, self.cost)
+
 
 def setup(model: dict, tmp: str) -> Setup:
     cfg = base_config(model, tmp, DEVICES)
@@ -56,14 +60,14 @@ def setup(model: dict, tmp: str) -> Setup:
 def chosen(s: Setup, seconds: float) -> tuple[dict[str, Plan], list[str]]:
     """Every baseline's plan and the search's, each with the ZeRO stage of every train call
     (as the simulator chose them: what the run must execute), and the baselines with no plan."""
-    setting = baselines.Setting.priced(s.graph, s.specs, s.works, s.cost)
-    built = baselines.build_all(setting)
+    problem = s.problem()
+    built = baselines.build_all(baselines.Setting.priced(problem))
     plans = {f"baseline: {k}": p for k, p in built.items() if p is not None}
-    found = search(s.graph, s.specs, s.works, s.cost, list(plans.values()), time_limit=seconds)
+    found = search(problem, list(plans.values()), time_limit=seconds)
     plans["search"] = found.plan
     out = {}
     for label, plan in plans.items():
-        stages = simulate(s.graph, plan, s.specs, s.works, s.cost).stages
+        stages = simulate(problem, plan).stages
         out[label] = Plan(plan.layouts, plan.source, stages)
     return out, [k for k, p in built.items() if p is None]
 
@@ -72,7 +76,7 @@ def rows_of(name: str, s: Setup, plans: dict[str, Plan], runs) -> list[dict]:
     rows = []
     for label, plan in plans.items():
         same = same_as(plans, label)
-        sim = simulate(s.graph, plan, s.specs, s.works, s.cost)
+        sim = simulate(s.problem(), plan)
         step = runs[name, same].step_seconds
         rows.append({"model": name, "plan": label, "layouts": as_config(plan),
                      "zero": plan.zero, "feasible": sim.feasible,

@@ -26,6 +26,7 @@ from rayhf.planner.auto import open_stages
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.search import candidates, search
 from rayhf.planner.simulate import simulate
 
@@ -92,7 +93,7 @@ def _longest(graph, first: str, last: str, seconds: dict[str, float]) -> float:
 
 def setting(actor: str, critic: str, devices: int, gen: int):
     """The graph, model specs, workloads and H100 cost model of one setup."""
-    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "graphs" / "ppo.yaml")
     cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
     specs = {
         "actor": public_shape(actor),
@@ -105,17 +106,18 @@ def setting(actor: str, critic: str, devices: int, gen: int):
 
 def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float) -> dict:
     graph, specs, w, cost = setting(actor, critic, devices, gen)
+    problem = Problem(graph, specs, w, cost)
     began = time.perf_counter()
-    built = baselines.build_all(baselines.Setting.priced(graph, specs, w, cost))
+    built = baselines.build_all(baselines.Setting.priced(problem))
     baseline_seconds = time.perf_counter() - began
     base = {k: v for k, v in built.items() if v is not None}
-    found = search(graph, specs, w, cost, list(base.values()), time_limit=time_limit)
+    found = search(problem, list(base.values()), time_limit=time_limit)
     row: dict = {"actor": actor, "critic": critic, "devices": devices, "gen": gen}
     for name, plan in {**built, "search": found.plan}.items():
         if plan is None:
             row[name] = None  # its rules give no plan here
             continue
-        sim = simulate(graph, plan, specs, w, cost)
+        sim = simulate(problem, plan)
         row[name] = {
             "seconds": sim.iteration_seconds,
             "feasible": sim.feasible,

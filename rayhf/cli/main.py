@@ -165,13 +165,14 @@ def _memory_per_device(cfg, graph, the_plan, specs) -> str:
     """The simulated peak memory per emulated device under a plan, engines included."""
     from rayhf.planner.cost import AnalyticCost
     from rayhf.planner.hardware import cpu_cluster
+    from rayhf.planner.problem import Problem
     from rayhf.planner.simulate import simulate
     from rayhf.runtime.assets import existing_dataset
     from rayhf.runtime.planning import planner_workloads, step_options
 
     works = planner_workloads(cfg, graph, existing_dataset(cfg, graph))
     cost = AnalyticCost(cpu_cluster(cfg.cluster.n_devices, cfg.cluster.device_memory_gb))
-    sim = simulate(graph, the_plan, specs, works, cost, step=step_options(cfg))
+    sim = simulate(Problem(graph, specs, works, cost, step_options(cfg)), the_plan)
     peaks = ", ".join(f"d{d} {b / 2**20:.1f} MiB" for d, b in sorted(sim.peak_memory.items()))
     return f"  memory per device (weights, optimizer state, engines, largest call): {peaks}"
 
@@ -200,15 +201,17 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
 
     from rayhf.planner import format_plan
     from rayhf.planner.auto import auto_plan, format_auto, step_estimates, write_gantt
+    from rayhf.planner.cost import AnalyticCost
     from rayhf.planner.hardware import parse_cluster
+    from rayhf.planner.problem import Problem
     from rayhf.runtime.assets import existing_dataset
     from rayhf.runtime.planning import planner_workloads, staleness, step_options
 
-    cluster = parse_cluster(cluster_text)
+    cost = AnalyticCost(parse_cluster(cluster_text))
     dataset = existing_dataset(cfg, graph)
     works = planner_workloads(cfg, graph, dataset)
-    step = step_options(cfg, "cuda")
-    result = auto_plan(graph, specs, works, cluster, cfg.seed, seconds, step)
+    problem = Problem(graph, specs, works, cost, step_options(cfg, "cuda"))
+    result = auto_plan(problem, cfg.seed, seconds)
     chosen = result.chosen.plan
     if json_out:
         typer.echo(chosen.to_json())
@@ -219,7 +222,7 @@ def _search_plan(cfg, graph, specs, cluster_text, seconds, json_out, gantt) -> N
     if staleness(cfg):
         synced = cfg.with_overrides({"algorithm.max_staleness": 0})
         on_policy = planner_workloads(synced, graph, dataset)
-    ways = step_estimates(graph, specs, works, cluster, result, step, cfg.seed, seconds, on_policy)
+    ways = step_estimates(problem, result, cfg.seed, seconds, on_policy)
     typer.echo("\n".join(ways))
     if gantt is not None:
         typer.echo(f"gantt chart: {write_gantt(result.chosen.simulation, Path(gantt))}")

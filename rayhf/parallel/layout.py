@@ -18,7 +18,7 @@ class Layout:
     dp: int
     tp: int = 1
     pp: int = 1
-    n_mbs: int = 1
+    n_microbatches: int = 1
 
     def __post_init__(self) -> None:
         assert self.dp * self.tp * self.pp == len(self.mesh), f"bad layout {self}"
@@ -27,7 +27,9 @@ class Layout:
     def __hash__(self) -> int:  # memoized: the planner's search hashes layouts millions of times
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.mesh, self.dp, self.tp, self.pp, self.n_mbs))  # ints: the same
+            cached = hash(
+                (self.mesh, self.dp, self.tp, self.pp, self.n_microbatches)
+            )  # ints: the same
             object.__setattr__(self, "_hash", cached)  # in every process
         return cached
 

@@ -1,8 +1,8 @@
 """Pipeline-parallel execution of a ``ShardedModel`` stage: forward, backward, one decode step.
 
-Forward (GPipe over micro-batches): the rows of a batch are cut into ``n_mbs`` micro-batches;
-stage 0 embeds each and sends its hidden states on (asynchronously, so it starts the next
-micro-batch while stage 1 works), middle stages receive, compute and send, the last stage
+Forward (GPipe over micro-batches): the rows of a batch are cut into ``n_microbatches``
+micro-batches; stage 0 embeds each and sends its hidden states on (asynchronously, so it starts
+the next micro-batch while stage 1 works), middle stages receive, compute and send, the last stage
 computes logits or values. The last stage then broadcasts the whole output to its pipeline, so
 every rank returns the same tensor and the algorithm code above runs unchanged on every rank.
 
@@ -34,9 +34,9 @@ class _Pending:
     output: torch.Tensor  # the broadcast output leaf the loss was computed from
 
 
-def split_rows(n_rows: int, n_mbs: int) -> list[range]:
-    """Contiguous row ranges of (at most) ``n_mbs`` non-empty micro-batches."""
-    n = max(1, min(n_mbs, n_rows))
+def split_rows(n_rows: int, n_microbatches: int) -> list[range]:
+    """Contiguous row ranges of (at most) ``n_microbatches`` non-empty micro-batches."""
+    n = max(1, min(n_microbatches, n_rows))
     base, extra = divmod(n_rows, n)
     out, start = [], 0
     for i in range(n):
@@ -47,8 +47,10 @@ def split_rows(n_rows: int, n_mbs: int) -> list[range]:
 
 
 class Pipeline:
-    def __init__(self, model: ShardedModel, groups: ParallelGroups, n_mbs: int = 1) -> None:
-        self.model, self.groups, self.n_mbs = model, groups, n_mbs
+    def __init__(
+        self, model: ShardedModel, groups: ParallelGroups, n_microbatches: int = 1
+    ) -> None:
+        self.model, self.groups, self.n_microbatches = model, groups, n_microbatches
         self.pending: list[_Pending] = []
         self.record = False  # set by the engine while training: keep graphs for backward
         rank = groups.coords.pp_rank
@@ -81,7 +83,7 @@ class Pipeline:
             offsets.append(offsets[-1] + n)
         inputs, outputs, bounds, sends = [], [], [], []
         keep = self.record and torch.is_grad_enabled()
-        for tag, rows in enumerate(split_rows(len(lengths), self.n_mbs)):
+        for tag, rows in enumerate(split_rows(len(lengths), self.n_microbatches)):
             lo, hi = offsets[rows.start], offsets[rows.stop]
             where = TokenLayout.packed(lengths[rows.start : rows.stop])
             if self.prev is None:

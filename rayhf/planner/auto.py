@@ -1,6 +1,7 @@
 """``plan: auto`` for a cluster spec: baselines, search, and what the user sees.
 
-workloads(graph, ...) -> baselines (each tuned) -> search warm-started from them
+workloads(graph, ...) -> Problem (with the cost model of the cluster and the step)
+-> baselines (each tuned) -> search warm-started from them
 -> AutoPlan (the chosen plan and every candidate's simulation) -> table / JSON / Gantt
 """
 
@@ -13,26 +14,20 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import EngineConfig, default_engine
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
 from rayhf.planner import baselines
 from rayhf.planner.cluster import ClusterConfig
-from rayhf.planner.cost import AnalyticCost, Workload
-from rayhf.planner.hardware import (
-    CPU_ACTOR,
-    CPU_CALL_OVERHEAD,
-    ClusterSpec,
-    cpu_cluster,
-    gpu_cluster,
-)
+from rayhf.planner.cost import Workload
+from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster, gpu_cluster
 from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ModelProfile, ProfiledCost
 from rayhf.planner.search import SearchResult, _powers, candidates, search
 from rayhf.planner.simulate import Simulation, simulate
-from rayhf.planner.step import StepOptions
 
 
 @dataclass
@@ -43,31 +38,40 @@ class AutoPlan:
     device_use: list[str] = field(default_factory=list)  # roles on fewer than all devices, why
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """The step's batch as every call sees it."""
+
+    n_seqs: int  # sequences per step (a generate call that samples a group multiplies nothing)
+    prompt_len: int
+    gen_len: int  # new tokens per sequence
+    n_minibatches: int = 1  # optimizer steps per train call (per epoch)
+
+
 def workloads(
     graph: Graph,
-    batch: int,
-    prompt_len: int,
-    gen_len: int,
-    n_minibatches: int,
+    step_batch: StepBatch,
     engines: Mapping[str, EngineConfig] | None = None,
     zero1_roles: Collection[str] = (),
     checkpointing_roles: Collection[str] = (),
 ) -> dict[str, Workload]:
-    """Each call's work per step (a generate call that samples a group multiplies nothing here:
-    the batch is the step's sequences); ``engines``: call -> its backend (default: its kind's,
-    and its token budget); ``zero1_roles``: roles whose torch optimizer shards its state over
-    dp (ZeRO-1); ``checkpointing_roles``: roles that recompute activations in backward."""
+    """Each call's work per step on ``step_batch``; ``engines``: call -> its backend (default:
+    its kind's, and its token budget); ``zero1_roles``: roles whose torch optimizer shards its
+    state over dp (ZeRO-1); ``checkpointing_roles``: roles that recompute activations in
+    backward."""
+    batch, prompt_len, gen_len = step_batch.n_seqs, step_batch.prompt_len, step_batch.gen_len
+    n_minibatches = step_batch.n_minibatches
     engines = engines or {}
     out = {}
     for c in graph.calls:
-        engine = engines.get(c.name) or EngineConfig.default(c.kind)
+        engine = engines.get(c.name) or default_engine(c.kind)
         minibatches = n_minibatches if c.kind == "train" else 1
         zero = engine.zero_stage_for(c.role in zero1_roles) if c.kind == "train" else 0
-        named = engine.engine if engine.whole_model_ranks else ""
         out[c.name] = Workload(
-            c.kind, batch, prompt_len, gen_len, minibatches, named, zero, engine.offload,
+            c.kind, batch, prompt_len, gen_len, minibatches, engine, zero,
+            engine.offloads_optimizer,
             checkpointing=c.kind == "train" and c.role in checkpointing_roles,
-            token_budget=engine.max_tokens_per_microbatch or 0,
+            token_budget=engine.token_budget or 0,
         )  # fmt: skip
     return out
 
@@ -76,18 +80,18 @@ def open_stages(works: Mapping[str, Workload]) -> dict[str, Workload]:
     """On a cluster planned for, a train call may take any ZeRO stage its engines offer: 0-1
     on rayhf's torch engine (any layout), 1-3 on DeepSpeed (dp only); the plan names it."""
     return {
-        name: dataclasses.replace(w, zero_choices=(1, 2, 3) if w.engine else (0, 1, 2, 3))
-        if w.kind == "train" and w.engine in ("", "deepspeed")
+        name: dataclasses.replace(w, zero_choices=w.engine.zero_choices)
+        if w.kind == "train" and w.engine.zero_choices
         else w
         for name, w in works.items()
     }
 
 
-def check_fits(graph: Graph, specs: dict[str, ModelSpec], works, cost: AnalyticCost) -> None:
+def check_fits(problem: Problem) -> None:
     """Refuse a cluster on which some call fits no layout, naming it and its smallest need."""
-    cluster = cost.cluster
-    capacity = cluster.device.memory_bytes
-    for call in graph.calls:
+    specs, works, cost, cluster = problem.specs, problem.works, problem.cost, problem.cluster
+    capacity = problem.capacity
+    for call in problem.graph.calls:
         spec = specs.get(call.role)
         if spec is None:
             continue
@@ -103,27 +107,18 @@ def check_fits(graph: Graph, specs: dict[str, ModelSpec], works, cost: AnalyticC
             )
 
 
-def auto_plan(
-    graph: Graph,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cluster: ClusterSpec,
-    seed: int = 0,
-    time_limit: float = 20.0,
-    step: StepOptions = StepOptions(),
-) -> AutoPlan:
+def auto_plan(problem: Problem, seed: int = 0, time_limit: float = 20.0) -> AutoPlan:
+    """The searched plan for ``problem`` (its train calls free to take any ZeRO stage their
+    engines offer) beside every baseline, all priced by its cost model."""
     began = time.perf_counter()
-    cost = AnalyticCost(cluster)
-    works = open_stages(works)
-    check_fits(graph, specs, works, cost)
-    cap = cluster.device.memory_bytes
-    built = baselines.build_all(baselines.Setting.priced(graph, specs, works, cost, step))
-    base = {
-        k: (p, simulate(graph, p, specs, works, cost, step=step)) for k, p in built.items() if p
-    }
+    problem = problem.with_works(open_stages(problem.works))
+    check_fits(problem)
+    cap = problem.capacity
+    built = baselines.build_all(baselines.Setting.priced(problem))
+    base = {k: (p, simulate(problem, p)) for k, p in built.items() if p}
     starts = [p for p, _ in base.values()]
     left = max(5.0, time_limit - (time.perf_counter() - began))  # the search gets what is left
-    found = search(graph, specs, works, cost, starts, seed, time_limit=left, step=step)
+    found = search(problem, starts, seed, time_limit=left)
     if not found.simulation.feasible:
         what, device, need = found.simulation.over_memory[0]
         raise RayhfError(
@@ -131,19 +126,14 @@ def auto_plan(
             f"device {device} ({cap / 1e9:.0f} GB)"
         )
     absent = [k for k, p in built.items() if p is None]
-    return AutoPlan(found, base, absent, device_use(graph, found.plan, specs, works, cluster))
+    return AutoPlan(found, base, absent, device_use(problem, found.plan))
 
 
-def device_use(
-    graph: Graph,
-    plan: Plan,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cluster: ClusterSpec,
-) -> list[str]:
+def device_use(problem: Problem, plan: Plan) -> list[str]:
     """A line per role whose calls use fewer than all devices: how many, and why (what the
     model and the batch allow at most, else that the search found fewer faster)."""
-    n, per = cluster.n_devices, cluster.devices_per_node
+    graph, specs, works = problem.graph, problem.specs, problem.works
+    n, per = problem.cluster.n_devices, problem.cluster.devices_per_node
     out = []
     for role, spec in specs.items():
         calls = [c.name for c in graph.calls if c.role == role]
@@ -184,30 +174,28 @@ def format_auto(result: AutoPlan) -> str:
 
 
 def step_estimates(
-    graph: Graph,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cluster: ClusterSpec,
+    problem: Problem,
     chosen: AutoPlan,
-    step: StepOptions,
     seed: int = 0,
     time_limit: float = 20.0,
-    on_policy_works: dict[str, Workload] | None = None,
+    on_policy_works: Mapping[str, Workload] | None = None,
 ) -> list[str]:
-    """The estimated seconds per step one at a time, overlapped, and with ``step.staleness``
-    asynchronous, each on the fastest plan the search finds for it (one step at a time: the
-    overlapped plan's steps in turn); ``chosen`` was searched with ``step`` and ``works``, the
-    on-policy ways are priced with ``on_policy_works`` (default ``works``: the work at k=0,
-    without the proximal forward a policy's train call makes at k >= 1)."""
+    """The estimated seconds per step one at a time, overlapped, and with the problem's
+    ``step.staleness`` asynchronous, each on the fastest plan the search finds for it (one step
+    at a time: the overlapped plan's steps in turn); ``chosen`` was searched for ``problem``,
+    the on-policy ways are priced with ``on_policy_works`` (default the problem's: the work at
+    k=0, without the proximal forward a policy's train call makes at k >= 1)."""
+    step = problem.step
     k = step.staleness
-    synced_works = on_policy_works or works
+    synced_works = on_policy_works or problem.works
     on_policy = dataclasses.replace(step, overlap=True, staleness=0)
-    synced = (
-        auto_plan(graph, specs, synced_works, cluster, seed, time_limit, on_policy) if k else chosen
-    )
-    cost, plan = AnalyticCost(cluster), synced.chosen.plan
+    synced_problem = problem.with_works(synced_works).with_step(on_policy)
+    synced = auto_plan(synced_problem, seed, time_limit) if k else chosen
+    plan = synced.chosen.plan
     one_by_one = dataclasses.replace(on_policy, overlap=False)
-    barrier = simulate(graph, plan, specs, open_stages(synced_works), cost, step=one_by_one)
+    barrier = simulate(
+        synced_problem.with_works(open_stages(synced_works)).with_step(one_by_one), plan
+    )
     overlapped = synced.chosen.simulation.iteration_seconds
     rows = [
         ("one step at a time", barrier.iteration_seconds),
@@ -262,46 +250,50 @@ def searches(cluster: ClusterConfig) -> bool:
     return cluster.n_devices > 1
 
 
-def plan_for_run(
-    graph: Graph,
-    specs: dict[str, ModelSpec],
-    profiles: dict[ModelSpec, ModelProfile],
-    works: dict[str, Workload],
-    cluster: ClusterConfig,
-    seed: int = 0,
-    step: StepOptions = StepOptions(),
-    shm: bool = True,
-    device_name: str = "",
-    ipc: bool = False,
-) -> Plan:
-    """``plan: auto`` for a run: search with the profiled cost of rayhf's driver (which runs
-    units on disjoint meshes at the same time, and with ``step.overlap`` the next step's as its
-    dataflow allows), from the measured ``profiles`` of the roles' model shapes
-    (``rayhf.runtime.profiling``, on the devices the run uses). Emulated CPU devices: this
-    machine's measured links; ``shm``: weight moves go through shared memory. GPUs (named
-    ``device_name``): their kind's datasheet links (a kind ``DEVICES`` lacks keeps the colocated
-    plan); ``ipc``: moves on one GPU through CUDA IPC. The plan carries its and the colocated
-    plan's estimated seconds per step."""
-    n = cluster.n_devices
-    colocated = Plan(colocated_plan(graph, n).layouts, "auto")
-    if not searches(cluster):
-        return colocated
-    if cluster.device == "cuda":
-        gpus = gpu_cluster(n, device_name, ipc=ipc)
-        if gpus is None:
-            return colocated
-        cost: ProfiledCost = ProfiledCost(gpus, profiles, GPU_CALL_OVERHEAD)
-    else:
-        cores = cluster.num_cpus or os.cpu_count() or 1
-        spec = cpu_cluster(n, cluster.device_memory_gb, cores, shm)
-        cost = ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
-    check_fits(graph, specs, works, cost)
+@dataclass(frozen=True)
+class RunDevices:
+    """The devices a run plans for, and how its weight moves travel."""
 
-    setting = baselines.Setting.priced(graph, specs, works, cost, step)
+    cluster: ClusterConfig
+    device_name: str = ""  # the GPUs' name (``torch.cuda.get_device_name``); "" for none seen
+    shm: bool = True  # emulated CPU devices: weight moves go through shared memory
+    ipc: bool = False  # GPUs: moves on one GPU go through CUDA IPC
+
+
+def run_cost(devices: RunDevices, profiles: dict[ModelSpec, ModelProfile]) -> ProfiledCost | None:
+    """The profiled cost of rayhf's driver on a run's devices, from the measured ``profiles``
+    of the roles' model shapes (``rayhf.runtime.profiling``, on the devices the run uses).
+    Emulated CPU devices: this machine's measured links. GPUs: their kind's datasheet links.
+    None where ``plan: auto`` keeps the colocated plan: one device, or GPUs of a kind
+    ``DEVICES`` lacks."""
+    cluster, n = devices.cluster, devices.cluster.n_devices
+    if not searches(cluster):
+        return None
+    if cluster.device == "cuda":
+        gpus = gpu_cluster(n, devices.device_name, ipc=devices.ipc)
+        return None if gpus is None else ProfiledCost(gpus, profiles, GPU_CALL_OVERHEAD)
+    cores = cluster.num_cpus or os.cpu_count() or 1
+    spec = cpu_cluster(n, cluster.device_memory_gb, cores, devices.shm)
+    return ProfiledCost(spec, profiles, CPU_CALL_OVERHEAD, CPU_ACTOR)
+
+
+def colocated_for_run(graph: Graph, n_devices: int) -> Plan:
+    """The plan ``plan: auto`` keeps where it does not search (``run_cost`` is None)."""
+    return Plan(colocated_plan(graph, n_devices).layouts, "auto")
+
+
+def plan_for_run(problem: Problem, seed: int = 0) -> Plan:
+    """``plan: auto`` for a run: search ``problem``, priced by ``run_cost`` (rayhf's driver
+    runs units on disjoint meshes at the same time, and with ``step.overlap`` the next step's
+    as its dataflow allows). The plan carries its and the colocated plan's estimated seconds
+    per step."""
+    colocated = colocated_for_run(problem.graph, problem.cluster.n_devices)
+    check_fits(problem)
+    setting = baselines.Setting.priced(problem)
     starts = [baselines.colocated(setting), baselines.disjoint(setting)]
-    found = search(graph, specs, works, cost, starts, seed, AUTO_ITERATIONS, step=step)
+    found = search(problem, starts, seed, AUTO_ITERATIONS)
     estimates = {
         "auto": found.simulation.iteration_seconds,
-        "colocated": simulate(graph, colocated, specs, works, cost, step=step).iteration_seconds,
+        "colocated": simulate(problem, colocated).iteration_seconds,
     }
     return Plan(found.plan.layouts, "auto", estimates=estimates)

@@ -7,7 +7,9 @@
 - ``openrlhf`` (OpenRLHF): each role on its own devices, generation on engines of its own
   (dp x tp) that the training group broadcasts the weights to; training ZeRO-3.
 - ``disjoint``: each role on its own devices, generation on the actor's.
-- ``realhf`` (ReaLHF's PPO heuristic from its public code; see the issue text for the rules).
+- ``realhf``: ReaLHF's PPO heuristic, as its public code writes it
+  (``realhf/experiments/common/ppo_exp.py`` in github.com/openpsi-project/ReaLHF): the rules are
+  in ``realhf`` and ``_realhf_plan`` below.
 
 Their ZeRO-3 covers train calls with data-parallel ranks; a one-rank group has nothing to shard,
 and its stage is left to the rule that picks every other call's.
@@ -31,9 +33,9 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.search import MICRO_BATCHES, energy, layouts_on
 from rayhf.planner.simulate import simulate
-from rayhf.planner.step import StepOptions
 
 Score = Callable[[Plan], float]
 SHORTLIST = 4  # layouts per call tried while the disjoint baselines move devices
@@ -41,39 +43,55 @@ SHORTLIST = 4  # layouts per call tried while the disjoint baselines move device
 
 @dataclass(frozen=True)
 class Setting:
-    """What a baseline is built for and tuned by: the graph, its models and workloads, the
-    cluster's size, and the score of a plan (lower is better). ``cost`` ranks a call's layouts
-    for the disjoint baselines' device moves (without it they try every layout)."""
+    """What a baseline is built for and tuned by: the problem (graph, models, workloads, the
+    cluster) and the score of a plan (lower is better). With ``ranked`` the problem's cost model
+    ranks a call's layouts for the disjoint baselines' device moves (without, they try every
+    layout)."""
 
-    graph: Graph
-    specs: Mapping[str, ModelSpec]
-    works: Mapping[str, Workload]
-    n_devices: int
-    per_node: int
+    problem: Problem
     score: Score
-    cost: AnalyticCost | None = None
+    ranked: bool = True
 
     @classmethod
-    def priced(
-        cls, graph: Graph, specs: Mapping[str, ModelSpec], works: Mapping[str, Workload],
-        cost: AnalyticCost, step: StepOptions = StepOptions(),
-    ) -> Setting:  # fmt: skip
+    def priced(cls, problem: Problem) -> Setting:
         """Scored by the simulator's energy, as the search scores."""
-        cap = cost.cluster.device.memory_bytes
         seen: dict[tuple, float] = {}
 
         def score(plan: Plan) -> float:
-            key = (*(plan.layouts[n] for n in graph.order), *sorted(plan.zero.items()))
+            key = (*(plan.layouts[n] for n in problem.graph.order), *sorted(plan.zero.items()))
             if key not in seen:
-                sim = simulate(graph, plan, dict(specs), dict(works), cost, step=step)
-                seen[key] = energy(sim, cap)
+                seen[key] = energy(simulate(problem, plan), problem.capacity)
             return seen[key]
 
-        cluster = cost.cluster
-        return cls(graph, specs, works, cluster.n_devices, cluster.devices_per_node, score, cost)
+        return cls(problem, score)
+
+    @property
+    def graph(self) -> Graph:
+        return self.problem.graph
+
+    @property
+    def specs(self) -> Mapping[str, ModelSpec]:
+        return self.problem.specs
+
+    @property
+    def works(self) -> Mapping[str, Workload]:
+        return self.problem.works
+
+    @property
+    def n_devices(self) -> int:
+        return self.problem.cluster.n_devices
+
+    @property
+    def per_node(self) -> int:
+        return self.problem.cluster.devices_per_node
+
+    @property
+    def cost(self) -> AnalyticCost | None:
+        """The cost model that ranks layouts (None: not ``ranked``)."""
+        return self.problem.cost if self.ranked else None
 
     def spec(self, call: str) -> ModelSpec | None:
-        return self.specs.get(self.graph.by_name[call].role)
+        return self.problem.spec(call)
 
     def trains(self) -> list[str]:
         """The train calls of roles with a model."""
@@ -126,7 +144,7 @@ def verl(s: Setting) -> Plan | None:
         return None
     every = tuple(range(s.n_devices))
     options = {c.name: _options(s, c.name, every, True) for c in s.graph.calls}
-    return _tune(s, options, True, "verl", passes=2)
+    return _tune(s, options, _Rule("verl", zero3=True, engines=True), passes=2)
 
 
 def openrlhf(s: Setting) -> Plan | None:
@@ -137,13 +155,13 @@ def openrlhf(s: Setting) -> Plan | None:
     groups: dict[str, list[str]] = {}
     for c in s.graph.calls:
         groups.setdefault(c.name if c.kind == "generate" else c.role, []).append(c.name)
-    return _disjoint(s, groups, True, "openrlhf", engines=True)
+    return _disjoint(s, groups, _Rule("openrlhf", zero3=True, engines=True))
 
 
 def disjoint(s: Setting) -> Plan:
     """Each role on devices of its own (generation on the actor's); stages as the rule picks."""
     groups = {r: s.graph.role_calls(r) for r in s.graph.roles}
-    return _disjoint(s, groups, False, "disjoint", engines=False)
+    return _disjoint(s, groups, _Rule("disjoint", zero3=False, engines=False))
 
 
 def _size(spec: ModelSpec) -> int:
@@ -154,22 +172,31 @@ def _least_memory(s: Setting, name: str, options: list[Layout]) -> Layout:
     """The option that keeps the least on a device (the most sharded, without a cost model)."""
     spec = s.spec(name)
     if s.cost is None or spec is None:
-        return max(options, key=lambda lay: (lay.tp * lay.pp, lay.n_mbs))
+        return max(options, key=lambda lay: (lay.tp * lay.pp, lay.n_microbatches))
     cost, work = s.cost, s.works[name]
     return min(options, key=lambda lay: cost.least_memory(spec, lay, work))
 
 
-def _tune(
-    s: Setting, options: dict[str, list[Layout]], zero3: bool, source: str, passes: int
-) -> Plan:
+@dataclass(frozen=True)
+class _Rule:
+    """What a baseline's rule fixes: the plan's source, whether train calls run ZeRO-3
+    wherever they have data-parallel ranks to shard over, and whether its engines' layouts
+    apply (``_options``: dp-only training, dp x tp generation)."""
+
+    source: str
+    zero3: bool
+    engines: bool
+
+
+def _tune(s: Setting, options: dict[str, list[Layout]], rule: _Rule, passes: int) -> Plan:
     """Every call from its least-memory option, then each call in turn on the option that
-    scores best with the others fixed, ``passes`` times. ``zero3``: train calls run ZeRO-3
-    wherever they have data-parallel ranks to shard over."""
+    scores best with the others fixed, ``passes`` times, train calls at ZeRO-3 as ``rule``
+    says."""
 
     def plan(layouts: dict[str, Layout]) -> Plan:
         ordered = {name: layouts[name] for name in s.graph.order}
-        zero = {t: 3 for t in s.trains() if zero3 and layouts[t].dp > 1}
-        return Plan(ordered, source, zero)
+        zero = {t: 3 for t in s.trains() if rule.zero3 and layouts[t].dp > 1}
+        return Plan(ordered, rule.source, zero)
 
     fixed = {name: _least_memory(s, name, opts) for name, opts in options.items()}
     for _ in range(passes):
@@ -179,13 +206,10 @@ def _tune(
     return plan(fixed)
 
 
-def _disjoint(
-    s: Setting, groups: dict[str, list[str]], zero3: bool, source: str, engines: bool
-) -> Plan:
+def _disjoint(s: Setting, groups: dict[str, list[str]], rule: _Rule) -> Plan:
     """Groups of calls on disjoint device blocks (sized at first by their models' parameters,
     trained ones thrice), each call tuned on its group's block; then a block grows at another's
-    expense (a node, or half of a smaller block) while the plan gets faster. ``engines``: the
-    layouts of ``verl``'s rule (ZeRO-3 training, dp x tp generation)."""
+    expense (a node, or half of a smaller block) while the plan gets faster."""
     modelled = {g: calls for g, calls in groups.items() if any(s.spec(c) for c in calls)}
     weight = {g: sum(_weight(s, c) for c in calls) for g, calls in modelled.items()}
     total = sum(weight.values())
@@ -193,19 +217,19 @@ def _disjoint(
     while sum(shares.values()) > s.n_devices and max(shares.values()) > 1:
         biggest = max(shares, key=lambda g: shares[g])
         shares[biggest] = _smaller(shares[biggest], s)
-    best = _on_blocks(s, groups, shares, zero3, source, engines, quick=True)
+    best = _on_blocks(s, groups, shares, rule, quick=True)
     best_e = s.score(best)
     for _ in range(4 * len(shares)):
         moved = False
         for trial in _share_moves(shares, s):
-            plan = _on_blocks(s, groups, trial, zero3, source, engines, quick=True)
+            plan = _on_blocks(s, groups, trial, rule, quick=True)
             e = s.score(plan)
             if e < best_e:
                 best, best_e, shares, moved = plan, e, trial, True
                 break
         if not moved:
             break
-    return _on_blocks(s, groups, shares, zero3, source, engines, quick=False)
+    return _on_blocks(s, groups, shares, rule, quick=False)
 
 
 def _weight(s: Setting, name: str) -> int:
@@ -253,9 +277,8 @@ def _share_moves(shares: dict[str, int], s: Setting):
 
 
 def _on_blocks(
-    s: Setting, groups: dict[str, list[str]], shares: dict[str, int], zero3: bool,
-    source: str, engines: bool, quick: bool,
-) -> Plan:  # fmt: skip
+    s: Setting, groups: dict[str, list[str]], shares: dict[str, int], rule: _Rule, quick: bool
+) -> Plan:
     """Blocks laid out largest first (with more groups than devices they wrap around and
     share); each call tuned on its group's block (``quick``: one pass over a shortlist)."""
     start, meshes = 0, {}
@@ -266,9 +289,9 @@ def _on_blocks(
     options: dict[str, list[Layout]] = {}
     for g, calls in groups.items():
         for name in calls:
-            opts = _options(s, name, meshes[g], engines) if g in meshes else [Layout((0,), 1)]
+            opts = _options(s, name, meshes[g], rule.engines) if g in meshes else [Layout((0,), 1)]
             options[name] = _shortlist(s, name, opts) if quick else opts
-    return _tune(s, options, zero3, source, passes=1 if quick else 2)
+    return _tune(s, options, rule, passes=1 if quick else 2)
 
 
 def _shortlist(s: Setting, name: str, options: list[Layout]) -> list[Layout]:
@@ -289,24 +312,26 @@ def realhf(s: Setting) -> Plan | None:
     graph, specs = s.graph, s.specs
     if s.per_node != 8 or not {"actor_gen", "actor_train", "critic_train"} <= set(graph.by_name):
         return None
-    plans = [_realhf_plan(graph, specs, s.n_devices // 8, n_mbs) for n_mbs in MICRO_BATCHES]
+    plans = [_realhf_plan(graph, specs, s.n_devices // 8, k) for k in MICRO_BATCHES]
     plans = [p for p in plans if _model_takes(p, graph, specs)]
     return min(plans, key=s.score) if plans else None  # its fixed tp/pp exceed a small model
 
 
-def _realhf_plan(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_mbs: int):
+def _realhf_plan(
+    graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_microbatches: int
+) -> Plan:
     n = 8 * n_nodes
     every = tuple(range(n))
     actor, critic = specs.get("actor"), specs.get("critic")
     a = _size(actor) if actor is not None else 1
     c = _size(critic) if critic is not None else 1
     gen_pp = max(2, n_nodes)
-    lay = {"actor_gen": Layout(every, n // gen_pp, 1, gen_pp, n_mbs)}
+    lay = {"actor_gen": Layout(every, n // gen_pp, 1, gen_pp, n_microbatches)}
     if n_nodes == 1:
         first, second = tuple(range(4)), tuple(range(4, 8))
         tp = 4 if a > 8e9 else 2
-        lay["actor_train"] = Layout(first, 4 // tp, tp, 1, n_mbs)
-        lay["critic_train"] = Layout(second, 4 // tp, tp, 1, n_mbs)
+        lay["actor_train"] = Layout(first, 4 // tp, tp, 1, n_microbatches)
+        lay["critic_train"] = Layout(second, 4 // tp, tp, 1, n_microbatches)
         lay["rew_inf"], lay["critic_inf"] = Layout(first, 2, 2), Layout(second, 2, 2)
         lay["ref_inf"] = Layout(every, 4, 2)
     else:
@@ -319,7 +344,7 @@ def _realhf_plan(graph: Graph, specs: Mapping[str, ModelSpec], n_nodes: int, n_m
             "critic_inf": tuple(range(n // 2, n)),
         }
         for name, mesh in blocks.items():
-            lay[name] = Layout(mesh, 2, 4, len(mesh) // 8, n_mbs)
+            lay[name] = Layout(mesh, 2, 4, len(mesh) // 8, n_microbatches)
     return Plan({call.name: lay[call.name] for call in graph.calls}, "realhf")
 
 

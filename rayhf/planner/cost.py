@@ -3,7 +3,7 @@ bytes (model shape x workload) and the device's rates. Pure arithmetic, no Ray.
 
 It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idealized one:
 - compute: 2 FLOPs per parameter per token forward (+ causal attention), x3 for forward and
-  backward; pipeline stages run GPipe, so a pass takes ``n_mbs + pp - 1`` micro-batch stage
+  backward; pipeline stages run GPipe, so a pass of m micro-batches takes ``m + pp - 1`` stage
   times; tp adds two all-reduces per layer forward (four with backward);
 - per layer and micro-batch a pass costs the longest of its matmul FLOPs, its bytes read
   (weights included, so tiny micro-batches are weight-read bound) and the host's launches of
@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rayhf.engines.config import EngineConfig, default_engine
 from rayhf.models.sharding import param_shards, shard_numel
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.buckets import CHECK_EVERY, LOGIT_CHUNK, cache_capacity, mean_keys
@@ -57,7 +58,9 @@ class Workload:
     prompt_len: int
     gen_len: int  # new tokens (generate); inference and train see prompt + gen tokens
     n_minibatches: int = 1  # optimizer steps per train call (per epoch)
-    engine: str = ""  # the call's backend when not rayhf's own: "vllm" | "deepspeed"
+    # the call's engine (its traits: whole-model ranks, a resident server, ...); left out, the
+    # kind's default (filled in on creation, never None after)
+    engine: EngineConfig = None  # type: ignore[assignment]
     zero_stage: int = 0  # train: what the optimizer shards over dp (ZeRO-1 torch, DeepSpeed)
     offload: bool = False  # train: optimizer state in host memory (DeepSpeed)
     # train: the ZeRO stages a plan may give the call instead of ``zero_stage`` (0-1 on any
@@ -67,6 +70,10 @@ class Workload:
     token_budget: int = 0  # train/inference: tokens per micro-batch (0: a minibatch whole)
     epochs: int = 1  # train: passes over the minibatches
     forward_share: float = 0.0  # train: share of the batch forwarded without gradients first
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            object.__setattr__(self, "engine", default_engine(self.kind))
 
     def micro_batches(self, n_seqs: int, seq: int) -> int:
         """How many micro-batches a token budget cuts ``n_seqs`` sequences into (1: none)."""
@@ -81,13 +88,13 @@ class Workload:
 
     def with_stage(self, stage: int) -> Workload:
         """This train call at ZeRO ``stage`` (2 and 3 on DeepSpeed)."""
-        engine = "deepspeed" if stage >= 2 and not self.engine else self.engine
+        engine = self.engine.at_zero_stage(stage)
         return dataclasses.replace(self, zero_stage=stage, engine=engine)
 
     @property
     def whole_model_ranks(self) -> bool:
         """Whether the engine runs one whole model per rank (tp = pp = 1 layouts only)."""
-        return self.engine in ("vllm", "deepspeed")
+        return self.engine.whole_model_ranks
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,23 @@ class Efficiency:
     replay_seconds: float = 2e-5
     # Host time of one look at which rows ended (a device-to-host copy and its sync).
     sync_seconds: float = 5e-5
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What one replica runs through a pass: ``n_seqs`` sequences of ``seq`` tokens each."""
+
+    n_seqs: float
+    seq: int
+
+
+@dataclass(frozen=True)
+class PassKind:
+    """What a pass does besides its forward."""
+
+    backward: bool = False  # a train step's backward after the forward
+    recompute: bool = False  # activation checkpointing: each layer's forward again in backward
+    full_output: bool = True  # every token's logits or values (a tp gather, a pp broadcast)
 
 
 @dataclass(frozen=True)
@@ -136,25 +160,6 @@ def _sizes(spec: ModelSpec) -> tuple[int, int, int]:
 
 
 VLLM_KV_BYTES = 2**30  # the KV cache a vLLM engine reserves (VLLM_CPU_KVCACHE_SPACE=1 here)
-
-
-@functools.lru_cache(maxsize=4096)
-def _resident(
-    spec: ModelSpec, tp: int, pp: int, dp: int, trainable: bool, b: int, zero: int, offload: bool,
-    wb: int = 4,
-) -> float:  # fmt: skip
-    """Weights (+ gradients and AdamW state) on the fullest device: frozen weights at ``b``
-    bytes each, trained weights and gradients at ``wb`` (4: fp32, AdamW's 2 moments beside
-    them; 2: DeepSpeed's bf16, its fp32 master copy in the optimizer too). ZeRO stage ``zero``
-    splits the optimizer state (1), the gradients (2) and the weights (3) over the ``dp``
-    ranks, and ``offload`` keeps the optimizer state in host memory."""
-    shard = max_shard_params(spec, tp, pp)
-    if not trainable:
-        return float(shard * b)
-    optimizer = (8 if wb == 4 else 12) * shard
-    weights = shard * wb / (dp if zero >= 3 else 1)
-    grads = shard * wb / (dp if zero >= 2 else 1)
-    return weights + grads + (0.0 if offload else optimizer / (dp if zero >= 1 else 1))
 
 
 def _allreduce(n_bytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -197,11 +202,11 @@ class AnalyticCost:
         return self.cluster.bandwidth(layout.mesh[: layout.tp * layout.pp : layout.tp])
 
     def _layer_seconds(
-        self, spec: ModelSpec, layout: Layout, tokens: float, seq: int, backward: bool,
-        recompute: bool = False,
-    ) -> float:  # fmt: skip
-        """One decoder layer over a micro-batch of ``tokens`` on one device (``recompute``:
+        self, spec: ModelSpec, layout: Layout, tokens: float, seq: int, how: PassKind
+    ) -> float:
+        """One decoder layer over a micro-batch of ``tokens`` on one device (``how.recompute``:
         activation checkpointing runs its forward again in backward)."""
+        backward, recompute = how.backward, how.recompute
         _, matmul, _ = _sizes(spec)
         b = self.dtype_bytes(spec)
         passes = 3 if backward else 1  # backward: gradients of inputs and of weights
@@ -221,24 +226,24 @@ class AnalyticCost:
         return max(gpu, host) + (4 if backward else 2) * reduce
 
     def _pass_seconds(
-        self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, n_mbs: int,
-        backward: bool = False, full_output: bool = True, recompute: bool = False,
-    ) -> float:  # fmt: skip
-        """A pipelined pass over ``n_seqs`` rows in ``n_mbs`` micro-batches, plus the output's
-        tp gather and pp broadcast (``full_output``: every token's logits or values)."""
-        n_mbs = max(1, min(n_mbs, n_seqs))  # ``split_rows`` never makes an empty micro-batch
-        tokens = n_seqs * seq / n_mbs
+        self, spec: ModelSpec, layout: Layout, rows: Rows, n_microbatches: int, how: PassKind
+    ) -> float:
+        """A pipelined pass over ``rows`` in ``n_microbatches`` micro-batches, plus the output's
+        tp gather and pp broadcast (``how.full_output``: every token's logits or values)."""
+        n_seqs, seq, backward = rows.n_seqs, rows.seq, how.backward
+        mbs = max(1, min(n_microbatches, n_seqs))  # ``split_rows`` makes no empty micro-batch
+        tokens = n_seqs * seq / mbs
         b = self.dtype_bytes(spec)
         stage = math.ceil(spec.n_layers / layout.pp) * self._layer_seconds(
-            spec, layout, tokens, seq, backward, recompute
+            spec, layout, tokens, seq, how
         )
         if layout.pp > 1:  # receive the micro-batch's hidden states (and send their gradients)
             hop = self.cluster.link_latency + tokens * spec.hidden_size * b / self._pp_bandwidth(
                 layout
             )
             stage += (2 if backward else 1) * hop
-        seconds = (n_mbs + layout.pp - 1) * stage
-        if not full_output:
+        seconds = (mbs + layout.pp - 1) * stage
+        if not how.full_output:
             return seconds
         tokens_out = n_seqs * seq
         if layout.tp > 1 and not spec.value_head:  # the vocab-parallel head's slices, gathered
@@ -252,18 +257,16 @@ class AnalyticCost:
         return seconds
 
     def forward_seconds(
-        self, spec: ModelSpec, layout: Layout, n_seqs: int, seq: int, backward: bool = False,
+        self, spec: ModelSpec, layout: Layout, rows: Rows, backward: bool = False,
         work: Workload | None = None,
     ) -> float:  # fmt: skip
-        """One forward (and backward) over a replica's ``n_seqs`` sequences of ``seq`` tokens,
-        cut into micro-batches by ``work``'s token budget, its layers recomputed in backward
-        with ``work.checkpointing``."""
+        """One forward (and backward) over a replica's ``rows``, cut into micro-batches by
+        ``work``'s token budget, its layers recomputed in backward with ``work.checkpointing``."""
+        n_seqs, seq = int(rows.n_seqs), rows.seq
         k = work.micro_batches(n_seqs, seq) if work is not None else 1
-        recompute = work is not None and work.checkpointing
+        how = PassKind(backward, recompute=work is not None and work.checkpointing)
         per = math.ceil(n_seqs / k)
-        return k * self._pass_seconds(
-            spec, layout, per, seq, layout.n_mbs, backward, recompute=recompute
-        )
+        return k * self._pass_seconds(spec, layout, Rows(per, seq), layout.n_microbatches, how)
 
     def decode_seconds(self, spec: ModelSpec, layout: Layout, n_seqs: int, keys: float) -> float:
         """One decode step (one token per row, attending over ``keys`` key slots), stages in
@@ -296,16 +299,16 @@ class AnalyticCost:
         parts: dict[str, float] = {}
         if work.kind == "generate":
             parts["prefill"] = self._pass_seconds(
-                spec, layout, n_seqs, work.prompt_len, 1, full_output=False
+                spec, layout, Rows(n_seqs, work.prompt_len), 1, PassKind(full_output=False)
             )
             keys = mean_keys(work.prompt_len, work.gen_len, True)
             steps = max(0, work.gen_len - 1)  # the prefill chooses each row's first token
             parts["decode"] = steps * self.decode_seconds(spec, layout, n_seqs, keys)
         elif work.kind == "inference":
-            parts["forward"] = self.forward_seconds(spec, layout, n_seqs, seq, work=work)
+            parts["forward"] = self.forward_seconds(spec, layout, Rows(n_seqs, seq), work=work)
         else:
             per_minibatch = math.ceil(n_seqs / work.n_minibatches)
-            passes = self.forward_seconds(spec, layout, per_minibatch, seq, True, work)
+            passes = self.forward_seconds(spec, layout, Rows(per_minibatch, seq), True, work)
             if work.zero_stage >= 3:  # two gathers and a reduce-scatter, under the compute
                 passes = max(passes, 3 * self._gather_seconds(spec, layout, work))
             steps = work.epochs * work.n_minibatches
@@ -313,7 +316,7 @@ class AnalyticCost:
             parts["forward_backward"], parts["optimizer"] = steps * passes, steps * optimizer
             if work.forward_share:  # e.g. decoupled PPO's proximal log-probs
                 share = math.ceil(n_seqs * work.forward_share)
-                parts["forward"] = self.forward_seconds(spec, layout, share, seq, work=work)
+                parts["forward"] = self.forward_seconds(spec, layout, Rows(share, seq), work=work)
         return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
 
     def _optimizer_seconds(
@@ -346,9 +349,18 @@ class AnalyticCost:
         """Bytes a role keeps on each device of its home layout between calls (``work``: its
         train call's, for how the optimizer shards its state)."""
         zero, offload = (work.zero_stage, work.offload) if work is not None else (0, False)
-        return _resident(spec, layout.tp, layout.pp, layout.dp, trainable,
-                         self.weight_bytes(spec), zero, offload,
-                         self.train_bytes(spec, work))  # fmt: skip
+        # trained weights and gradients at ``wb`` bytes (4: fp32, AdamW's 2 moments beside them;
+        # 2: DeepSpeed's bf16, its fp32 master copy in the optimizer too); ZeRO stage ``zero``
+        # splits the optimizer state (1), the gradients (2) and the weights (3) over dp, and
+        # ``offload`` keeps the optimizer state in host memory
+        shard, dp = max_shard_params(spec, layout.tp, layout.pp), layout.dp
+        if not trainable:
+            return float(shard * self.weight_bytes(spec))
+        wb = self.train_bytes(spec, work)
+        optimizer = (8 if wb == 4 else 12) * shard
+        weights = shard * wb / (dp if zero >= 3 else 1)
+        grads = shard * wb / (dp if zero >= 2 else 1)
+        return weights + grads + (0.0 if offload else optimizer / (dp if zero >= 1 else 1))
 
     def train_bytes(self, spec: ModelSpec, work: Workload | None) -> int:
         """Bytes per trained weight and gradient: fp32 on rayhf's torch engine at every
@@ -356,7 +368,8 @@ class AnalyticCost:
         bf16 mode: bf16 weights, gathers and gradients, an fp32 master copy in the optimizer,
         as OpenRLHF and verl's FSDP gather bf16)."""
         b = self.dtype_bytes(spec)
-        return b if work is not None and work.engine == "deepspeed" and b == 2 else 4
+        low = work is not None and work.engine.trains_in_compute_dtype
+        return b if low and b == 2 else 4
 
     def dtype_bytes(self, spec: ModelSpec) -> int:
         """Bytes per element of the role's compute dtype (activations, caches, frozen copies)."""
@@ -370,7 +383,7 @@ class AnalyticCost:
     def engine_resident(self, spec: ModelSpec, work: Workload) -> float:
         """Bytes a call's engine keeps on each device of the call's layout for the whole run:
         vLLM's own whole copy of the weights and its reserved KV cache."""
-        if work.engine != "vllm":
+        if not work.engine.server_resident:
             return 0.0
         return max_shard_params(spec, 1, 1) * self.dtype_bytes(spec) + VLLM_KV_BYTES
 
@@ -396,7 +409,7 @@ class AnalyticCost:
             return self.resident(spec, layout, False) + transient
         if work.kind == "inference":  # a token budget's micro-batches run one after another
             k = work.micro_batches(n_seqs, seq)
-            tokens = n_seqs * seq / k / layout.n_mbs
+            tokens = n_seqs * seq / k / layout.n_microbatches
             acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
             return self.resident(spec, layout, False) + acts + scoring_bytes(spec, tokens)
         k = work.micro_batches(math.ceil(n_seqs / work.n_minibatches), seq)

@@ -7,8 +7,10 @@ is written ``NODESxDEVICESxKIND``, e.g. ``16x8xH100``.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from importlib import resources
 
 from rayhf.errors import RayhfError
 
@@ -99,18 +101,21 @@ CPU_LINK_LATENCY = 2e-3
 # A weight move through shared memory, one process to another: 397 MB in 0.087-0.091 s
 # (``python benchmarks/realloc_throughput.py``, "1 device -> 1 other device").
 CPU_SHM_BANDWIDTH = 4.4e9
-# The runtime around the profiled engine ops on this machine, fitted by the same benchmark
-# (``rayhf.planner.profile.calibrate``): the driver's cost per call, and by the number of
-# devices a call keeps busy, (seconds per call, scale) of in-actor compute over the profile.
-# fitted by benchmarks/planner_calibration.py on efa27b7, with prompts priced as plan: auto prices
-# them (bos included; 4.9 ms + 1.14x and 8.4 ms + 1.17x on 4fd5c79 without it; 7.7 ms, 10.5 ms +
-# 0.95x and 11.2 ms + 1.30x before that, with one step at a time)
-CPU_CALL_OVERHEAD = 5.9e-3
-CPU_ACTOR = {1: (6.0e-3, 1.08), 2: (9.7e-3, 1.08)}
-# DeepSpeed ZeRO-3 on gloo, per weight tensor per minibatch (beside one all-gather's volume):
-# from the train calls of a dp4 plan at ZeRO-2 and at ZeRO-3, 0.1M and 12.6M models on 4
-# emulated devices (extra per minibatch 31 ms and 100 ms of compute; 24 and 39 tensors)
-CPU_ZERO3_PER_TENSOR = 1.3e-3
+# The runtime around the profiled engine ops on this machine, fitted from runs: fitted.json
+# beside this module holds the values and their history (``benchmarks/planner_calibration.py``
+# rewrites it).
+FITTED_FILE = "fitted.json"
+_FITTED = json.loads(resources.files("rayhf.planner").joinpath(FITTED_FILE).read_text())
+# the driver's cost per call (dispatch, splitting and joining the batch, Ray)
+CPU_CALL_OVERHEAD: float = _FITTED["cpu_call_overhead"]
+# by the number of devices a call keeps busy: (seconds per call, scale) of in-actor compute
+# over the profile
+CPU_ACTOR: dict[int, tuple[float, float]] = {
+    int(k): (float(v[0]), float(v[1])) for k, v in _FITTED["cpu_actor"].items()
+}
+# DeepSpeed ZeRO-3 on gloo, seconds per weight tensor per minibatch (beside one all-gather's
+# volume)
+CPU_ZERO3_PER_TENSOR: float = _FITTED["cpu_zero3_per_tensor"]
 
 
 def cpu_cluster(

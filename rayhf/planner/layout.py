@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayhf.errors import RayhfError
 from rayhf.parallel.layout import Layout
@@ -21,8 +23,15 @@ class LayoutSpec(BaseModel):
     """Tensor-parallel degree."""
     pp: int = Field(1, gt=0)
     """Pipeline stages."""
-    n_mbs: int = Field(1, gt=0)
+    n_microbatches: int = Field(1, gt=0)
     """Micro-batches per forward (pipeline depth, memory)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "n_mbs" in data:
+            raise ValueError("n_mbs was renamed: write n_microbatches")
+        return data
 
 
 def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:
@@ -36,4 +45,4 @@ def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:
     dp = spec.dp or len(mesh) // (spec.tp * spec.pp)
     if dp * spec.tp * spec.pp != len(mesh):
         raise RayhfError(f"{where}: dp*tp*pp = {dp}*{spec.tp}*{spec.pp} != mesh size {len(mesh)}")
-    return Layout(mesh, dp, spec.tp, spec.pp, spec.n_mbs)
+    return Layout(mesh, dp, spec.tp, spec.pp, spec.n_microbatches)

@@ -70,7 +70,7 @@ class Plan:
                     "dp": lay.dp,
                     "tp": lay.tp,
                     "pp": lay.pp,
-                    "n_mbs": lay.n_mbs,
+                    "n_microbatches": lay.n_microbatches,
                     **({"zero": self.zero[name]} if name in self.zero else {}),
                 }
                 for name, lay in self.layouts.items()
@@ -80,11 +80,18 @@ class Plan:
 
 
 def plan_from_json(text: str, source: str) -> Plan:
-    """Inverse of ``Plan.to_json``."""
+    """Inverse of ``Plan.to_json``; a plan saved before micro-batches were ``n_microbatches``
+    (``n_mbs``) loads too, so a resumed run keeps its plan."""
     raw = json.loads(text)
-    layouts = {name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], v["n_mbs"])
-               for name, v in raw.items()}  # fmt: skip
+    layouts = {
+        name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], _microbatches(v))
+        for name, v in raw.items()
+    }
     return Plan(layouts, source, {name: v["zero"] for name, v in raw.items() if "zero" in v})
+
+
+def _microbatches(entry: dict) -> int:
+    return entry["n_microbatches"] if "n_microbatches" in entry else entry["n_mbs"]
 
 
 def colocated_plan(graph: Graph, n_devices: int) -> Plan:
@@ -138,7 +145,8 @@ def format_plan(plan: Plan, graph: Graph) -> str:
         mesh = lay.name.split(".")[0][1:]  # "0-15" or "0_2_5"
         rows.append(
             f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
-            f"{lay.pp:>4}{lay.n_mbs:>5}" + (f"{plan.zero.get(name, '-'):>6}" if plan.zero else "")
+            f"{lay.pp:>4}{lay.n_microbatches:>5}"
+            + (f"{plan.zero.get(name, '-'):>6}" if plan.zero else "")
         )
     return "\n".join(rows)
 

@@ -30,7 +30,7 @@ import numpy as np
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import AnalyticCost, CallCost, Workload, max_shard_params
+from rayhf.planner.cost import AnalyticCost, CallCost, Rows, Workload, max_shard_params
 from rayhf.planner.hardware import CPU_ZERO3_PER_TENSOR, ClusterSpec
 
 # (batch, sequence) points for forward and train; (batch, prompt, new tokens) for generation
@@ -178,26 +178,24 @@ class ProfiledCost(AnalyticCost):
         volume = (dp - 1) / dp * shard / self.cluster.intra_node_bandwidth
         return volume + _n_tensors(spec) * CPU_ZERO3_PER_TENSOR
 
-    def _stage_pass(
-        self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: float, seq: int, train: bool
-    ) -> float:
-        """One micro-batch through one stage: its layers' token work split over tp, their
+    def _stage_pass(self, fit: OpFit, spec: ModelSpec, lay: Layout, mb: Rows, train: bool) -> float:
+        """One micro-batch ``mb`` through one stage: its layers' token work split over tp, their
         per-layer fixed cost not, two all-reduces per layer forward (four with backward), the
         rest of the model (embedding, head) on the whole replica."""
-        tokens = n_seqs * seq
+        seq = mb.seq
+        tokens = mb.n_seqs * seq
         feats = [1.0, tokens, tokens * seq]
         layers = math.ceil(spec.n_layers / lay.pp)
         work = fit.layer[0] + _dot(fit.layer[1:], feats[1:]) / lay.tp
         comm = (4 if train else 2) * self._allreduce(tokens * spec.hidden_size * 4, lay.tp)
         return layers * (work + comm) + _dot(fit.base, feats) / lay.pp
 
-    def _pipeline(
-        self, fit: OpFit, spec: ModelSpec, lay: Layout, n_seqs: int, seq: int, train: bool
-    ) -> float:
-        """GPipe over the micro-batches, activations hopping between stages, and the gather of
-        the vocab-parallel logits (and its gradient) over tp."""
-        mbs = min(lay.n_mbs, max(1, n_seqs))
-        stage = self._stage_pass(fit, spec, lay, n_seqs / mbs, seq, train)
+    def _pipeline(self, fit: OpFit, spec: ModelSpec, lay: Layout, rows: Rows, train: bool) -> float:
+        """GPipe over the micro-batches of ``rows``, activations hopping between stages, and the
+        gather of the vocab-parallel logits (and its gradient) over tp."""
+        n_seqs, seq = rows.n_seqs, rows.seq
+        mbs = min(lay.n_microbatches, max(1, n_seqs))
+        stage = self._stage_pass(fit, spec, lay, Rows(n_seqs / mbs, seq), train)
         hop = self.cluster.link_latency + n_seqs / mbs * seq * spec.hidden_size * 4 / (
             self.cluster.intra_node_bandwidth
         )
@@ -228,10 +226,10 @@ class ProfiledCost(AnalyticCost):
         if work.kind == "generate":
             parts["generate"] = self._generate(prof, spec, layout, n_seqs, work)
         elif work.kind == "inference":
-            parts["forward"] = self._pipeline(prof.forward, spec, layout, n_seqs, seq, False)
+            parts["forward"] = self._pipeline(prof.forward, spec, layout, Rows(n_seqs, seq), False)
         else:
             per_mb = math.ceil(n_seqs / work.n_minibatches)
-            step = self._pipeline(prof.train, spec, layout, per_mb, seq, True)
+            step = self._pipeline(prof.train, spec, layout, Rows(per_mb, seq), True)
             shard = max_shard_params(spec, layout.tp, layout.pp) * 4
             sync = self._allreduce(shard, layout.dp)
             if work.zero_stage >= 3:  # beside the gradients' reduction, as at stages 1-2
@@ -239,7 +237,8 @@ class ProfiledCost(AnalyticCost):
             parts["train"] = work.epochs * work.n_minibatches * (step + sync)
             if work.forward_share:  # e.g. decoupled PPO's proximal log-probs
                 share = math.ceil(n_seqs * work.forward_share)
-                parts["forward"] = self._pipeline(prof.forward, spec, layout, share, seq, False)
+                share_rows = Rows(share, seq)
+                parts["forward"] = self._pipeline(prof.forward, spec, layout, share_rows, False)
         fixed, scale = self.runtime(layout)
         parts = {k: v * scale for k, v in parts.items()}
         parts["actor"] = fixed

@@ -28,10 +28,9 @@ from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.simulate import Simulation, simulate
-from rayhf.planner.step import StepOptions
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -70,8 +69,8 @@ def layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> 
     for tp in _powers(min(size, per_node)):
         for pp in _divisors(size // tp) if size % tp == 0 else []:
             if check_layout(spec, tp, pp) is None:
-                for n_mbs in MICRO_BATCHES if pp > 1 else (1,):
-                    out.append(Layout(mesh, size // (tp * pp), tp, pp, n_mbs))
+                for n_microbatches in MICRO_BATCHES if pp > 1 else (1,):
+                    out.append(Layout(mesh, size // (tp * pp), tp, pp, n_microbatches))
     return out
 
 
@@ -85,16 +84,15 @@ def _powers(n: int) -> list[int]:
 
 def _neighbour(
     cur: dict[str, Layout],
-    graph: Graph,
+    problem: Problem,
     options: dict[str, list[Layout]],
     on_mesh: dict[str, dict[tuple[int, ...], list[Layout]]],
-    specs: dict[str, ModelSpec],
-    per_node: int,
     rng: random.Random,
 ) -> dict[str, Layout]:
     """One random move: a new layout for a call, a layout shared within a role, a call moved to
     another block of the same size, or two calls split onto two parts of a block (so they can
     run at the same time). ``on_mesh``: each call's ``options`` by mesh."""
+    graph, specs, per_node = problem.graph, problem.specs, problem.cluster.devices_per_node
     trial = dict(cur)
     name = rng.choice(graph.order)
     role = graph.by_name[name].role
@@ -110,7 +108,9 @@ def _neighbour(
         lay = trial[name]
         size, n_devices = len(lay.mesh), len(options[name][-1].mesh)
         start = rng.choice(range(0, n_devices - size + 1, min(size, per_node)))
-        trial[name] = Layout(tuple(range(start, start + size)), lay.dp, lay.tp, lay.pp, lay.n_mbs)
+        trial[name] = Layout(
+            tuple(range(start, start + size)), lay.dp, lay.tp, lay.pp, lay.n_microbatches
+        )
     elif len(graph.order) > 1:
         other = rng.choice([n for n in graph.order if n != name])
         block = trial[name].mesh
@@ -136,13 +136,12 @@ class SearchResult:
 class _Scorer:
     """Energies of plans, memoized (local improvement revisits plans), within a deadline."""
 
-    def __init__(
-        self, graph: Graph, specs, works, cost: AnalyticCost, deadline: float,
-        concurrent: bool = True, step: StepOptions = StepOptions(),
-    ) -> None:  # fmt: skip
-        self.graph, self.specs, self.works, self.cost = graph, specs, works, cost
-        self.concurrent, self.step = concurrent, step
-        self.capacity = cost.cluster.device.memory_bytes
+    def __init__(self, problem: Problem, deadline: float) -> None:
+        self.problem = problem
+        self.graph, self.specs, self.works, self.cost = (
+            problem.graph, problem.specs, problem.works, problem.cost
+        )  # fmt: skip
+        self.capacity = problem.capacity
         self.deadline = deadline
         self.seen: dict[tuple[Layout, ...], float] = {}
         self.evaluations = 0
@@ -153,10 +152,7 @@ class _Scorer:
         if key not in self.seen:
             self.evaluations += 1
             plan = Plan(dict(layouts), "search")
-            sim = simulate(
-                self.graph, plan, self.specs, self.works, self.cost, concurrent=self.concurrent,
-                step=self.step,
-            )  # fmt: skip
+            sim = simulate(self.problem, plan)
             self.seen[key] = energy(sim, self.capacity)
         return self.seen[key]
 
@@ -179,12 +175,12 @@ class _Scorer:
         return time.perf_counter() >= self.deadline
 
 
-def _fitting(options, graph: Graph, specs, works, cost: AnalyticCost) -> dict[str, list[Layout]]:
+def _fitting(problem: Problem, options: dict[str, list[Layout]]) -> dict[str, list[Layout]]:
     """Drop layouts whose call alone overflows a device: no plan with them can fit."""
-    cap = cost.cluster.device.memory_bytes
+    cost, works, cap = problem.cost, problem.works, problem.capacity
     out = {}
     for name, opts in options.items():
-        spec = specs.get(graph.by_name[name].role)
+        spec = problem.spec(name)
         fits = [
             lay for lay in opts
             if spec is None or cost.least_memory(spec, lay, works[name]) <= cap
@@ -193,12 +189,13 @@ def _fitting(options, graph: Graph, specs, works, cost: AnalyticCost) -> dict[st
     return out
 
 
-def _shortlist(options, graph: Graph, specs, works, cost: AnalyticCost, keep: int = 3):
+def _shortlist(problem: Problem, options: dict[str, list[Layout]], keep: int = 3):
     """Per call and mesh, the ``keep`` layouts that run the call alone fastest: what local
     improvement tries (annealing still draws from every layout)."""
+    cost, works = problem.cost, problem.works
     out = {}
     for name, opts in options.items():
-        spec = specs.get(graph.by_name[name].role)
+        spec = problem.spec(name)
         if spec is None:
             out[name] = opts
             continue
@@ -313,23 +310,17 @@ def energy(sim: Simulation, capacity: float) -> float:
 
 
 def search(
-    graph: Graph,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cost: AnalyticCost,
+    problem: Problem,
     starts: list[Plan],
     seed: int = 0,
     max_iterations: int = 20000,
     time_limit: float = 30.0,
-    concurrent: bool = True,
-    step: StepOptions = StepOptions(),
 ) -> SearchResult:
-    """The lowest-energy plan found: the best of ``starts``, locally improved, then simulated
-    annealing from there, and the annealing's best locally improved again. ``concurrent`` and
-    ``step`` as in ``simulate``."""
+    """The lowest-energy plan found for ``problem``: the best of ``starts``, locally improved,
+    then simulated annealing from there, and the annealing's best locally improved again."""
     began = time.perf_counter()
     rng = random.Random(seed)
-    cluster = cost.cluster
+    graph, specs, works, cluster = problem.graph, problem.specs, problem.works, problem.cluster
     options = {
         c.name: candidates(specs.get(c.role), cluster.n_devices, cluster.devices_per_node)
         for c in graph.calls
@@ -337,9 +328,9 @@ def search(
     for name, opts in options.items():  # vLLM and DeepSpeed calls: dp-only layouts
         if works[name].whole_model_ranks:
             options[name] = [lay for lay in opts if lay.tp == 1 and lay.pp == 1]
-    options = _fitting(options, graph, specs, works, cost)
-    short = _shortlist(options, graph, specs, works, cost)
-    score = _Scorer(graph, specs, works, cost, began + time_limit, concurrent, step)
+    options = _fitting(problem, options)
+    short = _shortlist(problem, options)
+    score = _Scorer(problem, began + time_limit)
     ready = time.perf_counter()  # the phases share what is left of the limit
     left = began + time_limit - ready
     improved = []
@@ -348,26 +339,28 @@ def search(
         improved.append(improve(start, short, graph, score))
     best, best_e = min(improved, key=lambda r: r[1])
     score.deadline = ready + 0.85 * left
-    found, found_e, it = _anneal(best, best_e, graph, options, specs, rng, score, max_iterations)
+    found, found_e, it = _anneal((best, best_e), options, rng, score, max_iterations)
     if found_e < best_e:
         score.deadline = began + time_limit
         best, best_e = improve(found, short, graph, score)
-    sim = simulate(graph, Plan(best, ""), specs, works, cost, concurrent=concurrent, step=step)
+    sim = simulate(problem, Plan(best, ""))
     plan = Plan(best, "search", dict(sim.stages))
     return SearchResult(plan, sim, it + score.evaluations, time.perf_counter() - began)
 
 
-def _anneal(start, start_e, graph, options, specs, rng: random.Random, score: _Scorer, max_it):
-    """Simulated annealing from ``start``; returns its best plan, energy and step count."""
-    best, best_e = dict(start), start_e
-    cur, cur_e = dict(start), start_e
+def _anneal(start: tuple[dict[str, Layout], float], options, rng: random.Random, score: _Scorer,
+            max_it: int):  # fmt: skip
+    """Simulated annealing from ``start`` (a plan's layouts and energy); returns its best plan,
+    energy and step count."""
+    layouts, start_e = start
+    best, best_e = dict(layouts), start_e
+    cur, cur_e = dict(layouts), start_e
     temp0 = 0.05 * start_e
-    per_node = score.cost.cluster.devices_per_node
     on_mesh = {name: _by_mesh(opts) for name, opts in options.items()}
     it = 0
     while it < max_it and not score.out_of_time():
         it += 1
-        trial = _neighbour(cur, graph, options, on_mesh, specs, per_node, rng)
+        trial = _neighbour(cur, score.problem, options, on_mesh, rng)
         e = score(trial)
         temp = temp0 * (1.0 - it / max_it) + 1e-9
         if e < cur_e or rng.random() < math.exp((cur_e - e) / temp):

@@ -34,7 +34,8 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
-from rayhf.planner.step import Slot, StepOptions, Unit, leading, pipeline, plan_step
+from rayhf.planner.problem import Problem
+from rayhf.planner.step import Slot, Unit, leading, pipeline, plan_step
 from rayhf.realloc.plan import SHM_MIN_BYTES, move_load
 
 
@@ -59,6 +60,16 @@ class Simulation:
     @property
     def feasible(self) -> bool:
         return not self.over_memory and not self.refused
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """How the simulated iterations run: how many, whether step i+1 starts while step i runs
+    (``overlap``), and whether units on disjoint devices run together (``concurrent``)."""
+
+    n_iterations: int
+    overlap: bool
+    concurrent: bool = True
 
 
 @functools.lru_cache(maxsize=16384)
@@ -88,50 +99,42 @@ def realloc_seconds(
 
 
 def simulate(
-    graph: Graph,
+    problem: Problem,
     plan: Plan,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cost: AnalyticCost,
     n_iterations: int = 3,
     moved: Callable[[str, Layout, Layout], float] | None = None,
-    concurrent: bool = True,
-    step: StepOptions = StepOptions(),
 ) -> Simulation:
-    """Run ``n_iterations`` of ``graph``'s step under ``plan``; ``works`` gives each call's
-    workload, ``step`` the EMA blends and whether step i+1 starts while step i runs. With
-    ``concurrent=False`` every unit waits for the one before it (a driver that runs one unit
-    at a time)."""
+    """Run ``n_iterations`` of the problem's step under ``plan``: each call's workload, the EMA
+    blends and whether step i+1 starts while step i runs as ``problem`` gives them. With
+    ``problem.concurrent`` false every unit waits for the one before it (a driver that runs one
+    unit at a time). ``moved``: a weight move's seconds, instead of the cost model's."""
+    graph, step = problem.graph, problem.step
     homes = plan.home_layouts(graph)
-    trained = {c.role for c in graph.calls if c.kind == "train"}
-    works, stages = staged(graph, plan, specs, works, cost, homes, trained)
+    works, stages = staged(problem, plan)
+    problem = problem.with_works(works)
     units = plan_step(graph, plan.layouts, homes, step.followers)
     slots = pipeline(units, leading(graph, units, step.staleness), step.staleness)
     overlap = step.overlap or step.staleness > 0
     if step.staleness:  # the pipeline fills for k periods: price the ones after
         n_iterations = max(n_iterations, 2 * step.staleness + 3)
     flat = {c.role for c in graph.calls if c.kind == "train" and works[c.name].zero_stage == 3}
-    seconds = _price(units, specs, works, cost, moved, {r: homes[r] for r in flat})
-    cores = cost.cluster.host_cores
-    if concurrent and 0 < cores < _n_devices(plan, cost):
-        procs = {u.name: len(u.devices) if u.role in specs else 0 for u in units}
-        spans = _shared_cores(slots, overlap, seconds, procs, cores, n_iterations)
+    seconds = _price(problem, units, moved, {r: homes[r] for r in flat})
+    cores = problem.cluster.host_cores
+    run = _Timeline(n_iterations, overlap, problem.concurrent)
+    if problem.concurrent and 0 < cores < _n_devices(plan, problem.cost):
+        procs = {u.name: len(u.devices) if u.role in problem.specs else 0 for u in units}
+        spans = _shared_cores(slots, seconds, procs, cores, run)
     else:
-        spans = _one_by_one(slots, seconds, n_iterations, overlap, concurrent)
+        spans = _one_by_one(slots, seconds, run)
     sim = Simulation(_period(spans, n_iterations, step.staleness), spans, stages=stages)
     sim.refused = _refused(graph, plan, works)
-    sim.peak_memory, sim.over_memory = _memory(graph, plan, specs, works, cost, homes, trained)
+    sim.peak_memory, sim.over_memory = _memory(problem, plan)
     return sim
 
 
-def _one_by_one(
-    slots: list[Slot],
-    seconds: dict[str, float],
-    n_iterations: int,
-    overlap: bool,
-    concurrent: bool,
-) -> list[SimSpan]:
+def _one_by_one(slots: list[Slot], seconds: dict[str, float], run: _Timeline) -> list[SimSpan]:
     """Each unit as soon as what it runs after has ended, at full speed (every device its own)."""
+    n_iterations, overlap, concurrent = run.n_iterations, run.overlap, run.concurrent
     spans: list[SimSpan] = []
     end: list[dict[str, float]] = []
     for it in range(n_iterations):
@@ -154,15 +157,15 @@ def _one_by_one(
 
 def _shared_cores(
     slots: list[Slot],
-    overlap: bool,
     seconds: dict[str, float],
     procs: dict[str, int],
     cores: float,
-    n_iterations: int = 3,
+    run: _Timeline,
 ) -> list[SimSpan]:
     """As ``_one_by_one``, on emulated devices that share ``cores`` cores: while units run
     together, each of their ``procs`` (device processes; none for a function the driver runs)
     gets an equal share of the cores, at most one (processor sharing)."""
+    n_iterations, overlap = run.n_iterations, run.overlap
     deps: dict[tuple[int, str], list[tuple[int, str]]] = {}
     for it in range(n_iterations):
         for slot in slots:
@@ -197,20 +200,12 @@ def _shared_cores(
     ]
 
 
-def staged(
-    graph: Graph,
-    plan: Plan,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cost: AnalyticCost,
-    homes: dict[str, Layout],
-    trained: set[str],
-) -> tuple[dict[str, Workload], dict[str, int]]:
+def staged(problem: Problem, plan: Plan) -> tuple[dict[str, Workload], dict[str, int]]:
     """Every call's workload with its train calls' ZeRO stages, and those stages (where the plan
     or the rule set them): the plan's stage, else among the workload's ``zero_choices`` that
     the layout allows (2-3: dp only; 3: not while another call of the role shares the layout)
-    the fastest that fits a device on its own, raised while the plan overflows its devices;
-    ``homes`` and ``trained`` as ``simulate`` derives them."""
+    the fastest that fits a device on its own, raised while the plan overflows its devices."""
+    graph, specs, works, cost = problem.graph, problem.specs, problem.works, problem.cost
     out, choices = dict(works), {}
     for c in graph.calls:
         if c.kind != "train" or c.role not in specs:
@@ -224,7 +219,7 @@ def staged(
                 out[c.name] = _fastest_fitting(cost, specs[c.role], plan.layouts[c.name],
                                                works[c.name], allowed)  # fmt: skip
     for _ in range(3 if choices else 0):  # a stage up where a train call's devices overflow
-        _, over = _memory(graph, plan, specs, out, cost, homes, trained)
+        _, over = _memory(problem.with_works(out), plan)
         full = {d for _, d, _ in over}
         raised = False
         for name, allowed in choices.items():
@@ -260,10 +255,8 @@ def _fastest_fitting(
 
 
 def _price(
+    problem: Problem,
     units: list[Unit],
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cost: AnalyticCost,
     moved: Callable[[str, Layout, Layout], float] | None,
     flat: dict[str, Layout],
 ) -> dict[str, float]:
@@ -271,6 +264,7 @@ def _price(
     reward function, costs only the driver's overhead), a move's transfer (from a ZeRO-3
     group's slices where ``flat`` names the role's home), each plus the driver's cost of a
     unit."""
+    specs, works, cost = problem.specs, problem.works, problem.cost
     overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
     out: dict[str, float] = {}
     for u in units:
@@ -328,17 +322,11 @@ def _index(mesh: tuple[int, ...]) -> np.ndarray | slice:
     return np.array(mesh)
 
 
-def _memory(
-    graph: Graph,
-    plan: Plan,
-    specs: dict[str, ModelSpec],
-    works: dict[str, Workload],
-    cost: AnalyticCost,
-    homes: dict[str, Layout],
-    trained: set[str],
-) -> tuple[dict[int, float], list[tuple[str, int, float]]]:
+def _memory(problem: Problem, plan: Plan) -> tuple[dict[int, float], list[tuple[str, int, float]]]:
     """Peak bytes per used device (resident weights plus the largest call transient on it),
     and (what, device, bytes) for each device over its memory."""
+    graph, specs, works, cost = problem.graph, problem.specs, problem.works, problem.cost
+    homes, trained = plan.home_layouts(graph), problem.trained
     n_devices = _n_devices(plan, cost)
     resident = np.zeros(n_devices)
     used = np.zeros(n_devices, dtype=bool)

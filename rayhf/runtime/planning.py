@@ -17,16 +17,25 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from rayhf.algorithms import INTERFACES
 from rayhf.algorithms.interface import WorkShape
 from rayhf.config import ExperimentConfig
+from rayhf.config.registry import INTERFACES
 from rayhf.data.datasets import PromptDataset
 from rayhf.engines.config import EngineConfig
 from rayhf.graph import Graph
 from rayhf.models.spec import ModelSpec
-from rayhf.planner.auto import plan_for_run, searches, workloads
+from rayhf.planner.auto import (
+    RunDevices,
+    StepBatch,
+    colocated_for_run,
+    plan_for_run,
+    run_cost,
+    searches,
+    workloads,
+)
 from rayhf.planner.cost import Workload
 from rayhf.planner.plan import Plan, plan_from_json
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ModelProfile
 from rayhf.planner.step import StepOptions, leading, plan_step
 from rayhf.runtime.profiling import gpu_profiles, profiles_for
@@ -110,9 +119,8 @@ def planner_workloads(
     seqs = cfg.batch_size * max((s.samples_per_prompt for s in shapes.values()), default=1)
     prompt = prompt_tokens(cfg, dataset)
     response = response_tokens(cfg, prompt)
-    works = workloads(
-        graph, seqs, prompt, response, minibatches, call_engines(cfg, graph), zero1, recompute
-    )
+    batch = StepBatch(seqs, prompt, response, minibatches)
+    works = workloads(graph, batch, call_engines(cfg, graph), zero1, recompute)
     out = {}
     for name, w in works.items():
         s = shapes[name]
@@ -162,9 +170,13 @@ def auto_plan(
         specs, profiles = profiles_for(configs, threads)
     works = planner_workloads(cfg, graph, dataset)
     driver = cfg.driver
-    plan = plan_for_run(
-        graph, specs, profiles, works, cfg.cluster, cfg.seed, step_options(cfg),
-        driver.moves_through_shm, device_name, driver.moves_through_ipc,
-    )  # fmt: skip
+    devices = RunDevices(
+        cfg.cluster, device_name, driver.moves_through_shm, driver.moves_through_ipc
+    )
+    cost = run_cost(devices, profiles)
+    if cost is None:
+        plan = colocated_for_run(graph, n)
+    else:
+        plan = plan_for_run(Problem(graph, specs, works, cost, step_options(cfg)), cfg.seed)
     saved.write_text(plan.to_json())
     return plan

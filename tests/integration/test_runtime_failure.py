@@ -11,14 +11,14 @@ from conftest import alive_actors
 from rayhf.errors import RunFailed
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
-from rayhf.runtime.trainer import Trainer
+from rayhf.runtime.trainer import RunLoop
 from rayhf.runtime.waits import gather, pending
 
 pytestmark = pytest.mark.ray
 
 PLAN = {  # the critic is pipelined: its surviving stage blocks on the dead one's activations
     "actor_gen": {"dp": 2}, "actor_train": {"dp": 2}, "ref_inf": {"dp": 2}, "rew_inf": {"dp": 2},
-    "critic_inf": {"pp": 2, "n_mbs": 2}, "critic_train": {"pp": 2, "n_mbs": 2},
+    "critic_inf": {"pp": 2, "n_microbatches": 2}, "critic_train": {"pp": 2, "n_microbatches": 2},
 }  # fmt: skip
 
 
@@ -31,7 +31,7 @@ def test_a_dead_actor_stops_the_run_naming_its_role(ray_cluster, tiny_config):
         ray.kill(session.groups["critic"].actors[1], no_restart=True)
         began = time.monotonic()
         with pytest.raises(RunFailed) as failed:
-            Trainer(cfg, assets, session).loop(0)
+            RunLoop(cfg, assets, session).loop(0)
         waited = time.monotonic() - began
     message = str(failed.value)
     print(f"stopped {waited:.1f} s after the kill: {message}")

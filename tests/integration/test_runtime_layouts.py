@@ -13,15 +13,15 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rayhf.metrics.trace import TRACE_FILE, read_trace
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.session import Session
-from rayhf.runtime.trainer import Trainer
+from rayhf.runtime.trainer import RunLoop
 
 pytestmark = pytest.mark.ray
 
 PLAN = {
     "actor_gen": {"tp": 2},
     "actor_train": {"tp": 2},
-    "critic_inf": {"pp": 2, "n_mbs": 2},
-    "critic_train": {"pp": 2, "n_mbs": 2},
+    "critic_inf": {"pp": 2, "n_microbatches": 2},
+    "critic_train": {"pp": 2, "n_microbatches": 2},
     "ref_inf": {"dp": 2},
     "rew_inf": {"dp": 2},
 }
@@ -48,7 +48,7 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
         # The ref was copied from the actor's gathered shards: the same whole model.
         gathered = ray.get([a.get_weights.remote() for a in actor.actors])[0]
         assert _same(gathered, ray.get(ref.replica(0)[0].get_weights.remote()))
-        trainer = Trainer(cfg, assets, session)
+        trainer = RunLoop(cfg, assets, session)
         trainer.loop(0)
         actor_after = ray.get([a.get_weights.remote() for a in actor.actors])[0]
         critic_after = ray.get([a.get_weights.remote() for a in critic.actors])[0]
@@ -123,7 +123,7 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
         actor_before = ray.get([a.get_weights.remote() for a in home.actors])[0]
         ref_before = ray.get(ref.actors[0].get_weights.remote())
         assert _same(actor_before, ref_before), "the ref starts as the actor, by reallocation"
-        Trainer(cfg, assets, session).loop(0)
+        RunLoop(cfg, assets, session).loop(0)
         actor_after = ray.get([a.get_weights.remote() for a in home.actors])[0]
         ref_after = ray.get(ref.actors[0].get_weights.remote())
         copy_bytes = [w.bytes for w in ray.get([a.weights_summary.remote() for a in copy.actors])]

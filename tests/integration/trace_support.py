@@ -9,6 +9,7 @@ from rayhf.config import ExperimentConfig
 from rayhf.metrics.trace import TRACE_FILE, read_trace
 from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.hardware import cpu_cluster
+from rayhf.planner.problem import Problem
 from rayhf.planner.simulate import simulate
 from rayhf.runtime.assets import RunAssets
 from rayhf.runtime.planning import planner_workloads, step_options
@@ -28,10 +29,8 @@ def priced_units(cfg: ExperimentConfig, assets: RunAssets) -> list[str]:
     """The units the simulator prices for one step of this run's plan."""
     works = planner_workloads(cfg, assets.graph, assets.dataset)
     cost = AnalyticCost(cpu_cluster(cfg.cluster.n_devices, cfg.cluster.device_memory_gb))
-    sim = simulate(
-        assets.graph, assets.plan, assets.specs, works, cost, n_iterations=1,
-        step=step_options(cfg),
-    )  # fmt: skip
+    problem = Problem(assets.graph, assets.specs, works, cost, step_options(cfg))
+    sim = simulate(problem, assets.plan, n_iterations=1)
     return [s.name for s in sim.spans if s.iteration == 0]
 
 

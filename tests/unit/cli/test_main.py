@@ -39,8 +39,8 @@ def test_plan_prints_the_table_the_moves_and_the_memory_without_starting_anythin
     as_json = CliRunner().invoke(app, ["plan", str(EXAMPLE), "--json", "plan=colocated"])
     assert as_json.exit_code == 0, as_json.output
     layouts = json.loads(as_json.output)
-    assert set(layouts) == set(load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml").by_name)
-    assert layouts["actor_gen"] == {"mesh": [0, 1], "dp": 2, "tp": 1, "pp": 1, "n_mbs": 1}
+    assert set(layouts) == set(load_graph(REPO / "graphs" / "ppo.yaml").by_name)
+    assert layouts["actor_gen"] == {"mesh": [0, 1], "dp": 2, "tp": 1, "pp": 1, "n_microbatches": 1}
 
 
 def test_plan_on_gpus_prints_the_searched_plan_and_its_priced_gain(monkeypatch):

@@ -15,7 +15,7 @@ from rayhf.parallel.pipeline import Pipeline, split_rows
 
 
 @pytest.mark.parametrize(
-    ("n_rows", "n_mbs", "sizes"),
+    ("n_rows", "n_microbatches", "sizes"),
     [
         (6, 3, [2, 2, 2]),
         (7, 3, [3, 2, 2]),  # the first micro-batches take the remainder
@@ -24,16 +24,16 @@ from rayhf.parallel.pipeline import Pipeline, split_rows
         (0, 2, [0]),
     ],
 )
-def test_split_rows_is_contiguous_and_balanced(n_rows, n_mbs, sizes):
-    parts = split_rows(n_rows, n_mbs)
+def test_split_rows_is_contiguous_and_balanced(n_rows, n_microbatches, sizes):
+    parts = split_rows(n_rows, n_microbatches)
     assert [len(p) for p in parts] == sizes
     assert [r for p in parts for r in p] == list(range(n_rows))
 
 
-def _pipe(value_head: bool = False, n_mbs: int = 2) -> Pipeline:
+def _pipe(value_head: bool = False, n_microbatches: int = 2) -> Pipeline:
     hf = tiny_model("llama", {"n_heads": 4}, value_head)
     model = ShardedModel(model_spec(hf.config, value_head), single(), hf.state_dict())
-    return Pipeline(model, single(), n_mbs)
+    return Pipeline(model, single(), n_microbatches)
 
 
 def test_one_stage_has_no_neighbours():
@@ -44,7 +44,7 @@ def test_one_stage_has_no_neighbours():
 
 
 def test_forward_is_the_stage_s_model_and_records_nothing():
-    pipe = _pipe(n_mbs=3)
+    pipe = _pipe(n_microbatches=3)
     lengths = [3, 4, 2]
     ids = torch.randint(3, VOCAB, (sum(lengths),), generator=torch.Generator().manual_seed(0))
     pipe.record = True

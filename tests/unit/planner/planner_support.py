@@ -9,7 +9,7 @@ from rayhf.models.shapes import public_shape
 from rayhf.planner.cost import Workload
 
 REPO = Path(__file__).resolve().parents[3]
-GRAPH = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
 SPECS = {
     "actor": public_shape("llama2-7b"),
     "ref": public_shape("llama2-7b"),

@@ -8,16 +8,20 @@ import dataclasses
 import pytest
 from planner_support import GRAPH, SPECS, WORKS
 
-from rayhf.engines.config import EngineConfig
+from rayhf.engines.config import DeepSpeedEngineConfig, TorchEngineConfig, VllmEngineConfig
 from rayhf.errors import RayhfError
 from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner import auto
 from rayhf.planner.auto import (
     AutoPlan,
+    RunDevices,
+    StepBatch,
+    colocated_for_run,
     format_auto,
     open_stages,
     plan_for_run,
+    run_cost,
     searches,
     step_estimates,
     workloads,
@@ -26,6 +30,7 @@ from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan, colocated_plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ModelProfile, OpFit
 from rayhf.planner.search import SearchResult
 from rayhf.planner.simulate import Simulation, simulate
@@ -36,22 +41,24 @@ def test_a_cluster_too_small_for_a_call_is_refused_naming_it():
     from rayhf.planner.auto import auto_plan, workloads
 
     specs = {**SPECS, "actor": public_shape("llama2-70b"), "ref": public_shape("llama2-70b")}
-    works = workloads(GRAPH, 64, 128, 128, 4)
+    works = workloads(GRAPH, StepBatch(64, 128, 128, 4))
     with pytest.raises(RayhfError, match=r"call 'actor_train' \(role 'actor'\) needs at least"):
-        auto_plan(GRAPH, specs, works, parse_cluster("1x2xA100"), time_limit=1)
+        auto_plan(Problem(GRAPH, specs, works, AnalyticCost(parse_cluster("1x2xA100"))), 0, 1)
 
 
 def test_workloads_carry_each_call_s_engine_and_optimizer_sharding():
     engines = {
-        "actor_gen": EngineConfig(engine="vllm"),
-        "critic_train": EngineConfig(engine="deepspeed", zero_stage=3, offload=True),
+        "actor_gen": VllmEngineConfig(),
+        "critic_train": DeepSpeedEngineConfig(zero_stage=3, offload=True),
     }
-    works = workloads(GRAPH, 64, 16, 8, 4, engines, zero1_roles={"actor"})
+    works = workloads(GRAPH, StepBatch(64, 16, 8, 4), engines, zero1_roles={"actor"})
     assert set(works) == set(GRAPH.by_name)
-    assert works["actor_gen"] == Workload("generate", 64, 16, 8, 1, "vllm")
+    assert works["actor_gen"] == Workload("generate", 64, 16, 8, 1, VllmEngineConfig())
     assert works["ref_inf"] == Workload("inference", 64, 16, 8, 1)
-    assert works["actor_train"] == Workload("train", 64, 16, 8, 4, "", 1)  # torch, ZeRO-1
-    assert works["critic_train"] == Workload("train", 64, 16, 8, 4, "deepspeed", 3, True)
+    assert works["actor_train"] == Workload("train", 64, 16, 8, 4, None, 1)  # torch, ZeRO-1
+    assert works["actor_train"].engine == TorchEngineConfig()
+    z3 = engines["critic_train"]
+    assert works["critic_train"] == Workload("train", 64, 16, 8, 4, z3, 3, True)
     assert works["actor_gen"].whole_model_ranks and not works["actor_train"].whole_model_ranks
 
 
@@ -86,10 +93,18 @@ def gpu_profiles(fixed: float) -> dict:
 H100 = "NVIDIA H100 80GB HBM3"
 
 
+def run_plan(specs: dict, profiles: dict, works: dict, devices: RunDevices, seed: int = 0) -> Plan:
+    """``plan: auto`` as a run makes it (``rayhf.runtime.planning.auto_plan``)."""
+    cost = run_cost(devices, profiles)
+    if cost is None:
+        return colocated_for_run(GRAPH, devices.cluster.n_devices)
+    return plan_for_run(Problem(GRAPH, specs, works, cost), seed)
+
+
 def test_on_gpus_auto_searches_from_the_device_profile_and_prices_its_gain():
-    works = workloads(GRAPH, 64, 128, 256, 4)
+    works = workloads(GRAPH, StepBatch(64, 128, 256, 4))
     cuda = ClusterConfig(n_devices=2, device="cuda")
-    plan = plan_for_run(GRAPH, GPU_SPECS, gpu_profiles(0.05), works, cuda, device_name=H100)
+    plan = run_plan(GPU_SPECS, gpu_profiles(0.05), works, RunDevices(cuda, H100))
     assert plan.source == "auto"
     assert plan.layouts != colocated_plan(GRAPH, 2).layouts, "calls of a fixed cost split"
     assert plan.estimates["auto"] < 0.9 * plan.estimates["colocated"]
@@ -98,10 +113,10 @@ def test_on_gpus_auto_searches_from_the_device_profile_and_prices_its_gain():
 
 
 def test_on_a_gpu_the_datasheet_lacks_auto_keeps_the_colocated_plan():
-    works = workloads(GRAPH, 64, 128, 256, 4)
+    works = workloads(GRAPH, StepBatch(64, 128, 256, 4))
     cuda = ClusterConfig(n_devices=2, device="cuda")
     for name in ("Tesla T4", ""):  # a kind with no entry; no GPU seen (no name)
-        plan = plan_for_run(GRAPH, GPU_SPECS, gpu_profiles(0.05), works, cuda, device_name=name)
+        plan = run_plan(GPU_SPECS, gpu_profiles(0.05), works, RunDevices(cuda, name))
         assert plan.layouts == colocated_plan(GRAPH, 2).layouts and not plan.estimates
 
 
@@ -130,11 +145,12 @@ def test_a_model_too_small_for_a_baseline_gets_a_plan_and_the_baseline_is_named_
 
     config = hf_config(ModelInit(hidden_size=64, n_layers=2, n_heads=4), 24, 0, 1, 2)
     tiny = {r: model_spec(config, r in ("critic", "reward")) for r in SPECS}
-    works = workloads(GRAPH, 32, 16, 12, 4)
-    result = auto_plan(GRAPH, tiny, works, parse_cluster("16x8xH100"), time_limit=2)
+    works = workloads(GRAPH, StepBatch(32, 16, 12, 4))
+    result = auto_plan(Problem(GRAPH, tiny, works, AnalyticCost(parse_cluster("16x8xH100"))), 0, 2)
     assert result.absent == ["realhf"] and "realhf" not in result.baselines
     assert result.chosen.simulation.feasible
-    assert all(lay.pp <= 2 for lay in result.chosen.plan.layouts.values())
+    layouts = result.chosen.plan.layouts.values()
+    assert layouts and all(lay.pp <= 2 for lay in layouts)
     assert "realhf     no plan" in format_auto(result)
 
 
@@ -145,16 +161,20 @@ def test_a_role_on_fewer_devices_than_the_cluster_is_told_how_many_and_why():
 
     config = hf_config(ModelInit(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2), 24, 0, 1, 2)
     tiny = {r: model_spec(config, r in ("critic", "reward")) for r in SPECS}
-    cluster = parse_cluster("1x8xH100")
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+
+    def problem(n_seqs: int) -> Problem:
+        return Problem(GRAPH, tiny, workloads(GRAPH, StepBatch(n_seqs, 16, 12, 1)), cost)
+
     half = Plan({c.name: Layout((0, 1, 2, 3), 4) for c in GRAPH.calls}, "search")
-    few = device_use(GRAPH, half, tiny, workloads(GRAPH, 1, 16, 12, 1), cluster)
+    few = device_use(problem(1), half)
     # 2 kv heads, 2 layers, 1 sequence: at most 4 devices, whatever the search wanted
     assert "  actor: 4 of 8 devices; the model takes at most tp=2 (its heads), pp=2" in few[0]
     assert all(line.endswith(": 4 devices") for line in few) and len(few) == len(tiny)
-    many = device_use(GRAPH, half, tiny, workloads(GRAPH, 32, 16, 12, 1), cluster)
-    assert all(line.endswith("(other calls use the rest)") for line in many)
+    many = device_use(problem(32), half)
+    assert many and all(line.endswith("(other calls use the rest)") for line in many)
     whole = Plan({c.name: Layout(tuple(range(8)), 8) for c in GRAPH.calls}, "search")
-    assert device_use(GRAPH, whole, tiny, workloads(GRAPH, 32, 16, 12, 1), cluster) == []
+    assert device_use(problem(32), whole) == []
 
 
 def test_the_on_policy_estimates_price_the_work_of_staleness_0(monkeypatch):
@@ -166,23 +186,23 @@ def test_the_on_policy_estimates_price_the_work_of_staleness_0(monkeypatch):
         for n, w in WORKS.items()
     }
     k1 = StepOptions(staleness=1)
-    chosen = auto.auto_plan(GRAPH, SPECS, ahead, cluster, time_limit=1, step=k1)
+    problem = Problem(GRAPH, SPECS, ahead, AnalyticCost(cluster), k1)
+    chosen = auto.auto_plan(problem, time_limit=1)
     searched = []
 
-    def same_plan(graph, specs, works, *args):  # the on-policy search, on the chosen plan
-        searched.append(works)
+    def same_plan(problem, *args):  # the on-policy search, on the chosen plan
+        searched.append(problem.works)
         return chosen
 
     monkeypatch.setattr(auto, "auto_plan", same_plan)
-    rows = step_estimates(GRAPH, SPECS, ahead, cluster, chosen, k1, on_policy_works=WORKS)
+    rows = step_estimates(problem, chosen, on_policy_works=WORKS)
     assert searched == [WORKS]
     one_by_one = StepOptions(overlap=False)
 
     def barrier(works) -> float:
         cost, plan = AnalyticCost(cluster), chosen.chosen.plan
-        return simulate(
-            GRAPH, plan, SPECS, open_stages(works), cost, step=one_by_one
-        ).iteration_seconds
+        problem = Problem(GRAPH, SPECS, open_stages(works), cost, step=one_by_one)
+        return simulate(problem, plan).iteration_seconds
 
     assert barrier(ahead) > barrier(WORKS) * 1.01, "the forward costs something"
     assert rows[1].split()[-4] == f"{barrier(WORKS):.2f}", rows[1]

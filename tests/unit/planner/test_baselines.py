@@ -16,6 +16,7 @@ from rayhf.planner.auto import open_stages
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import cpu_cluster, parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.search import layouts_on
 from rayhf.planner.simulate import simulate
 
@@ -25,8 +26,15 @@ def _most_tp(plan: Plan) -> float:
     return -sum(lay.tp for lay in plan.layouts.values())
 
 
+def _problem(n: int, per_node: int, graph=GRAPH) -> Problem:
+    return Problem(
+        graph, SPECS, WORKS, AnalyticCost(parse_cluster(f"{n // per_node}x{per_node}xH100"))
+    )
+
+
 def _setting(n: int, per_node: int, score=_most_tp) -> baselines.Setting:
-    return baselines.Setting(GRAPH, SPECS, WORKS, n, per_node, score)
+    """A setting on ``n`` H100s, ``per_node`` to a node, that tries every layout."""
+    return baselines.Setting(_problem(n, per_node), score, ranked=False)
 
 
 def _priced(cluster: str, actor: str = "llama2-7b", critic: str = "llama2-7b", gen: int = 128):
@@ -42,7 +50,7 @@ def _priced(cluster: str, actor: str = "llama2-7b", critic: str = "llama2-7b", g
         for c in GRAPH.calls
     })  # fmt: skip
     cost = AnalyticCost(parse_cluster(cluster))
-    return baselines.Setting.priced(GRAPH, specs, works, cost), cost
+    return baselines.Setting.priced(Problem(GRAPH, specs, works, cost))
 
 
 def _role_devices(plan: Plan) -> dict[str, set[int]]:
@@ -89,7 +97,7 @@ def test_disjoint_tunes_every_role_on_its_own_devices():
 def test_disjoint_fits_where_a_disjoint_plan_fits():
     """13B models on 32 H100: the earlier disjoint baseline did not fit memory (its blocks were
     fixed by parameter counts); here a disjoint plan fits, so the baseline must."""
-    setting, cost = _priced("4x8xH100", "llama2-13b", "llama2-13b")
+    setting = _priced("4x8xH100", "llama2-13b", "llama2-13b")
     by_hand = Plan({
         "actor_gen": Layout(tuple(range(16)), 4, 4),
         "actor_train": Layout(tuple(range(16)), 4, 4),
@@ -98,7 +106,7 @@ def test_disjoint_fits_where_a_disjoint_plan_fits():
         "ref_inf": Layout(tuple(range(24, 28)), 1, 4),
         "rew_inf": Layout(tuple(range(28, 32)), 1, 4),
     }, "by hand")  # fmt: skip
-    sim = lambda p: simulate(GRAPH, p, dict(setting.specs), dict(setting.works), cost)  # noqa: E731
+    sim = lambda p: simulate(setting.problem, p)  # noqa: E731
     assert _pairwise_disjoint(_role_devices(by_hand)) and sim(by_hand).feasible
     plan = baselines.disjoint(setting)
     assert _pairwise_disjoint(_role_devices(plan)) and sim(plan).feasible
@@ -106,23 +114,23 @@ def test_disjoint_fits_where_a_disjoint_plan_fits():
 
 
 def test_verl_colocates_every_call_trains_at_zero3_and_reshards_for_generation():
-    setting, cost = _priced("2x8xH100")
+    setting = _priced("2x8xH100")
     plan = baselines.verl(setting)
     assert plan is not None and plan.source == "verl"
-    assert all(lay.mesh == tuple(range(16)) for lay in plan.layouts.values())
+    assert plan.layouts and all(lay.mesh == tuple(range(16)) for lay in plan.layouts.values())
     assert plan.zero == {"actor_train": 3, "critic_train": 3}
     for name in ("actor_train", "critic_train"):
         assert (plan.layouts[name].tp, plan.layouts[name].pp) == (1, 1)  # FSDP-like: dp only
     gen = plan.layouts["actor_gen"]
     assert gen.pp == 1 and gen != plan.layouts["actor_train"]
-    sim = simulate(GRAPH, plan, dict(setting.specs), dict(setting.works), cost)
+    sim = simulate(setting.problem, plan)
     moved = {s.name for s in sim.spans}
     assert "realloc:actor_gen" in moved  # the resharding into the rollout layout is priced
     assert sim.stages == plan.zero and sim.feasible
 
 
 def test_openrlhf_generates_on_devices_of_its_own_and_trains_at_zero3():
-    setting, cost = _priced("2x8xH100")
+    setting = _priced("2x8xH100")
     plan = baselines.openrlhf(setting)
     assert plan is not None and plan.source == "openrlhf"
     meshes = _role_devices(plan)
@@ -131,14 +139,14 @@ def test_openrlhf_generates_on_devices_of_its_own_and_trains_at_zero3():
     assert _pairwise_disjoint(meshes)
     assert plan.zero == {"actor_train": 3, "critic_train": 3}
     assert plan.layouts["actor_gen"].pp == 1
-    sim = simulate(GRAPH, plan, dict(setting.specs), dict(setting.works), cost)
+    sim = simulate(setting.problem, plan)
     assert "realloc:actor_gen" in {s.name for s in sim.spans}  # the weights broadcast
 
 
 @pytest.mark.parametrize("build", [baselines.verl, baselines.openrlhf])
 def test_zero3_baselines_need_an_engine_that_offers_it(build):
     """The workloads as a run configures them (torch training, no stage choice): no plan."""
-    assert build(baselines.Setting(GRAPH, SPECS, WORKS, 16, 8, _most_tp)) is None
+    assert build(_setting(16, 8)) is None
 
 
 def test_baselines_take_any_pipeline_divisor():
@@ -149,9 +157,9 @@ def test_baselines_take_any_pipeline_divisor():
 
 def test_realhf_follows_its_rules_on_nodes_of_eight():
     assert baselines.realhf(_setting(4, 4)) is None
-    sft = load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
-    assert baselines.realhf(baselines.Setting(sft, SPECS, WORKS, 8, 8, _most_tp)) is None
-    by_mbs = lambda p: p.layouts["actor_gen"].n_mbs  # noqa: E731
+    sft = load_graph(REPO / "graphs" / "sft.yaml")
+    assert baselines.realhf(baselines.Setting(_problem(8, 8, sft), _most_tp, ranked=False)) is None
+    by_mbs = lambda p: p.layouts["actor_gen"].n_microbatches  # noqa: E731
     one = baselines.realhf(_setting(8, 8, by_mbs))
     assert one is not None and one.source == "realhf"
     assert one.layouts["actor_gen"] == Layout(tuple(range(8)), 4, 1, 2, 1)
@@ -178,9 +186,9 @@ def test_zero3_baselines_shard_only_groups_with_ranks_to_shard_over():
         c.name: Workload(c.kind, 32, 16, 12, 4 if c.kind == "train" else 1) for c in GRAPH.calls
     })  # fmt: skip
     cost = AnalyticCost(cpu_cluster(4, 4.0, cores=2))
-    setting = baselines.Setting.priced(GRAPH, specs, works, cost)
+    setting = baselines.Setting.priced(Problem(GRAPH, specs, works, cost))
     for plan in (baselines.openrlhf(setting), baselines.verl(setting)):
         assert plan is not None
         for name in ("actor_train", "critic_train"):
             assert (plan.zero.get(name) == 3) == (plan.layouts[name].dp > 1)
-        assert not simulate(GRAPH, plan, specs, works, cost).refused
+        assert not simulate(Problem(GRAPH, specs, works, cost), plan).refused

@@ -8,11 +8,13 @@ import dataclasses
 import pytest
 from planner_support import GRAPH, SPECS, WORKS
 
+from rayhf.engines.config import DeepSpeedEngineConfig, TorchEngineConfig, VllmEngineConfig
 from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Workload
+from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Rows, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.simulate import simulate
 
 
@@ -49,7 +51,7 @@ def test_a_captured_decode_step_reads_weights_and_filled_keys_once():
     assert cost.decode_seconds(tiny, Layout((0,), 1), 1, 8) >= cost.eff.replay_seconds
     tp8 = cost.decode_seconds(spec, Layout(tuple(range(8)), 1, 8), 16, 256)
     assert tp8 < step, "tp=8 reads a quarter of tp=2's shard per device"
-    one_seq = cost.forward_seconds(spec, Layout((0,), 1), 1, 1)
+    one_seq = cost.forward_seconds(spec, Layout((0,), 1), Rows(1, 1))
     assert one_seq >= 2 * 6.5e9 / bw, "a one-token forward still reads every weight"
 
 
@@ -58,23 +60,24 @@ def test_engines_change_the_memory_the_planner_counts():
     spec, lay = SPECS["actor"], Layout(tuple(range(8)), dp=8)
     train = WORKS["actor_train"]
     torch_b = cost.resident(spec, lay, True, train)
+    ds = DeepSpeedEngineConfig()
     by_stage = [
-        cost.resident(spec, lay, True, dataclasses.replace(train, engine="deepspeed", zero_stage=z))
+        cost.resident(spec, lay, True, dataclasses.replace(train, engine=ds, zero_stage=z))
         for z in (1, 2, 3)
     ]
     assert torch_b > by_stage[0] > by_stage[1] > by_stage[2]
     weights = cost.resident(spec, lay, False)
     assert by_stage[2] == pytest.approx(weights * 2 / 8 + (torch_b - 2 * weights) / 8)
-    offload = dataclasses.replace(train, engine="deepspeed", zero_stage=2, offload=True)
+    offload = dataclasses.replace(train, engine=DeepSpeedEngineConfig(), zero_stage=2, offload=True)
     # DeepSpeed's bf16 mode: bf16 weights and gradients (the fp32 master offloaded)
     assert cost.resident(spec, lay, True, offload) == pytest.approx(weights + weights / 8)
     gen = WORKS["actor_gen"]
-    vllm = dataclasses.replace(gen, engine="vllm")
+    vllm = dataclasses.replace(gen, engine=VllmEngineConfig())
     extra = cost.memory(spec, lay, vllm) - cost.memory(spec, lay, gen)
     assert extra == pytest.approx(weights + VLLM_KV_BYTES)  # its own weights and KV cache
     plan = Plan({c.name: lay for c in GRAPH.calls}, "colocated")
     works = {**WORKS, "actor_gen": vllm}
-    plain, with_vllm = (simulate(GRAPH, plan, SPECS, w, cost) for w in (WORKS, works))
+    plain, with_vllm = (simulate(Problem(GRAPH, SPECS, w, cost), plan) for w in (WORKS, works))
     assert max(with_vllm.peak_memory.values()) == pytest.approx(
         max(plain.peak_memory.values()) + extra
     )
@@ -98,7 +101,7 @@ def test_the_role_s_precision_sets_the_bytes_priced():
         assert cost.resident(spec, lay, True, WORKS["actor_train"]) == 16 * n
     # ZeRO-3 over 8: the torch engine's fp32 weights, DeepSpeed's bf16 ones (+ fp32 master)
     dp8 = Layout(tuple(range(8)), 8)
-    z3 = dataclasses.replace(WORKS["actor_train"], engine="deepspeed", zero_stage=3)
+    z3 = dataclasses.replace(WORKS["actor_train"], engine=DeepSpeedEngineConfig(), zero_stage=3)
     m = shard_numel(base, 1, 1, 0, 0)
     assert cost.resident(bf16, dp8, True, z3) == pytest.approx((2 + 2 + 12) * m / 8)
     assert cost.resident(fp32, dp8, True, z3) == pytest.approx((4 + 4 + 8) * m / 8)
@@ -140,7 +143,8 @@ def test_zero_stages_trade_memory_for_time():
     assert by_stage[1].parts["optimizer"] < by_stage[0].parts["optimizer"]
     assert by_stage[3].seconds >= by_stage[2].seconds
     assert by_stage[2].parts["optimizer"] < by_stage[1].parts["optimizer"]  # bf16 gradients
-    assert work.with_stage(3).engine == "deepspeed" and work.with_stage(1).engine == ""
+    assert work.with_stage(3).engine == DeepSpeedEngineConfig(zero_stage=3)
+    assert work.with_stage(1).engine == TorchEngineConfig()
     small = Workload("train", 16, 16, 16, 4).with_stage(3)  # little compute: the gathers show
     gathers = 4 * 3 * cost._gather_seconds(spec, lay, small)
     assert cost.call(spec, lay, small).parts["forward_backward"] == pytest.approx(gathers)
@@ -156,5 +160,5 @@ def test_a_train_call_pays_for_its_epochs_and_its_forward_without_gradients():
     prox = cost.call(spec, lay, dataclasses.replace(train, forward_share=0.75))
     share = -(-train.n_seqs // lay.dp * 3 // 4)  # 3/4 of a replica's sequences, rounded up
     seq = train.prompt_len + train.gen_len
-    forward = cost.forward_seconds(spec, lay, share, seq, work=train)
+    forward = cost.forward_seconds(spec, lay, Rows(share, seq), work=train)
     assert prox.seconds == pytest.approx(one.seconds + forward) and forward > 0

@@ -13,7 +13,7 @@ from rayhf.planner.layout import LayoutSpec, layout_from_spec
 def test_the_mesh_defaults_to_every_device_and_dp_to_what_is_left():
     assert layout_from_spec(LayoutSpec(), 4, "plan.x") == Layout((0, 1, 2, 3), 4)
     assert layout_from_spec(LayoutSpec(tp=2), 4, "plan.x") == Layout((0, 1, 2, 3), 2, 2)
-    spec = LayoutSpec(mesh=[3, 1], pp=2, n_mbs=4)
+    spec = LayoutSpec(mesh=[3, 1], pp=2, n_microbatches=4)
     assert layout_from_spec(spec, 4, "plan.x") == Layout((3, 1), 1, 1, 2, 4)
 
 
@@ -37,3 +37,5 @@ def test_entries_are_checked_as_config():
         LayoutSpec(tp=0)
     with pytest.raises(ValidationError):
         LayoutSpec(tensor_parallel=2)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="n_mbs was renamed: write n_microbatches"):
+        LayoutSpec.model_validate({"pp": 2, "n_mbs": 2})

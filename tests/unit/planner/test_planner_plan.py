@@ -32,7 +32,7 @@ def _spec(family: str, **kw):
 
 
 def test_plan_lists_the_reallocations_it_implies():
-    graph = load_graph(REPO / "rayhf" / "graphs" / "ppo.yaml")
+    graph = load_graph(REPO / "graphs" / "ppo.yaml")
     specs = {r: _spec("llama") for r in ("actor", "ref", "critic")}
     entries = {c.name: LayoutSpec(dp=2) for c in graph.calls}
     entries["actor_train"] = LayoutSpec(tp=2)

@@ -12,10 +12,11 @@ from transformers import LlamaConfig
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import model_spec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.auto import workloads
+from rayhf.planner.auto import StepBatch, workloads
 from rayhf.planner.cost import max_shard_params
 from rayhf.planner.hardware import CPU_LINK_BANDWIDTH, CPU_ZERO3_PER_TENSOR, cpu_cluster
 from rayhf.planner.plan import colocated_plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.profile import (
     MeasuredRun,
     ModelProfile,
@@ -53,7 +54,7 @@ def synthetic_cost(**kw) -> tuple[ProfiledCost, dict]:
 def test_layouts_compose_the_profile_as_rayhf_executes():
     cost, specs = synthetic_cost()
     spec = specs["actor"]
-    work = workloads(GRAPH, 32, 16, 8, 4)
+    work = workloads(GRAPH, StepBatch(32, 16, 8, 4))
     one = cost.call(spec, Layout((0,), 1), work["ref_inf"]).seconds
     dp2 = cost.call(spec, Layout((0, 1), 2), work["ref_inf"]).seconds
     tp2 = cost.call(spec, Layout((0, 1), 1, 2), work["ref_inf"]).seconds
@@ -68,7 +69,7 @@ def test_layouts_compose_the_profile_as_rayhf_executes():
 
 def test_calibration_recovers_the_runtime_constants():
     cost, specs = synthetic_cost()
-    works = workloads(GRAPH, 32, 16, 8, 4)
+    works = workloads(GRAPH, StepBatch(32, 16, 8, 4))
     truth = ProfiledCost(cost.cluster, cost.profiles, 0.01, {1: (0.02, 1.5), 2: (0.005, 3.0)})
     runs = []
     for plan in (colocated_plan(GRAPH, 1), colocated_plan(GRAPH, 2)):
@@ -88,26 +89,26 @@ def test_calibration_recovers_the_runtime_constants():
     for k, (fixed, scale) in {1: (0.02, 1.5), 2: (0.005, 3.0)}.items():
         assert fitted.actor[k] == pytest.approx((fixed, scale), rel=1e-6, abs=1e-9)
     plan = colocated_plan(GRAPH, 2)
-    est = simulate(GRAPH, plan, specs, works, fitted, concurrent=False).iteration_seconds
+    est = simulate(Problem(GRAPH, specs, works, fitted, concurrent=False), plan).iteration_seconds
     assert est == pytest.approx(runs[1].step_seconds)
 
 
 def test_sequential_driver_adds_up_what_the_concurrent_one_overlaps():
     cost, specs = synthetic_cost(call_overhead=0.0)
-    works = workloads(GRAPH, 32, 16, 8, 4)
+    works = workloads(GRAPH, StepBatch(32, 16, 8, 4))
     apart = {n: Layout((0,) if GRAPH.by_name[n].role != "critic" else (1,), 1) for n in GRAPH.order}
     from rayhf.planner.plan import Plan
 
     plan = Plan(apart, "test")
-    together = simulate(GRAPH, plan, specs, works, cost, concurrent=True).iteration_seconds
-    in_turn = simulate(GRAPH, plan, specs, works, cost, concurrent=False).iteration_seconds
+    together = simulate(Problem(GRAPH, specs, works, cost, concurrent=True), plan).iteration_seconds
+    in_turn = simulate(Problem(GRAPH, specs, works, cost, concurrent=False), plan).iteration_seconds
     assert in_turn > together, "critic calls overlap actor calls only in the concurrent driver"
 
 
 def test_zero3_pays_its_gathers_only_where_it_has_ranks_to_shard_over():
     cost, specs = synthetic_cost()
     spec = specs["actor"]
-    work = workloads(GRAPH, 32, 16, 8, 4)["actor_train"]
+    work = workloads(GRAPH, StepBatch(32, 16, 8, 4))["actor_train"]
 
     def extra(layout: Layout) -> float:
         return (
@@ -123,7 +124,7 @@ def test_zero3_pays_its_gathers_only_where_it_has_ranks_to_shard_over():
 
 def test_a_profiled_train_call_pays_for_its_epochs_and_its_forward_without_gradients():
     cost, specs = synthetic_cost()
-    works = workloads(GRAPH, 8, 16, 16, 2)
+    works = workloads(GRAPH, StepBatch(8, 16, 16, 2))
     lay, train, infer = Layout((0,), 1), works["actor_train"], works["ref_inf"]
     one = cost.call(specs["actor"], lay, train)
     two = cost.call(specs["actor"], lay, dataclasses.replace(train, epochs=2))

@@ -7,12 +7,14 @@ import dataclasses
 
 from planner_support import GRAPH, REPO, SPECS, WORKS
 
+from rayhf.engines.config import DeepSpeedEngineConfig, VllmEngineConfig
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
 from rayhf.planner.simulate import simulate
 
@@ -46,11 +48,11 @@ def test_side_by_side_cuts_a_cluster_at_every_node_boundary():
 
 
 def test_search_plans_a_graph_of_one_call():
-    graph = load_graph(REPO / "rayhf" / "graphs" / "sft.yaml")
+    graph = load_graph(REPO / "graphs" / "sft.yaml")
     works = {c.name: Workload(c.kind, 64, 128, 128, 2) for c in graph.calls}
     cost = AnalyticCost(parse_cluster("1x8xH100"))
     start = Plan({c.name: Layout(tuple(range(8)), dp=8) for c in graph.calls}, "start")
-    found = search(graph, SPECS, works, cost, [start], seed=1, max_iterations=200)
+    found = search(Problem(graph, SPECS, works, cost), [start], seed=1, max_iterations=200)
     assert set(found.plan.layouts) == {c.name for c in graph.calls} and found.simulation.feasible
 
 
@@ -59,14 +61,14 @@ def test_search_is_deterministic_and_never_worse_than_its_starts():
     cap = cost.cluster.device.memory_bytes
 
     def score(plan: Plan) -> float:
-        return energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+        return energy(simulate(Problem(GRAPH, SPECS, WORKS, cost), plan), cap)
 
-    setting = baselines.Setting(GRAPH, SPECS, WORKS, 16, 8, score)
+    setting = baselines.Setting(Problem(GRAPH, SPECS, WORKS, cost), score, ranked=False)
     starts = [baselines.colocated(setting), baselines.realhf(setting)]
     for s in starts:
         assert s is not None and {c.name for c in GRAPH.calls} == set(s.layouts)
-    a = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
-    b = search(GRAPH, SPECS, WORKS, cost, starts, seed=3, max_iterations=300)
+    a = search(Problem(GRAPH, SPECS, WORKS, cost), starts, seed=3, max_iterations=300)
+    b = search(Problem(GRAPH, SPECS, WORKS, cost), starts, seed=3, max_iterations=300)
     assert a.plan.layouts == b.plan.layouts
     assert score(a.plan) <= min(score(s) for s in starts)
     assert a.simulation.feasible
@@ -80,7 +82,7 @@ def test_local_improvement_never_worsens_a_plan_and_is_deterministic():
     start = dict(baselines.colocated(_setting(cost)).layouts)
     runs = []
     for _ in range(2):
-        score = _Scorer(GRAPH, SPECS, WORKS, cost, deadline=float("inf"))
+        score = _Scorer(Problem(GRAPH, SPECS, WORKS, cost), deadline=float("inf"))
         runs.append(improve(start, options, GRAPH, score))
         assert runs[-1][1] <= score(start)
     assert runs[0] == runs[1]
@@ -91,18 +93,18 @@ def test_search_improves_on_the_colocated_plan():
     cost = AnalyticCost(parse_cluster("2x8xH100"))
     score = _score(cost)
     start = baselines.colocated(_setting(cost))
-    found = search(GRAPH, SPECS, WORKS, cost, [start], seed=0, max_iterations=200)
+    found = search(Problem(GRAPH, SPECS, WORKS, cost), [start], seed=0, max_iterations=200)
     assert found.simulation.feasible
     assert score(found.plan) < 0.95 * score(start)
 
 
 def _score(cost: AnalyticCost):
     cap = cost.cluster.device.memory_bytes
-    return lambda plan: energy(simulate(GRAPH, plan, SPECS, WORKS, cost), cap)
+    return lambda plan: energy(simulate(Problem(GRAPH, SPECS, WORKS, cost), plan), cap)
 
 
 def _setting(cost: AnalyticCost) -> baselines.Setting:
-    return baselines.Setting.priced(GRAPH, SPECS, WORKS, cost)
+    return baselines.Setting.priced(Problem(GRAPH, SPECS, WORKS, cost))
 
 
 def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
@@ -110,21 +112,25 @@ def test_search_keeps_vllm_and_deepspeed_calls_data_parallel():
     cap = cost.cluster.device.memory_bytes
     works = {
         **WORKS,
-        "actor_gen": dataclasses.replace(WORKS["actor_gen"], engine="vllm"),
+        "actor_gen": dataclasses.replace(WORKS["actor_gen"], engine=VllmEngineConfig()),
         "critic_train": dataclasses.replace(
-            WORKS["critic_train"], engine="deepspeed", zero_stage=3
+            WORKS["critic_train"], engine=DeepSpeedEngineConfig(), zero_stage=3
         ),
     }
 
     def score(plan: Plan) -> float:
-        return energy(simulate(GRAPH, plan, SPECS, works, cost), cap)
+        return energy(simulate(Problem(GRAPH, SPECS, works, cost), plan), cap)
 
     tp2 = Plan({c.name: Layout(tuple(range(8)), 4, 2) for c in GRAPH.calls}, "tp2")
-    refused = simulate(GRAPH, tp2, SPECS, works, cost).refused
+    refused = simulate(Problem(GRAPH, SPECS, works, cost), tp2).refused
     assert refused == ["actor_gen", "critic_inf", "critic_train"]  # critic_inf: on ZeRO-3 ranks
     assert score(tp2) == float("inf")
-    starts = [baselines.colocated(baselines.Setting(GRAPH, SPECS, works, 8, 8, score))]
-    found = search(GRAPH, SPECS, works, cost, starts, seed=1, max_iterations=300)
+    starts = [
+        baselines.colocated(
+            baselines.Setting(Problem(GRAPH, SPECS, works, cost), score, ranked=False)
+        )
+    ]
+    found = search(Problem(GRAPH, SPECS, works, cost), starts, seed=1, max_iterations=300)
     for name in ("actor_gen", "critic_train"):
         lay = found.plan.layouts[name]
         assert (lay.tp, lay.pp) == (1, 1), name

@@ -16,6 +16,7 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost
 from rayhf.planner.hardware import cpu_cluster, parse_cluster
 from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
 from rayhf.planner.search import energy
 from rayhf.planner.simulate import realloc_seconds, simulate
 from rayhf.planner.step import StepOptions
@@ -29,7 +30,7 @@ def _plan(layout_of) -> Plan:
 def test_simulator_overlaps_disjoint_meshes_and_serializes_shared_ones():
     cost = AnalyticCost(parse_cluster("1x8xH100"))
     shared = _plan(lambda c: Layout(tuple(range(8)), 4, 2))
-    sim = simulate(GRAPH, shared, SPECS, WORKS, cost)
+    sim = simulate(Problem(GRAPH, SPECS, WORKS, cost), shared)
     calls = [s for s in sim.spans if s.iteration == 0 and not s.name.startswith("realloc")]
     for a, b in itertools.pairwise(calls):
         assert b.start >= a.end - 1e-12, "calls on the same devices run one after another"
@@ -37,7 +38,9 @@ def test_simulator_overlaps_disjoint_meshes_and_serializes_shared_ones():
     apart = _plan(lambda c: Layout(split[c.role], 2, 2) if c.role in split else
                   Layout(tuple(range(8)), 4, 2))  # fmt: skip
     spans = {
-        s.name: s for s in simulate(GRAPH, apart, SPECS, WORKS, cost).spans if s.iteration == 0
+        s.name: s
+        for s in simulate(Problem(GRAPH, SPECS, WORKS, cost), apart).spans
+        if s.iteration == 0
     }
     ref, critic = spans["ref_inf"], spans["critic_inf"]
     assert ref.start < critic.end and critic.start < ref.end, "disjoint meshes overlap in time"
@@ -51,7 +54,7 @@ def test_reallocation_appears_when_a_role_changes_layout():
     cost = AnalyticCost(parse_cluster("1x8xH100"))
     plan = _plan(lambda c: Layout(tuple(range(8)), 8) if c.name == "actor_gen"
                  else Layout(tuple(range(8)), 2, 4))  # fmt: skip
-    sim = simulate(GRAPH, plan, SPECS, WORKS, cost, n_iterations=2)
+    sim = simulate(Problem(GRAPH, SPECS, WORKS, cost), plan, n_iterations=2)
     moves = [s for s in sim.spans if s.name == "realloc:actor_gen"]
     assert len(moves) == 2 and all(m.end > m.start for m in moves)
 
@@ -158,7 +161,7 @@ def _hops_before_last(s) -> int:
 def test_a_plan_over_memory_is_infeasible():
     cost = AnalyticCost(parse_cluster("1x8xH100"))
     crammed = _plan(lambda c: Layout((0,), 1))
-    sim = simulate(GRAPH, crammed, SPECS, WORKS, cost)
+    sim = simulate(Problem(GRAPH, SPECS, WORKS, cost), crammed)
     assert not sim.feasible and sim.over_memory[0][1] == 0
     assert energy(sim, 80e9) > 10 * sim.iteration_seconds
 
@@ -168,7 +171,7 @@ def test_a_call_at_home_of_a_trained_role_still_counts_its_cache():
     cost = AnalyticCost(parse_cluster("2x8xH100"))
     lay = Layout(tuple(range(16)), 2, 8)
     plan = _plan(lambda c: lay)
-    sim = simulate(GRAPH, plan, SPECS, WORKS, cost)
+    sim = simulate(Problem(GRAPH, SPECS, WORKS, cost), plan)
     resident = sum(cost.resident(SPECS[r], lay, r in ("actor", "critic")) for r in SPECS)
     gen = cost.memory(SPECS["actor"], lay, WORKS["actor_gen"]) - cost.resident(
         SPECS["actor"], lay, False
@@ -184,8 +187,10 @@ def test_overlapped_steps_are_priced_as_the_driver_runs_them_and_barriers_when_a
     split = _plan(lambda c: Layout(half.get(c.role, (4, 5, 6, 7)), 4))
     ema = StepOptions({"actor": [("ref", 0.1)]})
     specs = {**SPECS, "critic": public_shape("llama2-13b", value_head=True)}  # trains longer
-    over = simulate(GRAPH, split, specs, WORKS, cost, step=ema)
-    barrier = simulate(GRAPH, split, specs, WORKS, cost, step=StepOptions(ema.followers, False))
+    over = simulate(Problem(GRAPH, specs, WORKS, cost, step=ema), split)
+    barrier = simulate(
+        Problem(GRAPH, specs, WORKS, cost, step=StepOptions(ema.followers, False)), split
+    )
     first = [s for s in barrier.spans if s.iteration == 0]
     makespan = max(s.end for s in first)
     assert abs(barrier.iteration_seconds - makespan) < 1e-9
@@ -197,7 +202,9 @@ def test_overlapped_steps_are_priced_as_the_driver_runs_them_and_barriers_when_a
     assert gen1.start < critic0.end and gen1.start >= blend0.end
     shared = _plan(lambda c: Layout(tuple(range(8)), 8))
     a, b = (
-        simulate(GRAPH, shared, SPECS, WORKS, cost, step=StepOptions(overlap=o)).iteration_seconds
+        simulate(
+            Problem(GRAPH, SPECS, WORKS, cost, step=StepOptions(overlap=o)), shared
+        ).iteration_seconds
         for o in (True, False)
     )
     assert abs(a - b) < 1e-9, "on shared devices nothing can overlap"
@@ -213,19 +220,21 @@ def test_open_zero_stages_take_the_fastest_that_fits_and_dp_only_for_deepspeed()
         for n, w in WORKS.items()
     }
     dp = _plan(lambda c: Layout(tuple(range(8)), 8))
-    sim = simulate(GRAPH, dp, SPECS, works, cost)
+    sim = simulate(Problem(GRAPH, SPECS, works, cost), dp)
     assert sim.stages["actor_train"] == 2  # dp only: stage 1 overflows, 3 is refused (shared)
     tp = _plan(lambda c: Layout(tuple(range(8)), 2, 4))
-    assert set(simulate(GRAPH, tp, SPECS, works, cost).stages.values()) <= {0, 1}
+    assert set(simulate(Problem(GRAPH, SPECS, works, cost), tp).stages.values()) <= {0, 1}
     own = Plan({**dp.layouts, "actor_gen": Layout(tuple(range(8)), 2, 4)}, "test")
-    assert simulate(GRAPH, own, SPECS, works, cost).stages["actor_train"] == 3
+    assert simulate(Problem(GRAPH, SPECS, works, cost), own).stages["actor_train"] == 3
     named = Plan(dp.layouts, "test", {"actor_train": 1})
-    assert simulate(GRAPH, named, SPECS, works, cost).stages["actor_train"] == 1
-    assert simulate(GRAPH, dp, SPECS, WORKS, cost).stages == {}  # nothing open, nothing chosen
+    assert simulate(Problem(GRAPH, SPECS, works, cost), named).stages["actor_train"] == 1
+    assert (
+        simulate(Problem(GRAPH, SPECS, WORKS, cost), dp).stages == {}
+    )  # nothing open, nothing chosen
     roomy = AnalyticCost(cpu_cluster(8, 1e15))  # where every stage fits, a tie goes down
     one = _plan(lambda c: Layout((0,), 1))
-    assert set(simulate(GRAPH, one, SPECS, works, roomy).stages.values()) == {0}
-    assert simulate(GRAPH, dp, SPECS, works, roomy).stages["actor_train"] == 1  # 2 ties it
+    assert set(simulate(Problem(GRAPH, SPECS, works, roomy), one).stages.values()) == {0}
+    assert simulate(Problem(GRAPH, SPECS, works, roomy), dp).stages["actor_train"] == 1  # 2 ties it
 
 
 def test_emulated_devices_share_the_hosts_cores_among_units_that_run_together():
@@ -235,7 +244,7 @@ def test_emulated_devices_share_the_hosts_cores_among_units_that_run_together():
     shared = AnalyticCost(cpu_cluster(4, 1e6, cores=2))
 
     def seconds(plan: Plan, cost: AnalyticCost) -> float:
-        return simulate(GRAPH, plan, SPECS, WORKS, cost).iteration_seconds
+        return simulate(Problem(GRAPH, SPECS, WORKS, cost), plan).iteration_seconds
 
     alone = _plan(lambda c: Layout((0,), 1))
     assert seconds(alone, shared) == pytest.approx(seconds(alone, own))
@@ -254,7 +263,7 @@ def test_staleness_lets_generation_run_beside_training_and_each_batch_lags_at_mo
     gen_side = Layout((0, 1, 2, 3), 4)
     disjoint = _plan(lambda c: gen_side if c.name == "actor_gen" else Layout((4, 5, 6, 7), 4))
     sims = {
-        k: simulate(GRAPH, disjoint, SPECS, WORKS, cost, step=StepOptions(staleness=k))
+        k: simulate(Problem(GRAPH, SPECS, WORKS, cost, step=StepOptions(staleness=k)), disjoint)
         for k in (0, 1, 2)
     }
     on, one, two = (sims[k].iteration_seconds for k in (0, 1, 2))
@@ -271,7 +280,9 @@ def test_staleness_lets_generation_run_beside_training_and_each_batch_lags_at_mo
         assert gen.start >= train_before.end, "it waits for the update of step it - 1"
     shared = _plan(lambda c: Layout(tuple(range(8)), 8))
     a, b = (
-        simulate(GRAPH, shared, SPECS, WORKS, cost, step=StepOptions(staleness=k)).iteration_seconds
+        simulate(
+            Problem(GRAPH, SPECS, WORKS, cost, step=StepOptions(staleness=k)), shared
+        ).iteration_seconds
         for k in (0, 1)
     )
     assert abs(a - b) < 1e-6 * a, "on shared devices nothing can overlap"

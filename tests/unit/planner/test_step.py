@@ -144,7 +144,7 @@ def test_frozen_roles_on_the_generation_devices_run_ahead_with_the_generation():
 
 
 def test_a_graph_that_generates_nothing_it_trains_cannot_run_ahead():
-    dpo = load_graph(REPO / "rayhf" / "graphs" / "dpo.yaml")
+    dpo = load_graph(REPO / "graphs" / "dpo.yaml")
     layouts = {c.name: Layout((0,), 1) for c in dpo.calls}
     units = plan_step(dpo, layouts, Plan(layouts, "manual").home_layouts(dpo), {})
     with pytest.raises(RayhfError, match="max_staleness: 1: graph 'dpo' generates nothing"):
