@@ -5,6 +5,7 @@ FROM rayproject/ray:2.60.0-py311-gpu
 WORKDIR /app
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users rayhf ./rayhf
+COPY --chown=ray:users graphs ./graphs
 COPY --chown=ray:users examples ./examples
 COPY --chown=ray:users deployments ./deployments
 # libseccomp: the code sandbox's syscall filter (bubblewrap itself comes with rayhf, from

@@ -149,11 +149,6 @@ class PackedBatch:
         return out, mask
 
 
-def pack_padded(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Inverse of ``to_padded``: the first ``lengths[i]`` rows of every sample, concatenated."""
-    return torch.cat([padded[i, :n] for i, n in enumerate(lengths)]) if lengths else padded[:0, 0]
-
-
 def balanced_partition(costs: list[int], n_parts: int) -> list[list[int]]:
     """Indices of ``costs`` in ``n_parts`` groups with near-equal total cost.
 

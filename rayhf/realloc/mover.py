@@ -42,7 +42,7 @@ class Routes:
 
 
 class GroupRef(Protocol):
-    """What reallocation needs of a role group (``rayhf.runtime.RoleGroup`` is one)."""
+    """What reallocation needs of a role group (``rayhf.runtime.role_group.RoleGroup`` is one)."""
 
     key: str  # unique and stable, e.g. "actor.d0-1.dp1tp2pp1"
     layout: Layout
@@ -59,15 +59,6 @@ Wait = Callable[[Sequence[tuple[GroupRef, int, Any]], str], list[Any]]
 def ray_get_all(calls: Sequence[tuple[GroupRef, int, Any]], doing: str) -> list[Any]:
     """The plain wait: ``ray.get`` of every ref (benchmarks and tests)."""
     return ray.get([ref for _, _, ref in calls])
-
-
-class WeightMover(Protocol):
-    def move(
-        self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
-    ) -> ReallocStats:
-        """Make ``dst`` hold ``spec``'s weights as ``src`` holds them (``eta``: blend
-        ``dst = eta * src + (1 - eta) * dst`` instead of copying)."""
-        ...
 
 
 class TransferGroupMover:
@@ -139,6 +130,8 @@ class TransferGroupMover:
     def move(
         self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
     ) -> ReallocStats:
+        """Make ``dst`` hold ``spec``'s weights as ``src`` holds them (``eta``: blend
+        ``dst = eta * src + (1 - eta) * dst`` instead of copying)."""
         start = time.perf_counter()
         routes = self.routes(src, dst, spec)
         recvs = [

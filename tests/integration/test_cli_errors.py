@@ -60,7 +60,7 @@ def test_wrong_type(workdir):
 
 
 def test_graph_key_nobody_produces(workdir):
-    graph = yaml.safe_load((REPO / "rayhf" / "graphs" / "ppo.yaml").read_text())
+    graph = yaml.safe_load((REPO / "graphs" / "ppo.yaml").read_text())
     graph["calls"][1]["inputs"].append("rewards_typo")
     path = workdir / "bad.yaml"
     path.write_text(yaml.safe_dump(graph))

@@ -23,7 +23,7 @@ def test_examples_are_found():
     assert len(EXAMPLE_CONFIGS) >= 9 and EXAMPLE_GRAPHS
 
 
-GRAPHS = sorted((REPO / "rayhf" / "graphs").glob("*.yaml"))
+GRAPHS = sorted((REPO / "graphs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", EXAMPLE_GRAPHS + GRAPHS)

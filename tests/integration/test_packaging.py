@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,18 @@ PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
 def _wheel(tmp: Path) -> Path:
     """The wheel of a copy of the sources (the build's files stay out of the checkout)."""
     src = tmp / "src"
-    shutil.copytree(REPO / "rayhf", src / "rayhf", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("rayhf", "graphs"):  # the wheel carries graphs/ inside the package
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(REPO / folder, src / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     out = tmp / "wheels"
     build = [*PIP, "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)]
     subprocess.run(build, check=True, timeout=300)
     (wheel,) = out.glob("rayhf-*.whl")
+    with zipfile.ZipFile(wheel) as carried:
+        graphs = {n.removeprefix("rayhf/") for n in carried.namelist() if n.endswith(".yaml")}
+    assert graphs == {f"graphs/{p.name}" for p in (REPO / "graphs").glob("*.yaml")}
     return wheel
 
 

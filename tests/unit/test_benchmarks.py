@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,32 @@ def test_partial_rollouts_measures_generation_after_a_newer_version(monkeypatch)
     assert abs(got["share"] - 4 * 0.6 / 5) < 1e-9
     assert got["generate_ms"] == 100 and got["generator_idle_ms"] == 0
     assert bench.in_flight(events, k=1, warmup=1)["periods"] == 4
+
+
+def _linked(page: Path) -> set[Path]:
+    """The files a Markdown page links to, resolved (outside links and anchors dropped)."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    return {
+        (page.parent / t.split("#")[0]).resolve()
+        for t in targets
+        if "://" not in t and not t.startswith("#")
+    }
+
+
+def test_the_index_names_every_script_and_its_links_resolve():
+    index = BENCHMARKS_DIR / "README.md"
+    linked = _linked(index)
+    assert len(BENCHMARKS) >= 20
+    missing = [p.name for p in BENCHMARKS if p.resolve() not in linked]
+    assert missing == [], f"add these to benchmarks/README.md: {missing}"
+    assert [p for p in linked if not p.exists()] == []
+
+
+def test_every_record_is_linked_from_some_page():
+    repo = BENCHMARKS_DIR.parent
+    records = sorted((repo / "docs" / "benchmarks").glob("*.md"))
+    pages = [repo / "README.md", BENCHMARKS_DIR / "README.md", *(repo / "docs").rglob("*.md")]
+    linked = {t for page in pages for t in _linked(page) - {page.resolve()}}
+    assert len(records) >= 20
+    orphans = [p.name for p in records if p.resolve() not in linked]
+    assert orphans == [], f"link these from benchmarks/README.md or a doc: {orphans}"

@@ -218,7 +218,7 @@ def test_finished_rows_get_pad_and_all_finished_stops_early() -> None:
         out = generate(model, PROMPTS, cfg, eos, PAD)
         assert out.tokens[0] == [eos] and not all(out.finished)
         assert len(fed) == max(len(t) for t in out.tokens)  # prefill + one per further token
-        assert all(step[0] == PAD for step in fed[2:])  # row 0 is fed pad after its EOS
+        assert fed[2:] and all(step[0] == PAD for step in fed[2:])  # pad after row 0's EOS
         fed.clear()
         generate(model, [PROMPTS[0]], cfg, eos, PAD)
         assert len(fed) == 1  # the only row ended at its first token: no decode step

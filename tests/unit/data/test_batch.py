@@ -2,7 +2,7 @@ import random
 
 import torch
 
-from rayhf.data.batch import PackedBatch, balanced_partition, pack_padded
+from rayhf.data.batch import PackedBatch, balanced_partition
 
 
 def _batch(lengths):
@@ -44,7 +44,7 @@ def test_padded_roundtrip():
     padded, mask = b.to_padded("seq", -1)
     assert padded.shape == (3, 4)
     assert padded[0, 2].item() == -1 and mask.sum().item() == 7
-    assert torch.equal(pack_padded(padded, [2, 4, 1]), b.tensors["seq"])
+    assert torch.equal(padded[mask], b.tensors["seq"])  # the valid rows, in order
 
 
 def test_split_more_parts_than_samples_gives_empty_parts():

@@ -275,7 +275,7 @@ def test_demo_sft_rows_echo_the_prompt():
     rows = demo_task.make_sft_rows(300, seed=3)
     assert rows == demo_task.make_sft_rows(300, seed=3)
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in demo_task.make_prompts(300, 3)]
-    assert all(r["response"] == r["prompt"].removesuffix(" =") for r in rows)
+    assert len(rows) == 300 and all(r["response"] == r["prompt"].removesuffix(" =") for r in rows)
     assert (
         demo_task.reward([r["prompt"] for r in rows], [r["response"] for r in rows]) == [1.0] * 300
     )

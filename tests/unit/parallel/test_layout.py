@@ -4,6 +4,7 @@ rank order with tp innermost."""
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 
@@ -12,7 +13,7 @@ from rayhf.parallel.layout import Coords, Layout, coords_of, layout_rank
 
 def test_a_layout_splits_its_mesh_exactly():
     lay = Layout((4, 5, 6, 7), dp=2, tp=2)
-    assert (lay.pp, lay.n_mbs, lay.world_size) == (1, 1, 4)
+    assert (lay.pp, lay.n_microbatches, lay.world_size) == (1, 1, 4)
     with pytest.raises(AssertionError, match="bad layout"):
         Layout((0, 1, 2), dp=2)
     with pytest.raises(AssertionError, match="repeated device"):
@@ -36,9 +37,19 @@ def test_names_are_short_and_stable(layout, name):
 def test_layouts_are_values():
     a, b = Layout((0, 1), dp=2), Layout((0, 1), dp=2)
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-    assert hash(a) == hash(a)  # memoized, and the same again
-    assert a != Layout((0, 1), dp=2, n_mbs=2) and a != Layout((0, 1), dp=1, tp=2)
-    assert hash(a) != hash(Layout((0, 1), dp=1, tp=2))
+    plans = {a: "first"}  # a (memoized hash) and layouts built apart (not yet) find one key
+    assert plans[Layout((0, 1), dp=2)] == "first"
+    shipped = pickle.loads(pickle.dumps(a))  # as to another process: the memo travels along
+    assert shipped == a and hash(shipped) == hash(b) and plans[shipped] == "first"
+    others = [
+        Layout((1, 0), dp=2),
+        Layout((0, 1), dp=2, n_microbatches=2),
+        Layout((0, 1), dp=1, tp=2),
+        Layout((0, 1), dp=1, pp=2),
+        Layout((0, 2), dp=2),
+    ]
+    assert all(a != o and o not in plans for o in others)
+    assert len({hash(x) for x in [a, *others]}) == 1 + len(others), "each field counts"
 
 
 def test_rank_order_puts_tp_innermost_then_pp_then_dp():

@@ -66,6 +66,7 @@ def test_no_one_token_or_constant_answer_scores_0_3():
 
 def test_the_sft_rows_hold_the_reversed_digits_of_other_prompts_than_ppo_s(tmp_path):
     rows = task.make_sft_rows(300, seed=1)
+    assert len(rows) == 300
     assert all(r["response"] == " ".join(reversed(digits(r["prompt"]))) for r in rows)
     ppo_prompts = {r["prompt"] for r in make_prompts(512, seed=0)}
     assert len(ppo_prompts & {r["prompt"] for r in rows}) < 10  # chance repeats of short ones
