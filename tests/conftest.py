@@ -19,6 +19,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
+INTEGRATION = REPO / "tests" / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of tests/integration is ``slow``: each starts Ray runs, a `rayhf` process or
+    the parity harness's ranks, and most take well over 20 s, so ``-m "not slow"`` is the unit
+    suite plus the unit tests not marked ``slow`` themselves: the quick loop."""
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+
 
 def _needs(package: str, extra: str) -> pytest.MarkDecorator:
     """Skip where ``package`` is missing, except where the engine tests must run:

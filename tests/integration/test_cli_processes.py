@@ -205,25 +205,26 @@ def _a_worker(run: Run, rng: random.Random) -> int:
     return picked[0]
 
 
-STEPS = 20  # enough that both kills land mid-run: a tiny step takes under a second
+STEPS = 8  # enough that the kill lands mid-run: a tiny step takes under a second
 
 
-def test_two_killed_workers_are_recovered_and_every_step_is_logged_once(tmp_path):
+def test_a_killed_worker_is_recovered_and_every_step_is_logged_once(tmp_path):
+    """One SIGKILL from outside: the run recovers by itself, logs every step once and leaves no
+    process. (A recovery at every site a step waits on, one after another in one run, is
+    tests/integration/test_recovery.py's.)"""
     run = Run(tmp_path, *_args(tmp_path, steps=STEPS, save_every=1))
-    rng = random.Random(0)
-    for n, at in enumerate((4, 12), 1):
-        run.watch_until(lambda at=at: run.steps_logged() >= at)
-        os.kill(_a_worker(run, rng), signal.SIGKILL)
-        run.watch_until(lambda n=n: _recovered(run.run_dir) == n)
+    run.watch_until(lambda: run.steps_logged() >= 3)
+    os.kill(_a_worker(run, random.Random(0)), signal.SIGKILL)
+    run.watch_until(lambda: _recovered(run.run_dir) == 1)
     run.watch_until(lambda: False, timeout=400)
     code, err = run.finish()
     recoveries = [line for line in err.splitlines() if line.startswith("rayhf: recovering")]
-    assert code == 0 and len(recoveries) == 2, err
+    assert code == 0 and len(recoveries) == 1, err
     assert _steps(run.run_dir) == list(range(1, STEPS + 1)), "every step logged once"
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").open()]
     lost = [(r["step"], round(r["recovery/seconds"], 1)) for r in rows if "recovery/seconds" in r]
-    print(f"(first step after a recovery, seconds from the failure to the groups up again): {lost}")
-    assert len(lost) == 2
+    print(f"(seconds from the failure to the groups up again, by step): {lost}")
+    assert len(lost) == 1
     assert not run.left_behind()
 
 

@@ -152,6 +152,7 @@ def test_k8s_and_serve_are_mounted():
     assert CliRunner().invoke(app, ["k8s", "--help"]).exit_code == 0
 
 
+@pytest.mark.slow
 def test_rayhf_plan_searches_a_cluster_and_compares_baselines(tmp_path):
     import subprocess
     import sys

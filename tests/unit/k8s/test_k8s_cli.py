@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import yaml
 from k8s_support import CRD_DIR, EXAMPLE, K8S_MARKS, WORKER, _worker
 from k8s_support import job as job
@@ -57,6 +58,7 @@ def _user_without_crds(tmp_path: Path, monkeypatch, kubectl: str | None) -> None
     schema._crds_from_cluster.cache_clear()
 
 
+@pytest.mark.slow
 def test_validate_reads_kuberays_crds_from_the_cluster_through_kubectl(
     job: dict, tmp_path: Path, monkeypatch
 ) -> None:

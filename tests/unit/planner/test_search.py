@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from planner_support import GRAPH, REPO, SPECS, WORKS
 
 from rayhf.engines.config import DeepSpeedEngineConfig, VllmEngineConfig
@@ -74,6 +75,7 @@ def test_search_is_deterministic_and_never_worse_than_its_starts():
     assert a.simulation.feasible
 
 
+@pytest.mark.slow
 def test_local_improvement_never_worsens_a_plan_and_is_deterministic():
     from rayhf.planner.search import _Scorer, improve
 
