@@ -92,6 +92,7 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 BASE_LAYOUTS = ((2, 1, 1), (1, 2, 2))
 
 Check = tuple[str, str, tuple[int, int, int]]  # (precision, case, (dp, tp, pp))
+PRECISIONS = ("fp32", "bf16")  # in this order: ``covering`` rotates the layouts by it
 
 
 def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> list[Check]:
@@ -360,7 +361,7 @@ def _worker(
 def run(
     out: str,
     world: int = 4,
-    precisions: Sequence[str] = ("fp32", "bf16"),
+    precisions: Sequence[str] = PRECISIONS,
     device: str = "cpu",
     cases: dict[str, Case] | None = None,
     sizes: list[tuple[int, int, int]] | None = None,
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--precision", nargs="+", default=list(PRECISIONS), choices=list(DTYPES))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
         "--every-layout", action="store_true", help="every case on every layout (default: a cover)"

@@ -21,7 +21,7 @@ import sys
 import pytest
 from parity_support import TOLERANCES
 
-from rayhf.checks.parity import CASES, _model, covering, layouts
+from rayhf.checks.parity import CASES, PRECISIONS, _model, covering, layouts
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import model_spec
 
@@ -73,9 +73,7 @@ def _assert_tokens_agree(rows: list[dict], precision: str, case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_covering_layout_matches_hugging_face(rows, case, precision):
     mine = [r for r in rows if r["family"] == case and r["precision"] == precision]
-    checked = [
-        s for p, c, s in covering(4, list(CASES), sorted(TOLERANCES)) if (p, c) == (precision, case)
-    ]
+    checked = [s for p, c, s in covering(4, list(CASES), PRECISIONS) if (p, c) == (precision, case)]
     expected = {(d, t, p): d * t * p for d, t, p in checked}
     assert len(expected) == 3
     for (d, t, p), n_ranks in expected.items():
@@ -96,7 +94,7 @@ def test_frozen_bf16_copies_hold_half_the_bytes(rows):
 def test_the_covering_set_runs_every_layout_in_each_precision_and_every_axis_for_each_case():
     """Not every product: each layout of 4 ranks for some case, each case split over dp, tp and
     pp, in each precision."""
-    checks = covering(4, list(CASES), sorted(TOLERANCES))
+    checks = covering(4, list(CASES), PRECISIONS)
     assert len(checks) < len(CASES) * len(TOLERANCES) * len(layouts(4)) / 3
     for precision in TOLERANCES:
         assert {s for p, _, s in checks if p == precision} == set(layouts(4)), precision
