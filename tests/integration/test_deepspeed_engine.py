@@ -145,7 +145,8 @@ def test_asking_for_deepspeed_without_it_names_the_extra(tmp_path, tiny_config, 
     )
     with pytest.raises(RayhfError, match=r"^plan.actor_gen: role 'actor' trains on ZeRO-3 "):
         prepare_run(shared, shared.resolved_run_dir())
-    with pytest.raises(RayhfError, match=r"zero_stage and offload are settings of engine"):
+    wrong = r"engines.actor_train.zero_stage: not a setting of engine 'torch': zero_stage is a"
+    with pytest.raises(RayhfError, match=wrong + r" setting of engine 'deepspeed'$"):
         tiny_config(engines={"actor_train": {"engine": "torch", "zero_stage": 3}})
 
 
