@@ -12,8 +12,6 @@ from typing import Annotated
 
 import typer
 
-from rayhf.serve.engine import IN_PROCESS, check_checkpoint
-
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -53,7 +51,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve CHECKPOINT at http://HOST:PORT/v1 (completions, chat) until Ctrl-C."""
-    from rayhf.serve.app import serve_checkpoint
+    from rayhf.serve.app import serve_checkpoint  # here: `rayhf run` needs no transformers yet
+    from rayhf.serve.engine import IN_PROCESS, check_checkpoint
 
     if engine in IN_PROCESS:
         check_checkpoint(checkpoint)  # before Ray starts: a wrong path is a one-line error

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -11,11 +13,14 @@ import pytest
 import yaml
 from conftest import PPO_CALLS
 
+from rayhf.cli.main import main
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
 
 
-def rayhf_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def rayhf_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``rayhf *args`` as a process of its own: its exit code and what it printed."""
     return subprocess.run(
         [sys.executable, "-m", "rayhf", *args],
         cwd=cwd,
@@ -23,6 +28,27 @@ def rayhf_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=120,
     )
+
+
+def rayhf_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``rayhf *args`` through the CLI's own ``main`` in this process (a process of its own
+    costs ~8 s of imports here): its exit code and what it printed. That a real process exits
+    the same, one line and no traceback: ``test_unknown_config_key``."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    argv = sys.argv
+    os.chdir(cwd)
+    sys.argv = ["rayhf", *args]
+    code: int | str | None = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as e:
+        code = e.code
+    finally:
+        os.chdir(here)
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
 
 
 def _assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -52,7 +78,8 @@ def _run(workdir, *overrides):
 
 
 def test_unknown_config_key(workdir):
-    _assert_user_error(_run(workdir, "algorithm.kl_ctll=0.1"), "algorithm.kl_ctll", "unknown key")
+    args = ("run", str(EXAMPLE), f"run_dir={workdir / 'run'}", "algorithm.kl_ctll=0.1")
+    _assert_user_error(rayhf_process(*args, cwd=workdir), "algorithm.kl_ctll", "unknown key")
 
 
 def test_wrong_type(workdir):
