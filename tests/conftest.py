@@ -96,7 +96,7 @@ def tiny_overrides(run_dir: Path, **extra: object) -> dict[str, object]:
         "generation.max_new_tokens": 4,
         "dataset.path": str(run_dir.parent / "data" / "echo.parquet"),
         "metrics.console": False,
-        "metrics.plot": False,  # matplotlib's import and a PNG: ~1.5 s a run (tests/unit/metrics)
+        "metrics.plot": False,  # matplotlib and a PNG, ~1.5 s a run: test_runtime_ppo draws one
         "metrics.ray_metrics": False,
         "cluster.n_devices": 1,  # 4 actors; each costs ~4 s of CPU to import torch + transformers
     }

@@ -23,7 +23,7 @@ def _weights(path):
 
 
 def test_two_ppo_steps_on_two_devices(ray_cluster, tiny_config):
-    cfg = tiny_config(**{"metrics.ray_metrics": True, "cluster.n_devices": 2})
+    cfg = tiny_config(**{"metrics.ray_metrics": True, "metrics.plot": True, "cluster.n_devices": 2})
     result = run(cfg)
     assert [m["step"] for m in result.metrics] == [1, 2]
     lines = (result.run_dir / "metrics.jsonl").read_text().splitlines()

@@ -145,3 +145,35 @@ def test_every_record_is_linked_from_some_page():
     assert len(records) >= 20
     orphans = [p.name for p in records if p.resolve() not in linked]
     assert orphans == [], f"link these from benchmarks/README.md or a doc: {orphans}"
+
+
+def test_suite_time_sums_each_test_s_phases_and_reads_pytest_s_total(monkeypatch):
+    """suite_time reads pytest's ``--durations=0`` lines: a test's set-up, call and tear-down
+    add up, files sum their tests, and the summary line gives pytest's total and outcome."""
+    suite = _load(BENCHMARKS_DIR / "suite_time.py", monkeypatch)
+    log = "\n".join([
+        "12.50s call     tests/integration/test_a.py::test_one[x]",
+        "2.00s setup    tests/integration/test_a.py::test_one[x]",
+        "0.50s teardown tests/integration/test_a.py::test_one[x]",
+        "3.00s call     tests/integration/test_a.py::test_two",
+        "4.00s call     tests/unit/test_b.py::test_three",
+        "(36 durations < 0.005s hidden.  Use -vv to show these durations.)",
+        "====== 3 passed, 1 skipped in 1234.56s (0:20:34) ======",
+    ])  # fmt: skip
+    per_test, total, outcome = suite.parse(log)
+    assert per_test == {
+        "tests/integration/test_a.py::test_one[x]": 15.0,
+        "tests/integration/test_a.py::test_two": 3.0,
+        "tests/unit/test_b.py::test_three": 4.0,
+    }
+    assert (total, outcome) == (1234.56, "3 passed, 1 skipped")
+    assert suite.per_file(per_test) == {
+        "tests/integration/test_a.py": 18.0, "tests/unit/test_b.py": 4.0,
+    }  # fmt: skip
+    quiet = "1507 passed, 19 warnings in 488.12s (0:08:08)"  # pytest -q prints no rule
+    assert suite.parse(quiet)[1:] == (488.12, "1507 passed, 19 warnings")
+    two = f"{quiet}\n200 passed, 20 skipped in 11.88s"  # scripts/test.sh: quick, then slow
+    assert suite.parse(two)[1:] == (500.0, "1507 passed, 19 warnings; 200 passed, 20 skipped")
+    text, data = suite.report(log, 1500.0, None, "abc1234")
+    assert "| pytest: 3 passed, 1 skipped | 1235 | 20.6 |" in text and "abc1234" in text
+    assert data["wall_s"] == 1500.0 and data["quick_s"] is None

@@ -242,7 +242,7 @@ def test_the_cli_takes_the_api_key_from_the_environment(monkeypatch, tmp_path: P
     from rayhf.serve import cli
 
     seen = {}
-    monkeypatch.setattr(cli, "check_checkpoint", lambda path: None)
+    monkeypatch.setattr("rayhf.serve.engine.check_checkpoint", lambda path: None)  # serve reads it
     monkeypatch.setattr("rayhf.serve.app.serve_checkpoint", lambda c, **kw: seen.update(kw))
     result = CliRunner().invoke(cli.app, [str(tmp_path)], env={"RAYHF_API_KEY": "from-env"})
     assert result.exit_code == 0, result.output
