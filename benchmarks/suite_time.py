@@ -1,16 +1,16 @@
 """How long the README's test command takes on a clean clone, and where the time goes.
 
-    python benchmarks/suite_time.py                 # clone HEAD, run scripts/test.sh, then
-                                                    # pytest -m "not slow" in the same clone
+    python benchmarks/suite_time.py                 # clone HEAD, run scripts/test.sh there
     python benchmarks/suite_time.py --from-log LOG --wall 3900 --commit abc1234
                                                     # read a run already made
 
 The run is ``bash scripts/test.sh --durations=0`` on a fresh ``git clone`` of HEAD, as CI runs
-it: set-up from nothing, lint, type check, pytest (the quick tests on both cores, then the slow
-ones one at a time). pytest's own ``--durations=0`` lines give
-each test's set-up, call and tear-down; this script sums them per test and per file and writes
-``docs/benchmarks/suite_time.{md,json}``. The goal (issue 64): pytest in at most 25 minutes on a
-good day of the 2-core machine, and ``pytest -m "not slow"`` under 8.
+it: set-up from nothing, lint, type check, then pytest twice (the quick tests on both cores, then
+the slow ones one at a time; a log from before that split holds one pytest). pytest's own
+``--durations=0`` lines give each test's set-up, call and tear-down; this script sums them per
+test and per file and writes ``docs/benchmarks/suite_time.{md,json}``. The goal (issue 64):
+pytest in at most 25 minutes on a good day of the 2-core machine, and ``pytest -m "not slow"``
+under 8.
 """
 
 from __future__ import annotations
@@ -31,19 +31,17 @@ SUMMARY = re.compile(r"^[= ]*(\d+ (?:passed|failed|skipped|deselected|errors?)\b
 TOP = 25
 
 
-def parse(log: str) -> tuple[dict[str, float], float | None, str]:
-    """Seconds per test (set-up + call + tear-down), pytest's own total and its outcome line,
-    from the text of ``pytest --durations=0`` runs: scripts/test.sh runs two (the quick tests on
-    both cores, then the slow ones), whose totals add up."""
+def parse(log: str) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Seconds per test (set-up + call + tear-down), and each pytest's outcome line and total,
+    from the text of ``pytest --durations=0`` runs."""
     per_test: dict[str, float] = defaultdict(float)
-    totals, outcomes = [], []
+    runs = []
     for line in log.splitlines():
         if m := DURATION.match(line):
             per_test[m.group(3)] += float(m.group(1))
         elif m := SUMMARY.search(line):
-            outcomes.append(m.group(1))
-            totals.append(float(m.group(2)))
-    return dict(per_test), sum(totals) if totals else None, "; ".join(outcomes)
+            runs.append((m.group(1), float(m.group(2))))
+    return dict(per_test), runs
 
 
 def per_file(per_test: dict[str, float]) -> dict[str, float]:
@@ -62,23 +60,22 @@ def _run(cmd: list[str], cwd: Path, log: Path) -> float:
     return time.monotonic() - start
 
 
-def measure(work: Path) -> tuple[float, str, str]:
-    """Clone HEAD into ``work`` and run the test command there, then the quick loop: the
-    command's seconds and both logs."""
+def measure(work: Path) -> tuple[float, str]:
+    """Clone HEAD into ``work`` and run the test command there: its seconds and its log."""
     clone = work / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    full_log, quick_log = work / "suite.log", work / "quick.log"
-    wall = _run(["bash", "scripts/test.sh", "--durations=0"], clone, full_log)
-    python = str(clone / ".venv" / "bin" / "python")
-    quick = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", "--durations=0"]
-    _run([python, *quick], clone, quick_log)
-    return wall, full_log.read_text(), quick_log.read_text()
+    log = work / "suite.log"
+    wall = _run(["bash", "scripts/test.sh", "--durations=0"], clone, log)
+    return wall, log.read_text()
 
 
-def report(log: str, wall: float | None, quick_log: str | None, commit: str) -> tuple[str, dict]:
-    per_test, total, outcome = parse(log)
+# scripts/test.sh's two pytest runs, in its order
+PHASES = ("the quick tests, both cores", "the slow tests, one at a time")
+
+
+def report(log: str, wall: float | None, commit: str) -> tuple[str, dict]:
+    per_test, runs = parse(log)
     files = per_file(per_test)
-    quick = parse(quick_log) if quick_log else None
     lines = [
         "# The suite's time: the README's test command on a clean clone",
         "",
@@ -89,11 +86,12 @@ def report(log: str, wall: float | None, quick_log: str | None, commit: str) -> 
         "| what | seconds | minutes |",
         "| --- | ---: | ---: |",
     ]
-    rows = [
-        ("the whole command (set-up, lint, types, pytest)", wall),
-        (f"pytest: {outcome}", total),
-        (f'`pytest -m "not slow"`: {quick[2]}' if quick else "", quick[1] if quick else None),
+    rows: list[tuple[str, float | None]] = [
+        ("the whole command (set-up, lint, types, pytest)", wall)
     ]
+    if len(runs) == len(PHASES):
+        rows += [(f"pytest, {p}: {o}", s) for p, (o, s) in zip(PHASES, runs, strict=True)]
+    rows += [(f"pytest: {'; '.join(o for o, _ in runs)}", sum(s for _, s in runs) or None)]
     lines += [f"| {what} | {s:.0f} | {s / 60:.1f} |" for what, s in rows if s is not None]
     lines += ["", "Per file, the largest (set-up, call and tear-down of its tests):", ""]
     lines += ["| file | seconds | share |", "| --- | ---: | ---: |"]
@@ -104,8 +102,8 @@ def report(log: str, wall: float | None, quick_log: str | None, commit: str) -> 
     for name, seconds in sorted(per_test.items(), key=lambda kv: -kv[1])[:TOP]:
         lines.append(f"| `{name}` | {seconds:.1f} |")
     data = {
-        "wall_s": wall, "pytest_s": total, "outcome": outcome, "per_file_s": files,
-        "per_test_s": per_test, "quick_s": quick[1] if quick else None,
+        "wall_s": wall, "pytest_runs": [{"outcome": o, "s": s} for o, s in runs],
+        "pytest_s": sum(s for _, s in runs) or None, "per_file_s": files, "per_test_s": per_test,
     }  # fmt: skip
     return "\n".join(lines) + f"\n\nMeasured on commit {commit}.\n", data
 
@@ -113,19 +111,17 @@ def report(log: str, wall: float | None, quick_log: str | None, commit: str) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--from-log", type=Path, help="a `scripts/test.sh --durations=0` log to read")
-    ap.add_argument("--quick-log", type=Path, help='a `pytest -m "not slow" --durations=0` log')
     ap.add_argument("--wall", type=float, help="the whole command's seconds, with --from-log")
     ap.add_argument("--commit", help="the commit the log measured (default: HEAD)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     commit = args.commit or git_commit()
     if args.from_log:
-        quick = args.quick_log.read_text() if args.quick_log else None
-        text, data = report(args.from_log.read_text(), args.wall, quick, commit)
+        text, data = report(args.from_log.read_text(), args.wall, commit)
     else:
         with tempfile.TemporaryDirectory(prefix="rayhf-suite-") as work:
-            wall, log, quick_log = measure(Path(work))
-        text, data = report(log, wall, quick_log, commit)
+            wall, log = measure(Path(work))
+        text, data = report(log, wall, commit)
     print(text)
     if not args.no_write:
         write_results("suite_time", text, data, commit=commit)

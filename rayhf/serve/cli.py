@@ -51,8 +51,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve CHECKPOINT at http://HOST:PORT/v1 (completions, chat) until Ctrl-C."""
-    from rayhf.serve.app import serve_checkpoint  # here: `rayhf run` needs no transformers yet
-    from rayhf.serve.engine import IN_PROCESS, check_checkpoint
+    from rayhf.serve.app import serve_checkpoint
+    from rayhf.serve.engine import IN_PROCESS, check_checkpoint  # here: it imports transformers
 
     if engine in IN_PROCESS:
         check_checkpoint(checkpoint)  # before Ray starts: a wrong path is a one-line error

@@ -149,7 +149,8 @@ def test_every_record_is_linked_from_some_page():
 
 def test_suite_time_sums_each_test_s_phases_and_reads_pytest_s_total(monkeypatch):
     """suite_time reads pytest's ``--durations=0`` lines: a test's set-up, call and tear-down
-    add up, files sum their tests, and the summary line gives pytest's total and outcome."""
+    add up, files sum their tests, and each summary line gives a pytest's outcome and total
+    (scripts/test.sh runs two: the quick tests, then the slow ones)."""
     suite = _load(BENCHMARKS_DIR / "suite_time.py", monkeypatch)
     log = "\n".join([
         "12.50s call     tests/integration/test_a.py::test_one[x]",
@@ -160,20 +161,26 @@ def test_suite_time_sums_each_test_s_phases_and_reads_pytest_s_total(monkeypatch
         "(36 durations < 0.005s hidden.  Use -vv to show these durations.)",
         "====== 3 passed, 1 skipped in 1234.56s (0:20:34) ======",
     ])  # fmt: skip
-    per_test, total, outcome = suite.parse(log)
+    per_test, runs = suite.parse(log)
     assert per_test == {
         "tests/integration/test_a.py::test_one[x]": 15.0,
         "tests/integration/test_a.py::test_two": 3.0,
         "tests/unit/test_b.py::test_three": 4.0,
     }
-    assert (total, outcome) == (1234.56, "3 passed, 1 skipped")
+    assert runs == [("3 passed, 1 skipped", 1234.56)]
     assert suite.per_file(per_test) == {
         "tests/integration/test_a.py": 18.0, "tests/unit/test_b.py": 4.0,
     }  # fmt: skip
-    quiet = "1507 passed, 19 warnings in 488.12s (0:08:08)"  # pytest -q prints no rule
-    assert suite.parse(quiet)[1:] == (488.12, "1507 passed, 19 warnings")
-    two = f"{quiet}\n200 passed, 20 skipped in 11.88s"  # scripts/test.sh: quick, then slow
-    assert suite.parse(two)[1:] == (500.0, "1507 passed, 19 warnings; 200 passed, 20 skipped")
-    text, data = suite.report(log, 1500.0, None, "abc1234")
+    text, data = suite.report(log, 1500.0, "abc1234")
     assert "| pytest: 3 passed, 1 skipped | 1235 | 20.6 |" in text and "abc1234" in text
-    assert data["wall_s"] == 1500.0 and data["quick_s"] is None
+    assert data["wall_s"] == 1500.0 and data["pytest_s"] == 1234.56
+    quick = "1507 passed, 19 warnings in 288.12s (0:04:48)"  # pytest -q prints no rule
+    two = f"{quick}\n200 passed, 20 skipped in 211.88s"
+    assert suite.parse(two)[1] == [
+        ("1507 passed, 19 warnings", 288.12),
+        ("200 passed, 20 skipped", 211.88),
+    ]
+    text, data = suite.report(two, None, "abc1234")
+    assert "| pytest, the quick tests, both cores: 1507 passed, 19 warnings | 288 | 4.8 |" in text
+    assert "| pytest, the slow tests, one at a time: 200 passed, 20 skipped | 212 | 3.5 |" in text
+    assert "| 500 | 8.3 |" in text and data["pytest_s"] == 500.0
