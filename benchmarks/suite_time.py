@@ -5,10 +5,12 @@
                                                     # read a run already made
 
 The run is ``bash scripts/test.sh --durations=0`` on a fresh ``git clone`` of HEAD, as CI runs
-it: set-up from nothing, lint, type check, then pytest twice (the quick tests on both cores, then
-the slow ones one at a time; a log from before that split holds one pytest). pytest's own
-``--durations=0`` lines give each test's set-up, call and tear-down; this script sums them per
-test and per file and writes ``docs/benchmarks/suite_time.{md,json}``. The goal (issue 64):
+it: set-up from nothing, lint, type check, then pytest three times (the quick tests on both cores;
+the slow ones on both cores, a file to a worker; the slow ones marked ``alone`` one at a time; a
+log of an older scripts/test.sh holds one or two pytest runs). pytest's own ``--durations=0``
+lines give each test's set-up, call and tear-down; this script sums them per test and per file
+(a test's own seconds: where two ran at once, their sum exceeds the run's) and writes
+``docs/benchmarks/suite_time.{md,json}``. The goal (issue 64):
 pytest in at most 25 minutes on a good day of the 2-core machine, and ``pytest -m "not slow"``
 under 8.
 """
@@ -69,8 +71,12 @@ def measure(work: Path) -> tuple[float, str]:
     return wall, log.read_text()
 
 
-# scripts/test.sh's two pytest runs, in its order
-PHASES = ("the quick tests, both cores", "the slow tests, one at a time")
+# scripts/test.sh's pytest runs, in its order, by how many it made (2: before 2 December 2026)
+QUICK = "the quick tests, both cores"
+PHASES = {
+    2: (QUICK, "the slow tests, one at a time"),
+    3: (QUICK, "the slow tests, both cores, a file to a worker", "the `alone` ones, one at a time"),
+}
 
 
 def report(log: str, wall: float | None, commit: str) -> tuple[str, dict]:
@@ -89,11 +95,17 @@ def report(log: str, wall: float | None, commit: str) -> tuple[str, dict]:
     rows: list[tuple[str, float | None]] = [
         ("the whole command (set-up, lint, types, pytest)", wall)
     ]
-    if len(runs) == len(PHASES):
-        rows += [(f"pytest, {p}: {o}", s) for p, (o, s) in zip(PHASES, runs, strict=True)]
+    if len(runs) in PHASES:
+        phases = PHASES[len(runs)]
+        rows += [(f"pytest, {p}: {o}", s) for p, (o, s) in zip(phases, runs, strict=True)]
     rows += [(f"pytest: {'; '.join(o for o, _ in runs)}", sum(s for _, s in runs) or None)]
     lines += [f"| {what} | {s:.0f} | {s / 60:.1f} |" for what, s in rows if s is not None]
-    lines += ["", "Per file, the largest (set-up, call and tear-down of its tests):", ""]
+    lines += [
+        "",
+        "Per file, the largest (set-up, call and tear-down of its tests; where two"
+        " tests ran at once each counts its own seconds):",
+        "",
+    ]
     lines += ["| file | seconds | share |", "| --- | ---: | ---: |"]
     whole = sum(files.values()) or 1.0
     for name, seconds in list(files.items())[:TOP]:

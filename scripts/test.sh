@@ -9,20 +9,25 @@ export RAYHF_REQUIRE_SANDBOX=1  # and the sandbox tests: the code tool holds her
 ruff check rayhf tests examples benchmarks
 ruff format --check rayhf tests examples benchmarks
 mypy
-# The quick tests (not `slow`: single-threaded, no Ray runs) on both cores at once; then the
-# slow ones (Ray runs, rayhf processes, the harnesses, whose time bounds need the cores) one at a
-# time. Each pytest takes the same arguments; 5 is "collected nothing".
+# Three pytest runs, each with the same arguments: the quick tests (not `slow`: no Ray runs) on
+# both cores, test by test; the slow ones (Ray runs, rayhf processes, the harnesses) on both
+# cores too, a file at a time on a worker (its module fixtures, a harness's subprocess or a
+# server, made once); last the slow ones marked `alone`, whose wall-clock bounds need the cores
+# to themselves, one at a time. 5 is "collected nothing".
 set +e
 python -m pytest -q -p no:cacheprovider --durations=25 -n 2 -m "not slow" "$@"
 quick=$?
-python -m pytest -q -p no:cacheprovider --durations=25 -m slow "$@"
+python -m pytest -q -p no:cacheprovider --durations=25 -n 2 --dist loadfile \
+  -m "slow and not alone" "$@"
 slow=$?
+python -m pytest -q -p no:cacheprovider --durations=25 -m "slow and alone" "$@"
+alone=$?
 set -e
-if [ "$quick" -eq 5 ] && [ "$slow" -eq 5 ]; then
+if [ "$quick" -eq 5 ] && [ "$slow" -eq 5 ] && [ "$alone" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
   exit 1
 fi
-for code in "$quick" "$slow"; do
+for code in "$quick" "$slow" "$alone"; do
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then
     exit "$code"
   fi

@@ -1,6 +1,6 @@
 """Bit-exactness check of reallocation over sampled layout pairs, with real processes.
 
-``python -m rayhf.checks.reallocation OUT.json [--pairs 50] [--seed 0] [--device cpu]`` starts 8
+``python -m rayhf.checks.reallocation OUT.json [--pairs 24] [--seed 0] [--device cpu]`` starts 8
 gloo processes:
 ranks 0-3 hold a source layout, ranks 4-7 a destination layout (separate processes, as role
 groups are). For each family and each sampled (source, destination) pair over meshes of 1-4
@@ -10,7 +10,10 @@ every destination replica reports whether its shards equal the originals' bit fo
 whether the whole model it gathers back (``RankModel.full_state``) does; each replica's logits
 are compared with the whole model's. The pairs are drawn class by class so
 every class is covered: expand, shrink, equal, overlapping and disjoint meshes, tp <-> pp, and a
-ZeRO-3 flat source. Pairs take turns over three transfer groups: one sends every message over
+ZeRO-3 flat source. A family's pairs take turns over three transfer groups (the default 24 pairs,
+``COVERING``, meet every class over every transport once: 8 classes and 3 transports are
+coprime, so pair ``j``'s class ``j % 8`` and transport ``j % 3`` run through every
+combination): one sends every message over
 gloo, one through shared memory (``rayhf.realloc.shm``), one through GPU segments between ranks
 on one GPU (``rayhf.realloc.cuda_ipc``) and shared memory between the others. On CPU the GPU
 segments are files standing in for CUDA IPC (``_standin``), and the ranks are on two "GPUs" by
@@ -43,6 +46,7 @@ N_DEVICES, POOL, DST0 = 4, 8, 4  # destination ranks are DST0..POOL-1
 FAMILIES = {"llama": {"n_heads": 4, "n_kv_heads": 2}, "gpt2": {"n_heads": 4}}
 TRANSPORTS = ("gloo", "shm", "ipc")
 CLASSES = ("expand", "shrink", "equal", "overlapping", "disjoint", "tp<->pp", "zero3 flat", "relay")
+COVERING = len(CLASSES) * len(TRANSPORTS)  # pairs per family that meet each class on each transport
 
 
 def all_layouts(n_devices: int = N_DEVICES) -> list[Layout]:
@@ -256,8 +260,7 @@ def _worker(
         ),
     }
     rows = []
-    for i, (family, src, dst, flat) in enumerate(pairs):
-        transport = TRANSPORTS[i % len(TRANSPORTS)]
+    for family, src, dst, flat, transport in pairs:
         row = _one_pair(family, src, dst, flat, rank, groups[transport], device)
         if row is not None:
             rows.append(row | {"transport": transport})
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
-    parser.add_argument("--pairs", type=int, default=50, help="per family")
+    parser.add_argument("--pairs", type=int, default=COVERING, help="per family")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: every process on GPU 0")
     args = parser.parse_args(argv)
@@ -282,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     jobs = []
     for family in FAMILIES:
         spec = model_spec(_model(family).config, value_head=False)
-        jobs += [(family, *pair) for pair in sample_pairs(spec, args.pairs, args.seed)]
+        pairs = sample_pairs(spec, args.pairs, args.seed)
+        jobs += [(family, *p, TRANSPORTS[j % len(TRANSPORTS)]) for j, p in enumerate(pairs)]
     # open here while the ranks meet through them
     stores = [host_store() for _ in range(1 + len(TRANSPORTS))]
     address, *transfer = (a for _, a in stores)

@@ -23,7 +23,9 @@ from conftest import GEN_APART, REPO, tiny_overrides
 
 from rayhf.runtime.checkpoint import usable_checkpoint
 
-pytestmark = pytest.mark.ray
+# alone: a Ctrl-C caught in a phase, a kill noticed within 60 s (under another test's load these
+# failed: docs/decisions/0093-*)
+pytestmark = [pytest.mark.ray, pytest.mark.alone]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
 
 

@@ -52,6 +52,7 @@ def test_plain_and_compiled_executors_agree_and_train(ray_cluster, tiny_config):
         assert {"policy_loss", "value_loss"} <= set(out.stats)
 
 
+@pytest.mark.alone  # two 0.3 s calls that overlap: not beside another test's load
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled"])
 def test_calls_on_disjoint_meshes_run_at_the_same_time_and_shared_ones_in_turn(
     ray_cluster, compiled

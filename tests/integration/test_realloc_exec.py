@@ -1,5 +1,6 @@
-"""Reallocation with real processes: sampled layout pairs over 1-4 devices, two families, every
-rank of every destination replica checked.
+"""Reallocation with real processes: a covering set of layout pairs over 1-4 devices (every
+class of move over every transport, ``COVERING`` pairs a family), two families, every rank of
+every destination replica checked.
 
 One subprocess (``python -m rayhf.checks.reallocation``) runs 8 gloo processes (4 source, 4
 destination ranks, as separate role groups are) through the sampled pairs; these tests read it.
@@ -13,16 +14,14 @@ import sys
 
 import pytest
 
-from rayhf.checks.reallocation import CLASSES
-
-PAIRS_PER_FAMILY = 50
+from rayhf.checks.reallocation import CLASSES, COVERING, TRANSPORTS
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("realloc") / "rows.json"
     cmd = [sys.executable, "-m", "rayhf.checks.reallocation", str(out)]
-    cmd += ["--pairs", str(PAIRS_PER_FAMILY), "--seed", "1"]
+    cmd += ["--pairs", str(COVERING), "--seed", "1"]
     subprocess.run(cmd, check=True, timeout=900)
     return json.loads(out.read_text())
 
@@ -30,9 +29,10 @@ def rows(tmp_path_factory):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
     mine = [r for r in rows if r["family"] == family]
-    assert len(mine) == PAIRS_PER_FAMILY
+    assert len(mine) == COVERING
     for c in CLASSES:  # expand, shrink, equal/overlapping/disjoint, tp<->pp, ZeRO-3, relay
-        assert sum(c in r["classes"] for r in mine) >= 5, f"too few {c} pairs"
+        for t in TRANSPORTS:
+            assert any(c in r["classes"] and r["transport"] == t for r in mine), f"no {c} on {t}"
     for r in mine:
         pair = f"{r['src']} -> {r['dst']} (flat source: {r['flat']})"
         assert r["bit_exact"], f"{pair}: a destination rank's weights differ"
@@ -41,7 +41,6 @@ def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
         assert r["replicas_checked"] == r["dst"][1], pair
         assert r["logits"] < 1e-5, f"{pair}: logits off by {r['logits']:.2e}"
         assert r["bytes"] > 0
-    assert sum(r["relayed"] for r in mine) >= 10, "replicas relayed what they received"
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -50,12 +49,12 @@ def test_pairs_move_over_gloo_through_shared_memory_and_gpu_segments_alike(rows,
     shm = [r for r in mine if r["transport"] == "shm"]
     gloo = [r for r in mine if r["transport"] == "gloo"]
     ipc = [r for r in mine if r["transport"] == "ipc"]
-    assert min(len(shm), len(gloo), len(ipc)) >= 15
+    assert len(shm) == len(gloo) == len(ipc) == COVERING // len(TRANSPORTS)
     assert all(r["shm_messages"] > 0 and r["ipc_messages"] == 0 for r in shm), "all /dev/shm"
     assert all(r["shm_messages"] == r["ipc_messages"] == 0 for r in gloo)
     # ranks on the same (stand-in) GPU use its segments, the others /dev/shm, in one move
-    assert sum(r["ipc_messages"] > 0 for r in ipc) >= 10
+    assert sum(r["ipc_messages"] > 0 for r in ipc) >= len(ipc) // 2
     both = [r for r in ipc if r["ipc_messages"] > 0 and r["shm_messages"] > 0]
-    assert len(both) >= 5
-    assert sum(r["relayed"] for r in shm) >= 3, "relays forward through shared memory too"
-    assert sum(r["relayed"] for r in both) >= 3, "and across both kinds of segment"
+    assert len(both) >= 3
+    assert any(r["relayed"] for r in shm), "relays forward through shared memory too"
+    assert any(r["relayed"] for r in both), "and across both kinds of segment"

@@ -13,7 +13,7 @@ import requests
 from test_cli_processes import _cmdline, _descendants, _stat
 from test_serve import free_port, make_checkpoint
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.alone]  # within 5 s: not beside another test's load
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -13,7 +13,7 @@ from trace_support import assert_trace_is_priced, spans_by_step
 from rayhf.runtime.assets import prepare_run
 from rayhf.runtime.trainer import run
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.alone]  # step 2 starts within a critic's train call
 
 ACTOR_SIDE = ("actor_gen", "actor_train", "ref_inf")
 # the actor's calls on device 0, the critic's and the reward's on device 1

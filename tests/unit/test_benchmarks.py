@@ -150,7 +150,8 @@ def test_every_record_is_linked_from_some_page():
 def test_suite_time_sums_each_test_s_phases_and_reads_pytest_s_total(monkeypatch):
     """suite_time reads pytest's ``--durations=0`` lines: a test's set-up, call and tear-down
     add up, files sum their tests, and each summary line gives a pytest's outcome and total
-    (scripts/test.sh runs two: the quick tests, then the slow ones)."""
+    (scripts/test.sh runs three: the quick tests, the slow ones, the slow ones run alone; a
+    log of an older scripts/test.sh two)."""
     suite = _load(BENCHMARKS_DIR / "suite_time.py", monkeypatch)
     log = "\n".join([
         "12.50s call     tests/integration/test_a.py::test_one[x]",
@@ -184,3 +185,8 @@ def test_suite_time_sums_each_test_s_phases_and_reads_pytest_s_total(monkeypatch
     assert "| pytest, the quick tests, both cores: 1507 passed, 19 warnings | 288 | 4.8 |" in text
     assert "| pytest, the slow tests, one at a time: 200 passed, 20 skipped | 212 | 3.5 |" in text
     assert "| 500 | 8.3 |" in text and data["pytest_s"] == 500.0
+    three = f"{two}\n2 passed in 60.00s"
+    text, data = suite.report(three, None, "abc1234")
+    assert "| pytest, the slow tests, both cores, a file to a worker: 200 passed" in text
+    assert "| pytest, the `alone` ones, one at a time: 2 passed | 60 | 1.0 |" in text
+    assert data["pytest_s"] == 560.0
