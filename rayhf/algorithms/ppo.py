@@ -12,7 +12,7 @@ function returns zeros for it instead of NaN. The data flow of one PPO step:
 
     scores, logprobs, ref_logprobs --kl_shaped_rewards--> rewards
     rewards, values                --gae_advantages-----> advantages, returns
-    advantages (masked_whiten)     --ppo_policy_loss----> actor loss
+    advantages (global_whiten)     --ppo_policy_loss----> actor loss
     returns, old values            --ppo_value_loss-----> critic loss
 
 Both train calls derive the same per-token rewards and GAE advantages from the batch (KL to the
@@ -110,20 +110,6 @@ def aggregate(per_token: Tensor, mask: Tensor, how: LossAgg) -> Tensor:
 def agg_weight(how: LossAgg) -> Weight:
     """What a loss aggregated ``how`` averages over, for the trainer's micro-batches."""
     return response_tokens if how == "token_mean" else samples
-
-
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """Normalize ``x`` to std 1 (and mean 0 if ``shift_mean``) over its valid elements.
-
-    Statistics span the whole batch, not each row, so rows keep their relative scale.
-    Padded positions come back as 0.
-    """
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask, whitened, torch.zeros_like(whitened))
 
 
 def _lengths(mask: Tensor) -> Tensor:

@@ -43,7 +43,9 @@ from rayhf.models.sharding import check_layout, param_shards, take_shard
 from rayhf.parallel.layout import Layout
 
 N_DEVICES, POOL, DST0 = 4, 8, 4  # destination ranks are DST0..POOL-1
-FAMILIES = {"llama": {"n_heads": 4, "n_kv_heads": 2}, "gpt2": {"n_heads": 4}}
+# split q, k, v and gate, up (grouped-query heads); fused q|k|v in Conv1D blocks: each is built
+# in its row's ``check_shape`` (``rayhf.models.families``)
+FAMILIES = ("llama", "gpt2")
 TRANSPORTS = ("gloo", "shm", "ipc")
 CLASSES = ("expand", "shrink", "equal", "overlapping", "disjoint", "tp<->pp", "zero3 flat", "relay")
 COVERING = len(CLASSES) * len(TRANSPORTS)  # pairs per family that meet each class on each transport
@@ -103,7 +105,9 @@ def sample_pairs(spec, n: int, seed: int) -> list[tuple[Layout, Layout, bool]]:
 
 
 def _model(family: str):
-    return tiny_model(family, FAMILIES[family])
+    from rayhf.models.families import family_traits
+
+    return tiny_model(family, dict(family_traits(family).check_shape))
 
 
 class _FlatSource:

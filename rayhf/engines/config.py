@@ -14,6 +14,7 @@ and ``check``, a row in ``ENGINES``; its implementation module beside this one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
@@ -257,6 +258,7 @@ def engines_for(kind: str) -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda n: kind not in ENGINES[n].default_for))
 
 
+@functools.cache  # configs are frozen: one default per kind, built once (planner caches hash it)
 def default_engine(kind: str) -> BaseEngineConfig:
     """The engine a call of ``kind`` runs on when ``engines:`` does not name one."""
     for cls in ENGINES.values():

@@ -292,9 +292,6 @@ class DecodeEngine:
         self.graphs.clear()
         self.pool = None
 
-    def cached_bytes(self) -> int:
-        return 0 if self.cache is None else self.cache.nbytes()
-
     # the call ----------------------------------------------------------------------------
 
     def generate(

@@ -158,18 +158,6 @@ def carried(units: list[Unit]) -> dict[str, frozenset[str]]:
     return out
 
 
-def waves(units: list[Unit]) -> list[list[str]]:
-    """Units grouped by how many units must finish before each can start (its depth): units of
-    one wave may run at the same time."""
-    depth: dict[str, int] = {}
-    for u in units:
-        depth[u.name] = 1 + max((depth[a] for a in u.after), default=-1)
-    out: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
-    for u in units:
-        out[depth[u.name]].append(u.name)
-    return out
-
-
 @dataclass(frozen=True)
 class Slot:
     """A unit in the repeating period of the pipeline: period p runs it for step p + ``lead``."""

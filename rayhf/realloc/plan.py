@@ -136,10 +136,6 @@ class ReallocPlan:
         """The fewest bytes the busiest device must send or receive: a move's lower bound."""
         return max(self.max_received, self.send_floor)
 
-    def is_local(self, s: Stream) -> bool:
-        """A copy between two processes on one device."""
-        return len(s.hops) == 1 and self.src.mesh[s.sender] == self.dst.mesh[s.hops[0][1]]
-
     @functools.cached_property
     def transfers(self) -> list[Transfer]:
         """Every hop of every stream, one transfer per parameter slice, stream by stream."""

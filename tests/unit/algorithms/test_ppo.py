@@ -22,7 +22,6 @@ from rayhf.algorithms.ppo import (
     kl_shaped_rewards,
     make_kl_controller,
     masked_mean,
-    masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
 )
@@ -80,34 +79,6 @@ def test_masked_mean_matches_reference() -> None:
     _close(masked_mean(x, _mask(LENGTHS)), sum(flat) / len(flat))
     per_row = [sum(r) / len(r) if r else 0.0 for r in rows]
     _close(masked_mean(x, _mask(LENGTHS), dim=1), per_row)
-
-
-def test_masked_whiten_by_hand() -> None:
-    # valid 1, 3, 5: mean 3, var (4 + 0 + 4) / 3 = 8/3, so (x - 3) / sqrt(8/3) = ±sqrt(3/2)
-    x = torch.tensor([[1.0, 3.0, 100.0], [5.0, -7.0, 9.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
-    mask = _mask([2, 1, 0], 3)
-    s = math.sqrt(1.5)
-    _close(masked_whiten(x, mask), [[-s, 0.0, 0.0], [s, 0.0, 0.0], [0.0, 0.0, 0.0]], 1e-7)
-    kept = [[3 - s, 3.0, 0.0], [3 + s, 0.0, 0.0], [0.0, 0.0, 0.0]]
-    _close(masked_whiten(x, mask, shift_mean=False), kept, 1e-7)
-
-
-def test_masked_whiten_matches_reference() -> None:
-    x = _rand(1, scale=3.0) + 2.0
-    out = masked_whiten(x, _mask(LENGTHS))
-    flat = [v for row in _valid(x) for v in row]
-    mean = sum(flat) / len(flat)
-    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / len(flat))  # unbiased=False
-    expected = [[(v - mean) / std for v in row] + [0.0] * (T - len(row)) for row in _valid(x)]
-    _close(out, expected, 1e-7)
-    valid = out[_mask(LENGTHS)]
-    _close(valid.mean(), 0.0, 1e-9)
-    _close(valid.std(unbiased=False), 1.0, 1e-7)
-
-
-def test_masked_whiten_all_empty_is_zero() -> None:
-    out = masked_whiten(torch.full((2, 3), 5.0), torch.zeros(2, 3, dtype=torch.bool))
-    assert torch.equal(out, torch.zeros(2, 3))
 
 
 # ----- entropy ------------------------------------------------------------------------------

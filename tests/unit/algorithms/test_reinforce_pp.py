@@ -65,6 +65,10 @@ def test_advantages_are_normalized_over_every_rank_s_tokens():
     everything = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     want = (valid - everything.mean()) / everything.std(unbiased=False)
     assert both[MASK].tolist() == pytest.approx(want.tolist(), rel=1e-6)
+    # no valid token on any rank: zeros, not NaN
+    empty = torch.zeros(2, 3, dtype=torch.bool)
+    none = global_whiten(_Ranks(), torch.full((2, 3), 5.0), empty)  # type: ignore[arg-type]
+    assert torch.equal(none, torch.zeros(2, 3))
 
 
 def test_the_baseline_variant_centres_each_score_on_its_group():

@@ -10,7 +10,7 @@ from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
-from rayhf.planner.step import carried, group_key, leading, pipeline, plan_step, waves
+from rayhf.planner.step import Unit, carried, group_key, leading, pipeline, plan_step
 
 ALL = Layout((0, 1, 2, 3), 4)
 
@@ -21,6 +21,18 @@ def _ppo(**layouts: Layout) -> dict[str, Layout]:
 
 def _homes(layouts: dict[str, Layout]) -> dict[str, Layout]:
     return Plan(layouts, "manual").home_layouts(PPO)
+
+
+def waves(units: list[Unit]) -> list[list[str]]:
+    """Units grouped by how many units must finish before each can start (its depth): units of
+    one wave may run at the same time."""
+    depth: dict[str, int] = {}
+    for u in units:
+        depth[u.name] = 1 + max((depth[a] for a in u.after), default=-1)
+    out: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
+    for u in units:
+        out[depth[u.name]].append(u.name)
+    return out
 
 
 def test_calls_on_disjoint_meshes_share_a_wave_and_shared_devices_run_in_graph_order():
