@@ -14,20 +14,21 @@ mypy
 # cores too, a file at a time on a worker (its module fixtures, a harness's subprocess or a
 # server, made once); last the slow ones marked `alone`, whose wall-clock bounds need the cores
 # to themselves, one at a time. 5 is "collected nothing".
+codes=()
+run_pytest() {  # the arguments every run shares, then its own; its exit code goes to `codes`
+  python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+  codes+=("$?")
+}
 set +e
-python -m pytest -q -p no:cacheprovider --durations=25 -n 2 -m "not slow" "$@"
-quick=$?
-python -m pytest -q -p no:cacheprovider --durations=25 -n 2 --dist loadfile \
-  -m "slow and not alone" "$@"
-slow=$?
-python -m pytest -q -p no:cacheprovider --durations=25 -m "slow and alone" "$@"
-alone=$?
+run_pytest -n 2 -m "not slow" "$@"
+run_pytest -n 2 --dist loadfile -m "slow and not alone" "$@"
+run_pytest -m "slow and alone" "$@"
 set -e
-if [ "$quick" -eq 5 ] && [ "$slow" -eq 5 ] && [ "$alone" -eq 5 ]; then
+if [ "${codes[*]}" = "5 5 5" ]; then
   echo "pytest collected no tests: failing" >&2
   exit 1
 fi
-for code in "$quick" "$slow" "$alone"; do
+for code in "${codes[@]}"; do
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ]; then
     exit "$code"
   fi
