@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from rayhf.errors import RayhfError
+
+if TYPE_CHECKING:  # transformers costs a reward worker ~3 s of CPU to import (decision 0095)
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
@@ -50,6 +53,8 @@ def build_char_tokenizer(
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens(list(SPECIAL_TOKENS))
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",
@@ -156,6 +161,8 @@ def train_bpe_tokenizer(
         show_progress=False,
     )
     core.train_from_iterator(texts, trainer)
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token="<pad>",

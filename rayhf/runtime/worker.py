@@ -107,9 +107,12 @@ class RoleWorker:
         self.calls = {c.name: c for c in spec.calls}
         self.version = spec.version  # the step whose update made this rank's weights
         self.interfaces = {c.interface: c.interface_type(spec.settings) for c in spec.calls}
-        reads_text = any(i.needs_env or i.needs_judge for i in self.interfaces.values())
-        if spec.model is None or reads_text:  # a reward function, an env, a judge: load it now,
-            self.tokenizer.loaded  # noqa: B018 (while the other ranks start, not in a step)
+        # load what a reward function (decode), an env or a judge (chat templates) reads text
+        # with now, while the other ranks start, not in a step
+        if any(i.needs_env or i.needs_judge for i in self.interfaces.values()):
+            self.tokenizer.loaded  # noqa: B018
+        elif spec.model is None and self.tokenizer.decoder is None:
+            self.tokenizer.loaded  # noqa: B018
 
     def rendezvous_address(self) -> str:
         """``tcp://ip:port`` of a store this rank opens on its node, for a group's rendezvous

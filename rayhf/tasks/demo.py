@@ -49,12 +49,15 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rapidfuzz.distance import Levenshtein
-from transformers import PreTrainedTokenizerFast
 
 from rayhf.data.datasets import write_rows
 from rayhf.models.tokenizer import build_char_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 ALPHABET = "0123456789abcdefghij ="  # letters are distractors the policy must learn to avoid
 MIN_DIGITS, MAX_DIGITS = 4, 8

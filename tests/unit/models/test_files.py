@@ -3,7 +3,9 @@ role-group worker writes is what Hugging Face's ``save_pretrained`` writes, and 
 
 from __future__ import annotations
 
+import json
 import pickle
+import random
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from rayhf.checks.parity import CASES, _model
 from rayhf.models import files
 from rayhf.models.files import TokenizerDir, read_weights, special_ids, write_model
 from rayhf.models.hf import model_files, read_model_config
+from rayhf.models.tokenizer import CHAT_FORMATS, train_bpe_tokenizer
 from rayhf.tasks.demo import build_tokenizer
 
 
@@ -89,6 +92,38 @@ def test_a_tokenizer_dir_knows_its_ids_and_loads_the_rest_on_first_use(tmp_path)
         assert (tmp_path / "checkpoint" / f.name).read_bytes() == f.read_bytes()
     assert "loaded" not in vars(lazy), "the ids and a checkpoint's copy need no tokenizer"
     ids = tok.encode("1 2 =", add_special_tokens=False)
-    assert lazy.decode(ids) == tok.decode(ids) and "loaded" in vars(lazy)
+    assert lazy.decode(ids) == tok.decode(ids) and "loaded" not in vars(lazy)
+    assert lazy.encode("1 2 =", add_special_tokens=False) == ids and "loaded" in vars(lazy)
     with pytest.raises(AttributeError):
         lazy.no_such_method  # noqa: B018
+
+
+def _bpe(out: Path):
+    texts = [f"{a} plus {b} is {a + b}. Call calc({a}, {b})!" for a in range(30) for b in (7, 91)]
+    return train_bpe_tokenizer(texts, 300, out, chat_format=CHAT_FORMATS["llama3"])
+
+
+@pytest.mark.parametrize("build", [build_tokenizer, _bpe], ids=["char", "bpe-llama3"])
+def test_a_tokenizer_dir_decodes_as_transformers_does_without_loading_it(tmp_path, build):
+    tok = build(tmp_path)
+    lazy = TokenizerDir(str(tmp_path), **special_ids(tok))
+    rng = random.Random(0)
+    for n in (0, 1, 5, 40):  # any ids, specials (and chat tokens) among them
+        ids = [rng.randrange(len(tok)) for _ in range(n)] + [tok.eos_token_id, tok.bos_token_id]
+        for skip in (False, True):
+            assert lazy.decode(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip
+            )
+    assert "loaded" not in vars(lazy)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tmp_path):
+    tok = build_tokenizer(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(
+        json.dumps(json.loads(config.read_text()) | {"clean_up_tokenization_spaces": True})
+    )
+    lazy = TokenizerDir(str(tmp_path), **special_ids(tok))
+    assert lazy.decoder is None
+    ids = tok.encode("1 2 =", add_special_tokens=False)
+    assert lazy.decode(ids) == tok.decode(ids) and "loaded" in vars(lazy)

@@ -233,20 +233,23 @@ from rayhf.runtime.messages import CallNode
 from rayhf.runtime.worker import RoleWorker
 
 specs, step = pickle.load(open(sys.argv[1], "rb"))
-actor, critic = RoleWorker(specs[0]), RoleWorker(specs[1])
-for w in (actor, critic):
+actor, critic, reward = (RoleWorker(s) for s in specs)
+for w in (actor, critic, reward):
     w.setup("tcp://127.0.0.1:1")
 gen = actor.dag_call(step, CallNode("actor_gen", ()))
 values = critic.dag_call(step, CallNode("critic_inf", ("actor_gen",)), gen)
 assert values.batch.keys() == ["values"], values
-assert "transformers" not in sys.modules, "a model rank imported transformers"
+scores = reward.dag_call(step, CallNode("rew_inf", ("actor_gen",)), gen)
+assert scores.batch.keys() == ["scores"], scores
+assert "transformers" not in sys.modules, "a model or reward function rank imported transformers"
 """
 
 
 def test_model_ranks_generate_and_score_without_importing_transformers(workers, step, tmp_path):
     """transformers costs a worker process seconds of start-up: a rank reads what the driver
-    rendered (its ``ModelFiles``, the tokenizer's ids) and imports it only to use a tokenizer."""
-    specs = [_spec(role, tmp_path) for role in ("actor", "critic")]
+    rendered (its ``ModelFiles``, the tokenizer's ids), a reward function's rank decodes with
+    the ``tokenizers`` library, and a rank imports it only for a chat template."""
+    specs = [_spec(role, tmp_path) for role in ("actor", "critic", "reward")]
     (tmp_path / "in.pkl").write_bytes(pickle.dumps((specs, step)))
     run = subprocess.run(
         [sys.executable, "-c", RANKS_WITHOUT_TRANSFORMERS, str(tmp_path / "in.pkl")],
