@@ -76,9 +76,14 @@ def test_at_staleness_0_the_numbers_stay_those_recorded(ray_cluster, tmp_path, a
     assert all(r["async/staleness"] == 0 and 0 <= r["logprob_mismatch"] < 1e-5 for r in rows)
 
 
+# the module's run places its proximal log-probs by each sample's version (the default proximal
+# at k=1 is the frozen-models, the vLLM and the CLI's SIGTERM runs')
+INTERPOLATE = {"algorithm.proximal": "interpolate"}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, tmp_path_factory) -> tuple[rayhf.ExperimentConfig, rayhf.RunResult]:
-    cfg = _config(tmp_path_factory.mktemp("async"))
+    cfg = _config(tmp_path_factory.mktemp("async"), **INTERPOLATE)
     return cfg, rayhf.run(cfg)
 
 
@@ -120,11 +125,12 @@ def test_the_frozen_models_beside_the_generation_run_ahead_with_it(ray_cluster, 
     assert_trace_is_priced(cfg, prepare_run(cfg, result.run_dir))
 
 
-def test_interpolated_proximal_log_probs_read_each_sample_s_version(ray_cluster, tmp_path):
+def test_interpolated_proximal_log_probs_read_each_sample_s_version(uninterrupted):
     """With ``proximal: interpolate`` the train call places the proximal log-probs by each
     sample's version tag: where the samples are on-policy (steps 1 and 3, after the checkpoint's
     drain) they are the behaviour ones, so every weight is 1 (a wrong tag would move them)."""
-    rows = rayhf.run(_config(tmp_path, **{"algorithm.proximal": "interpolate"})).metrics
+    _, result = uninterrupted
+    rows = result.metrics
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
     assert [r["async/policy_version"] for r in rows] == [0.0, 0.0, 2.0, 2.0]
     for r in rows[0::2]:
@@ -136,7 +142,7 @@ def test_interpolated_proximal_log_probs_read_each_sample_s_version(ray_cluster,
 def test_a_recovery_of_an_asynchronous_run_ends_as_the_uninterrupted_one(uninterrupted, tmp_path):
     _, result = uninterrupted
     fault = {"site": "call", "step": 4, "role": "critic"}
-    recovered = rayhf.run(_config(tmp_path, **{"fault_tolerance.inject": fault}))
+    recovered = rayhf.run(_config(tmp_path, **INTERPOLATE, **{"fault_tolerance.inject": fault}))
     assert recovered.info["recoveries"] == 1
     assert [r["step"] for r in recovered.metrics] == [1, 2, 3, 4]
     want, got = _final_weights(result), _final_weights(recovered)

@@ -1,6 +1,6 @@
 """`rayhf run` leaves no process behind: when it ends, on Ctrl-C, on SIGTERM (after a
 checkpoint; `resume: auto` continues it), and when an actor dies (with no restarts the run stops
-naming the role and --resume continues it; by default it recovers by itself).
+naming the role and the command that resumes it; by default it recovers by itself).
 
 Each run is a `rayhf run` subprocess with its own embedded Ray cluster. While it runs, the test
 records every process descended from it (Ray's services, the role-group workers) with its start
@@ -159,7 +159,10 @@ def test_ctrl_c_stops_the_run_with_130_and_leaves_no_process(tmp_path, phase):
     assert not run.left_behind()
 
 
-def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_path):
+def test_a_killed_actor_stops_the_run_naming_its_role(tmp_path):
+    """With no restarts the run stops in one line naming the role and the resume command. (That
+    command continuing a stopped run is tests/integration/test_resume.py's: a resume reads the
+    checkpoints and metrics however the run ended.)"""
     args = _args(tmp_path, steps=10, **{"fault_tolerance.max_restarts": 0})
     run = Run(tmp_path, *args)  # a tiny step takes under a second: leave
     run.watch_until(lambda: run.steps_logged() >= 2)  # enough of them that the kill lands mid-run
@@ -172,15 +175,10 @@ def test_a_killed_actor_stops_the_run_naming_its_role_and_resume_continues(tmp_p
     line = _one_line(err)
     print(f"stopped {stopped:.1f} s after the kill: {line}")
     assert code == 1 and stopped < 60, err
-    assert "role '" in line and "--resume" in line
+    assert "role '" in line and f"rayhf run --resume {run.run_dir}" in line
     assert not run.left_behind()
-    resumed = subprocess.run(
-        [sys.executable, "-m", "rayhf", "run", "--resume", str(run.run_dir)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
-    steps = [json.loads(line)["step"] for line in (run.run_dir / "metrics.jsonl").open()]
-    assert steps[-1] == 10 and steps == sorted(set(steps)), steps
+    steps = _steps(run.run_dir)
+    assert steps[-1] < 10 and steps == sorted(set(steps)), steps
 
 
 def _steps(run_dir: Path) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,40 +74,48 @@ def test_sigkill_then_resume(ray_cluster, tmp_path):
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
 
-def test_resume_of_a_finished_run_is_a_no_op_and_steps_extend_it(
-    ray_cluster, tmp_path, tiny_config
-):
-    """A finished run resumed as it is does nothing; resumed with ``steps=2`` it runs step 2
+@pytest.fixture(scope="module")
+def finished(ray_cluster, tmp_path_factory) -> Path:
+    """A finished 2-step tiny run, checkpointed after steps 1 and 2: each test resumes a copy."""
+    tmp = tmp_path_factory.mktemp("finished")
+    cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml")
+    return rayhf.run(cfg.with_overrides(tiny_overrides(tmp / "run", steps=2))).run_dir
+
+
+def _copy(run_dir: Path, tmp: Path) -> Path:
+    shutil.copytree(run_dir, tmp / "run")
+    return tmp / "run"
+
+
+def test_resume_of_a_finished_run_is_a_no_op_and_steps_extend_it(finished, tmp_path):
+    """A finished run resumed as it is does nothing; resumed with ``steps=3`` it runs step 3
     and keeps the new length in its saved config; a key that changes what a step computes is
     refused in one line, before anything starts."""
-    import rayhf
     from rayhf.errors import RayhfError
 
-    cfg = tiny_config(steps=1)
-    first = rayhf.run(cfg)
-    again = rayhf.run(resume=str(first.run_dir))
-    assert again.info["start_step"] == 1 and len(again.metrics) == 1
-    assert Path(again.checkpoints[-1]) == first.checkpoints[-1]
+    run_dir = _copy(finished, tmp_path)
+    last = run_dir / "checkpoints" / "step_000002"
+    again = rayhf.run(resume=str(run_dir))
+    assert again.info["start_step"] == 2 and [m["step"] for m in again.metrics] == [1, 2]
+    assert Path(again.checkpoints[-1]) == last
     with pytest.raises(RayhfError, match=r"algorithm\.kl_coef cannot change on resume") as refused:
-        rayhf.run(resume=str(first.run_dir), overrides=["steps=2", "algorithm.kl_coef=0.5"])
+        rayhf.run(resume=str(run_dir), overrides=["steps=3", "algorithm.kl_coef=0.5"])
     assert "\n" not in str(refused.value)
-    longer = rayhf.run(resume=str(first.run_dir), overrides=["steps=2", "save_every=2"])
-    assert longer.info["start_step"] == 1 and [m["step"] for m in longer.metrics] == [1, 2]
-    assert [c.name for c in longer.checkpoints][-1] == "step_000002"
-    assert rayhf.load_config(first.run_dir / "config.yaml").steps == 2
+    longer = rayhf.run(resume=str(run_dir), overrides=["steps=3", "save_every=3"])
+    assert longer.info["start_step"] == 2 and [m["step"] for m in longer.metrics] == [1, 2, 3]
+    assert [c.name for c in longer.checkpoints][-1] == "step_000003"
+    assert rayhf.load_config(run_dir / "config.yaml").steps == 3
 
 
 def test_a_corrupted_checkpoint_is_skipped_in_one_line_for_the_previous_one(
-    ray_cluster, tmp_path, tiny_config, capfd
+    finished, tmp_path, capfd
 ):
-    import rayhf
-
-    first = rayhf.run(tiny_config(steps=2))  # checkpoints after steps 1 and 2
-    optim = first.checkpoints[-1] / "optim" / "actor.rank0.pt"
+    run_dir = _copy(finished, tmp_path)
+    optim = run_dir / "checkpoints" / "step_000002" / "optim" / "actor.rank0.pt"
     whole = optim.stat().st_size
     optim.write_bytes(optim.read_bytes()[:-100])  # a disk that lost the file's end
     capfd.readouterr()
-    again = rayhf.run(resume=str(first.run_dir))
+    again = rayhf.run(resume=str(run_dir))
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("rayhf:")]
     assert said == [
         "rayhf: checkpoint step_000002 is damaged (optim/actor.rank0.pt has "

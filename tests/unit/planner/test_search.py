@@ -79,14 +79,14 @@ def test_search_is_deterministic_and_never_worse_than_its_starts():
 def test_local_improvement_never_worsens_a_plan_and_is_deterministic():
     from rayhf.planner.search import _Scorer, improve
 
-    cost = AnalyticCost(parse_cluster("2x8xH100"))
-    options = {c.name: candidates(SPECS.get(c.role), 16, 8) for c in GRAPH.calls}
+    cost = AnalyticCost(parse_cluster("2x4xH100"))  # 2x8: 15 s a run here, the same moves
+    options = {c.name: candidates(SPECS.get(c.role), 8, 4) for c in GRAPH.calls}
     start = dict(baselines.colocated(_setting(cost)).layouts)
     runs = []
     for _ in range(2):
         score = _Scorer(Problem(GRAPH, SPECS, WORKS, cost), deadline=float("inf"))
         runs.append(improve(start, options, GRAPH, score))
-        assert runs[-1][1] <= score(start)
+        assert runs[-1][1] < 0.9 * score(start)
     assert runs[0] == runs[1]
 
 
