@@ -107,11 +107,11 @@ class RoleWorker:
         self.calls = {c.name: c for c in spec.calls}
         self.version = spec.version  # the step whose update made this rank's weights
         self.interfaces = {c.interface: c.interface_type(spec.settings) for c in spec.calls}
-        # load what a reward function (decode), an env or a judge (chat templates) reads text
-        # with now, while the other ranks start, not in a step
-        if any(i.needs_env or i.needs_judge for i in self.interfaces.values()):
-            self.tokenizer.loaded  # noqa: B018
-        elif spec.model is None and self.tokenizer.decoder is None:
+        # what reads text loads its tokenizer now, while the other ranks start, not in a step:
+        # an env or a judge the whole one (chat templates), a reward function its decoder (read
+        # here) or, where the decoder would differ, the whole one
+        templates = any(i.needs_env or i.needs_judge for i in self.interfaces.values())
+        if templates or (spec.model is None and self.tokenizer.decoder is None):
             self.tokenizer.loaded  # noqa: B018
 
     def rendezvous_address(self) -> str:
