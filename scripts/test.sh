@@ -12,8 +12,9 @@ mypy
 # Three pytest runs, each with the same arguments: the quick tests (not `slow`: no Ray runs) on
 # both cores, test by test; the slow ones (Ray runs, rayhf processes, the harnesses) on both
 # cores too, a file at a time on a worker (its module fixtures, a harness's subprocess or a
-# server, made once); last the slow ones marked `alone`, whose wall-clock bounds need the cores
-# to themselves, one at a time. 5 is "collected nothing".
+# server, made once), in the order collected (tests/conftest.py: the longest files first); last
+# the slow ones marked `alone`, whose wall-clock bounds need the cores to themselves, one at a
+# time. 5 is "collected nothing".
 codes=()
 run_pytest() {  # the arguments every run shares, then its own; its exit code goes to `codes`
   python -m pytest -q -p no:cacheprovider --durations=25 "$@"
@@ -21,7 +22,7 @@ run_pytest() {  # the arguments every run shares, then its own; its exit code go
 }
 set +e
 run_pytest -n 2 -m "not slow" "$@"
-run_pytest -n 2 --dist loadfile -m "slow and not alone" "$@"
+run_pytest -n 2 --dist loadfile --no-loadscope-reorder -m "slow and not alone" "$@"
 run_pytest -m "slow and alone" "$@"
 set -e
 if [ "${codes[*]}" = "5 5 5" ]; then

@@ -22,13 +22,27 @@ torch.set_num_threads(1)
 INTEGRATION = REPO / "tests" / "integration"
 
 
+# The longest files of tests/integration, longest first (docs/benchmarks/suite_time.md; a file
+# of one test first: it cannot be shared out). scripts/test.sh hands the slow files to its two
+# workers in collection order (--no-loadscope-reorder): these start first, so the two end
+# together instead of one running the calculator example alone for its last three minutes.
+LONGEST_FIRST = (
+    "test_calculator_example.py", "test_recovery.py", "test_gsm8k_example.py",
+    "test_deepspeed_engine.py", "test_algorithm_graphs.py", "test_async.py", "test_serve.py",
+    "test_resume.py", "test_multinode.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test of tests/integration is ``slow``: each starts Ray runs, a `rayhf` process or
     the parity harness's ranks, and most take well over 20 s, so ``-m "not slow"`` is the unit
-    suite plus the unit tests not marked ``slow`` themselves: the quick loop."""
+    suite plus the unit tests not marked ``slow`` themselves: the quick loop. The files of
+    ``LONGEST_FIRST`` are collected first, in its order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
 
 
 def _needs(package: str, extra: str) -> pytest.MarkDecorator:
