@@ -96,11 +96,8 @@ class TokenizerDir:
         return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
 
     def __getattr__(self, name: str) -> Any:  # what is not set above: the tokenizer's
-        if name.startswith("__") or name in (
-            "path",
-            "loaded",
-            "decoder",
-        ):  # unpickling: not yet set
+        # while unpickling, before these are set
+        if name.startswith("__") or name in ("path", "loaded", "decoder"):
             raise AttributeError(name)
         return getattr(self.loaded, name)
 
