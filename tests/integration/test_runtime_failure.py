@@ -51,6 +51,8 @@ def test_a_wait_past_its_timeout_fails_naming_the_actor_that_has_not_answered(ra
 
     actors = [ray.remote(_Sleeper).options(num_cpus=0).remote() for _ in range(2)]
     try:
+        # both up first: on a loaded machine an actor's start alone can take past the 2 s timeout
+        ray.get([a.nap.remote(0.0) for a in actors], timeout=120)
         calls = [
             pending(a.nap.remote(s), a, "critic", f"critic.d0.dp1tp1pp1[{r}]", "checkpoint write")
             for r, (a, s) in enumerate(zip(actors, (0.0, 60.0), strict=True))
