@@ -66,6 +66,38 @@ GPT2_NAMES = ConfigNames(
 )
 
 
+RouterKind = Literal["softmax_topk"]
+"""``softmax_topk``: a softmax over every expert's logit in fp32, then the top k (Qwen3-MoE,
+Mixtral)."""
+
+DenseLayers = Literal["none", "sparse_step", "first_k"]
+"""Which decoder layers keep a dense MLP: none; those ``mlp_only_layers`` names or off the
+``decoder_sparse_step`` (Qwen3-MoE); the first ``first_k_dense_replace`` (GLM-4.5)."""
+
+ExpertFiles = Literal["per_expert", "mixtral"]
+"""How a checkpoint on disk names the experts that the model holds stacked: one
+``experts.{e}.{gate,up,down}_proj.weight`` each (Qwen3-MoE, GLM-4.5), or Mixtral's
+``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` and ``block_sparse_moe.gate``."""
+
+
+@dataclass(frozen=True)
+class MoETraits:
+    """How a family's Mixture-of-Experts layers route tokens and name their experts."""
+
+    router: RouterKind = "softmax_topk"
+    expert_size: str = "moe_intermediate_size"
+    """The config's name for one expert's intermediate width."""
+    renormalize: bool | str = True
+    """The k chosen weights are divided by their sum; a string: the config flag that says so."""
+    weights_fp32: bool = False
+    """Each expert's output is weighted in fp32 (Mixtral keeps the routing weights fp32)."""
+    dense_layers: DenseLayers = "none"
+    shared_experts: bool = False
+    """An MLP every token goes through beside its routed experts, ``n_shared_experts`` experts
+    wide (GLM-4.5)."""
+    files: ExpertFiles = "per_expert"
+
+
 @dataclass(frozen=True)
 class FamilyTraits:
     """What one model family is. Defaults: a Llama-style decoder with plain RoPE."""
@@ -121,6 +153,8 @@ class FamilyTraits:
     alternating_layer_types: bool = False
     """A created config alternates sliding and full attention layers (Gemma 3's ``layer_types``;
     Gemma 2's config alternates them itself)."""
+    moe: MoETraits | None = None
+    """Mixture-of-Experts feed-forward layers, routed as the row says; None: dense MLPs."""
 
     check_shape: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The tiny model ``rayhf.checks.parity`` builds of this family (``ModelInit`` fields beside
@@ -205,6 +239,38 @@ FAMILIES: dict[str, FamilyTraits] = {
         pad_row_frozen=False,
         norm="layernorm",
         check_shape={"n_heads": 4},
+    ),
+    # experts chosen by a softmax in fp32, not renormalized (norm_topk_prob: false), a dense
+    # layer among the sparse ones, q/k norms
+    "qwen3_moe": replace(
+        _LLAMA,
+        hf_config_class="Qwen3MoeConfig",
+        qk_norm=True,
+        moe=MoETraits(renormalize="norm_topk_prob", dense_layers="sparse_step"),
+        check_shape={
+            "n_heads": 8,
+            "n_kv_heads": 4,
+            "intermediate_size": 48,
+            "config": {
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "mlp_only_layers": [1],
+            },
+        },
+    ),
+    # renormalized fp32 routing weights, every layer sparse, a window
+    "mixtral": FamilyTraits(
+        "MixtralConfig",
+        always_windowed=True,
+        moe=MoETraits(expert_size="intermediate_size", weights_fp32=True, files="mixtral"),
+        check_shape={
+            "n_heads": 8,
+            "n_kv_heads": 4,
+            "sliding_window": 4,
+            "intermediate_size": 32,
+            "config": {"num_local_experts": 4, "num_experts_per_tok": 2},
+        },
     ),
 }
 """Every supported family by Hugging Face model type, in the order messages list them."""

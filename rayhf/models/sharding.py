@@ -74,16 +74,15 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
             ParamShard(f"{p}.pre_feedforward_layernorm.weight", (h,), None, unit),
             ParamShard(f"{p}.post_feedforward_layernorm.weight", (h,), None, unit),
         ]
-    if fused:
-        out.append(
-            ParamShard(f"{p}.mlp.gate_up_proj.weight", (2 * inter, h), 0, unit, (inter, inter))
-        )
-    else:
+    if i in spec.moe_layers:
+        out += _moe_mlp(spec, f"{p}.mlp", unit)
+    elif fused:
         out += [
-            ParamShard(f"{p}.mlp.gate_proj.weight", (inter, h), 0, unit),
-            ParamShard(f"{p}.mlp.up_proj.weight", (inter, h), 0, unit),
+            ParamShard(f"{p}.mlp.gate_up_proj.weight", (2 * inter, h), 0, unit, (inter, inter)),
+            ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit),
         ]
-    out.append(ParamShard(f"{p}.mlp.down_proj.weight", (h, inter), 1, unit))
+    else:
+        out += _dense_mlp(f"{p}.mlp", h, inter, unit)
     if spec.traits.qk_norm:  # one weight per head dim, shared by every head: replicated
         out += [
             ParamShard(f"{p}.self_attn.q_norm.weight", (spec.head_dim,), None, unit),
@@ -97,12 +96,38 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
         ]
     if spec.o_bias:
         out.append(ParamShard(f"{p}.self_attn.o_proj.bias", (h,), None, unit))
-    if spec.mlp_bias:
+    if spec.mlp_bias and i not in spec.moe_layers:
         out += [
             ParamShard(f"{p}.mlp.gate_proj.bias", (inter,), 0, unit),
             ParamShard(f"{p}.mlp.up_proj.bias", (inter,), 0, unit),
             ParamShard(f"{p}.mlp.down_proj.bias", (h,), None, unit),
         ]
+    return out
+
+
+def _dense_mlp(m: str, h: int, inter: int, unit: int) -> list[ParamShard]:
+    """A gated MLP's weights under module ``m``: gate and up column-parallel, down row-parallel."""
+    return [
+        ParamShard(f"{m}.gate_proj.weight", (inter, h), 0, unit),
+        ParamShard(f"{m}.up_proj.weight", (inter, h), 0, unit),
+        ParamShard(f"{m}.down_proj.weight", (h, inter), 1, unit),
+    ]
+
+
+def _moe_mlp(spec: ModelSpec, m: str, unit: int) -> list[ParamShard]:
+    """A Mixture-of-Experts layer's weights under module ``m``: the router (whole on every
+    rank), the experts stacked ``[experts, out, in]`` (gate|up as one, split by tp like a fused
+    gate_up_proj, down by its input), and the shared experts as a dense MLP."""
+    moe, h = spec.moe, spec.hidden_size
+    assert moe is not None
+    e, w = moe.n_experts, moe.expert_size
+    out = [
+        ParamShard(f"{m}.gate.weight", (e, h), None, unit),
+        ParamShard(f"{m}.experts.gate_up_proj", (e, 2 * w, h), 1, unit, (w, w)),
+        ParamShard(f"{m}.experts.down_proj", (e, h, w), 2, unit),
+    ]
+    if moe.shared_size:
+        out += _dense_mlp(f"{m}.shared_experts", h, moe.shared_size, unit)
     return out
 
 
@@ -281,6 +306,8 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> str | None:
         return f"tp={tp} does not divide the model's {spec.n_kv_heads} key/value heads"
     if tp > spec.vocab_size or tp > spec.intermediate_size:
         return f"tp={tp} is larger than the vocabulary or the MLP width"
+    if spec.moe is not None and tp > spec.moe.expert_size:
+        return f"tp={tp} is larger than an expert's width ({spec.moe.expert_size})"
     if pp > spec.n_layers:
         return f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers"
     return None

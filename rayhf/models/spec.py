@@ -20,6 +20,20 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A Mixture-of-Experts model's expert numbers (its routing kind: ``traits.moe``)."""
+
+    n_experts: int
+    top_k: int  # experts per token
+    expert_size: int  # one expert's intermediate width
+    renormalize: bool  # the k weights are divided by their sum
+    shared_size: int = 0  # the shared experts' MLP width (0: none)
+    scaling: float = 1.0  # routing weights times this (GLM-4.5's routed_scaling_factor)
+    n_group: int = 1  # sigmoid routing: experts in this many groups, the best topk_group kept
+    topk_group: int = 1
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Sizes and family traits of one causal LM (+ scalar head when ``value_head``)."""
 
@@ -64,6 +78,9 @@ class ModelSpec:
     # (a moving-average role blends into them).
     dtype_bytes: int = 0
     master: bool = False
+    # Mixture-of-Experts feed-forward layers (None: every MLP dense) and which layers they are
+    moe: MoESpec | None = None
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def prefix(self) -> str:
@@ -114,6 +131,7 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         **_rope_fields(config, traits, head_dim),
         **_window_fields(config, traits),
         **_scale_and_cap_fields(config, traits, hidden),
+        **_moe_fields(config, traits),
     )
 
 
@@ -160,6 +178,40 @@ def _scale_and_cap_fields(config: Any, traits: FamilyTraits, hidden: int) -> dic
         out["attn_softcap"] = getattr(config, "attn_logit_softcapping", None)
         out["final_softcap"] = getattr(config, "final_logit_softcapping", None)
     return out
+
+
+def _moe_fields(config: Any, traits: FamilyTraits) -> dict[str, Any]:
+    """The experts' numbers and the layers that route to them (none for a dense family)."""
+    moe = traits.moe
+    if moe is None:
+        return {}
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise RayhfError(
+            "router_jitter_noise: rayhf routes tokens without noise (log-probs must reproduce); "
+            "set it to 0 in the model's config.json"
+        )
+    renorm = moe.renormalize
+    n_layers = getattr(config, traits.config_names.n_layers)
+    dense: set[int] = set()
+    if moe.dense_layers == "sparse_step":
+        step = getattr(config, "decoder_sparse_step", 1)
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        dense = {i for i in range(n_layers) if i in only or (i + 1) % step}
+    elif moe.dense_layers == "first_k":
+        dense = set(range(getattr(config, "first_k_dense_replace", 0)))
+    width = getattr(config, moe.expert_size)
+    shared = getattr(config, "n_shared_experts", 0) if moe.shared_experts else 0
+    spec = MoESpec(
+        n_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        expert_size=width,
+        renormalize=bool(getattr(config, renorm) if isinstance(renorm, str) else renorm),
+        shared_size=shared * width,
+        scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+        n_group=getattr(config, "n_group", 1) or 1,
+        topk_group=getattr(config, "topk_group", 1) or 1,
+    )
+    return {"moe": spec, "moe_layers": tuple(i for i in range(n_layers) if i not in dense)}
 
 
 def _rope(

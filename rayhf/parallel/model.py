@@ -39,6 +39,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
 from rayhf.parallel.buckets import LOGIT_CHUNK
 from rayhf.parallel.groups import ParallelGroups
+from rayhf.parallel.moe import experts, route
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
 # cos and sin of a forward's positions per frequency set: the global one (False) and Gemma 3's
@@ -156,10 +157,13 @@ class ShardedModel(torch.nn.Module):
         if traits.block == "llama" and not traits.fused_projections:
             for i in self.layers:
                 p = layer_prefix(self.spec, i)
+                mlp = f"{p}.mlp.shared_experts" if i in self.spec.moe_layers else f"{p}.mlp"
                 for prefix, group, names in ((f"{p}.self_attn", "qkv", QKV),
-                                             (f"{p}.mlp", "gate_up", GATE_UP)):  # fmt: skip
-                    groups[f"{prefix}.{group}"] = [f"{prefix}.{n}.weight" for n in names]
-                    fused.update(groups[f"{prefix}.{group}"])
+                                             (mlp, "gate_up", GATE_UP)):  # fmt: skip
+                    weights = [f"{prefix}.{n}.weight" for n in names]
+                    if weights[0] in self.shards:  # (an MoE layer without shared experts: none)
+                        groups[f"{prefix}.{group}"] = weights
+                        fused.update(weights)
         for name in self.matmul_weights():
             if name not in fused:
                 groups[name] = [name]
@@ -452,10 +456,10 @@ class ShardedModel(torch.nn.Module):
         attn = self._llama_attention(h, i, where, cache, rot)
         if self.spec.traits.sandwich_norms:  # a norm on each block's output, and one before the MLP
             x = x + self.norm(attn, f"{p}.post_attention_layernorm")
-            mlp = self._llama_mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), p)
+            mlp = self._mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), i)
             return x + self.norm(mlp, f"{p}.post_feedforward_layernorm")
         x = x + attn
-        return x + self._llama_mlp(self.norm(x, f"{p}.post_attention_layernorm"), p)
+        return x + self._mlp(self.norm(x, f"{p}.post_attention_layernorm"), i)
 
     def _row_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel linear layer: this rank's input columns times its weight rows, summed
@@ -493,13 +497,40 @@ class ShardedModel(torch.nn.Module):
         ).flatten(1)
         return self._row_linear(out, f"{p}.o_proj")
 
-    def _llama_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer ``i``'s feed-forward block: a gated MLP or a Mixture-of-Experts one."""
+        m = f"{layer_prefix(self.spec, i)}.mlp"
+        return self._moe_mlp(h, m) if i in self.spec.moe_layers else self._gated_mlp(h, m)
+
+    def _gated_mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
+        """The gated MLP under module ``m`` (a layer's ``mlp``, or an MoE layer's shared one)."""
         h = copy_to_tp(h, self.groups.tp_group)
         # this rank's columns of gate and of up (Phi-3 keeps them in one weight)
         names = ["gate_up_proj"] if self.spec.traits.fused_projections else list(GATE_UP)
-        width = self.param(f"{p}.mlp.down_proj.weight").shape[1]  # this rank's intermediate units
-        gate, up = self._linears(h, f"{p}.mlp", names, [width, width], "gate_up")
-        return self._row_linear(self.act(gate) * up, f"{p}.mlp.down_proj")
+        width = self.param(f"{m}.down_proj.weight").shape[1]  # this rank's intermediate units
+        gate, up = self._linears(h, m, names, [width, width], "gate_up")
+        return self._row_linear(self.act(gate) * up, f"{m}.down_proj")
+
+    def _moe_mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
+        """The Mixture-of-Experts block under module ``m`` (``rayhf.parallel.moe``). The router
+        runs whole on every tp rank, on ``h`` as it comes; each rank's experts give a part of
+        every token's output, summed over tp, so the routing weights' gradient is summed over
+        tp too (``copy_to_tp``), and ``h``'s gradient through the experts (not the router's)."""
+        spec, tp_group = self.spec, self.groups.tp_group
+        assert spec.moe is not None and spec.traits.moe is not None
+        weights, ids = route(self.matmul(h, f"{m}.gate.weight"), spec.moe, spec.traits.moe)
+        out = experts(
+            copy_to_tp(h, tp_group),
+            copy_to_tp(weights, tp_group),
+            ids,
+            self.param(f"{m}.experts.gate_up_proj"),
+            self.param(f"{m}.experts.down_proj"),
+            self.act,
+        )
+        out = reduce_from_tp(out, tp_group)
+        if spec.moe.shared_size:
+            out = out + self._gated_mlp(h, f"{m}.shared_experts")
+        return out
 
     def _conv1d_attention(
         self, h: torch.Tensor, layer: str, where: TokenLayout, cache: KVCache | None, i: int

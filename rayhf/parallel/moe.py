@@ -1,0 +1,89 @@
+"""A Mixture-of-Experts feed-forward layer on one rank: route each token to its experts, run
+every expert's tokens as one grouped matrix product, weight and sum.
+
+    h [n, H] --router--> (weights [n, k], experts [n, k])
+    (token, choice) pairs sorted by expert --> rows [n*k, H], offsets per expert
+    rows x gate|up [E, H, 2I] (grouped) --> act(gate) * up --> x down [E, I, H] (grouped)
+    --> times each pair's weight --> summed per token [n, H]
+
+No Python loop runs per expert and nothing is read back to the host, so a decode step with MoE
+layers stays capturable. Under tp each rank holds every expert's slice of the intermediate
+units (``rayhf.models.sharding``) and the caller sums the outputs over tp, as for a dense MLP.
+The routing mirrors Hugging Face's per family (``MoETraits.router``), dtype by dtype, so
+log-probs match its models to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rayhf.models.families import MoETraits
+from rayhf.models.spec import MoESpec
+
+# torch's grouped GEMM wants each operand's strides and start on 16-byte boundaries
+ALIGN_BYTES = 16
+
+
+def route(
+    logits: torch.Tensor, spec: MoESpec, traits: MoETraits
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the router's ``logits [n, E]``: each token's ``top_k`` experts ``[n, k]`` (int64)
+    and their weights ``[n, k]``, in the logits' dtype (fp32 where the family keeps them so)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return (top if traits.weights_fp32 else top.to(logits.dtype)), ids
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % ALIGN_BYTES == 0 and all(
+        (s * size) % ALIGN_BYTES == 0 for s, n in zip(t.stride(), t.shape, strict=True) if n > 1
+    )
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [S, in]`` sorted by expert times their expert's ``w [E, out, in]`` (a linear
+    layer per expert): ``[S, out]``. ``offsets [E]`` (int32) ends each expert's rows. torch's
+    grouped GEMM where the operands allow it; else one batched product over every row's expert,
+    the same numbers by another kernel."""
+    wt = w.transpose(1, 2)  # [E, in, out]
+    if x.device.type == "cpu" or x.dtype == torch.bfloat16:
+        if _aligned(x) and _aligned(wt):
+            return F.grouped_mm(x, wt, offs=offsets)
+    expert = torch.bucketize(torch.arange(len(x), device=x.device), offsets, right=True)
+    return torch.bmm(x.unsqueeze(1), wt[expert]).squeeze(1)
+
+
+def experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``x [n, H]`` through its experts: ``ids``/``weights [n, k]`` from ``route``, this rank's
+    ``gate_up [E, 2I, H]`` (gate rows, then up) and ``down [E, H, I]``. Each (token, choice)
+    output is weighted in the weights' dtype, cast to ``x``'s, and the k summed in choice
+    order; under autocast the products run in its dtype (grouped GEMM does not cast)."""
+    n, k = ids.shape
+    n_experts = gate_up.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = counts.cumsum(0).to(torch.int32)
+    rows = x[order // k]
+    if torch.is_autocast_enabled(x.device.type):
+        low = torch.get_autocast_dtype(x.device.type)
+        rows, gate_up, down = rows.to(low), gate_up.to(low), down.to(low)
+    gate, up = grouped_linear(rows, gate_up, offsets).chunk(2, dim=-1)
+    out = grouped_linear(act(gate) * up, down, offsets)
+    out = (out * weights.flatten()[order, None]).to(x.dtype)
+    per_choice = torch.empty_like(out).index_copy(0, order, out)
+    return per_choice.view(n, k, -1).sum(dim=1)
