@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rayhf.models.sharding import param_shards
+from rayhf.models.sharding import layer_prefix, param_shards
 from rayhf.models.spec import ModelSpec
 
 WEIGHTS = "model.safetensors"
@@ -130,23 +130,68 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     return {}
 
 
+def saved_names(spec: ModelSpec) -> dict[str, list[str]]:
+    """Each parameter's name in memory -> the tensors ``save_pretrained`` writes of it: itself,
+    except for stacked experts, saved one tensor per expert (``experts.{e}.gate_proj.weight``,
+    ..., or Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``, ...), gate|up as every
+    expert's gate, then every expert's up."""
+    out = {p.name: [p.name] for p in param_shards(spec)}
+    if spec.moe is None or spec.traits.moe is None:
+        return out
+    mixtral = spec.traits.moe.files == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for i in spec.moe_layers:
+        m = f"{layer_prefix(spec, i)}.mlp"
+        disk = f"{layer_prefix(spec, i)}.block_sparse_moe" if mixtral else m
+        each = [f"{disk}.experts.{e}" for e in range(spec.moe.n_experts)]
+        out[f"{m}.experts.gate_up_proj"] = [f"{x}.{gate}.weight" for x in each] + [
+            f"{x}.{up}.weight" for x in each
+        ]
+        out[f"{m}.experts.down_proj"] = [f"{x}.{down}.weight" for x in each]
+        out[f"{m}.gate.weight"] = [f"{disk}.gate.weight"]
+    return out
+
+
+def join_saved(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Parameter ``name`` from the tensors ``saved_names`` lists for it."""
+    if name.endswith("experts.gate_up_proj"):
+        half = len(tensors) // 2
+        return torch.cat([torch.stack(tensors[:half]), torch.stack(tensors[half:])], dim=1)
+    if name.endswith("experts.down_proj"):
+        return torch.stack(tensors)
+    (t,) = tensors
+    return t
+
+
+def split_saved(name: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors ``save_pretrained`` writes of parameter ``name`` (``join_saved`` undone)."""
+    if name.endswith("experts.gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        return [*gate.unbind(0), *up.unbind(0)]
+    if name.endswith("experts.down_proj"):
+        return list(t.unbind(0))
+    return [t]
+
+
 def read_weights(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor] | None:
     """The fp32 tensors of every parameter ``spec`` names, read from the directory's safetensors
-    files; None when the files do not hold them all (a critic from a causal LM's directory: no
-    ``score`` head; another naming; .bin weights): then the model must be built to be read."""
+    files (stacking experts saved one by one); None when the files do not hold them all (a
+    critic from a causal LM's directory: no ``score`` head; another naming; .bin weights): then
+    the model must be built to be read."""
     from safetensors import safe_open
 
     where = weight_files(path)
-    names = [s.name for s in param_shards(spec)]
+    saved = saved_names(spec)
+    names = [n for parts in saved.values() for n in parts]
     if not all(n in where for n in names):
         return None
-    state: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for file in sorted({where[n] for n in names}):
         with safe_open(file, framework="pt") as f:
             for n in names:
                 if where[n] == file:
-                    state[n] = f.get_tensor(n).float()
-    return state
+                    tensors[n] = f.get_tensor(n).float()
+    return {name: join_saved(name, [tensors[n] for n in parts]) for name, parts in saved.items()}
 
 
 def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch.Tensor]) -> None:
@@ -159,7 +204,13 @@ def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, files.dtype)
     tied = "lm_head.weight" if files.spec.tied else None  # the embedding, saved once
-    state = {k: v.to(dtype).contiguous() for k, v in full.items() if k != tied}
+    saved = saved_names(files.spec)
+    state = {
+        n: t.to(dtype).contiguous()
+        for k, v in full.items()
+        if k != tied
+        for n, t in zip(saved.get(k, [k]), split_saved(k, v), strict=True)
+    }
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():

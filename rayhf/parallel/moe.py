@@ -39,6 +39,16 @@ def route(
     return (top if traits.weights_fp32 else top.to(logits.dtype)), ids
 
 
+def _grouped_ok(x: torch.Tensor, wt: torch.Tensor) -> bool:
+    """torch's grouped GEMM takes these operands: any float dtype on CPUs, bf16 on CUDA from
+    compute capability 8.0, each 16-byte aligned."""
+    if x.device.type == "cuda" and (
+        x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)
+    ):
+        return False
+    return _aligned(x) and _aligned(wt)
+
+
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     return t.data_ptr() % ALIGN_BYTES == 0 and all(
@@ -52,9 +62,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     grouped GEMM where the operands allow it; else one batched product over every row's expert,
     the same numbers by another kernel."""
     wt = w.transpose(1, 2)  # [E, in, out]
-    if x.device.type == "cpu" or x.dtype == torch.bfloat16:
-        if _aligned(x) and _aligned(wt):
-            return F.grouped_mm(x, wt, offs=offsets)
+    if _grouped_ok(x, wt):
+        return F.grouped_mm(x, wt, offs=offsets)
     expert = torch.bucketize(torch.arange(len(x), device=x.device), offsets, right=True)
     return torch.bmm(x.unsqueeze(1), wt[expert]).squeeze(1)
 
