@@ -40,6 +40,7 @@ class ParamShard:
     tp_dim: int | None  # None = every tp rank holds all of it
     unit: int  # 0 embeddings, 1..n_layers decoder layers, n_layers + 1 final norm + head
     blocks: tuple[int, ...] = ()  # sizes along tp_dim that split separately (q|k|v); () = one
+    expert: bool = False  # routed experts stacked on dim 0 (a token multiplies top_k of them)
 
     @property
     def numel(self) -> int:
@@ -123,8 +124,8 @@ def _moe_mlp(spec: ModelSpec, m: str, unit: int) -> list[ParamShard]:
     e, w = moe.n_experts, moe.expert_size
     out = [
         ParamShard(f"{m}.gate.weight", (e, h), None, unit),
-        ParamShard(f"{m}.experts.gate_up_proj", (e, 2 * w, h), 1, unit, (w, w)),
-        ParamShard(f"{m}.experts.down_proj", (e, h, w), 2, unit),
+        ParamShard(f"{m}.experts.gate_up_proj", (e, 2 * w, h), 1, unit, (w, w), expert=True),
+        ParamShard(f"{m}.experts.down_proj", (e, h, w), 2, unit, expert=True),
     ]
     if moe.shared_size:
         out += _dense_mlp(f"{m}.shared_experts", h, moe.shared_size, unit)

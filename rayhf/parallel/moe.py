@@ -52,7 +52,9 @@ def _grouped_ok(x: torch.Tensor, wt: torch.Tensor) -> bool:
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     return t.data_ptr() % ALIGN_BYTES == 0 and all(
-        (s * size) % ALIGN_BYTES == 0 for s, n in zip(t.stride(), t.shape, strict=True) if n > 1
+        (s * size) % ALIGN_BYTES == 0
+        for s, n in zip(t.stride(), t.shape, strict=True)
+        if n > 1 and s != 1
     )
 
 

@@ -150,13 +150,35 @@ def max_shard_params(spec: ModelSpec, tp: int, pp: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _sizes(spec: ModelSpec) -> tuple[int, int, int]:
-    """(all parameters, parameters a token's forward multiplies, embedding parameters)."""
-    total = embed = 0
+    """(all parameters, parameters a token's forward multiplies, embedding parameters): of the
+    routed experts a token multiplies ``top_k`` of every layer's ``n_experts``."""
+    total = embed = experts = 0
     for p in param_shards(spec):
         total += p.numel
         if p.unit == 0:
             embed += p.numel
-    return total, total - embed, embed
+        if p.expert:
+            experts += p.numel
+    idle = experts - experts_read(spec, experts, 1)
+    return total, total - embed - idle, embed
+
+
+def experts_read(spec: ModelSpec, experts: float, tokens: float) -> float:
+    """Of ``experts`` routed-expert parameters, those a pass over ``tokens`` tokens reads: the
+    experts at least one token chooses, expected under uniform routing."""
+    if spec.moe is None:
+        return experts
+    skip = 1 - spec.moe.top_k / spec.moe.n_experts  # a token passes an expert by
+    return experts * (1 - skip ** max(tokens, 1.0))
+
+
+@functools.lru_cache(maxsize=4096)
+def weights_read(spec: ModelSpec, tokens: float) -> float:
+    """Matmul parameters (no embedding) a pass over ``tokens`` tokens reads: all of them but
+    the routed experts no token chooses."""
+    total, _, embed = _sizes(spec)
+    experts = sum(p.numel for p in param_shards(spec) if p.expert)
+    return total - embed - experts + experts_read(spec, experts, tokens)
 
 
 VLLM_KV_BYTES = 2**30  # the KV cache a vLLM engine reserves (VLLM_CPU_KVCACHE_SPACE=1 here)
@@ -215,7 +237,8 @@ class AnalyticCost:
         # weights read forward, read again and their gradients written backward; activations
         # written forward, read back backward
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
-        n_bytes = (passes * matmul * b / spec.n_layers + (2 if backward else 1) * acts) / layout.tp
+        weights = weights_read(spec, tokens) / spec.n_layers
+        n_bytes = (passes * weights * b + (2 if backward else 1) * acts) / layout.tp
         gpu = max(flops / layout.tp / self._flops_rate(spec), n_bytes / self._bytes_rate())
         issued = (2 if backward else 1) + (1 if backward and recompute else 0)  # op passes
         host = issued * self.eff.ops_per_layer * self.eff.op_seconds
@@ -275,7 +298,7 @@ class AnalyticCost:
         all-reduces and pp's hops."""
         _, matmul, _ = _sizes(spec)
         b = self.dtype_bytes(spec)
-        weights = matmul * b / layout.tp
+        weights = weights_read(spec, n_seqs) * b / layout.tp
         kv = 2 * spec.n_layers * n_seqs * keys * spec.n_kv_heads * spec.head_dim * b / layout.tp
         flops = n_seqs * (2 * matmul + 4 * spec.n_layers * spec.hidden_size * keys)
         gpu = max(flops / layout.tp / self._flops_rate(spec), (weights + kv) / self._bytes_rate())

@@ -34,8 +34,8 @@ def test_an_unknown_family_is_refused_in_one_line():
     with pytest.raises(ValidationError) as info:
         ModelInit(family="bert")
     assert info.value.errors()[0]["msg"] == (
-        "Input should be 'llama', 'qwen2', 'qwen3', 'mistral', 'phi3', 'gemma2', 'gemma3_text' "
-        "or 'gpt2'"
+        "Input should be 'llama', 'qwen2', 'qwen3', 'mistral', 'phi3', 'gemma2', 'gemma3_text', "
+        "'gpt2', 'qwen3_moe' or 'mixtral'"
     )
 
 

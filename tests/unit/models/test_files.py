@@ -127,3 +127,17 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tmp_path
     assert lazy.decoder is None
     ids = tok.encode("1 2 =", add_special_tokens=False)
     assert lazy.decode(ids) == tok.decode(ids) and "loaded" in vars(lazy)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_experts_saved_one_by_one_are_read_back_stacked_without_building_the_model(tmp_path, case):
+    """``save_pretrained`` writes each expert's gate, up and down apart (Mixtral's as
+    ``block_sparse_moe.experts.{e}.w1``...); a worker reads them as the model holds them."""
+    hf = _model(case, False)
+    hf.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / files.WEIGHTS)
+    assert not any(k.endswith("experts.gate_up_proj") for k in saved)
+    config = read_model_config(tmp_path, False, "models.actor")
+    state = read_weights(tmp_path, model_files(config, False).spec)
+    assert state is not None and state.keys() == hf.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in hf.state_dict().items())

@@ -8,13 +8,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from rayhf.errors import RayhfError
 from rayhf.models.families import FAMILIES
 from rayhf.models.hf import ModelInit, build_model, hf_config
 from rayhf.models.sharding import param_shards
-from rayhf.models.spec import model_spec
+from rayhf.models.spec import MoESpec, model_spec
 
 IDS = {"pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
 SIZES = {
@@ -42,6 +50,7 @@ def test_llama_spec():
         "window_layers": None, "rope_inv_freq_local": None,
         "rope_scale_local": 1.0, "embed_scale": 1.0, "attn_scale": None,
         "attn_softcap": None, "final_softcap": None, "dtype_bytes": 0, "master": False,
+        "moe": None, "moe_layers": (),
     }  # fmt: skip
     assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
 
@@ -103,7 +112,7 @@ def test_an_unsupported_family_is_refused():
         model_spec(SimpleNamespace(model_type="bert"), value_head=False)
     assert str(info.value) == (
         "model type 'bert' is not supported; use one of llama, qwen2, qwen3, mistral, phi3, "
-        "gemma2, gemma3_text, gpt2"
+        "gemma2, gemma3_text, gpt2, qwen3_moe, mixtral"
     )
 
 
@@ -134,3 +143,21 @@ def test_qwen3_normalizes_each_head_s_q_and_k():
         "model.layers.0.self_attn.k_norm.weight",
     } <= names
     assert names == set(build_model(cfg, value_head=False).state_dict())
+
+
+def test_qwen3_moe_layers_off_the_sparse_step_or_listed_stay_dense():
+    experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    cfg = Qwen3MoeConfig(**SIZES, **experts, mlp_only_layers=[1], norm_topk_prob=True)
+    spec = model_spec(cfg, value_head=False)
+    assert spec.moe_layers == (0, 2)
+    assert spec.moe == MoESpec(n_experts=8, top_k=2, expert_size=16, renormalize=True)
+    every_other = model_spec(Qwen3MoeConfig(**SIZES, decoder_sparse_step=2), value_head=False)
+    assert every_other.moe_layers == (1,)
+
+
+def test_mixtral_renormalizes_always_and_router_noise_is_refused():
+    spec = model_spec(MixtralConfig(**SIZES, num_local_experts=4), value_head=False)
+    assert spec.moe is not None and spec.moe.renormalize and spec.moe.expert_size == 72
+    assert spec.moe_layers == (0, 1, 2)
+    with pytest.raises(RayhfError, match=r"^router_jitter_noise: .* set it to 0"):
+        model_spec(MixtralConfig(**SIZES, router_jitter_noise=0.1), value_head=False)

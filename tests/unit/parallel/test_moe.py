@@ -1,0 +1,89 @@
+"""A Mixture-of-Experts layer on one rank (``rayhf.parallel.moe``): routing as Hugging Face's
+routers route, experts as its per-expert loop computes them, and the grouped GEMM and its
+batched stand-in giving the same values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rayhf.checks.parity import CASES, _model
+from rayhf.models.families import FAMILIES
+from rayhf.models.spec import model_spec
+from rayhf.parallel import moe
+
+
+def _block(case: str):
+    """Layer 0's sparse MoE block of the case's tiny model (eager experts), and its spec."""
+    hf = _model(case, False)
+    hf.config._experts_implementation = "eager"
+    block = hf.model.layers[0].mlp
+    block.experts.config = hf.config
+    return block, model_spec(hf.config, False)
+
+
+def _hidden(n: int = 24, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(n, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_routing_chooses_and_weighs_the_experts_hugging_face_does(case, dtype):
+    block, spec = _block(case)
+    block.to(dtype)
+    h = _hidden(dtype=dtype)
+    _, want_weights, want_ids = block.gate(h)
+    assert spec.moe is not None and FAMILIES[case].moe is not None
+    weights, ids = moe.route(F.linear(h, block.gate.weight), spec.moe, FAMILIES[case].moe)
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == want_weights.dtype and torch.equal(weights, want_weights)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_the_experts_give_hugging_face_s_per_expert_loop_to_rounding(case):
+    block, spec = _block(case)
+    h = _hidden()
+    assert spec.moe is not None and FAMILIES[case].moe is not None
+    with torch.no_grad():
+        want = block(h[None])[0]
+        weights, ids = moe.route(F.linear(h, block.gate.weight), spec.moe, FAMILIES[case].moe)
+        got = moe.experts(
+            h, weights, ids, block.experts.gate_up_proj, block.experts.down_proj, F.silu
+        )
+    assert (got - want).abs().max() < 1e-6 * want.abs().max()
+
+
+def _run(grouped: bool, monkeypatch) -> tuple[torch.Tensor, ...]:
+    """Output and gradients of 8 experts over 24 tokens (2 each), one expert chosen by none."""
+    if not grouped:
+        monkeypatch.setattr(moe, "_grouped_ok", lambda x, wt: False)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=gen, requires_grad=True)
+    gate_up = torch.randn(8, 24, 16, generator=gen, requires_grad=True)
+    down = torch.randn(8, 16, 12, generator=gen, requires_grad=True)
+    logits = torch.randn(24, 8, generator=gen)
+    logits[:, 5] = -1e4  # nobody's
+    weights = torch.softmax(logits, -1).topk(2).values.requires_grad_()
+    ids = logits.topk(2).indices
+    out = moe.experts(x, weights, ids, gate_up, down, F.silu)
+    out.pow(2).sum().backward()
+    assert x.grad is not None and gate_up.grad is not None and down.grad is not None
+    assert weights.grad is not None
+    return out, x.grad, gate_up.grad, down.grad, weights.grad
+
+
+def test_grouped_gemm_and_the_batched_product_agree_in_values_and_gradients(monkeypatch):
+    grouped = _run(True, monkeypatch)
+    batched = _run(False, monkeypatch)
+    for a, b in zip(grouped, batched, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert torch.equal(grouped[2][5], torch.zeros_like(grouped[2][5]))  # an idle expert
+
+
+def test_grouped_gemm_runs_only_on_aligned_operands():
+    x = torch.zeros(6, 16)
+    assert moe._grouped_ok(x, torch.zeros(4, 16, 8))
+    assert not moe._grouped_ok(torch.zeros(6, 15), torch.zeros(4, 15, 8))  # 60-byte rows
+    assert not moe._grouped_ok(x[:, 1:5], torch.zeros(4, 4, 8))  # starts 4 bytes in
+    assert "qwen3_moe" in CASES and "mixtral" in CASES
