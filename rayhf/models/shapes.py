@@ -2,7 +2,7 @@
 
 Sizes from the models' published ``config.json`` files: Llama-2 7B/13B/70B
 (meta-llama/Llama-2-{7,13,70}b-hf), CodeLlama-34B (codellama/CodeLlama-34b-hf) and Qwen2.5
-0.5B/1.5B/7B (Qwen/Qwen2.5-{0.5,1.5,7}B-Instruct).
+0.5B/1.5B/7B (Qwen/Qwen2.5-{0.5,1.5,7}B-Instruct), Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from rayhf.errors import RayhfError
 from rayhf.models.families import FAMILIES
-from rayhf.models.spec import ModelSpec
+from rayhf.models.spec import ModelSpec, MoESpec
 
 
 def _llama(hidden: int, layers: int, heads: int, kv: int, inter: int, positions: int) -> ModelSpec:
@@ -50,6 +50,18 @@ def _qwen25(
     )  # fmt: skip
 
 
+def _qwen3_moe(hidden: int, layers: int, heads: int, kv: int, experts: int, width: int):
+    """Qwen3-MoE: q/k norms, head_dim 128, every layer sparse, 8 of ``experts`` experts a token
+    (not renormalized), RoPE base 1e6, 40k positions."""
+    return replace(
+        _llama(hidden, layers, heads, kv, 6144, 40960),
+        family="qwen3_moe", traits=FAMILIES["qwen3_moe"], vocab_size=151936, head_dim=128,
+        norm_eps=1e-6, rope_theta=1e6,
+        moe=MoESpec(n_experts=experts, top_k=8, expert_size=width, renormalize=True),
+        moe_layers=tuple(range(layers)),
+    )  # fmt: skip
+
+
 PUBLIC_SHAPES: dict[str, ModelSpec] = {
     "llama2-7b": _llama(4096, 32, 32, 32, 11008, 4096),
     "llama2-13b": _llama(5120, 40, 40, 40, 13824, 4096),
@@ -58,6 +70,7 @@ PUBLIC_SHAPES: dict[str, ModelSpec] = {
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
     "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 768),
 }
 
 

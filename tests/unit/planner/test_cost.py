@@ -11,7 +11,7 @@ from planner_support import GRAPH, SPECS, WORKS
 from rayhf.engines.config import DeepSpeedEngineConfig, TorchEngineConfig, VllmEngineConfig
 from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Rows, Workload
+from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Rows, Workload, _sizes
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
@@ -162,3 +162,22 @@ def test_a_train_call_pays_for_its_epochs_and_its_forward_without_gradients():
     seq = train.prompt_len + train.gen_len
     forward = cost.forward_seconds(spec, lay, Rows(share, seq), work=train)
     assert prox.seconds == pytest.approx(one.seconds + forward) and forward > 0
+
+
+def test_a_token_multiplies_only_its_experts_and_a_decode_step_reads_the_chosen_ones():
+    """Qwen3-30B-A3B: 30.5B parameters, of which a token multiplies about 3B (8 of 128 experts
+    a layer). A one-row decode step reads the experts it chooses; 64 rows choose nearly all."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, lay = public_shape("qwen3-30b-a3b"), Layout(tuple(range(8)), 8)
+    total, active, _ = _sizes(spec)
+    assert total == pytest.approx(30.5e9, rel=0.01) and active == pytest.approx(3.04e9, rel=0.01)
+    bw = cost.cluster.device.memory_bandwidth * cost.eff.memory
+    one, many = cost.decode_seconds(spec, lay, 1, 64), cost.decode_seconds(spec, lay, 64, 64)
+    assert one == pytest.approx(2 * active / bw, rel=0.1)  # bf16: 2 bytes a parameter
+    assert many == pytest.approx(2 * (total - 0.31e9) / bw, rel=0.1)  # all but the embedding
+    assert spec.moe is not None
+    every = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, top_k=128))
+    train = Workload("train", 64, 512, 512)
+    sparse, full = (cost.call(s, lay, train).parts for s in (spec, every))
+    assert sparse["forward_backward"] < full["forward_backward"] / 8
+    assert sparse["optimizer"] == full["optimizer"]  # every expert's weights step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rayhf.models.families import FAMILIES
 from rayhf.models.hf import ModelInit, hf_config
 from rayhf.models.sharding import embedding_name, param_shards, stage_units, take_shard
 from rayhf.models.spec import model_spec
@@ -12,6 +13,8 @@ from rayhf.parallel.layout import Layout, coords_of
 
 def _spec(family: str, **kw):
     shape = {"n_heads": 4, "n_kv_heads": 2} if family == "llama" else {"n_heads": 4}
+    if FAMILIES[family].moe is not None:  # its row's experts
+        shape = dict(FAMILIES[family].check_shape)
     init = ModelInit(family=family, **{"n_layers": 4, "hidden_size": 32, **shape, **kw})
     return model_spec(hf_config(init, 37, 0, 2, 1), value_head=False)
 

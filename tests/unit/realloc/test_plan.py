@@ -32,7 +32,7 @@ def _apply(plan, sources, want):
     return got
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt2-tied"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt2-tied", "qwen3_moe"])
 @pytest.mark.parametrize("relay", [True, False])
 def test_every_layout_pair_rebuilds_the_destination_shards_exactly(family, relay):
     spec = _spec(family.removesuffix("-tied"), tied=family.endswith("-tied"))
