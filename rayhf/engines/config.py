@@ -70,6 +70,9 @@ class BaseEngineConfig(BaseModel):
     trains_in_compute_dtype: ClassVar[bool] = False
     # train: the ZeRO stages a plan may give the call when the cluster is planned for
     zero_choices: ClassVar[tuple[int, ...]] = ()
+    # runs Mixture-of-Experts models (vLLM and DeepSpeed not yet: rayhf's weight sync into
+    # vLLM and DeepSpeed's flat ZeRO buffers hold no stacked experts)
+    runs_experts: ClassVar[bool] = True
 
     @property
     def token_budget(self) -> int | None:
@@ -153,6 +156,7 @@ class VllmEngineConfig(BaseEngineConfig):
     whole_model_ranks = True
     server_resident = True
     shared_per_rank = True
+    runs_experts = False
 
     @property
     def checks_sync(self) -> bool:
@@ -218,6 +222,7 @@ class DeepSpeedEngineConfig(BaseEngineConfig):
     whole_model_ranks = True
     trains_in_compute_dtype = True
     zero_choices = (1, 2, 3)
+    runs_experts = False
 
     @property
     def offloads_optimizer(self) -> bool:

@@ -76,15 +76,32 @@ def workloads(
     return out
 
 
-def open_stages(works: Mapping[str, Workload]) -> dict[str, Workload]:
+def open_stages(
+    works: Mapping[str, Workload], experts: Collection[str] = ()
+) -> dict[str, Workload]:
     """On a cluster planned for, a train call may take any ZeRO stage its engines offer: 0-1
-    on rayhf's torch engine (any layout), 1-3 on DeepSpeed (dp only); the plan names it."""
-    return {
-        name: dataclasses.replace(w, zero_choices=w.engine.zero_choices)
-        if w.kind == "train" and w.engine.zero_choices
-        else w
-        for name, w in works.items()
-    }
+    on rayhf's torch engine (any layout), 1-3 on DeepSpeed (dp only), and the plan names it;
+    a call in ``experts`` (its role's model is a Mixture-of-Experts one) only the stages whose
+    engine runs such a model."""
+    out = dict(works)
+    for name, w in works.items():
+        if w.kind == "train" and w.engine.zero_choices:
+            stages = tuple(
+                s
+                for s in w.engine.zero_choices
+                if name not in experts or w.engine.at_zero_stage(s).runs_experts
+            )
+            out[name] = dataclasses.replace(w, zero_choices=stages)
+    return out
+
+
+def expert_calls(problem: Problem) -> frozenset[str]:
+    """The calls whose role's model is a Mixture-of-Experts one."""
+    return frozenset(
+        c.name
+        for c in problem.graph.calls
+        if (spec := problem.specs.get(c.role)) is not None and spec.moe is not None
+    )
 
 
 def check_fits(problem: Problem) -> None:
@@ -111,7 +128,7 @@ def auto_plan(problem: Problem, seed: int = 0, time_limit: float = 20.0) -> Auto
     """The searched plan for ``problem`` (its train calls free to take any ZeRO stage their
     engines offer) beside every baseline, all priced by its cost model."""
     began = time.perf_counter()
-    problem = problem.with_works(open_stages(problem.works))
+    problem = problem.with_works(open_stages(problem.works, expert_calls(problem)))
     check_fits(problem)
     cap = problem.capacity
     built = baselines.build_all(baselines.Setting.priced(problem))
@@ -193,9 +210,8 @@ def step_estimates(
     synced = auto_plan(synced_problem, seed, time_limit) if k else chosen
     plan = synced.chosen.plan
     one_by_one = dataclasses.replace(on_policy, overlap=False)
-    barrier = simulate(
-        synced_problem.with_works(open_stages(synced_works)).with_step(one_by_one), plan
-    )
+    opened = synced_problem.with_works(open_stages(synced_works, expert_calls(problem)))
+    barrier = simulate(opened.with_step(one_by_one), plan)
     overlapped = synced.chosen.simulation.iteration_seconds
     rows = [
         ("one step at a time", barrier.iteration_seconds),

@@ -159,7 +159,7 @@ def _sizes(spec: ModelSpec) -> tuple[int, int, int]:
             embed += p.numel
         if p.expert:
             experts += p.numel
-    idle = experts - experts_read(spec, experts, 1)
+    idle = round(experts - experts_read(spec, experts, 1))
     return total, total - embed - idle, embed
 
 

@@ -20,7 +20,7 @@ from rayhf.config import ExperimentConfig
 from rayhf.config.experiment import resolve_path
 from rayhf.config.registry import INTERFACES
 from rayhf.data.datasets import DatasetKind, PromptDataset, kind_for_inputs
-from rayhf.engines.config import EngineSite, check_kind
+from rayhf.engines.config import EngineSite, check_kind, engines_for
 from rayhf.envs.env import check_env
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
@@ -274,6 +274,12 @@ def check_engines(
         call = graph.by_name[name]
         check_kind(name, call.kind, ec)
         rc, spec = cfg.models[call.role], specs.get(call.role)
+        if spec is not None and spec.moe is not None and not ec.runs_experts:
+            raise RayhfError(
+                f"engines.{name}: engine '{ec.engine}' does not run Mixture-of-Experts models "
+                f"yet (role '{call.role}' is {spec.family}); use engine "
+                f"'{engines_for(call.kind)[0]}' for {name}"
+            )
         layouts = {c: plan.layouts[c] for c in graph.role_calls(call.role) if c in plan.layouts}
         ec.check(EngineSite(
             name, call.role, layouts, spec.head_dim if spec is not None else 0,

@@ -120,6 +120,20 @@ def test_on_a_gpu_the_datasheet_lacks_auto_keeps_the_colocated_plan():
         assert plan.layouts == colocated_plan(GRAPH, 2).layouts and not plan.estimates
 
 
+def test_a_mixture_of_experts_role_is_searched_only_on_stages_its_engines_run():
+    """DeepSpeed runs no MoE model yet: the MoE actor's train call keeps ZeRO 0-1 (torch); the
+    dense critic's may go to DeepSpeed's 2-3."""
+    specs = {**SPECS, "actor": public_shape("qwen3-30b-a3b"), "ref": public_shape("qwen3-30b-a3b")}
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    problem = Problem(GRAPH, specs, WORKS, cost)
+    opened = open_stages(WORKS, auto.expert_calls(problem))
+    assert auto.expert_calls(problem) == {"actor_gen", "actor_train", "ref_inf"}
+    assert opened["actor_train"].zero_choices == (0, 1)
+    assert opened["critic_train"].zero_choices == (0, 1, 2, 3)
+    plan = auto.auto_plan(problem, time_limit=1.0).chosen.plan
+    assert plan.zero.get("actor_train", 0) < 2
+
+
 def test_the_chosen_plan_is_reported_beside_the_baselines():
     sim = Simulation(2.0, peak_memory={0: 3e9, 1: 5e9})
     plan = Plan({}, "search")

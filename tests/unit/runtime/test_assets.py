@@ -165,3 +165,20 @@ def test_plans_and_engines_that_the_config_cannot_run_are_refused(tmp_path):
         RayhfError, match=r"^engines\.ref_inf\.engine: .* runs on torch, not 'deepspeed'"
     ):
         check_engines(wrong_kind, PPO, plan, specs)
+
+
+@pytest.mark.parametrize(("call", "engine"), [("actor_gen", "vllm"), ("actor_train", "deepspeed")])
+def test_an_engine_that_runs_no_experts_is_refused_for_a_mixture_of_experts_role(
+    tmp_path, call, engine
+):
+    moe = "{family: mixtral, n_heads: 4, intermediate_size: 32, config: {num_local_experts: 4}}"
+    cfg = _cfg(tmp_path, f"models.actor.init={moe}", f"engines.{call}.engine={engine}")
+    specs = model_specs(cfg)
+    assert specs["actor"].moe is not None
+    want = "torch" if call == "actor_train" else "native"
+    with pytest.raises(RayhfError) as info:
+        check_engines(cfg, PPO, colocated_plan(PPO, 1), specs)
+    assert str(info.value) == (
+        f"engines.{call}: engine '{engine}' does not run Mixture-of-Experts models yet (role "
+        f"'actor' is mixtral); use engine '{want}' for {call}"
+    )
