@@ -37,8 +37,11 @@ class GradBuckets:
     """The gradients of ``params`` as flat buckets, averaged over ``group`` (dp)."""
 
     params: list[torch.nn.Parameter]
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: nothing to sum (one rank holds them), only divide
     bucket_bytes: int = BUCKET_BYTES
+    # what the sums are divided by (None: the group's size); routed experts split over ep
+    # ranks sum over the dp / ep ranks holding them and divide by dp
+    divisor: int | None = None
     buckets: list[_Bucket] = field(default_factory=list)
     armed: bool = False
     launched: int = 0  # buckets 0..launched-1 are being reduced
@@ -99,20 +102,21 @@ class GradBuckets:
 
     def _launch_next(self) -> None:
         b = self.buckets[self.launched]
-        b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.group is not None:
+            b.work = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.launched += 1
 
     def finish(self) -> None:
         """Launch the buckets backward did not (all of them on a rank that ran none), wait for
         every reduction and average."""
         self.armed = False
-        world = dist.get_world_size(self.group)
+        divisor = self.divisor or dist.get_world_size(self.group)
         while self.launched < len(self.buckets):
             self._launch_next()
         for b in self.buckets:
-            assert b.work is not None
-            b.work.wait()
-            b.flat.div_(world)
+            if b.work is not None:
+                b.work.wait()
+            b.flat.div_(divisor)
             b.work = None
         self.launched = 0
 

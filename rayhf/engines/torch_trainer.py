@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -153,6 +154,32 @@ class Totals:
         return out
 
 
+@dataclass(eq=False)
+class Reducers:
+    """Gradient buckets over their groups, armed and finished together."""
+
+    parts: list[GradBuckets]
+
+    def holds(self, params: list[list[torch.nn.Parameter]]) -> bool:
+        """Whether the buckets are still those of ``params`` (one list a part; empty: none)."""
+        lists = [p for p in params if p]
+        return len(lists) == len(self.parts) and all(
+            b.holds(p) for b, p in zip(self.parts, lists, strict=True)
+        )
+
+    def close(self) -> None:
+        for b in self.parts:
+            b.close()
+
+    def arm(self) -> None:
+        for b in self.parts:
+            b.arm()
+
+    def finish(self) -> None:
+        for b in self.parts:
+            b.finish()
+
+
 class TorchTrainer:
     """AdamW steps over a ``RankModel``'s shards (``engine: torch``)."""
 
@@ -166,7 +193,7 @@ class TorchTrainer:
         self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
         fp16 = model.numerics.autocast == torch.float16
         self.scaler = torch.amp.GradScaler(model.device.type) if fp16 else None
-        self.buckets: GradBuckets | None = None
+        self.buckets: Reducers | None = None
         self.skipped_in_a_row = 0  # optimizer steps whose gradient was not finite
 
     def train(
@@ -251,17 +278,26 @@ class TorchTrainer:
         self.scaler.step(self.optimizer)  # every local gradient is finite: it steps
         self.scaler.update()
 
-    def _reducer(self) -> GradBuckets | None:
+    def _reducer(self) -> Reducers | None:
         """The dp replicas' gradient buckets (None: one replica), built again if a parameter
-        was replaced or its gradient dropped since the last call."""
-        group = self.groups.dp_group
-        if group is None:
+        was replaced or its gradient dropped since the last call. With ep > 1 the routed
+        experts' gradients have their own: summed over the ranks that hold the same experts,
+        divided by every replica (their tokens came from the whole ep group)."""
+        groups = self.groups
+        if groups.dp_group is None:
             return None
-        params = list(self.model.module.parameters())
-        if self.buckets is None or not self.buckets.holds(params):
+        module = self.model.module
+        split = groups.ep > 1
+        held = {id(module.param(n)) for n, p in module.shards.items() if p.expert and split}
+        experts = [p for p in module.parameters() if id(p) in held]
+        dense = [p for p in module.parameters() if id(p) not in held]
+        if self.buckets is None or not self.buckets.holds([dense, experts]):
             if self.buckets is not None:
                 self.buckets.close()
-            self.buckets = GradBuckets(params, group)
+            self.buckets = Reducers([GradBuckets(dense, groups.dp_group)])
+            if experts:
+                edp = GradBuckets(experts, groups.expert_dp_group, divisor=groups.dp)
+                self.buckets.parts.append(edp)
         return self.buckets
 
     def _sum_tied_grads(self) -> None:
@@ -286,14 +322,23 @@ class TorchTrainer:
         module = self.model.module
         sharded: list[torch.Tensor] = []
         replicated: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []  # routed experts split over ep ranks
         params = module.local_state()
         for name, p in params.items():
             if p.grad is None or (module.tied_copy and name == embedding_name(module.spec)):
                 continue  # a tied embedding's last-stage copy counts once, on the first stage
-            whole = module.shards[name].tp_dim is None or self.groups.tp == 1
-            (replicated if whole else sharded).append(p.grad.detach())
+            shard = module.shards[name]
+            whole = shard.tp_dim is None or self.groups.tp == 1
+            if shard.expert and self.groups.ep > 1:
+                experts.append(p.grad.detach())
+            else:
+                (replicated if whole else sharded).append(p.grad.detach())
         zero = torch.zeros((), dtype=torch.float32, device=self.model.device)
-        square = [get_total_norm(g).float().square() if g else zero for g in (sharded, replicated)]
+        norms = (sharded, replicated, experts)
+        square = [get_total_norm(g).float().square() if g else zero for g in norms]
+        if self.groups.ep_group is not None:  # each ep rank's experts are its own
+            dist.all_reduce(square[2], group=self.groups.ep_group)
+        square[0] = square[0] + square[2]  # split by tp too
         if self.groups.tp_group is not None:
             dist.all_reduce(square[0], group=self.groups.tp_group)
         total = square[0] + square[1]

@@ -209,19 +209,35 @@ def shard_ranges(p: ParamShard, tp: int, tp_rank: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def take_shard(full: torch.Tensor, p: ParamShard, tp: int, tp_rank: int) -> torch.Tensor:
-    """The slice of ``full`` that ``tp_rank`` of ``tp`` holds (a copy, contiguous)."""
+def expert_range(p: ParamShard, ep: int, ep_rank: int) -> tuple[int, int]:
+    """The experts ``[start, stop)`` (dim 0) of ``p`` that ``ep_rank`` of ``ep`` holds: all of
+    them unless ``p`` is a routed expert's weight."""
+    return chunk_bounds(p.shape[0], ep, ep_rank) if p.expert else (0, p.shape[0])
+
+
+def take_shard(
+    full: torch.Tensor, p: ParamShard, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0
+) -> torch.Tensor:
+    """The slice of ``full`` that ``tp_rank`` of ``tp`` (and ``ep_rank`` of ``ep``: its
+    experts) holds (a copy, contiguous)."""
+    if p.expert and ep > 1:
+        lo, hi = expert_range(p, ep, ep_rank)
+        full = full.narrow(0, lo, hi - lo)
     if p.tp_dim is None or tp == 1:
         return full.detach().clone()
     pieces = [full.narrow(p.tp_dim, lo, hi - lo) for lo, hi in shard_ranges(p, tp, tp_rank)]
     return torch.cat(pieces, dim=p.tp_dim).contiguous()
 
 
-def shard_shape(p: ParamShard, tp: int, tp_rank: int) -> tuple[int, ...]:
-    if p.tp_dim is None or tp == 1:
-        return p.shape
+def shard_shape(
+    p: ParamShard, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0
+) -> tuple[int, ...]:
     shape = list(p.shape)
-    shape[p.tp_dim] = sum(hi - lo for lo, hi in shard_ranges(p, tp, tp_rank))
+    if p.expert and ep > 1:
+        lo, hi = expert_range(p, ep, ep_rank)
+        shape[0] = hi - lo
+    if p.tp_dim is not None and tp > 1:
+        shape[p.tp_dim] = sum(hi - lo for lo, hi in shard_ranges(p, tp, tp_rank))
     return tuple(shape)
 
 
@@ -297,8 +313,13 @@ def stage_units(spec: ModelSpec, pp: int, pp_rank: int) -> set[int]:
     return units
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int) -> str | None:
-    """Why ``tp x pp`` cannot hold this model, or None if it can."""
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> str | None:
+    """Why ``tp x pp`` (with the experts split ``ep`` ways) cannot hold this model, or None if
+    it can."""
+    if ep > 1 and spec.moe is None:
+        return f"ep={ep} splits experts, and the model has none (a dense {spec.family})"
+    if spec.moe is not None and spec.moe.n_experts % ep:
+        return f"ep={ep} does not divide the model's {spec.moe.n_experts} experts"
     if tp > spec.n_heads:
         return f"tp={tp} is larger than the model's {spec.n_heads} attention heads"
     if spec.n_heads % tp:
@@ -314,10 +335,10 @@ def check_layout(spec: ModelSpec, tp: int, pp: int) -> str | None:
     return None
 
 
-def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int) -> int:
-    """Parameter elements one device holds under ``tp x pp`` (a tied head's last stage: its own
-    copy of the embedding too)."""
-    held = unit_numels(spec, tp, tp_rank)
+def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int, ep: int = 1) -> int:
+    """Parameter elements one device holds under ``tp x pp`` and ``ep`` (a tied head's last
+    stage: its own copy of the embedding too)."""
+    held = unit_numels(spec, tp, tp_rank, ep)
     n = sum(held[u] for u in stage_units(spec, pp, pp_rank))
     if spec.tied and pp > 1 and pp_rank == pp - 1:
         lo, hi = chunk_bounds(spec.vocab_size, tp, tp_rank)
@@ -326,14 +347,15 @@ def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int) -
 
 
 @functools.lru_cache(maxsize=1024)
-def unit_numels(spec: ModelSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
+def unit_numels(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1) -> tuple[int, ...]:
     """Parameter elements of each unit (embeddings, layers, head) that tp rank ``tp_rank``
-    holds."""
+    holds (with experts split ``ep`` ways: an even share of them)."""
     out = [0] * (spec.n_layers + 2)
     for p in param_shards(spec):
+        n = p.numel // ep if p.expert else p.numel
         if p.tp_dim is None:
-            out[p.unit] += p.numel
+            out[p.unit] += n
         else:
             held = sum(hi - lo for lo, hi in shard_ranges(p, tp, tp_rank))
-            out[p.unit] += p.numel // p.shape[p.tp_dim] * held
+            out[p.unit] += n // p.shape[p.tp_dim] * held
     return tuple(out)

@@ -24,11 +24,13 @@ def gather_whole(
     local: dict[str, torch.Tensor], shards: Mapping[str, ParamShard], groups: ParallelGroups
 ) -> dict[str, torch.Tensor]:
     """The whole parameters of ``local`` (this rank's shards, by Hugging Face name) from every
-    rank of the replica (a collective over its tp and pp groups; ``shards``: how each of the
-    model's parameters splits)."""
+    rank of the replica (a collective over its tp and pp groups, and with ep > 1 over the ranks
+    that hold the other experts; ``shards``: how each of the model's parameters splits)."""
     stage = local
+    if groups.ep_group is not None:  # every expert, from the ranks that split them
+        stage = {n: _join_ep(t, groups) if shards[n].expert else t for n, t in stage.items()}
     if groups.tp_group is not None:
-        stage = {name: _join_tp(t, shards[name], groups) for name, t in local.items()}
+        stage = {name: _join_tp(t, shards[name], groups) for name, t in stage.items()}
     if groups.pp_group is None:
         return stage
     held: list = [None] * groups.pp
@@ -46,6 +48,14 @@ def gather_whole(
             dist.broadcast(t, src=groups.pp_ranks[s], group=groups.pp_group)
             whole[name] = t
     return whole
+
+
+def _join_ep(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """A routed expert weight with every expert (dim 0) from the ranks of the ep group, each
+    holding an even share of them (tp shards still)."""
+    parts = [torch.empty_like(t) for _ in range(groups.ep)]
+    dist.all_gather(parts, t.contiguous(), group=groups.ep_group)
+    return torch.cat(parts)
 
 
 def _join_tp(t: torch.Tensor, p: ParamShard, groups: ParallelGroups) -> torch.Tensor:

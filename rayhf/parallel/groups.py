@@ -39,6 +39,12 @@ class ParallelGroups:
     # the first and last stage of this rank's pipeline (pp > 1, those two stages only): a tied
     # embedding's two copies sum their gradients over it
     ends_group: dist.ProcessGroup | None = None
+    # expert parallelism (``Layout.ep``): ``ep`` neighbouring dp ranks split the experts and
+    # exchange tokens (``ep_group``); the ranks holding the same experts, one per such group,
+    # sum those experts' gradients (``expert_dp_group``, dp / ep ranks)
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -47,6 +53,11 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.coords.pp_rank == self.pp - 1
+
+    @property
+    def ep_rank(self) -> int:
+        """Which ``1/ep`` of the experts this rank holds."""
+        return self.coords.dp_rank % self.ep
 
     @property
     def is_head(self) -> bool:
@@ -79,8 +90,13 @@ def single() -> ParallelGroups:
     return ParallelGroups(1, 1, 1, Coords(0, 0, 0), None, None, None, (0,))
 
 
-def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> ParallelGroups:
-    """Create the dp, pp and tp groups of a layout whose ranks are ``base .. base+dp*tp*pp-1``.
+def build_groups(
+    dp: int, tp: int, pp: int, rank: int, base: int = 0, ep: int = 1
+) -> ParallelGroups:
+    """Create the groups of a layout whose ranks are ``base .. base+dp*tp*pp-1``, one per line
+    of ranks along each axis of size > 1: ``dp``, ``pp``, ``tp``, ``ep`` (``ep`` neighbouring
+    dp ranks), ``expert_dp`` (dp ranks ``ep`` apart), and ``ends`` (a pipeline's first and last
+    stage).
 
     ``rank`` is this process's global rank; it need not belong to the layout (it must still call,
     since group creation is collective); then the returned groups are all None.
@@ -91,12 +107,17 @@ def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> Paralle
     local = rank - base
     member = 0 <= local < size
     coords = coords_of(local, pp, tp) if member else Coords(-1, -1, -1)
-    mine: dict[str, dist.ProcessGroup | None] = {"dp": None, "pp": None, "tp": None, "ends": None}
+    mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
+        ("dp", "pp", "tp", "ends", "ep", "expert_dp")
+    )
     pp_ranks: tuple[int, ...] = (rank,)
+    dp_lines = _lines(dp, pp, tp, "dp")
     for axis, n, lines in (
-        ("dp", dp, _lines(dp, pp, tp, "dp")),
+        ("dp", dp, dp_lines),
         ("pp", pp, _lines(dp, pp, tp, "pp")),
         ("tp", tp, _lines(dp, pp, tp, "tp")),
+        ("ep", ep, [line[i : i + ep] for line in dp_lines for i in range(0, dp, ep)]),
+        ("expert_dp", dp // ep, [line[i::ep] for line in dp_lines for i in range(ep)]),
     ):
         if n == 1:
             continue
@@ -115,7 +136,7 @@ def build_groups(dp: int, tp: int, pp: int, rank: int, base: int = 0) -> Paralle
                 mine["ends"] = group
     return ParallelGroups(
         dp, pp, tp, coords, mine["dp"], mine["pp"], mine["tp"], pp_ranks if member else (),
-        mine["ends"],
+        mine["ends"], ep, mine["ep"], mine["expert_dp"],
     )  # fmt: skip
 
 

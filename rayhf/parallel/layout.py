@@ -1,7 +1,10 @@
 """Layouts and coordinates: where a call's ranks sit and how they are numbered.
 
 A layout is a mesh (ordered device indices) plus ``dp x tp x pp`` whose product is the mesh
-size, and a micro-batch count. ``Layout`` checks its arithmetic once, here; everything
+size, a micro-batch count, and ``ep``: how many of the data-parallel ranks split a
+Mixture-of-Experts model's experts between them (expert parallelism, carved out of dp: groups of
+``ep`` neighbouring dp ranks each hold ``1/ep`` of every layer's experts and send each other
+their tokens). ``Layout`` checks its arithmetic once, here; everything
 downstream (process groups, sharding, reallocation, the planner) trusts it.
 """
 
@@ -19,25 +22,29 @@ class Layout:
     tp: int = 1
     pp: int = 1
     n_microbatches: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         assert self.dp * self.tp * self.pp == len(self.mesh), f"bad layout {self}"
+        assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
         assert len(set(self.mesh)) == len(self.mesh), f"repeated device in {self.mesh}"
 
     def __hash__(self) -> int:  # memoized: the planner's search hashes layouts millions of times
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash(
-                (self.mesh, self.dp, self.tp, self.pp, self.n_microbatches)
+                (self.mesh, self.dp, self.tp, self.pp, self.n_microbatches, self.ep)
             )  # ints: the same
             object.__setattr__(self, "_hash", cached)  # in every process
         return cached
 
     @property
     def name(self) -> str:
-        """Short stable name, used in actor names: ``d0-1.dp2tp1pp1``."""
+        """Short stable name, used in actor names: ``d0-1.dp2tp1pp1`` (``...ep2`` with experts
+        split)."""
         devices = _ranges(self.mesh)
-        return f"d{devices}.dp{self.dp}tp{self.tp}pp{self.pp}"
+        experts = f"ep{self.ep}" if self.ep > 1 else ""
+        return f"d{devices}.dp{self.dp}tp{self.tp}pp{self.pp}{experts}"
 
     @property
     def world_size(self) -> int:

@@ -100,11 +100,12 @@ class ShardedModel(torch.nn.Module):
             if p.unit in units or (tied_copy and p.name == embedding_name(spec))
         }
         self.tied_copy = tied_copy
+        ep, ep_rank = groups.ep, groups.ep_rank
         for name, p in self.shards.items():
             if full is None:  # the weights arrive later (reallocation)
-                local = torch.zeros(shard_shape(p, tp, c.tp_rank), dtype=dtype)
+                local = torch.zeros(shard_shape(p, tp, c.tp_rank, ep, ep_rank), dtype=dtype)
             else:
-                local = take_shard(full[name].to(dtype), p, tp, c.tp_rank)
+                local = take_shard(full[name].to(dtype), p, tp, c.tp_rank, ep, ep_rank)
             self.register_parameter(_key(name), torch.nn.Parameter(local))
         self.shard_shapes = {name: tuple(self.param(name).shape) for name in self.shards}
         self.n_heads = spec.n_heads // tp
@@ -515,7 +516,8 @@ class ShardedModel(torch.nn.Module):
         """The Mixture-of-Experts block under module ``m`` (``rayhf.parallel.moe``). The router
         runs whole on every tp rank, on ``h`` as it comes; each rank's experts give a part of
         every token's output, summed over tp, so the routing weights' gradient is summed over
-        tp too (``copy_to_tp``), and ``h``'s gradient through the experts (not the router's)."""
+        tp too (``copy_to_tp``), and ``h``'s gradient through the experts (not the router's).
+        With ep > 1 the tokens go to the ep rank holding their expert and back."""
         spec, tp_group = self.spec, self.groups.tp_group
         assert spec.moe is not None and spec.traits.moe is not None
         weights, ids = route(self.matmul(h, f"{m}.gate.weight"), spec.moe, spec.traits.moe)
@@ -526,6 +528,7 @@ class ShardedModel(torch.nn.Module):
             self.param(f"{m}.experts.gate_up_proj"),
             self.param(f"{m}.experts.down_proj"),
             self.act,
+            self.groups.ep_group,
         )
         out = reduce_from_tp(out, tp_group)
         if spec.moe.shared_size:

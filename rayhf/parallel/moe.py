@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from rayhf.models.families import MoETraits
@@ -77,24 +78,93 @@ def experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    ep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``x [n, H]`` through its experts: ``ids``/``weights [n, k]`` from ``route``, this rank's
-    ``gate_up [E, 2I, H]`` (gate rows, then up) and ``down [E, H, I]``. Each (token, choice)
-    output is weighted in the weights' dtype, cast to ``x``'s, and the k summed in choice
-    order; under autocast the products run in its dtype (grouped GEMM does not cast)."""
+    ``gate_up [E_local, 2I, H]`` (gate rows, then up) and ``down [E_local, H, I]``: every
+    expert, or with ``ep_group`` this rank's ``1/ep`` of them (the rows of other ranks' experts
+    travel there and back). Each (token, choice) output is weighted in the weights' dtype,
+    cast to ``x``'s, and the k summed in choice order."""
     n, k = ids.shape
-    n_experts = gate_up.shape[0]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = counts.cumsum(0).to(torch.int32)
-    rows = x[order // k]
-    if torch.is_autocast_enabled(x.device.type):
-        low = torch.get_autocast_dtype(x.device.type)
-        rows, gate_up, down = rows.to(low), gate_up.to(low), down.to(low)
-    gate, up = grouped_linear(rows, gate_up, offsets).chunk(2, dim=-1)
-    out = grouped_linear(act(gate) * up, down, offsets)
+    rows = x[order // k]  # sorted by expert: by the rank that holds it, too
+    if ep_group is None:
+        out = _ffn(rows, _counts(flat, gate_up.shape[0]), gate_up, down, act)
+    else:
+        out = _exchanged(rows, flat, gate_up, down, act, ep_group)
     out = (out * weights.flatten()[order, None]).to(x.dtype)
     per_choice = torch.empty_like(out).index_copy(0, order, out)
     return per_choice.view(n, k, -1).sum(dim=1)
+
+
+def _counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert (int64), on the device, of a fixed shape."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def _ffn(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Rows sorted by expert (``counts`` each) through their expert's gated MLP; under
+    autocast the products run in its dtype (grouped GEMM does not cast)."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    if torch.is_autocast_enabled(rows.device.type):
+        low = torch.get_autocast_dtype(rows.device.type)
+        rows, gate_up, down = rows.to(low), gate_up.to(low), down.to(low)
+    gate, up = grouped_linear(rows, gate_up, offsets).chunk(2, dim=-1)
+    return grouped_linear(act(gate) * up, down, offsets)
+
+
+def _exchanged(
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """``_ffn`` of rows sorted by (global) expert whose experts are spread over ``group``
+    (rank j of it holds experts ``[j * E_local, (j + 1) * E_local)``): each peer's rows go to
+    it and come back computed, in the order they left. The row counts are read to the host
+    once a layer (the exchange's sizes)."""
+    ep, local = dist.get_world_size(group), gate_up.shape[0]
+    sent = _counts(ids, ep * local)
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent, group=group)  # [source rank, my expert]
+    send, recv = sent.view(ep, local).sum(1), got.view(ep, local).sum(1)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    arrived = _Exchange.apply(rows, send_sizes, recv_sizes, group)
+    # each source's rows come sorted by expert: sort all of them by expert, stably
+    expert = torch.arange(local, device=rows.device).repeat(ep)
+    order = torch.argsort(torch.repeat_interleave(expert, got), stable=True)
+    done = _ffn(arrived[order], got.view(ep, local).sum(0), gate_up, down, act)
+    done = torch.empty_like(done).index_copy(0, order, done)
+    return _Exchange.apply(done, recv_sizes, send_sizes, group)
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows to and from every rank of a group (``all_to_all_single``): ``send[j]`` rows to rank
+    j, ``recv[j]`` rows from it; backward sends the gradients back the way they came."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out

@@ -22,7 +22,7 @@ import pytest
 from parity_support import TOLERANCES
 
 from rayhf.checks.parity import CASES, PRECISIONS, _model, covering, layouts
-from rayhf.models.sharding import param_shards
+from rayhf.models.sharding import param_shards, stage_layers
 from rayhf.models.spec import model_spec
 
 # the harness runs every case and precision in one subprocess (the module fixture): a minute or
@@ -104,20 +104,24 @@ def test_the_covering_set_runs_every_layout_in_each_precision_and_every_axis_for
 
 
 def _bound(family: str, tp: int, pp: int) -> int:
-    """Bytes a device may hold: decoder layers split tp*pp ways, the embedding and head (which
-    pp does not split) tp ways, replicated parameters (norms, some biases) whole."""
+    """Bytes a device may hold: the decoder layers of the largest pipeline stage split tp ways
+    (stages hold whole layers: a model whose layers differ in size, MoE and dense, cuts
+    unevenly), the embedding and head (which pp does not split) tp ways, replicated parameters
+    (norms, some biases) whole."""
     spec = model_spec(_model(family, False).config, value_head=False)
-    split_layers = split_ends = whole = 0
+    split_layers = [0] * (spec.n_layers + 2)
+    split_ends = whole = 0
     for p in param_shards(spec):
         if p.tp_dim is None:
             whole += p.numel
         elif 1 <= p.unit <= spec.n_layers:
-            split_layers += p.numel
+            split_layers[p.unit] += p.numel
         else:
             split_ends += p.numel
+    stage = max(sum(split_layers[i + 1] for i in layers) for layers in stage_layers(spec, pp))
     # tensor_split chunks differ by one row: allow one extra row per split parameter.
     slack = sum(p.numel // p.shape[p.tp_dim] for p in param_shards(spec) if p.tp_dim is not None)
-    return 4 * (split_layers // (tp * pp) + split_ends // tp + whole + slack)
+    return 4 * (stage // tp + split_ends // tp + whole + slack)
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
