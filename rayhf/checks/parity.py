@@ -99,22 +99,32 @@ Check = tuple[str, str, tuple[int, int, int]]  # (precision, case, (dp, tp, pp))
 PRECISIONS = ("fp32", "bf16")  # in this order: ``covering`` rotates the layouts by it
 
 
+# A Mixture-of-Experts case also runs two of these, rotating, in each precision: with its
+# experts split over 4 replicas (``expert_split``), and ep beside tp and beside pp.
+EXPERT_LAYOUTS = ((4, 1, 1), (2, 2, 1), (2, 1, 2))
+
+
 def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> list[Check]:
     """The checks of a run: not every case on every layout, but every case on ``BASE_LAYOUTS``
     and on one more layout, which rotates over the cases so that in each precision every
     layout of ``world`` is checked for some case (with fewer cases than layouts: every case on
-    every layout)."""
+    every layout); a Mixture-of-Experts case on two of ``EXPERT_LAYOUTS`` more, rotating over
+    those cases so that each precision runs all of them (with two such cases or more)."""
     every = layouts(world)
     base = [s for s in BASE_LAYOUTS if s in every]
     rest = [s for s in every if s not in base]
     if len(cases) < len(rest):
         return [(p, c, s) for p in precisions for c in cases for s in every]
-    return [
-        (p, c, s)
-        for j, p in enumerate(precisions)
-        for i, c in enumerate(cases)
-        for s in [*base, rest[(i + j) % len(rest)]]
-    ]
+    moe = [c for c in cases if FAMILIES[CASES[c].family].moe is not None]
+    out = []
+    for j, p in enumerate(precisions):
+        for i, c in enumerate(cases):
+            sizes = [*base, rest[(i + j) % len(rest)]]
+            if c in moe:
+                m = moe.index(c) + j
+                sizes += [EXPERT_LAYOUTS[(m + k) % len(EXPERT_LAYOUTS)] for k in range(2)]
+            out += [(p, c, s) for s in dict.fromkeys(sizes) if s in every]
+    return out
 
 
 def _model(case: str, value_head: bool, device: str = "cpu"):

@@ -22,6 +22,7 @@ import pytest
 from parity_support import TOLERANCES
 
 from rayhf.checks.parity import CASES, PRECISIONS, _model, covering, layouts
+from rayhf.models.families import FAMILIES
 from rayhf.models.sharding import param_shards, stage_layers
 from rayhf.models.spec import model_spec
 
@@ -64,6 +65,8 @@ def _assert_matches(r: dict, precision: str) -> None:
 
 
 def _assert_tokens_agree(rows: list[dict], precision: str, case: str) -> None:
+    rows = [r for r in rows if r["ep"] == 1]  # no decode with experts split over ranks yet
+    assert rows, f"{precision} {case}: no layout generated"
     share = sum(r["generate"] for r in rows) / len(rows)
     tol = TOLERANCES[precision]
     assert share >= tol.same_tokens, f"{precision} {case}: {share:.0%} greedy tokens agree"
@@ -75,7 +78,7 @@ def test_each_covering_layout_matches_hugging_face(rows, case, precision):
     mine = [r for r in rows if r["family"] == case and r["precision"] == precision]
     checked = [s for p, c, s in covering(4, list(CASES), PRECISIONS) if (p, c) == (precision, case)]
     expected = {(d, t, p): d * t * p for d, t, p in checked}
-    assert len(expected) == 3
+    assert len(expected) == 3 + (2 if FAMILIES[CASES[case].family].moe is not None else 0)
     for (d, t, p), n_ranks in expected.items():
         ranks = [r for r in mine if (r["dp"], r["tp"], r["pp"]) == (d, t, p)]
         assert len(ranks) == n_ranks, f"{case} dp{d}tp{t}pp{p}: {len(ranks)} ranks reported"
@@ -95,7 +98,9 @@ def test_the_covering_set_runs_every_layout_in_each_precision_and_every_axis_for
     """Not every product: each layout of 4 ranks for some case, each case split over dp, tp and
     pp, in each precision."""
     checks = covering(4, list(CASES), PRECISIONS)
-    assert len(checks) < len(CASES) * len(TOLERANCES) * len(layouts(4)) / 3
+    per_case = [5 if FAMILIES[c.family].moe is not None else 3 for c in CASES.values()]
+    assert len(checks) == len(TOLERANCES) * sum(per_case)  # 3 a case, 5 with experts
+    assert len(checks) < len(CASES) * len(TOLERANCES) * len(layouts(4)) / 2
     for precision in TOLERANCES:
         assert {s for p, _, s in checks if p == precision} == set(layouts(4)), precision
         for case in CASES:
@@ -103,11 +108,11 @@ def test_the_covering_set_runs_every_layout_in_each_precision_and_every_axis_for
             assert all(any(s[axis] > 1 for s in sizes) for axis in range(3)), (precision, case)
 
 
-def _bound(family: str, tp: int, pp: int) -> int:
+def _bound(family: str, tp: int, pp: int, ep: int) -> int:
     """Bytes a device may hold: the decoder layers of the largest pipeline stage split tp ways
     (stages hold whole layers: a model whose layers differ in size, MoE and dense, cuts
-    unevenly), the embedding and head (which pp does not split) tp ways, replicated parameters
-    (norms, some biases) whole."""
+    unevenly) and their routed experts ep ways too, the embedding and head (which pp does not
+    split) tp ways, replicated parameters (norms, some biases) whole."""
     spec = model_spec(_model(family, False).config, value_head=False)
     split_layers = [0] * (spec.n_layers + 2)
     split_ends = whole = 0
@@ -115,7 +120,7 @@ def _bound(family: str, tp: int, pp: int) -> int:
         if p.tp_dim is None:
             whole += p.numel
         elif 1 <= p.unit <= spec.n_layers:
-            split_layers[p.unit] += p.numel
+            split_layers[p.unit] += p.numel // ep if p.expert else p.numel
         else:
             split_ends += p.numel
     stage = max(sum(split_layers[i + 1] for i in layers) for layers in stage_layers(spec, pp))
@@ -125,15 +130,26 @@ def _bound(family: str, tp: int, pp: int) -> int:
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_parameter_bytes_per_device_shrink_with_tp_and_pp(rows, family):
+def test_parameter_bytes_per_device_shrink_with_tp_pp_and_ep(rows, family):
     rows = [r for r in rows if r["precision"] == "fp32"]
-    full = next(r["bytes"] for r in rows if r["family"] == family and r["tp"] * r["pp"] == 1)
+    spec = model_spec(_model(family, False).config, value_head=False)
+    full = 4 * sum(p.numel for p in param_shards(spec))  # fp32 master weights
     for r in rows:
-        if r["family"] != family or r["tp"] * r["pp"] == 1:
+        if r["family"] != family or r["tp"] * r["pp"] * r["ep"] == 1:
             continue
-        bound = _bound(family, r["tp"], r["pp"])
+        bound = _bound(family, r["tp"], r["pp"], r["ep"])
         assert r["bytes"] <= bound, f"{r}: {r['bytes']} bytes > bound {bound}"
         assert r["bytes"] < full, f"{r}: a shard is not smaller than the whole model"
+
+
+def test_mixture_of_experts_cases_split_their_experts_over_the_replicas(rows):
+    """Each MoE case runs its dp layouts with the experts spread over the replicas, whose
+    tokens travel to the experts' ranks: over every replica (ep = dp: 2 and 4) and over pairs
+    of 4 (the expert gradients then summed over 2 ranks)."""
+    moe = [r for r in rows if FAMILIES[CASES[r["family"]].family].moe is not None]
+    assert {r["family"] for r in moe} >= {"qwen3_moe", "mixtral"}
+    assert all(r["ep"] > 1 for r in moe if r["dp"] > 1)
+    assert {(r["dp"], r["ep"]) for r in moe if r["dp"] > 1} >= {(2, 2), (4, 4), (4, 2)}
 
 
 # A family added as one row: Llama's traits under another name (its config class LlamaConfig,
