@@ -19,6 +19,7 @@ from rayhf.models.sharding import param_shards
         ("qwen2.5-0.5b", 0.494),
         ("qwen2.5-1.5b", 1.544),
         ("qwen2.5-7b", 7.616),
+        ("qwen3-30b-a3b", 30.532),  # the model card's 30.5B, of which 3.3B a token uses
     ],
 )
 def test_parameter_counts_are_the_published_ones(name, billions):
@@ -49,5 +50,5 @@ def test_an_unknown_name_lists_the_known_ones():
         public_shape("llama3-8b")
     assert str(info.value) == (
         "model shape 'llama3-8b' is unknown; use one of llama2-7b, llama2-13b, codellama-34b, "
-        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b"
+        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b"
     )
