@@ -45,21 +45,34 @@ from rayhf.parallel.layout import Layout
 N_DEVICES, POOL, DST0 = 4, 8, 4  # destination ranks are DST0..POOL-1
 # split q, k, v and gate, up (grouped-query heads); fused q|k|v in Conv1D blocks: each is built
 # in its row's ``check_shape`` (``rayhf.models.families``)
-FAMILIES = ("llama", "gpt2")
+FAMILIES = ("llama", "gpt2", "qwen3_moe")  # + Qwen3-MoE: experts split by tp and by ep
 TRANSPORTS = ("gloo", "shm", "ipc")
 CLASSES = ("expand", "shrink", "equal", "overlapping", "disjoint", "tp<->pp", "zero3 flat", "relay")
 COVERING = len(CLASSES) * len(TRANSPORTS)  # pairs per family that meet each class on each transport
 
 
-def all_layouts(n_devices: int = N_DEVICES) -> list[Layout]:
-    """Every layout over every subset of the devices (a mesh in increasing device order)."""
+def classes_for(spec) -> tuple[str, ...]:
+    """The classes a family's pairs are drawn from: a Mixture-of-Experts one moves its experts
+    between ep shares where a dense one moves from ZeRO-3's flat slices (DeepSpeed runs no MoE
+    model), so that there are as many classes."""
+    if spec.moe is None:
+        return CLASSES
+    return tuple("ep change" if c == "zero3 flat" else c for c in CLASSES)
+
+
+def all_layouts(n_devices: int = N_DEVICES, n_experts: int = 0) -> list[Layout]:
+    """Every layout over every subset of the devices (a mesh in increasing device order); for
+    a model with ``n_experts`` experts, every ep > 1 that divides dp and them too."""
     out = []
     for size in range(1, n_devices + 1):
         for mesh in itertools.combinations(range(n_devices), size):
             for dp in range(1, size + 1):
                 for tp in range(1, size // dp + 1):
-                    if size % (dp * tp) == 0:
-                        out.append(Layout(mesh, dp, tp, size // (dp * tp)))
+                    if size % (dp * tp):
+                        continue
+                    for ep in range(1, dp + 1):
+                        if ep == 1 or (dp % ep == 0 and n_experts % ep == 0):
+                            out.append(Layout(mesh, dp, tp, size // (dp * tp), ep=ep))
     return out
 
 
@@ -83,19 +96,27 @@ def pair_classes(spec, src: Layout, dst: Layout, flat: bool) -> set[str]:
         out.add("tp<->pp")
     if flat:
         out.add("zero3 flat")
+    if src.ep != dst.ep:
+        out.add("ep change")
     return out
 
 
 def sample_pairs(spec, n: int, seed: int) -> list[tuple[Layout, Layout, bool]]:
     """``n`` distinct (source, destination, flat source) pairs drawn class by class in turn."""
-    valid = [lay for lay in all_layouts() if check_layout(spec, lay.tp, lay.pp) is None]
-    flat_sources = [lay for lay in valid if lay.tp == lay.pp == 1]
+    n_experts = spec.moe.n_experts if spec.moe is not None else 0
+    valid = [
+        lay
+        for lay in all_layouts(n_experts=n_experts)
+        if check_layout(spec, lay.tp, lay.pp, lay.ep) is None
+    ]
+    # ZeRO-3 holds flat slices; DeepSpeed runs no MoE model
+    flat_sources = [lay for lay in valid if lay.tp == lay.pp == 1 and spec.moe is None]
     candidates = [(a, b, False) for a, b in itertools.product(valid, valid)]
     candidates += [(a, b, True) for a, b in itertools.product(flat_sources, valid)]
     random.Random(seed).shuffle(candidates)
     kinds = {p: pair_classes(spec, *p) for p in candidates[: 40 * n]}
     pairs: list[tuple[Layout, Layout, bool]] = []
-    for c in itertools.islice(itertools.cycle(CLASSES), 100 * n):
+    for c in itertools.islice(itertools.cycle(classes_for(spec)), 100 * n):
         if len(pairs) == n:
             break
         pick = next((p for p, k in kinds.items() if c in k and p not in pairs), None)
@@ -135,8 +156,8 @@ def _one_pair(
     from rayhf.realloc.plan import plan_realloc
     from rayhf.realloc.transport import receive_into, send_from
 
-    src_groups = build_groups(src.dp, src.tp, src.pp, rank, base=0)
-    dst_groups = build_groups(dst.dp, dst.tp, dst.pp, rank, base=DST0)
+    src_groups = build_groups(src.dp, src.tp, src.pp, rank, base=0, ep=src.ep)
+    dst_groups = build_groups(dst.dp, dst.tp, dst.pp, rank, base=DST0, ep=dst.ep)
     whole = _model(family)
     spec = model_spec(whole.config, value_head=False)
     full = {k: v.detach() for k, v in whole.state_dict().items()}
@@ -180,8 +201,8 @@ def _one_pair(
     return {
         "family": family,
         "device": device,
-        "src": [list(src.mesh), src.dp, src.tp, src.pp],
-        "dst": [list(dst.mesh), dst.dp, dst.tp, dst.pp],
+        "src": [list(src.mesh), src.dp, src.tp, src.pp, src.ep],
+        "dst": [list(dst.mesh), dst.dp, dst.tp, dst.pp, dst.ep],
         "flat": flat,
         "classes": sorted(pair_classes(spec, src, dst, flat)),
         "ranks_checked": len(ranks),
@@ -204,11 +225,14 @@ def _shards_exact(model, spec, full: dict[str, torch.Tensor], dst: Layout, r: in
     """Whether every shard this destination rank holds equals the original's, bit for bit."""
     from rayhf.parallel.layout import coords_of
 
-    tp_rank = coords_of(r, dst.pp, dst.tp).tp_rank
+    c = coords_of(r, dst.pp, dst.tp)
     shards = {p.name: p for p in param_shards(spec)}
     held = model.receive_buffers()
+    ep_rank = c.dp_rank % dst.ep
     return bool(held) and all(
-        torch.equal(t.cpu(), take_shard(full[name], shards[name], dst.tp, tp_rank))
+        torch.equal(
+            t.cpu(), take_shard(full[name], shards[name], dst.tp, c.tp_rank, dst.ep, ep_rank)
+        )
         for name, t in held.items()
     )
 

@@ -45,7 +45,9 @@ class TokenLayout:
         """Rows of ``lengths`` tokens whose first token is at position ``start`` (default 0),
         kept in cache rows ``cache_rows`` (default: row i in cache row i)."""
         start = start or [0] * len(lengths)
-        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        rows = torch.repeat_interleave(
+            torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long)
+        )
         slots = torch.cat([torch.arange(n) for n in lengths]) if lengths else rows
         positions = slots + torch.tensor(start, dtype=torch.long)[rows]
         n_keys = max((s + n for s, n in zip(start, lengths, strict=True)), default=0)

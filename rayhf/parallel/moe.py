@@ -95,7 +95,7 @@ def experts(
         out = _exchanged(rows, flat, gate_up, down, act, ep_group)
     out = (out * weights.flatten()[order, None]).to(x.dtype)
     per_choice = torch.empty_like(out).index_copy(0, order, out)
-    return per_choice.view(n, k, -1).sum(dim=1)
+    return per_choice.view(n, k, down.shape[1]).sum(dim=1)
 
 
 def _counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:

@@ -21,12 +21,14 @@ the same for 2 layers as for 80.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rayhf.models.sharding import (
     ParamShard,
     embedding_name,
+    expert_range,
     param_shards,
     shard_ranges,
     stage_layers,
@@ -35,6 +37,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout, layout_rank
 
 View = tuple[tuple[int, ...], tuple[int, ...]]  # a strided view: size, stride
+Experts = tuple[int, int, int]  # along dim 0: source shard's first, destination's first, count
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Content:
     needers: tuple[int, ...]  # destination ranks that need them
     cross: tuple[int, int] | None = None  # 2-D: the range along the other dim (None: all)
     src_view: View | None = None
+    # routed experts split by ep: (first expert in the holder's shard, in the needer's, how
+    # many) along dim 0 (None: all of dim 0)
+    experts: Experts | None = None
     total_bytes: int = field(init=False, compare=False)  # of every parameter's slice
 
     def __post_init__(self) -> None:
@@ -65,7 +71,7 @@ class Content:
         shift, per_row = lo - self.start, self.nbytes // (self.stop - self.start)
         return Content(
             self.names, self.dim, lo, hi, self.src_offset + shift, self.dst_offset + shift,
-            per_row * (hi - lo), self.holders, self.needers, self.cross,
+            per_row * (hi - lo), self.holders, self.needers, self.cross, None, self.experts,
         )  # fmt: skip
 
 
@@ -109,7 +115,7 @@ def contents(
 
 
 def _ranks_only(layout: Layout) -> Layout:
-    return Layout(tuple(range(layout.world_size)), layout.dp, layout.tp, layout.pp)
+    return Layout(tuple(range(layout.world_size)), layout.dp, layout.tp, layout.pp, ep=layout.ep)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -118,16 +124,24 @@ def _contents(
 ) -> list[Content]:
     needed: dict[Content, list[int]] = {}  # content (needers not yet known) -> needers
     for (s_stage, stages), p, names in _classes(spec, src.pp, dst.pp):
-        for d_stage in stages:
-            for tp_rank in range(dst.tp):
-                wanted = tuple(held_ranges(p, dst.tp, tp_rank))
-                if src_flat:
-                    found = _flat_slices(p, names, src.dp, wanted, itemsize)
-                else:
-                    found = _row_slices(p, names, src, s_stage, wanted, itemsize)
-                ranks = [layout_rank(r, d_stage, tp_rank, dst.pp, dst.tp) for r in range(dst.dp)]
-                for c in found:
-                    needed.setdefault(c, []).extend(ranks)
+        split = p.expert and (src.ep > 1 or dst.ep > 1)  # experts held by some dp ranks only
+        for d_stage, tp_rank, q in itertools.product(
+            stages, range(dst.tp), range(dst.ep if split else 1)
+        ):
+            wanted = tuple(held_ranges(p, dst.tp, tp_rank))
+            if src_flat:
+                assert not split, "a flat (ZeRO-3) source holds no split experts"
+                found = _flat_slices(p, names, src.dp, wanted, itemsize)
+            else:
+                experts = expert_range(p, dst.ep, q) if split else None
+                found = _row_slices(p, names, src, s_stage, wanted, itemsize, experts)
+            ranks = [
+                layout_rank(r, d_stage, tp_rank, dst.pp, dst.tp)
+                for r in range(dst.dp)
+                if not split or r % dst.ep == q
+            ]
+            for c in found:
+                needed.setdefault(c, []).extend(ranks)
     return [replace(c, needers=tuple(sorted(set(ranks)))) for c, ranks in needed.items()]
 
 
@@ -152,9 +166,14 @@ def _row_slices(
     stage: int,
     wanted: tuple[tuple[int, int], ...],
     itemsize: int,
+    experts: tuple[int, int] | None = None,
 ) -> list[Content]:
     """The ``wanted`` rows cut where the source's tp shards change (cached: they depend on
-    the parameter's shape and the ranks, not on which layers)."""
+    the parameter's shape and the ranks, not on which layers); of routed experts split over
+    ep ranks, only the ``experts`` (a range of dim 0) a destination holds, cut where the
+    source's ep shares change."""
+    if experts is not None:
+        return _expert_slices(p, names, src, stage, wanted, itemsize, experts)
     dim, out = split_dim(p), []
     row_bytes = p.numel // p.shape[dim] * itemsize
     for a, b in wanted:
@@ -173,6 +192,33 @@ def _row_slices(
                 src_off, dst_off = local_offset(ranges, x), local_offset(wanted, x)
                 nbytes = (y - x) * row_bytes
                 out.append(Content(names, dim, x, y, src_off, dst_off, nbytes, holders, ()))
+    return out
+
+
+def _expert_slices(
+    p: ParamShard,
+    names: tuple[str, ...],
+    src: Layout,
+    stage: int,
+    wanted: tuple[tuple[int, int], ...],
+    itemsize: int,
+    experts: tuple[int, int],
+) -> list[Content]:
+    """``_row_slices`` of experts ``[e0, e1)``: from each source ep share that holds some of
+    them, whose dp ranks are the holders, located in both shards by ``Content.experts``."""
+    out = []
+    for s in range(src.ep):
+        lo, hi = expert_range(p, src.ep, s)
+        x, y = max(lo, experts[0]), min(hi, experts[1])
+        if x >= y:
+            continue
+        mine = set(range(s, src.dp, src.ep))
+        for c in _row_slices(p, names, src, stage, wanted, itemsize):
+            holders = tuple(h for h in c.holders if h // (src.pp * src.tp) in mine)
+            share = c.nbytes * (y - x) // p.shape[0]
+            out.append(
+                replace(c, nbytes=share, holders=holders, experts=(x - lo, x - experts[0], y - x))
+            )
     return out
 
 

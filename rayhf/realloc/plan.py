@@ -32,7 +32,7 @@ from rayhf.models.sharding import param_shards
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.balance import balanced_routes
-from rayhf.realloc.needs import Content, View, contents
+from rayhf.realloc.needs import Content, Experts, View, contents
 from rayhf.realloc.route import (
     SENDER,
     Hops,
@@ -67,6 +67,7 @@ class Transfer:
     src_view: View | None = None  # flat source: size, stride
     stream: int = 0  # every hop of a stream carries the same slices in the same order
     relay: bool = False
+    experts: Experts | None = None  # split experts: see ``Content.experts``
 
 
 @dataclass(frozen=True)
@@ -191,11 +192,13 @@ def _transfer(s: Stream, c: Content, name: str, a: int, b: int) -> Transfer:
     if a == SENDER:
         return Transfer(
             name, c.dim, c.start, c.stop, s.sender, b, c.src_offset, c.dst_offset, c.nbytes,
-            c.cross, c.src_view, s.index,
+            c.cross, c.src_view, s.index, experts=c.experts,
         )  # fmt: skip
+    # a relay's shard is a destination's: the slice sits where the next rank keeps it too
+    relayed = None if c.experts is None else (c.experts[1], c.experts[1], c.experts[2])
     return Transfer(
         name, c.dim, c.start, c.stop, a, b, c.dst_offset, c.dst_offset, c.nbytes, c.cross,
-        None, s.index, relay=True,
+        None, s.index, relay=True, experts=relayed,
     )  # fmt: skip
 
 

@@ -266,7 +266,10 @@ def tag(stream: int, message: int) -> int:
     return stream << 16 | message
 
 
-def _region(shard: torch.Tensor, t: Transfer, offset: int) -> torch.Tensor:
+def _region(shard: torch.Tensor, t: Transfer, offset: int, first: int = 0) -> torch.Tensor:
+    """``t``'s slice of ``shard``, its rows from ``offset`` (and its experts from ``first``)."""
+    if t.experts is not None:
+        shard = shard.narrow(0, first, t.experts[2])
     piece = shard.narrow(t.dim, offset, t.stop - t.start)
     if t.cross is not None:
         piece = piece.narrow(1 - t.dim, t.cross[0], t.cross[1] - t.cross[0])
@@ -276,7 +279,7 @@ def _region(shard: torch.Tensor, t: Transfer, offset: int) -> torch.Tensor:
 def src_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
     """What the source sends of ``t``: rows of its shard, or a strided view of its flat slice."""
     if t.src_view is None:
-        return _region(shards[t.name], t, t.src_offset)
+        return _region(shards[t.name], t, t.src_offset, t.experts[0] if t.experts else 0)
     flat = shards[t.name]
     size, stride = t.src_view
     return flat.as_strided(size, stride, flat.storage_offset() + t.src_offset)
@@ -284,7 +287,7 @@ def src_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
 
 def dst_piece(shards: Mapping[str, torch.Tensor], t: Transfer) -> torch.Tensor:
     """Where the destination keeps ``t`` in its shard."""
-    return _region(shards[t.name], t, t.dst_offset)
+    return _region(shards[t.name], t, t.dst_offset, t.experts[1] if t.experts else 0)
 
 
 def _pack(pieces: list[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Reallocation with real processes: a covering set of layout pairs over 1-4 devices (every
-class of move over every transport, ``COVERING`` pairs a family), two families, every rank of
-every destination replica checked.
+class of move over every transport, ``COVERING`` pairs a family), three families (Qwen3-MoE's
+experts move between ep shares too), every rank of every destination replica checked.
 
 One subprocess (``python -m rayhf.checks.reallocation``) runs 8 gloo processes (4 source, 4
 destination ranks, as separate role groups are) through the sampled pairs; these tests read it.
@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from rayhf.checks.reallocation import CLASSES, COVERING, TRANSPORTS
+from rayhf.checks.reallocation import COVERING, FAMILIES, TRANSPORTS, _model, classes_for
+from rayhf.models.spec import model_spec
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,12 @@ def rows(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
     mine = [r for r in rows if r["family"] == family]
     assert len(mine) == COVERING
-    for c in CLASSES:  # expand, shrink, equal/overlapping/disjoint, tp<->pp, ZeRO-3, relay
+    # expand, shrink, equal/overlapping/disjoint, tp<->pp, ZeRO-3 (MoE: an ep change), relay
+    for c in classes_for(model_spec(_model(family).config, value_head=False)):
         for t in TRANSPORTS:
             assert any(c in r["classes"] and r["transport"] == t for r in mine), f"no {c} on {t}"
     for r in mine:
@@ -38,12 +40,13 @@ def test_every_destination_rank_equals_the_source_bit_for_bit(rows, family):
         assert r["bit_exact"], f"{pair}: a destination rank's weights differ"
         assert r["gathered_exact"], f"{pair}: the model gathered from a replica differs"
         assert r["ranks_checked"] == r["dst"][1] * r["dst"][2] * r["dst"][3], pair
+        assert r["dst"][4] == 1 or family == "qwen3_moe", pair  # ep: experts only
         assert r["replicas_checked"] == r["dst"][1], pair
         assert r["logits"] < 1e-5, f"{pair}: logits off by {r['logits']:.2e}"
         assert r["bytes"] > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_pairs_move_over_gloo_through_shared_memory_and_gpu_segments_alike(rows, family):
     mine = [r for r in rows if r["family"] == family]
     shm = [r for r in mine if r["transport"] == "shm"]

@@ -27,7 +27,7 @@ def _shards(spec, full, lay: Layout) -> dict[int, dict[str, torch.Tensor]]:
         # a tied head's last stage (apart from the first) holds a copy of the embedding
         copy = spec.tied and 0 < c.pp_rank == lay.pp - 1
         out[r] = {
-            p.name: take_shard(full[p.name], p, lay.tp, c.tp_rank)
+            p.name: take_shard(full[p.name], p, lay.tp, c.tp_rank, lay.ep, c.dp_rank % lay.ep)
             for p in param_shards(spec)
             if p.unit in units or (copy and p.name == embedding_name(spec))
         }

@@ -38,7 +38,12 @@ def test_every_layout_pair_rebuilds_the_destination_shards_exactly(family, relay
     spec = _spec(family.removesuffix("-tied"), tied=family.endswith("-tied"))
     assert spec.tied == family.endswith("-tied")
     full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
-    layouts = [lay for lay in all_layouts() if check_layout(spec, lay.tp, lay.pp) is None]
+    n_experts = spec.moe.n_experts if spec.moe is not None else 0  # and every ep of them
+    layouts = [
+        lay
+        for lay in all_layouts(n_experts=n_experts)
+        if check_layout(spec, lay.tp, lay.pp, lay.ep) is None
+    ]
     assert len(layouts) >= 30
     sources = {lay: _shards(spec, full, lay) for lay in layouts}
     kinds, relayed = set(), 0
@@ -53,11 +58,13 @@ def test_every_layout_pair_rebuilds_the_destination_shards_exactly(family, relay
         # Each destination device receives exactly what it holds afterwards, once.
         for r in range(dst.world_size):
             c, d = coords_of(r, dst.pp, dst.tp), dst.mesh[r]
-            held = 4 * shard_numel(spec, dst.tp, dst.pp, c.tp_rank, c.pp_rank)
+            held = 4 * shard_numel(spec, dst.tp, dst.pp, c.tp_rank, c.pp_rank, dst.ep)
             assert sum(t.nbytes for t in plan.for_dst(r)) == held
             assert plan.received.get(d, 0) + plan.local.get(d, 0) == held
     assert kinds == {"equal", "overlapping", "disjoint"}
     assert (relayed > 100) == relay, "relays happen only when asked for"
+    if spec.moe is not None:  # experts moved between ep shares
+        assert sum(a.ep != b.ep for a, b in itertools.product(layouts, layouts)) > 700
 
 
 def _contiguous_layouts(spec, n_devices: int) -> list[Layout]:
@@ -203,6 +210,6 @@ def test_a_flat_zero3_source_rebuilds_every_destination_exactly(family, hidden):
                     assert torch.equal(got[r][k], want[r][k]), (dp, dst, r, k)
             for r in range(dst.world_size):
                 c = coords_of(r, dst.pp, dst.tp)
-                held = 4 * shard_numel(spec, dst.tp, dst.pp, c.tp_rank, c.pp_rank)
+                held = 4 * shard_numel(spec, dst.tp, dst.pp, c.tp_rank, c.pp_rank, dst.ep)
                 assert sum(t.nbytes for t in plan.for_dst(r)) == held
             assert plan.max_sent <= plan.bound + 2 * _row_bytes(spec, 4), (dp, dst)
