@@ -4,6 +4,7 @@ bit (relays included), and the move's bound over every pair on 1-8 devices and o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -114,6 +115,21 @@ def test_no_device_sends_more_than_the_move_needs_on_every_pair_of_1_to_8_device
     assert len(layouts) > 100
     seen = _check_bound(spec, itertools.product(layouts, layouts), 4)
     assert seen["relayed"] > 1000 and seen["send floor"] > 100 and seen["receive bound"] > 5000
+
+
+def test_experts_moved_between_ep_shares_send_no_more_than_the_move_needs():
+    """Qwen3-MoE (8 experts) over 1-8 devices: 1,500 pairs whose ep differs, each at the
+    bound; most at what the busiest device receives."""
+    spec = _spec("qwen3_moe", n_layers=8, hidden_size=64)
+    layouts = [
+        dataclasses.replace(lay, ep=ep)
+        for lay in _contiguous_layouts(spec, 8)
+        for ep in (1, 2, 4, 8)
+        if lay.dp % ep == 0
+    ]
+    pairs = [(a, b) for a, b in itertools.product(layouts, layouts) if a.ep != b.ep]
+    seen = _check_bound(spec, random.Random(0).sample(pairs, 1500), 4)
+    assert seen["receive bound"] > 1000 and seen["relayed"] > 100
 
 
 @pytest.mark.parametrize("name", ["llama2-7b", "llama2-70b"])
