@@ -320,6 +320,7 @@ def _check(
         )
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
+    turns = _uneven_turns(case, groups, ids, mask, device) if ep > 1 else (None, None)
     before = _shared(case, False, "fp32", device).state_dict()
     moved = _max_diff(full, before)
     return {
@@ -340,9 +341,53 @@ def _check(
         "zero1_step": zero1_err,
         "moved": moved,
         "generate": same_tokens,
+        "turns_logits": turns[0],
+        "turns_step": turns[1],
         "bytes": model.local_bytes(),
         "frozen_bytes": frozen.model.local_bytes() if frozen.model is not None else 0,
     }
+
+
+def _uneven_turns(
+    case: str, groups, ids: torch.Tensor, mask: torch.Tensor, device: str
+) -> tuple[float, float]:
+    """With the experts split over ep ranks, ranks that run their model unequally often (fp32):
+    rank ``i`` of the ep group runs ``i + 1`` forwards of its rows, then serves the others'
+    (``RankModel.ep_drain``); then the last replica trains on an empty minibatch beside the
+    others' rows. The worst logits error, and the step's largest difference from Hugging
+    Face's model trained on the other replicas' rows."""
+    from rayhf.data.batch import PackedBatch
+    from rayhf.engines.build import standalone_engine as engine_of
+    from rayhf.engines.torch_trainer import OptimizerConfig
+
+    dp, r = groups.dp, groups.coords.dp_rank
+    mine = slice(r * len(ids) // dp, (r + 1) * len(ids) // dp)
+    frozen = engine_of(_shared(case, False), Tok(), False, None, groups, device=device)
+    keep = mask[mine].bool()
+    worst = 0.0
+    with torch.no_grad():
+        want = _shared(case, False, "fp32", device)(ids[mine], attention_mask=mask[mine]).logits
+        for _ in range(groups.ep_rank + 1):
+            worst = max(worst, _rel(frozen.forward(ids[mine], mask[mine])[keep], want[keep]))
+    frozen.model.ep_drain()
+    opt = OptimizerConfig()
+    engine = engine_of(_model(case, False), Tok(), False, opt, groups, device=device)
+    idle = r == dp - 1
+    batch = PackedBatch([] if idle else list(range(mine.stop - mine.start)))
+    targets = _targets(ids[mine], mask[mine])
+    engine.train(
+        [batch],
+        lambda _: (_score_loss(engine.score(ids[mine], mask[mine], targets), mask[mine]), {}),
+    )
+    trained = slice(0, (dp - 1) * len(ids) // dp)  # every replica's rows but the last's
+    ref = _model(case, False, device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    _loss(
+        ref(ids[trained], attention_mask=mask[trained]).logits, ids[trained], mask[trained]
+    ).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
+    ref_opt.step()
+    return worst, _max_diff(engine.full_state(), ref.state_dict())
 
 
 def _worker(

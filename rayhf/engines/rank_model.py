@@ -27,6 +27,7 @@ from rayhf.parallel.gather import gather_whole
 from rayhf.parallel.groups import ParallelGroups, single
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.pipeline import Pipeline
+from rayhf.parallel.turns import FORWARD, Turns
 
 
 class RankModel:
@@ -51,6 +52,9 @@ class RankModel:
         self.module.checkpointing = checkpointing  # recompute each layer in backward
         self.module.train(False)
         self.pipe = Pipeline(self.module, self.groups, n_microbatches)
+        self.turns = Turns(
+            self.groups.ep_group, torch.device(device), self._idle_forward, self._idle_backward
+        )
 
     @classmethod
     def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
@@ -112,9 +116,27 @@ class RankModel:
         keep = attention_mask.to(self.device).bool()
         lengths = keep.sum(dim=1).tolist()
         packed = None if targets is None else targets.to(self.device)[keep]
+        self.turns.take(FORWARD)
         out = self.pipe.forward(input_ids.to(self.device)[keep], lengths, packed, temperature)
         padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
         return padded.index_put((keep.nonzero(as_tuple=True)), out)
+
+    def _idle_forward(self) -> torch.Tensor:
+        """A forward of no tokens, beside the ep group's other ranks' (``Turns.drain``)."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        with torch.enable_grad():
+            return self.pipe.forward(empty, [], empty)
+
+    def _idle_backward(self, outputs: list[torch.Tensor]) -> None:
+        """The backward of idle forwards, as a train step runs its loss's (``Turns.drain``)."""
+        kept = [out for out in outputs if out.requires_grad]
+        if kept:
+            torch.autograd.backward([out.sum() * 0 for out in kept])
+        self.pipe.backward_pending()
+
+    def ep_drain(self) -> None:
+        """This rank ran its passes: serve its ep group's others until they have too."""
+        self.turns.drain()
 
     def source_shards(self) -> dict[str, torch.Tensor]:
         """What this rank sends when its role's weights move to another layout."""

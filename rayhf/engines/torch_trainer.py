@@ -31,6 +31,7 @@ from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import ScheduleConfig
 from rayhf.errors import RayhfError
 from rayhf.models.sharding import embedding_name
+from rayhf.parallel.turns import BACKWARD
 
 LossFn = Callable[[PackedBatch], tuple[torch.Tensor, dict[str, float]]]
 Weight = Callable[[PackedBatch], float]  # what a loss averages over, counted in a batch
@@ -216,7 +217,11 @@ class TorchTrainer:
         totals = Totals(len(minibatches))
         reducer = self._reducer()
         scales = global_scales(self.comm, minibatches, weight)
+        # with experts split over ep ranks, a rank's passes may be fewer than its group's others
+        # (``Turns``): buckets wait for the drain, which adds to the experts' gradients
+        overlap = self.groups.pp == 1 and self.groups.ep == 1
         try:
+            self.model.ep_drain()  # the others' passes before this call trained, if any
             for mb, scale in zip(minibatches, scales, strict=True):
                 self.optimizer.zero_grad(set_to_none=False)
                 parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
@@ -225,12 +230,14 @@ class TorchTrainer:
                 for i, (part, share) in enumerate(parts):
                     # the last backward of the minibatch reduces buckets as it fills them
                     # (with pp > 1 a minibatch runs one backward per pipeline micro-batch)
-                    if reducer is not None and i == len(parts) - 1 and self.groups.pp == 1:
+                    if reducer is not None and i == len(parts) - 1 and overlap:
                         reducer.arm()
                     loss, stats = loss_fn(part)
+                    self.model.turns.take(BACKWARD)
                     self._backward(loss * (share * scale))
                     pipe.backward_pending()
                     totals.add(stats, share)
+                self.model.ep_drain()
                 if reducer is not None:
                     reducer.finish()
                 self._sum_tied_grads()

@@ -34,9 +34,10 @@ class _Pending:
     output: torch.Tensor  # the broadcast output leaf the loss was computed from
 
 
-def split_rows(n_rows: int, n_microbatches: int) -> list[range]:
-    """Contiguous row ranges of (at most) ``n_microbatches`` non-empty micro-batches."""
-    n = max(1, min(n_microbatches, n_rows))
+def split_rows(n_rows: int, n_microbatches: int, exact: bool = False) -> list[range]:
+    """Contiguous row ranges of (at most) ``n_microbatches`` non-empty micro-batches; with
+    ``exact``, ``n_microbatches`` of them, empty ones too (an ep group's ranks run as many)."""
+    n = n_microbatches if exact else max(1, min(n_microbatches, n_rows))
     base, extra = divmod(n_rows, n)
     out, start = [], 0
     for i in range(n):
@@ -83,7 +84,8 @@ class Pipeline:
             offsets.append(offsets[-1] + n)
         inputs, outputs, bounds, sends = [], [], [], []
         keep = self.record and torch.is_grad_enabled()
-        for tag, rows in enumerate(split_rows(len(lengths), self.n_microbatches)):
+        exact = self.groups.ep > 1  # every rank of the ep group: as many micro-batches
+        for tag, rows in enumerate(split_rows(len(lengths), self.n_microbatches, exact)):
             lo, hi = offsets[rows.start], offsets[rows.stop]
             where = TokenLayout.packed(lengths[rows.start : rows.stop])
             if self.prev is None:

@@ -190,6 +190,8 @@ class RoleWorker:
             stats = interface.evaluate(engine, req.batch, ctx)
         else:
             stats = self._train(interface, engine, req, ctx)
+        if self.model is not None and call.kind != "generate":
+            self.model.ep_drain()  # the passes of its ep group's others, if they have more
         if self.model is not None and self.model.device.type == "cuda":
             # role groups colocated on a GPU are separate processes, each with its own caching
             # allocator: a call hands back what it cached, for the next call in another process

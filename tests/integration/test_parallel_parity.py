@@ -152,6 +152,18 @@ def test_mixture_of_experts_cases_split_their_experts_over_the_replicas(rows):
     assert {(r["dp"], r["ep"]) for r in moe if r["dp"] > 1} >= {(2, 2), (4, 4), (4, 2)}
 
 
+def test_ranks_of_an_ep_group_that_run_unequally_often_stay_in_step(rows):
+    """Rank i of an ep group runs i + 1 forwards, then serves the others' with forwards of no
+    tokens; the last replica trains on an empty minibatch beside the others (fp32): the same
+    logits, and the step of Hugging Face's model trained on the other replicas' rows."""
+    split = [r for r in rows if r["ep"] > 1 and r["precision"] == "fp32"]
+    assert {(r["dp"], r["tp"], r["pp"]) for r in split} >= {(2, 1, 1), (4, 1, 1), (2, 2, 1)}
+    for r in split:
+        where = f"{r['family']} dp{r['dp']}tp{r['tp']}pp{r['pp']}ep{r['ep']} rank {r['rank']}"
+        assert r["turns_logits"] < TOLERANCES["fp32"].logits, where
+        assert r["turns_step"] < TOL, f"{where}: the step is off by {r['turns_step']:.1e}"
+
+
 # A family added as one row: Llama's traits under another name (its config class LlamaConfig,
 # its configs marked "toyllama"), registered in the harness's process and sent to its ranks.
 TOY_FAMILY = """
