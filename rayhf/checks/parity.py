@@ -369,6 +369,7 @@ def _uneven_turns(
         want = _shared(case, False, "fp32", device)(ids[mine], attention_mask=mask[mine]).logits
         for _ in range(groups.ep_rank + 1):
             worst = max(worst, _rel(frozen.forward(ids[mine], mask[mine])[keep], want[keep]))
+    assert frozen.model is not None
     frozen.model.ep_drain()
     opt = OptimizerConfig()
     engine = engine_of(_model(case, False), Tok(), False, opt, groups, device=device)

@@ -25,6 +25,9 @@ class LayoutSpec(BaseModel):
     """Pipeline stages."""
     n_microbatches: int = Field(1, gt=0)
     """Micro-batches per forward (pipeline depth, memory)"""
+    ep: int = Field(1, gt=0)
+    """Expert parallelism: groups of ep data-parallel ranks split a Mixture-of-Experts model's
+    experts and send each other their tokens (ep must divide dp)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -45,4 +48,6 @@ def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:
     dp = spec.dp or len(mesh) // (spec.tp * spec.pp)
     if dp * spec.tp * spec.pp != len(mesh):
         raise RayhfError(f"{where}: dp*tp*pp = {dp}*{spec.tp}*{spec.pp} != mesh size {len(mesh)}")
-    return Layout(mesh, dp, spec.tp, spec.pp, spec.n_microbatches)
+    if dp % spec.ep:
+        raise RayhfError(f"{where}.ep: {spec.ep} does not divide dp = {dp}")
+    return Layout(mesh, dp, spec.tp, spec.pp, spec.n_microbatches, spec.ep)

@@ -71,6 +71,7 @@ class Plan:
                     "tp": lay.tp,
                     "pp": lay.pp,
                     "n_microbatches": lay.n_microbatches,
+                    **({"ep": lay.ep} if lay.ep > 1 else {}),
                     **({"zero": self.zero[name]} if name in self.zero else {}),
                 }
                 for name, lay in self.layouts.items()
@@ -84,7 +85,7 @@ def plan_from_json(text: str, source: str) -> Plan:
     (``n_mbs``) loads too, so a resumed run keeps its plan."""
     raw = json.loads(text)
     layouts = {
-        name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], _microbatches(v))
+        name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], _microbatches(v), v.get("ep", 1))
         for name, v in raw.items()
     }
     return Plan(layouts, source, {name: v["zero"] for name, v in raw.items() if "zero" in v})
@@ -125,19 +126,27 @@ def check_plan_fits(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> No
     """Refuse a layout its role's model cannot take (tp over the heads, pp over the layers);
     ``specs`` maps each role that has a model to its spec."""
     for name in graph.order:
-        role, lay = graph.by_name[name].role, plan.layouts[name]
+        call = graph.by_name[name]
+        role, lay = call.role, plan.layouts[name]
         if role in specs:
-            reason = check_layout(specs[role], lay.tp, lay.pp)
+            reason = check_layout(specs[role], lay.tp, lay.pp, lay.ep)
             if reason is not None:
                 raise RayhfError(f"plan.{name}: {reason} (role '{role}')")
+        if lay.ep > 1 and call.kind == "generate":
+            raise RayhfError(
+                f"plan.{name}.ep: the decode engine runs ep = 1 (its replicas' steps do not "
+                "line up yet); set it to 1"
+            )
 
 
 def format_plan(plan: Plan, graph: Graph) -> str:
     """A table of the plan for ``rayhf plan`` (with the ZeRO stage of each train call where the
     plan names it: 2-3 run on DeepSpeed)."""
     rows = [f"plan ({plan.source}) for graph '{graph.name}':"]
+    experts = any(lay.ep > 1 for lay in plan.layouts.values())  # an ep column where one splits
     rows.append(
         f"  {'call':<14}{'role':<10}{'kind':<11}{'mesh':<14}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}"
+        + ("  ep" if experts else "")
         + ("  zero" if plan.zero else "")
     )
     for name in graph.order:
@@ -146,6 +155,7 @@ def format_plan(plan: Plan, graph: Graph) -> str:
         rows.append(
             f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
             f"{lay.pp:>4}{lay.n_microbatches:>5}"
+            + (f"{lay.ep:>4}" if experts else "")
             + (f"{plan.zero.get(name, '-'):>6}" if plan.zero else "")
         )
     return "\n".join(rows)

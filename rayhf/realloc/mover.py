@@ -159,8 +159,9 @@ class ObjectStoreCopy:
         assert eta is None, "the object-store path only copies"
         assert not src.flat, "the object-store path gathers one replica, which ZeRO-3 lacks"
         start = time.perf_counter()
-        replica = src.actors[: src.layout.tp * src.layout.pp]
-        refs = [a.get_weights.remote() for a in replica]  # a collective over the replica
+        # a collective over the first replica (and those holding the rest of its experts)
+        replica = src.actors[: src.layout.tp * src.layout.pp * src.layout.ep]
+        refs = [a.get_weights.remote() for a in replica]
         received = ray.get([a.set_weights.remote(refs[0]) for a in dst.actors])
         ray.get(refs[1:])
         return ReallocStats(time.perf_counter() - start, sum(received))

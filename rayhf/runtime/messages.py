@@ -66,6 +66,7 @@ class WorkerSpec:
     numerics: Numerics = field(default_factory=Numerics)
     fault: FaultInjection | None = None  # this rank dies where the fault fires (drills, tests)
     version: int = 0  # the step whose update made the weights it starts with (a resume's)
+    ep_size: int = 1  # dp ranks that split a Mixture-of-Experts model's experts (Layout.ep)
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,7 @@ class Session:
             dp_size=layout.dp,
             tp_size=layout.tp,
             pp_size=layout.pp,
+            ep_size=layout.ep,
             n_microbatches=layout.n_microbatches,
             calls=calls,
             settings=InterfaceSettings(

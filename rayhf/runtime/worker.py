@@ -144,7 +144,9 @@ class RoleWorker:
             dist.init_process_group(
                 backend, store=self._store(address), rank=spec.rank, world_size=world
             )
-            self.groups = build_groups(spec.dp_size, spec.tp_size, spec.pp_size, spec.rank)
+            self.groups = build_groups(
+                spec.dp_size, spec.tp_size, spec.pp_size, spec.rank, ep=spec.ep_size
+            )
         weights, self._weights = self._weights, None
         if spec.model is None:
             return  # a function-valued role
@@ -263,8 +265,9 @@ class RoleWorker:
         return MoveResult(move.unit, self.spec.rank, received, began, time.time())
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model (gathered over this replica's tp and pp ranks: every rank of the
-        replica must call); the head rank returns it, the others an empty dict."""
+        """The whole model (gathered over this replica's tp and pp ranks, and its ep group's
+        replicas: every rank of those must call); the head rank returns it, the others an empty
+        dict."""
         full = self._full_state()
         return full if self.groups.is_head else {}
 
@@ -331,7 +334,8 @@ class RoleWorker:
         ``optim_dir/{role}.rank{r}.pt`` (ranks hold different shards of the optimizer)."""
         self._fault("checkpoint", step)
         over_dp = self.trainer is not None and self.trainer.gathers_over_dp
-        if self.groups.coords.dp_rank == 0 or over_dp:
+        # replica 0 gathers, with the replicas holding the rest of its experts (ep > 1)
+        if self.groups.coords.dp_rank < self.groups.ep or over_dp:
             self._model().save_pretrained(model_dir, self._full_state())
         state: dict[str, Any] = {
             "interfaces": {k: v.state_dict() for k, v in self.interfaces.items()}

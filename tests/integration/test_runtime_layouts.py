@@ -150,3 +150,45 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
     use, train = calls["actor_gen"], calls["actor_train"]
     assert gen["ts"] <= use["ts"] and gen["ts"] + gen["dur"] <= use["ts"] + use["dur"]
     assert train["ts"] <= ema["ts"] and train["ts"] + train["dur"] <= ema["ts"] + ema["dur"]
+
+
+EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MOE = {"family": "qwen3_moe", "n_heads": 4, "n_kv_heads": 2, "config": EXPERTS}
+EP_PLAN = {
+    "actor_gen": {"dp": 2},
+    "actor_train": {"dp": 2, "ep": 2},
+    "ref_inf": {"dp": 2, "ep": 2},
+    "critic_inf": {"dp": 2},
+    "critic_train": {"dp": 2},
+    "rew_inf": {"dp": 2},
+}
+
+
+def test_an_moe_actor_trains_and_scores_with_its_experts_split_over_ranks(ray_cluster, tiny_config):
+    """A Qwen3-MoE actor: each of its 2 train ranks and the reference's holds half of every
+    layer's experts (ep = 2), the generator all of them (weights moved between the two each
+    step); the trainer's log-probs of the sampled tokens are the generator's, and the
+    checkpoint is the trained model, whole."""
+    import json
+
+    import ray
+
+    cfg = tiny_config(steps=2, plan=EP_PLAN, **{"cluster.n_devices": 2, "models.actor.init": MOE})
+    assets = prepare_run(cfg, cfg.resolved_run_dir())
+    with Session(cfg, assets, resume=None) as session:
+        alive = alive_actors()
+        assert {"actor.d0-1.dp2tp1pp1ep2[0]", "actor.d0-1.dp2tp1pp1ep2[1]"} <= alive
+        assert {"actor.d0-1.dp2tp1pp1[0]", "ref.d0-1.dp2tp1pp1ep2[1]"} <= alive
+        split = session.groups["actor"].actors[0]
+        whole = next(g for g in session.all_groups() if g.layout.ep == 1 and g.role == "actor")
+        split_bytes = ray.get(split.weights_summary.remote()).bytes
+        whole_bytes = ray.get(whole.actors[0].weights_summary.remote()).bytes
+        assert split_bytes < 0.8 * whole_bytes  # half the experts, the rest whole
+        RunLoop(cfg, assets, session).loop(0)
+        trained = ray.get([a.get_weights.remote() for a in session.groups["actor"].actors])[0]
+    rows = [json.loads(line) for line in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").open()]
+    steps = [r for r in rows if r.get("step", 0) > 0]
+    assert len(steps) == 2 and all(r["logprob_mismatch"] < 1e-5 for r in steps)
+    saved = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002" / "actor"
+    hf = AutoModelForCausalLM.from_pretrained(saved)
+    assert _same({k: v.float() for k, v in hf.state_dict().items()}, trained)
