@@ -26,7 +26,7 @@ from rayhf.planner.hardware import CPU_ACTOR, CPU_CALL_OVERHEAD, cpu_cluster, gp
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ModelProfile, ProfiledCost
-from rayhf.planner.search import SearchResult, _powers, candidates, search
+from rayhf.planner.search import SearchResult, _powers, call_layouts, search
 from rayhf.planner.simulate import Simulation, simulate
 
 
@@ -112,10 +112,9 @@ def check_fits(problem: Problem) -> None:
         spec = specs.get(call.role)
         if spec is None:
             continue
-        options = candidates(spec, cluster.n_devices, cluster.devices_per_node)
-        if works[call.name].whole_model_ranks:
-            options = [lay for lay in options if lay.tp == 1 and lay.pp == 1]
-        need = min(cost.least_memory(spec, lay, works[call.name]) for lay in options)
+        work = works[call.name]
+        options = call_layouts(spec, work, cluster.n_devices, cluster.devices_per_node)
+        need = min(cost.least_memory(spec, lay, work) for lay in options)
         if need > capacity:
             raise RayhfError(
                 f"plan: call '{call.name}' (role '{call.role}') needs at least {need / 1e9:.1f} GB "

@@ -82,7 +82,10 @@ class Workload:
         return max(1, min(n_seqs, math.ceil(n_seqs * seq / self.token_budget)))
 
     def choices_on(self, layout: Layout) -> tuple[int, ...]:
-        """The ``zero_choices`` ``layout`` allows, in order (2-3 run on DeepSpeed: dp only)."""
+        """The ``zero_choices`` ``layout`` allows, in order (2-3 run on DeepSpeed: dp only;
+        with experts split over ep ranks, none: each rank's experts are its own)."""
+        if layout.ep > 1:
+            return (0,)
         dp_only = layout.tp == 1 and layout.pp == 1
         return tuple(sorted(s for s in self.zero_choices if s < 2 or dp_only))
 
@@ -143,9 +146,19 @@ class CallCost:
 
 
 @functools.lru_cache(maxsize=4096)
-def max_shard_params(spec: ModelSpec, tp: int, pp: int) -> int:
-    """Parameters on the fullest device of a ``tp x pp`` layout."""
-    return max(shard_numel(spec, tp, pp, 0, s) for s in range(pp))
+def max_shard_params(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> int:
+    """Parameters on the fullest device of a ``tp x pp`` layout (experts split ``ep`` ways)."""
+    return max(shard_numel(spec, tp, pp, 0, s, ep) for s in range(pp))
+
+
+def _layout_shard(spec: ModelSpec, layout: Layout) -> int:
+    return max_shard_params(spec, layout.tp, layout.pp, layout.ep)
+
+
+@functools.lru_cache(maxsize=1024)
+def expert_params(spec: ModelSpec) -> int:
+    """The routed experts' parameters, every layer's."""
+    return sum(p.numel for p in param_shards(spec) if p.expert)
 
 
 @functools.lru_cache(maxsize=256)
@@ -173,12 +186,13 @@ def experts_read(spec: ModelSpec, experts: float, tokens: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def weights_read(spec: ModelSpec, tokens: float) -> float:
-    """Matmul parameters (no embedding) a pass over ``tokens`` tokens reads: all of them but
-    the routed experts no token chooses."""
+def weights_read(spec: ModelSpec, tokens: float, ep: int = 1) -> float:
+    """Matmul parameters (no embedding) a device's pass over ``tokens`` tokens reads: all of
+    them but the routed experts no token chooses; with the experts split ``ep`` ways, its share
+    of them, chosen by the tokens of its ep group."""
     total, _, embed = _sizes(spec)
-    experts = sum(p.numel for p in param_shards(spec) if p.expert)
-    return total - embed - experts + experts_read(spec, experts, tokens)
+    experts = expert_params(spec)
+    return total - embed - experts + experts_read(spec, experts / ep, tokens * ep)
 
 
 VLLM_KV_BYTES = 2**30  # the KV cache a vLLM engine reserves (VLLM_CPU_KVCACHE_SPACE=1 here)
@@ -237,7 +251,7 @@ class AnalyticCost:
         # weights read forward, read again and their gradients written backward; activations
         # written forward, read back backward
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
-        weights = weights_read(spec, tokens) / spec.n_layers
+        weights = weights_read(spec, tokens, layout.ep) / spec.n_layers
         n_bytes = (passes * weights * b + (2 if backward else 1) * acts) / layout.tp
         gpu = max(flops / layout.tp / self._flops_rate(spec), n_bytes / self._bytes_rate())
         issued = (2 if backward else 1) + (1 if backward and recompute else 0)  # op passes
@@ -246,7 +260,25 @@ class AnalyticCost:
             tokens * spec.hidden_size * b, layout.tp, self._tp_bandwidth(layout),
             self.cluster.link_latency,
         )  # fmt: skip
-        return max(gpu, host) + (4 if backward else 2) * reduce
+        exchange = self.exchange_seconds(spec, layout, tokens, backward)
+        return max(gpu, host) + (4 if backward else 2) * reduce + exchange
+
+    def exchange_seconds(
+        self, spec: ModelSpec, layout: Layout, tokens: float, backward: bool
+    ) -> float:
+        """An average layer's share of the MoE layers' token exchanges with ``layout.ep`` ranks
+        (each a dispatch and a combine forward, both again backward): each of a device's
+        ``tokens`` sends its ``top_k`` choices' hidden states, ``(ep - 1) / ep`` of them to
+        other ranks, and the row counts first (a host read)."""
+        if spec.moe is None or layout.ep == 1:
+            return 0.0
+        stride = layout.tp * layout.pp  # the ep group: neighbouring dp ranks
+        bandwidth = self.cluster.bandwidth(layout.mesh[: stride * layout.ep : stride])
+        rows = tokens * spec.moe.top_k * (layout.ep - 1) / layout.ep / layout.tp
+        one = rows * spec.hidden_size * self.dtype_bytes(spec) / bandwidth
+        per_layer = (4 if backward else 2) * (one + self.cluster.link_latency)
+        per_layer += self.cluster.link_latency  # the counts' exchange
+        return per_layer * len(spec.moe_layers) / spec.n_layers
 
     def _pass_seconds(
         self, spec: ModelSpec, layout: Layout, rows: Rows, n_microbatches: int, how: PassKind
@@ -347,12 +379,14 @@ class AnalyticCost:
     ) -> float:
         """Gradient all-reduce over dp (ZeRO-3: reduce-scattered in the backward) plus one AdamW
         pass over this device's part of the optimizer state (all of its shard at stage 0)."""
-        shard = max_shard_params(spec, layout.tp, layout.pp)
-        grads = shard * self.train_bytes(spec, work)
+        shard = _layout_shard(spec, layout)
+        wb = self.train_bytes(spec, work)
         dp_devices = layout.mesh[:: layout.tp * layout.pp]
-        reduce = _allreduce(
-            grads, layout.dp, self.cluster.bandwidth(dp_devices), self.cluster.link_latency
-        )
+        bandwidth, lat = self.cluster.bandwidth(dp_devices), self.cluster.link_latency
+        # experts split over ep ranks reduce over the dp / ep ranks that hold the same ones
+        experts = expert_params(spec) / (layout.ep * layout.tp * layout.pp) if layout.ep > 1 else 0
+        reduce = _allreduce((shard - experts) * wb, layout.dp, bandwidth, lat)
+        reduce += _allreduce(experts * wb, layout.dp // layout.ep, bandwidth, lat)
         owned = shard / (layout.dp if zero >= 1 else 1)
         return (0.0 if zero >= 3 else reduce) + 2 * 16 * owned / self._bytes_rate()
 
@@ -361,7 +395,7 @@ class AnalyticCost:
     ) -> float:
         """ZeRO-3: one all-gather of the weights over dp (or reduce-scatter of the gradients),
         layer by layer."""
-        shard = max_shard_params(spec, layout.tp, layout.pp) * self.train_bytes(spec, work)
+        shard = _layout_shard(spec, layout) * self.train_bytes(spec, work)
         dp = layout.dp
         bandwidth = self.cluster.bandwidth(layout.mesh[:: layout.tp * layout.pp])
         return (dp - 1) / dp * shard / bandwidth + spec.n_layers * self.cluster.link_latency
@@ -376,7 +410,7 @@ class AnalyticCost:
         # 2: DeepSpeed's bf16, its fp32 master copy in the optimizer too); ZeRO stage ``zero``
         # splits the optimizer state (1), the gradients (2) and the weights (3) over dp, and
         # ``offload`` keeps the optimizer state in host memory
-        shard, dp = max_shard_params(spec, layout.tp, layout.pp), layout.dp
+        shard, dp = _layout_shard(spec, layout), layout.dp
         if not trainable:
             return float(shard * self.weight_bytes(spec))
         wb = self.train_bytes(spec, work)

@@ -188,6 +188,7 @@ class ProfiledCost(AnalyticCost):
         layers = math.ceil(spec.n_layers / lay.pp)
         work = fit.layer[0] + _dot(fit.layer[1:], feats[1:]) / lay.tp
         comm = (4 if train else 2) * self._allreduce(tokens * spec.hidden_size * 4, lay.tp)
+        comm += self.exchange_seconds(spec, lay, tokens, train)
         return layers * (work + comm) + _dot(fit.base, feats) / lay.pp
 
     def _pipeline(self, fit: OpFit, spec: ModelSpec, lay: Layout, rows: Rows, train: bool) -> float:
@@ -230,7 +231,7 @@ class ProfiledCost(AnalyticCost):
         else:
             per_mb = math.ceil(n_seqs / work.n_minibatches)
             step = self._pipeline(prof.train, spec, layout, Rows(per_mb, seq), True)
-            shard = max_shard_params(spec, layout.tp, layout.pp) * 4
+            shard = max_shard_params(spec, layout.tp, layout.pp, layout.ep) * 4
             sync = self._allreduce(shard, layout.dp)
             if work.zero_stage >= 3:  # beside the gradients' reduction, as at stages 1-2
                 sync += self._zero3_seconds(spec, shard, layout.dp)

@@ -28,6 +28,7 @@ from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
+from rayhf.planner.cost import Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
 from rayhf.planner.simulate import Simulation, simulate
@@ -60,6 +61,19 @@ def candidates(spec: ModelSpec | None, n_devices: int, per_node: int) -> list[La
     return [lay for mesh in blocks(n_devices, per_node) for lay in layouts_on(mesh, spec, per_node)]
 
 
+def call_layouts(
+    spec: ModelSpec | None, work: Workload, n_devices: int, per_node: int
+) -> list[Layout]:
+    """``candidates`` a call may take: dp-only ones on vLLM and DeepSpeed (whole-model ranks),
+    ep = 1 for a generate call (the decode engine's replicas do not step together)."""
+    out = candidates(spec, n_devices, per_node)
+    if work.whole_model_ranks:
+        out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
+    if work.kind == "generate":
+        out = [lay for lay in out if lay.ep == 1]
+    return out
+
+
 def layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> list[Layout]:
     """Every layout on ``mesh`` the model takes (tp a power of two within a node, pp any divisor
     of what tp leaves, micro-batches when pipelined); dp over the mesh for no model."""
@@ -69,9 +83,18 @@ def layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> 
     for tp in _powers(min(size, per_node)):
         for pp in _divisors(size // tp) if size % tp == 0 else []:
             if check_layout(spec, tp, pp) is None:
+                dp = size // (tp * pp)
                 for n_microbatches in MICRO_BATCHES if pp > 1 else (1,):
-                    out.append(Layout(mesh, size // (tp * pp), tp, pp, n_microbatches))
+                    for ep in _expert_splits(spec, dp):
+                        out.append(Layout(mesh, dp, tp, pp, n_microbatches, ep))
     return out
+
+
+def _expert_splits(spec: ModelSpec, dp: int) -> list[int]:
+    """The ep a layout of ``dp`` replicas may split the model's experts by (1 for a dense one)."""
+    if spec.moe is None:
+        return [1]
+    return [ep for ep in _divisors(dp) if spec.moe.n_experts % ep == 0]
 
 
 def _divisors(n: int) -> list[int]:
@@ -321,13 +344,11 @@ def search(
     began = time.perf_counter()
     rng = random.Random(seed)
     graph, specs, works, cluster = problem.graph, problem.specs, problem.works, problem.cluster
+    per_node = cluster.devices_per_node
     options = {
-        c.name: candidates(specs.get(c.role), cluster.n_devices, cluster.devices_per_node)
+        c.name: call_layouts(specs.get(c.role), works[c.name], cluster.n_devices, per_node)
         for c in graph.calls
     }
-    for name, opts in options.items():  # vLLM and DeepSpeed calls: dp-only layouts
-        if works[name].whole_model_ranks:
-            options[name] = [lay for lay in opts if lay.tp == 1 and lay.pp == 1]
     options = _fitting(problem, options)
     short = _shortlist(problem, options)
     score = _Scorer(problem, began + time_limit)

@@ -267,7 +267,16 @@ def check_engines(
     cfg: ExperimentConfig, graph: Graph, plan: Plan, specs: dict[str, ModelSpec]
 ) -> None:
     """Each ``engines.<call>`` names a call of the graph and an engine for its kind, which
-    checks the layout and model it gets (its ``check``)."""
+    checks the layout and model it gets (its ``check``); a role that shards its optimizer
+    (``zero1``) splits no experts over ep ranks in its train call."""
+    for call in graph.calls:
+        lay = plan.layouts[call.name]
+        if call.kind == "train" and lay.ep > 1 and cfg.models[call.role].optimizer.zero1:
+            raise RayhfError(
+                f"models.{call.role}.optimizer.zero1: ZeRO-1 shards the optimizer over the dp "
+                f"ranks, which hold different experts at ep = {lay.ep}; set it to false, or "
+                f"plan.{call.name}.ep to 1"
+            )
     for name, ec in cfg.engines.items():
         if name not in graph.by_name:
             raise RayhfError(f"engines.{name}: graph '{graph.name}' has no call '{name}'")

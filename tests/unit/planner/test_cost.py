@@ -181,3 +181,20 @@ def test_a_token_multiplies_only_its_experts_and_a_decode_step_reads_the_chosen_
     sparse, full = (cost.call(s, lay, train).parts for s in (spec, every))
     assert sparse["forward_backward"] < full["forward_backward"] / 8
     assert sparse["optimizer"] == full["optimizer"]  # every expert's weights step
+
+
+def test_experts_split_over_ep_ranks_cost_exchanges_and_save_memory():
+    """Qwen3-30B-A3B's train call on 16 H100s: ep = 8 holds an eighth of the experts (memory
+    and optimizer time shrink), pays an exchange per MoE layer, over NVLink within a node and
+    far more across the two nodes (ep = 16); a dense model's layouts have no ep to price."""
+    cost = AnalyticCost(parse_cluster("2x8xH100"))
+    spec, mesh = public_shape("qwen3-30b-a3b"), tuple(range(16))
+    train = Workload("train", 512, 256, 1024, 4)
+    plain, ep8, ep16 = (cost.call(spec, Layout(mesh, 16, ep=ep), train) for ep in (1, 8, 16))
+    assert ep8.memory < plain.memory / 4 and ep16.memory < ep8.memory
+    assert ep8.parts["optimizer"] < plain.parts["optimizer"] / 4
+    assert ep8.parts["forward_backward"] > plain.parts["forward_backward"]  # the exchanges
+    across = ep16.parts["forward_backward"] - plain.parts["forward_backward"]
+    within = ep8.parts["forward_backward"] - plain.parts["forward_backward"]
+    assert across > 4 * within, "an ep group across nodes exchanges over the slower links"
+    assert cost.exchange_seconds(SPECS["actor"], Layout(mesh, 16), 1000.0, True) == 0.0

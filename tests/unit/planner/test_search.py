@@ -10,13 +10,14 @@ from planner_support import GRAPH, REPO, SPECS, WORKS
 
 from rayhf.engines.config import DeepSpeedEngineConfig, VllmEngineConfig
 from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
 from rayhf.planner import baselines
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
-from rayhf.planner.search import blocks, candidates, energy, search, side_by_side
+from rayhf.planner.search import blocks, call_layouts, candidates, energy, search, side_by_side
 from rayhf.planner.simulate import simulate
 
 
@@ -24,6 +25,19 @@ def test_candidates_respect_nodes_and_the_model():
     assert blocks(4) == [(0,), (1,), (2,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
     for lay in candidates(SPECS["actor"], 16, 8):
         assert lay.tp <= 8 and lay.dp * lay.tp * lay.pp == len(lay.mesh)
+
+
+def test_an_moe_model_s_calls_may_split_experts_except_the_generate_call():
+    """Every ep that divides dp and the experts is a candidate for training and inference; the
+    decode engine runs ep = 1, so the search never gives a generate call more."""
+    moe = public_shape("qwen3-30b-a3b")
+    options = candidates(moe, 16, 8)
+    assert {lay.ep for lay in options} == {1, 2, 4, 8, 16}
+    assert all(lay.dp % lay.ep == 0 for lay in options)
+    assert {lay.ep for lay in candidates(SPECS["actor"], 16, 8)} == {1}
+    generate = call_layouts(moe, WORKS["actor_gen"], 16, 8)
+    assert generate and {lay.ep for lay in generate} == {1}
+    assert {lay.ep for lay in call_layouts(moe, WORKS["actor_train"], 16, 8)} > {1}
 
 
 def test_meshes_are_blocks_inside_a_node_or_runs_of_whole_nodes():
