@@ -139,6 +139,20 @@ def report(rows: list[dict]) -> str:
             f"| {ms['hf_grouped_mm'] / ms['rayhf']:.2f}x | {ms['hf_eager'] / ms['rayhf']:.2f}x |"
         )
     ratios = [r["ms"]["hf_grouped_mm"] / r["ms"]["rayhf"] for r in rows]
+    losses = [
+        f"{r['kind']} at {r['tokens']} tokens against {name} "
+        f"({r['ms'][name] / r['ms']['rayhf']:.2f}x)"
+        for r in rows
+        for name in ("hf_grouped_mm", "hf_eager")
+        if r["ms"][name] < 0.97 * r["ms"]["rayhf"]
+    ]
+    if losses:
+        lines += [
+            "",
+            "Where rayhf loses by more than 3%: " + "; ".join(losses) + ". torch's CPU grouped "
+            "GEMM is slower than one matrix product per expert once each expert has hundreds of "
+            "tokens; Hugging Face's eager loop runs those.",
+        ]
     lines += [
         "",
         f"Against Hugging Face's default (grouped_mm): geometric mean "
