@@ -41,18 +41,22 @@ def route(
 
 
 def _grouped_ok(x: torch.Tensor, wt: torch.Tensor) -> bool:
-    """torch's grouped GEMM takes these operands: any float dtype on CPUs, bf16 on CUDA from
-    compute capability 8.0, each 16-byte aligned."""
+    """torch's grouped GEMM takes these operands: any float dtype on CPUs (bf16 in a compiled
+    step), bf16 on CUDA from compute capability 8.0, each 16-byte aligned."""
     if x.device.type == "cuda" and (
         x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0)
     ):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its compiled form takes bf16 only, on every device
     return _aligned(x) and _aligned(wt)
 
 
 def _aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
-    return t.data_ptr() % ALIGN_BYTES == 0 and all(
+    # a compiled step cannot read a pointer; what it multiplies is freshly allocated (aligned)
+    start = torch.compiler.is_compiling() or t.data_ptr() % ALIGN_BYTES == 0
+    return start and all(
         (s * size) % ALIGN_BYTES == 0
         for s, n in zip(t.stride(), t.shape, strict=True)
         if n > 1 and s != 1

@@ -300,3 +300,21 @@ def test_each_k_of_top_log_probs_fits_the_same_slots(llama):
         assert {len(t) for row in outs[k].top_ids for t in row} == {k}
     for few in (1, 2):
         assert [[t[:few] for t in row] for row in outs[5].top_ids] == outs[few].top_ids
+
+
+def test_a_mixture_of_experts_step_compiles_whole_and_samples_as_hugging_face():
+    """Qwen3-MoE's routing and grouped experts read nothing back to the host: the step
+    compiles with fullgraph=True, and samples Hugging Face's tokens."""
+    from rayhf.models.families import FAMILIES
+
+    hf, pipe = _scaled("qwen3_moe", dict(FAMILIES["qwen3_moe"].check_shape), 5.0)
+    counter = CompileCounter()
+    engine = DecodeEngine(
+        pipe,
+        DecodeOptions(compile=True),
+        compiler=lambda f: torch.compile(f, fullgraph=True, backend=counter),
+    )
+    rules = DecodeRules.of(SAMPLED, EOS, PAD)
+    _same(engine.generate(MIXED, rules, 4), hf_generate(hf, MIXED, SAMPLED, EOS, PAD, seed=4))
+    assert 0 < counter.frame_count <= len(engine.buckets)
+    assert not torch._dynamo.utils.counters["graph_break"]
