@@ -172,8 +172,17 @@ def _row_slices(
     the parameter's shape and the ranks, not on which layers); of routed experts split over
     ep ranks, only the ``experts`` (a range of dim 0) a destination holds, cut where the
     source's ep shares change."""
-    if experts is not None:
-        return _expert_slices(p, names, src, stage, wanted, itemsize, experts)
+    if experts is not None:  # from each source ep share holding some of them: its dp ranks
+        shares = []
+        for s in range(src.ep):
+            lo, hi = expert_range(p, src.ep, s)
+            x, y = max(lo, experts[0]), min(hi, experts[1])
+            mine = set(range(s, src.dp, src.ep))
+            for c in _row_slices(p, names, src, stage, wanted, itemsize) if x < y else []:
+                holders = tuple(h for h in c.holders if h // (src.pp * src.tp) in mine)
+                share, where = c.nbytes * (y - x) // p.shape[0], (x - lo, x - experts[0], y - x)
+                shares.append(replace(c, nbytes=share, holders=holders, experts=where))
+        return shares
     dim, out = split_dim(p), []
     row_bytes = p.numel // p.shape[dim] * itemsize
     for a, b in wanted:
@@ -192,33 +201,6 @@ def _row_slices(
                 src_off, dst_off = local_offset(ranges, x), local_offset(wanted, x)
                 nbytes = (y - x) * row_bytes
                 out.append(Content(names, dim, x, y, src_off, dst_off, nbytes, holders, ()))
-    return out
-
-
-def _expert_slices(
-    p: ParamShard,
-    names: tuple[str, ...],
-    src: Layout,
-    stage: int,
-    wanted: tuple[tuple[int, int], ...],
-    itemsize: int,
-    experts: tuple[int, int],
-) -> list[Content]:
-    """``_row_slices`` of experts ``[e0, e1)``: from each source ep share that holds some of
-    them, whose dp ranks are the holders, located in both shards by ``Content.experts``."""
-    out = []
-    for s in range(src.ep):
-        lo, hi = expert_range(p, src.ep, s)
-        x, y = max(lo, experts[0]), min(hi, experts[1])
-        if x >= y:
-            continue
-        mine = set(range(s, src.dp, src.ep))
-        for c in _row_slices(p, names, src, stage, wanted, itemsize):
-            holders = tuple(h for h in c.holders if h // (src.pp * src.tp) in mine)
-            share = c.nbytes * (y - x) // p.shape[0]
-            out.append(
-                replace(c, nbytes=share, holders=holders, experts=(x - lo, x - experts[0], y - x))
-            )
     return out
 
 
