@@ -320,7 +320,8 @@ def _check(
         )
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
-    turns = _uneven_turns(case, groups, ids, mask, device) if ep > 1 else (None, None)
+    fp32_split = ep > 1 and precision == "fp32"
+    turns = _uneven_turns(case, groups, ids, mask, device) if fp32_split else (None, None)
     before = _shared(case, False, "fp32", device).state_dict()
     moved = _max_diff(full, before)
     return {
