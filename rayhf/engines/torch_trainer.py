@@ -238,6 +238,9 @@ class TorchTrainer:
                     pipe.backward_pending()
                     totals.add(stats, share)
                 self.model.ep_drain()
+                load = module.take_expert_loads()
+                if load is not None:  # an MoE model's: the busiest expert over the mean
+                    totals.add({"expert_load_max_over_mean": load})
                 if reducer is not None:
                     reducer.finish()
                 self._sum_tied_grads()

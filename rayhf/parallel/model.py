@@ -39,7 +39,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
 from rayhf.parallel.buckets import LOGIT_CHUNK
 from rayhf.parallel.groups import ParallelGroups
-from rayhf.parallel.moe import experts, route
+from rayhf.parallel.moe import expert_counts, experts, route
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
 # cos and sin of a forward's positions per frequency set: the global one (False) and Gemma 3's
@@ -120,6 +120,8 @@ class ShardedModel(torch.nn.Module):
         # Activation checkpointing: in training, keep each layer's input only and run the layer
         # again in backward (its tp collectives too, in the same order on every rank).
         self.checkpointing = False
+        # in training, each MoE layer's tokens per expert (``take_expert_loads``), on the device
+        self.expert_loads: list[torch.Tensor] = []
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
         self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
         self.lent: dict[str, torch.Tensor] | None = None  # see ``reading_lent``
@@ -521,6 +523,8 @@ class ShardedModel(torch.nn.Module):
         spec, tp_group = self.spec, self.groups.tp_group
         assert spec.moe is not None and spec.traits.moe is not None
         weights, ids = route(self.matmul(h, f"{m}.gate.weight"), spec.moe, spec.traits.moe)
+        if self.training and len(ids):
+            self.expert_loads.append(expert_counts(ids.flatten(), spec.moe.n_experts))
         out = experts(
             copy_to_tp(h, tp_group),
             copy_to_tp(weights, tp_group),
@@ -534,6 +538,16 @@ class ShardedModel(torch.nn.Module):
         if spec.moe.shared_size:
             out = out + self._gated_mlp(h, f"{m}.shared_experts")
         return out
+
+    def take_expert_loads(self) -> float | None:
+        """The MoE layers' load since the last call: the busiest expert's tokens over the mean
+        expert's, averaged over the layers' passes (1.0: even); None without one. One host
+        read."""
+        loads, self.expert_loads = self.expert_loads, []
+        if not loads:
+            return None
+        counts = torch.stack(loads).float()
+        return float((counts.max(dim=1).values / counts.mean(dim=1)).mean())
 
     def _conv1d_attention(
         self, h: torch.Tensor, layer: str, where: TokenLayout, cache: KVCache | None, i: int

@@ -94,7 +94,7 @@ def experts(
     order = torch.argsort(flat, stable=True)
     rows = x[order // k]  # sorted by expert: by the rank that holds it, too
     if ep_group is None:
-        out = _ffn(rows, _counts(flat, gate_up.shape[0]), gate_up, down, act)
+        out = _ffn(rows, expert_counts(flat, gate_up.shape[0]), gate_up, down, act)
     else:
         out = _exchanged(rows, flat, gate_up, down, act, ep_group)
     out = (out * weights.flatten()[order, None]).to(x.dtype)
@@ -102,7 +102,7 @@ def experts(
     return per_choice.view(n, k, down.shape[1]).sum(dim=1)
 
 
-def _counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Rows per expert (int64), on the device, of a fixed shape."""
     counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device)
     return counts.scatter_add_(0, ids, torch.ones_like(ids))
@@ -138,7 +138,7 @@ def _exchanged(
     it and come back computed, in the order they left. The row counts are read to the host
     once a layer (the exchange's sizes)."""
     ep, local = dist.get_world_size(group), gate_up.shape[0]
-    sent = _counts(ids, ep * local)
+    sent = expert_counts(ids, ep * local)
     got = torch.empty_like(sent)
     dist.all_to_all_single(got, sent, group=group)  # [source rank, my expert]
     send, recv = sent.view(ep, local).sum(1), got.view(ep, local).sum(1)

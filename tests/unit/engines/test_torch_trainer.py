@@ -376,3 +376,29 @@ def test_fp16_overflows_while_the_scale_backs_off_do_not_stop_the_run():
     stats = trainer.train([_batch(1)] * 10, overflowing)
     assert stats["skipped_steps"] == 10.0 and trainer.skipped_in_a_row == 0
     assert trainer.scaler is not None and trainer.scaler.get_scale() == 2.0**6
+
+
+def test_an_moe_model_s_train_step_reports_how_unevenly_its_experts_are_loaded():
+    """The busiest expert's tokens over the mean expert's, per MoE layer and pass, averaged:
+    between 1 (even) and the number of experts; a dense model reports none."""
+    from rayhf.models.families import FAMILIES
+
+    shape = dict(FAMILIES["qwen3_moe"].check_shape)
+    model = RankModel.from_hf(tiny_model("qwen3_moe", shape), Tok(), False)
+    trainer = TorchTrainer(model, OptimizerConfig())
+    batches = [_batch(3), _batch(4)]
+    stats = trainer.train(batches, _loss_fn(model))
+    assert 1.0 < stats["expert_load_max_over_mean"] <= 8
+    # by hand: the first minibatch's forward, the same weights before the step
+    again = RankModel.from_hf(tiny_model("qwen3_moe", shape), Tok(), False)
+    again.module.train(True)
+    ids, mask = batches[0].to_padded("seq", PAD)
+    again.forward(ids, mask.long())
+    assert len(again.module.expert_loads) == 3  # the sparse layers: 0, 2 and 3
+    counts = torch.stack(again.module.expert_loads).float()
+    assert counts.sum(dim=1).tolist() == [2.0 * int(mask.sum())] * 3  # every token, twice
+    first = again.module.take_expert_loads()
+    assert first == pytest.approx(float((counts.max(1).values / counts.mean(1)).mean()))
+    assert again.module.expert_loads == [] and again.module.take_expert_loads() is None
+    dense, _ = _trainer()
+    assert "expert_load_max_over_mean" not in dense.train([_batch(3)], _loss_fn(dense.model))
