@@ -6,8 +6,8 @@
         [--skip PART ...] [--page NAME]
 
 Under 10 minutes a call, the 1.5B parts and the weight-move transports go in a second one:
-``--skip ppo_1.5b planner_1.5b transports colocated_move``, then ``--skip-ppo --skip generation
-train_step logprob_memory planner_0.5b hf_static --page gpu_1.5b``.
+``--skip ppo_1.5b planner_1.5b transports colocated_move moe_layer``, then ``--skip-ppo --skip
+generation train_step logprob_memory planner_0.5b hf_static --page gpu_1.5b``.
 
 The model has Qwen2-0.5B's shape (24 layers, 896 wide, 14 query and 2 key/value heads, MLP 4864,
 tied embedding, vocabulary padded to 151,936 rows) and random weights; prompts are the demo task's
@@ -29,6 +29,8 @@ frozen copies store bf16.
 - ``plan: auto``'s prediction: each PPO call priced from the models timed on this GPU (as a
   cuda run times them) against its measured mean, for this shape and Qwen2.5-1.5B's (a PPO run
   of that shape first).
+- One Mixture-of-Experts layer (``moe_layer``): ``benchmarks/moe_layer.py --device cuda``, its
+  own page.
 - Weight-move transports between processes on the one GPU: the PPO run with the reference's
   first move and any later ones through /dev/shm and through CUDA IPC (``transports``), and
   ``benchmarks/gpu_colocated_move.py``'s bytes/s of each (``colocated_move``, its own page).
@@ -234,6 +236,17 @@ def colocated_move(commit: str) -> dict[str, Any]:
     subprocess.run(cmd, check=True, timeout=420, cwd=here)
     page = json.loads((REPO / "docs" / "benchmarks" / "gpu_colocated_move.json").read_text())
     return page.get("results", page)
+
+
+def moe_layer(commit: str) -> dict[str, Any]:
+    """``benchmarks/moe_layer.py --device cuda`` (a Qwen3-30B-A3B layer in bf16, rayhf's experts
+    against Hugging Face's; its own page, ``moe_layer_gpu``), read back."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    cmd = ["python", str(here / "moe_layer.py"), "--device", "cuda", "--commit", commit]
+    subprocess.run(cmd, check=True, timeout=300, cwd=here)
+    return json.loads((REPO / "docs" / "benchmarks" / "moe_layer_gpu.json").read_text())
 
 
 def planner_check(
@@ -648,6 +661,7 @@ def main() -> None:
         "hf_static": lambda: hf_static(res["generation"]),
         "transports": lambda: transports(args.steps, args.warmup, args.batch, args.new_tokens),
         "colocated_move": lambda: colocated_move(res["commit"]),
+        "moe_layer": lambda: moe_layer(res["commit"]),
     }
     for name, measure in parts.items():
         if (name == "ppo" and args.skip_ppo) or name in args.skip:

@@ -2,6 +2,7 @@
 against Hugging Face's own implementations of the same layer, on the same weights and tokens.
 
     python benchmarks/moe_layer.py [--repeats 7] [--seconds 0.3] [--no-write]
+    python benchmarks/moe_layer.py --device cuda [--commit HASH]    # bf16, a GPU's shape
 
 A Qwen3-MoE sparse block (hidden 256, 16 experts of width 128, 4 a token; one torch thread):
 its router and experts as rayhf runs them (``rayhf.parallel.moe``: routing, then the tokens
@@ -11,6 +12,10 @@ default). Forward without gradients at 1 and 16 tokens (a decode step's rows) an
 prefill); forward and backward at 2,048 (a train step's micro-batch). Each figure is the
 median over ``--repeats`` rounds of the mean time of as many calls as fit ``--seconds``, the
 implementations taking turns within a round. ep > 1 is not measured here yet.
+
+With ``--device cuda`` (``benchmarks/gpu.py`` runs it as its ``moe_layer`` part): bf16, the shape
+of a Qwen3-30B-A3B layer (hidden 2048, 128 experts of width 768, 8 a token), at 1, 64 and 4,096
+tokens, written to ``moe_layer_gpu``.
 
 Writes docs/benchmarks/moe_layer.{md,json}.
 """
@@ -30,21 +35,28 @@ from rayhf.models.families import FAMILIES
 from rayhf.models.spec import MoESpec
 from rayhf.parallel import moe
 
-HIDDEN, EXPERTS, TOP_K, WIDTH = 256, 16, 4, 128
-CASES = (("forward", 1), ("forward", 16), ("forward", 2048), ("train", 2048))
+# (hidden, experts, top-k, expert width) and (pass, tokens) per device: a small layer on CPUs,
+# Qwen3-30B-A3B's on a GPU
+SHAPES = {"cpu": (256, 16, 4, 128), "cuda": (2048, 128, 8, 768)}
+CASES = {
+    "cpu": (("forward", 1), ("forward", 16), ("forward", 2048), ("train", 2048)),
+    "cuda": (("forward", 1), ("forward", 64), ("forward", 4096), ("train", 4096)),
+}
 IMPLEMENTATIONS = ("rayhf", "hf_grouped_mm", "hf_eager")
 
 
-def _blocks() -> dict[str, torch.nn.Module]:
-    """Hugging Face's block with each experts implementation, the same weights in both."""
+def _blocks(device: str) -> dict[str, torch.nn.Module]:
+    """Hugging Face's block with each experts implementation, the same weights in both (bf16
+    on a GPU)."""
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+    hidden, experts, top_k, width = SHAPES[device]
     out = {}
     for impl in ("grouped_mm", "eager"):
         cfg = transformers.Qwen3MoeConfig(
-            hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-            moe_intermediate_size=WIDTH, norm_topk_prob=True,
+            hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+            moe_intermediate_size=width, norm_topk_prob=True,
         )  # fmt: skip
         cfg._experts_implementation = impl
         torch.manual_seed(0)
@@ -52,18 +64,20 @@ def _blocks() -> dict[str, torch.nn.Module]:
         block.experts.config = cfg
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
-        out[impl] = block
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        out[impl] = block.to(device=device, dtype=dtype)
     return out
 
 
-def _calls(n: int, train: bool) -> dict[str, Callable[[], None]]:
-    blocks = _blocks()
+def _calls(n: int, train: bool, device: str = "cpu") -> dict[str, Callable[[], None]]:
+    blocks = _blocks(device)
     ref = blocks["grouped_mm"]
-    spec = MoESpec(EXPERTS, TOP_K, WIDTH, renormalize=True)
+    hidden, experts, top_k, width = SHAPES[device]
+    spec = MoESpec(experts, top_k, width, renormalize=True)
     traits = FAMILIES["qwen3_moe"].moe
     assert traits is not None
-    x = torch.randn(1, n, HIDDEN, generator=torch.Generator().manual_seed(1))
-    x.requires_grad_(train)
+    x = torch.randn(1, n, hidden, generator=torch.Generator().manual_seed(1))
+    x = x.to(device=device, dtype=ref.gate.weight.dtype).requires_grad_(train)
 
     def ours() -> torch.Tensor:
         h = x[0]
@@ -79,10 +93,11 @@ def _calls(n: int, train: bool) -> dict[str, Callable[[], None]]:
         "hf_grouped_mm": hf(blocks["grouped_mm"]),
         "hf_eager": hf(blocks["eager"]),
     }
+    tol = 1e-5 if x.dtype == torch.float32 else 3e-2  # bf16: a few roundings of the largest
     with torch.no_grad():
         want = fns["hf_eager"]()
         for name, f in fns.items():  # the same numbers first
-            assert (f() - want).abs().max() <= 1e-5 * want.abs().max(), name
+            assert (f() - want).abs().max() <= tol * want.abs().max(), name
 
     def run(f: Callable[[], torch.Tensor]) -> Callable[[], None]:
         def forward() -> None:
@@ -98,18 +113,21 @@ def _calls(n: int, train: bool) -> dict[str, Callable[[], None]]:
 
 
 def _time(f: Callable[[], None], seconds: float) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     f()
+    sync()
     began, n = time.perf_counter(), 0
     while time.perf_counter() - began < seconds:
         f()
+        sync()
         n += 1
     return (time.perf_counter() - began) / n
 
 
-def measure(repeats: int, seconds: float) -> list[dict]:
+def measure(repeats: int, seconds: float, device: str = "cpu") -> list[dict]:
     rows = []
-    for kind, n in CASES:
-        calls = _calls(n, kind == "train")
+    for kind, n in CASES[device]:
+        calls = _calls(n, kind == "train", device)
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(repeats):
             for name, f in calls.items():
@@ -119,12 +137,19 @@ def measure(repeats: int, seconds: float) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict]) -> str:
+def report(rows: list[dict], device: str = "cpu") -> str:
+    hidden, experts, top_k, width = SHAPES[device]
+    where = (
+        "one torch thread on this machine's CPU, fp32"
+        if device == "cpu"
+        else f"bf16 on {torch.cuda.get_device_name(0)}"
+    )
+    command = "" if device == "cpu" else " --device cuda"
     lines = [
         "# One MoE layer: rayhf's experts against Hugging Face's",
         "",
-        "`python benchmarks/moe_layer.py`: a Qwen3-MoE sparse block (hidden 256, 16 experts of "
-        "width 128, 4 a token), one torch thread on this machine's CPU, the same weights and "
+        f"`python benchmarks/moe_layer.py{command}`: a Qwen3-MoE sparse block (hidden {hidden}, "
+        f"{experts} experts of width {width}, {top_k} a token), {where}, the same weights and "
         "tokens for each. Milliseconds a call (median of rounds); the ratio is Hugging Face's "
         "time over rayhf's (above 1: rayhf is faster).",
         "",
@@ -169,13 +194,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=sorted(SHAPES))
+    parser.add_argument("--commit", default=None, help="the commit measured (no .git there)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    rows = measure(args.repeats, args.seconds)
-    text = report(rows)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    rows = measure(args.repeats, args.seconds, args.device)
+    text = report(rows, args.device)
     print(text)
     if not args.no_write:
-        write_results("moe_layer", text, {"rows": rows})
+        page = "moe_layer" if args.device == "cpu" else "moe_layer_gpu"
+        write_results(page, text, {"rows": rows, "device": args.device}, args.commit)
 
 
 if __name__ == "__main__":
