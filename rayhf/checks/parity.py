@@ -188,6 +188,8 @@ def _grad_error(engine, ref_params: dict[str, Any]) -> float:
     worst, scale = 0.0, max(float(p.grad.abs().max()) for p in ref_params.values())
     for name, p in module.local_state().items():
         shard = module.shards[name]
+        if not shard.trained:  # a router's bias: Hugging Face's buffer, no gradient
+            continue
         want = take_shard(ref_params[name].grad, shard, tp, tp_rank, groups.ep, groups.ep_rank)
         worst = max(worst, float((p.grad - want).abs().max()))
     return worst / scale
@@ -283,7 +285,11 @@ def _check(
             frozen.score(my_ids, my_mask, targets)[scored],
             scores_from_logits(want, targets)[scored],
         )
-    value_err = _value_error(case, groups, my_ids, my_mask, precision, device)
+    value_err = (  # a family with no sequence-classification class has no critic
+        _value_error(case, groups, my_ids, my_mask, precision, device)
+        if FAMILIES[CASES[case].family].value_head_class
+        else None
+    )
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
     same_tokens = None  # the decode engine runs ep = 1 only (its replicas do not step together)

@@ -299,8 +299,9 @@ class TorchTrainer:
         module = self.model.module
         split = groups.ep > 1
         held = {id(module.param(n)) for n, p in module.shards.items() if p.expert and split}
-        experts = [p for p in module.parameters() if id(p) in held]
-        dense = [p for p in module.parameters() if id(p) not in held]
+        trained = [p for p in module.parameters() if p.requires_grad]  # not a router's bias
+        experts = [p for p in trained if id(p) in held]
+        dense = [p for p in trained if id(p) not in held]
         if self.buckets is None or not self.buckets.holds([dense, experts]):
             if self.buckets is not None:
                 self.buckets.close()
@@ -401,9 +402,9 @@ def _make_optimizer(
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(
-            list(module.parameters()),
+            [p for p in module.parameters() if p.requires_grad],
             optimizer_class=torch.optim.AdamW,
             process_group=dp_group,
             **kwargs,
         )
-    return torch.optim.AdamW(module.parameters(), **kwargs)
+    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **kwargs)

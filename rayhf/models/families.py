@@ -66,9 +66,12 @@ GPT2_NAMES = ConfigNames(
 )
 
 
-RouterKind = Literal["softmax_topk"]
+RouterKind = Literal["softmax_topk", "sigmoid_grouped"]
 """``softmax_topk``: a softmax over every expert's logit in fp32, then the top k (Qwen3-MoE,
-Mixtral)."""
+Mixtral); ``sigmoid_grouped``: sigmoid scores in fp32, the top k chosen by score plus a
+score-correction bias (``gate.e_score_correction_bias``, not trained) within the best
+``topk_group`` of ``n_group`` groups, weighted by the scores without it, times
+``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5)."""
 
 DenseLayers = Literal["none", "sparse_step", "first_k"]
 """Which decoder layers keep a dense MLP: none; those ``mlp_only_layers`` names or off the
@@ -155,6 +158,15 @@ class FamilyTraits:
     Gemma 2's config alternates them itself)."""
     moe: MoETraits | None = None
     """Mixture-of-Experts feed-forward layers, routed as the row says; None: dense MLPs."""
+    qk_norm_flag: str | None = None
+    """The config flag that turns on the q/k norms (GLM-4.5's ``use_qk_norm``)."""
+    o_bias: bool = True
+    """With ``attention_bias`` the output projection has a bias too (GLM-4.5's has none)."""
+    value_head_class: bool = True
+    """transformers has a sequence-classification class of it: a critic or reward model."""
+    check_randomized: tuple[str, ...] = ()
+    """Parameters the parity check's tiny model refills at random (name endings): ones Hugging
+    Face starts at zero, which would not bite."""
 
     check_shape: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The tiny model ``rayhf.checks.parity`` builds of this family (``ModelInit`` fields beside
@@ -256,6 +268,39 @@ FAMILIES: dict[str, FamilyTraits] = {
                 "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32,
                 "mlp_only_layers": [1],
+            },
+        },
+    ),
+    # sigmoid scores with a correction bias chosen in groups, scaled, renormalized; shared
+    # experts; a dense first layer; q/k/v biases but none on o; q/k norms by flag; half RoPE
+    "glm4_moe": FamilyTraits(
+        "Glm4MoeConfig",
+        moe=MoETraits(
+            router="sigmoid_grouped",
+            renormalize="norm_topk_prob",
+            dense_layers="first_k",
+            shared_experts=True,
+        ),
+        qk_norm_flag="use_qk_norm",
+        o_bias=False,
+        value_head_class=False,
+        check_randomized=("e_score_correction_bias",),
+        check_shape={
+            "n_heads": 4,
+            "n_kv_heads": 4,
+            "intermediate_size": 48,
+            "config": {
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "n_shared_experts": 1,
+                "n_group": 4,
+                "topk_group": 2,
+                "routed_scaling_factor": 2.5,
+                "norm_topk_prob": True,
+                "first_k_dense_replace": 1,
+                "attention_bias": True,
+                "use_qk_norm": True,
             },
         },
     ),

@@ -41,6 +41,7 @@ class ParamShard:
     unit: int  # 0 embeddings, 1..n_layers decoder layers, n_layers + 1 final norm + head
     blocks: tuple[int, ...] = ()  # sizes along tp_dim that split separately (q|k|v); () = one
     expert: bool = False  # routed experts stacked on dim 0 (a token multiplies top_k of them)
+    trained: bool = True  # False: a weight the model reads and never steps (a router's bias)
 
     @property
     def numel(self) -> int:
@@ -84,7 +85,7 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
         ]
     else:
         out += _dense_mlp(f"{p}.mlp", h, inter, unit)
-    if spec.traits.qk_norm:  # one weight per head dim, shared by every head: replicated
+    if spec.qk_norm:  # one weight per head dim, shared by every head: replicated
         out += [
             ParamShard(f"{p}.self_attn.q_norm.weight", (spec.head_dim,), None, unit),
             ParamShard(f"{p}.self_attn.k_norm.weight", (spec.head_dim,), None, unit),
@@ -122,8 +123,10 @@ def _moe_mlp(spec: ModelSpec, m: str, unit: int) -> list[ParamShard]:
     moe, h = spec.moe, spec.hidden_size
     assert moe is not None
     e, w = moe.n_experts, moe.expert_size
-    out = [
-        ParamShard(f"{m}.gate.weight", (e, h), None, unit),
+    out = [ParamShard(f"{m}.gate.weight", (e, h), None, unit)]
+    if spec.traits.moe is not None and spec.traits.moe.router == "sigmoid_grouped":
+        out.append(ParamShard(f"{m}.gate.e_score_correction_bias", (e,), None, unit, trained=False))
+    out += [
         ParamShard(f"{m}.experts.gate_up_proj", (e, 2 * w, h), 1, unit, (w, w), expert=True),
         ParamShard(f"{m}.experts.down_proj", (e, h, w), 2, unit, expert=True),
     ]

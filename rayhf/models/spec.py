@@ -81,6 +81,7 @@ class ModelSpec:
     # Mixture-of-Experts feed-forward layers (None: every MLP dense) and which layers they are
     moe: MoESpec | None = None
     moe_layers: tuple[int, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each head's q and k (the family's, or its config's flag)
 
     @property
     def prefix(self) -> str:
@@ -104,6 +105,11 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
     """The spec of a Hugging Face config; unsupported families or features are refused."""
     family = config.model_type
     traits = family_traits(family)
+    if value_head and not traits.value_head_class:
+        raise RayhfError(
+            f"model type '{family}' has no sequence-classification class in transformers, so it "
+            "cannot be a critic or reward model; give that role another family"
+        )
     names = traits.config_names
     hidden, n_heads = getattr(config, names.hidden_size), getattr(config, names.n_heads)
     head_dim = getattr(config, "head_dim", None) or hidden // n_heads
@@ -123,7 +129,9 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         norm_eps=getattr(config, names.norm_eps),
         act=next(a for a in (getattr(config, n, None) for n in names.act) if a),
         qkv_bias=traits.qkv_bias or attention_bias,
-        o_bias=attention_bias,
+        o_bias=attention_bias and traits.o_bias,
+        qk_norm=traits.qk_norm
+        or bool(traits.qk_norm_flag and getattr(config, traits.qk_norm_flag, False)),
         mlp_bias=traits.all_biases or bool(getattr(config, "mlp_bias", False)),
         tied=bool(getattr(config, "tie_word_embeddings", False)) and not value_head,
         value_head=value_head,

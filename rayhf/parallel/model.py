@@ -106,7 +106,7 @@ class ShardedModel(torch.nn.Module):
                 local = torch.zeros(shard_shape(p, tp, c.tp_rank, ep, ep_rank), dtype=dtype)
             else:
                 local = take_shard(full[name].to(dtype), p, tp, c.tp_rank, ep, ep_rank)
-            self.register_parameter(_key(name), torch.nn.Parameter(local))
+            self.register_parameter(_key(name), torch.nn.Parameter(local, p.trained))
         self.shard_shapes = {name: tuple(self.param(name).shape) for name in self.shards}
         self.n_heads = spec.n_heads // tp
         self.n_kv_heads = spec.n_kv_heads // tp
@@ -483,7 +483,7 @@ class ShardedModel(torch.nn.Module):
         local = spec.window_layers is None or i in spec.window_layers  # a sliding-window layer
         window = spec.sliding_window if local else None
         cos, sin = rot[local and spec.rope_inv_freq_local is not None]  # Gemma 3's local layers
-        fused = None if spec.traits.qk_norm else self._lent_fused(h, f"{p}.qkv")
+        fused = None if spec.qk_norm else self._lent_fused(h, f"{p}.qkv")
         if fused is not None:  # q and k side by side: one rotation of both
             qk, v = fused.split([sizes[0] + sizes[1], sizes[2]], dim=-1)
             qk = apply_rotary(qk.reshape(-1, self.n_heads + self.n_kv_heads, d), cos, sin)
@@ -491,7 +491,7 @@ class ShardedModel(torch.nn.Module):
         else:
             q, k, v = self._linears(h, p, names, sizes, "qkv")
             q, k = q.reshape(-1, self.n_heads, d), k.reshape(-1, self.n_kv_heads, d)
-            if spec.traits.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+            if spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
                 q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(-1, self.n_kv_heads, d)
@@ -522,8 +522,13 @@ class ShardedModel(torch.nn.Module):
         With ep > 1 the tokens go to the ep rank holding their expert and back."""
         spec, tp_group = self.spec, self.groups.tp_group
         assert spec.moe is not None and spec.traits.moe is not None
-        weights, ids = route(self.matmul(h, f"{m}.gate.weight"), spec.moe, spec.traits.moe)
-        if self.training and len(ids):
+        if spec.traits.moe.router == "sigmoid_grouped":  # from fp32 inputs, as Hugging Face's
+            logits = F.linear(h.float(), self.param(f"{m}.gate.weight").float())
+        else:
+            logits = self.matmul(h, f"{m}.gate.weight")
+        bias = self.param_or_none(f"{m}.gate.e_score_correction_bias")
+        weights, ids = route(logits, spec.moe, spec.traits.moe, bias)
+        if self.training and torch.is_grad_enabled() and len(ids):  # a train step's
             self.expert_loads.append(expert_counts(ids.flatten(), spec.moe.n_experts))
         out = experts(
             copy_to_tp(h, tp_group),

@@ -29,15 +29,39 @@ ALIGN_BYTES = 16
 
 
 def route(
-    logits: torch.Tensor, spec: MoESpec, traits: MoETraits
+    logits: torch.Tensor, spec: MoESpec, traits: MoETraits, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """From the router's ``logits [n, E]``: each token's ``top_k`` experts ``[n, k]`` (int64)
-    and their weights ``[n, k]``, in the logits' dtype (fp32 where the family keeps them so)."""
+    and their weights ``[n, k]``, in the logits' dtype (fp32 where the family keeps them so;
+    ``bias``: the score correction of a ``sigmoid_grouped`` router)."""
+    if traits.router == "sigmoid_grouped":
+        assert bias is not None
+        return _grouped(logits, spec, bias)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, spec.top_k, dim=-1)
     if spec.renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return (top if traits.weights_fp32 else top.to(logits.dtype)), ids
+
+
+def _grouped(
+    logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (GLM-4.5's): sigmoid scores; a group of experts scored by the sum
+    of its two best corrected scores, the best ``topk_group`` groups kept; the top k of their
+    experts by corrected score, weighted by the plain score (renormalized), times the scale."""
+    scores = logits.sigmoid()
+    corrected = scores + bias.float()
+    n, groups = len(logits), spec.n_group
+    grouped = corrected.view(n, groups, spec.n_experts // groups)
+    best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(spec.topk_group, dim=-1).indices
+    keep = torch.zeros(n, groups, dtype=torch.bool, device=logits.device)
+    keep = keep.scatter(1, best, True).unsqueeze(-1).expand_as(grouped).reshape(logits.shape)
+    ids = corrected.masked_fill(~keep, float("-inf")).topk(spec.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.scaling, ids
 
 
 def _grouped_ok(x: torch.Tensor, wt: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ from rayhf.envs.env import check_env
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph, load_graph
 from rayhf.metrics.tracker import check_trackers
+from rayhf.models.families import family_traits
 from rayhf.models.files import special_ids
 from rayhf.models.hf import build_model, hf_config, save_model
 from rayhf.models.precision import priced
@@ -132,6 +133,12 @@ def prepare_models(cfg: ExperimentConfig, run_dir: Path, tokenizer) -> dict[str,
             dirs[role] = Path(rc.path)
         elif rc.init is not None:
             out = run_dir / "init" / role
+            if rc.value_head and not family_traits(rc.init.family).value_head_class:
+                raise RayhfError(
+                    f"models.{role}.init.family: '{rc.init.family}' has no sequence-"
+                    "classification class in transformers, so it cannot be a critic or reward "
+                    "model; use another family"
+                )
             if not (out / "config.json").is_file():
                 config = hf_config(
                     rc.init,

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rayhf.checks.parity import CASES, _model
 from rayhf.models import files
+from rayhf.models.families import FAMILIES
 from rayhf.models.files import TokenizerDir, read_weights, special_ids, write_model
 from rayhf.models.hf import model_files, read_model_config
 from rayhf.models.tokenizer import CHAT_FORMATS, train_bpe_tokenizer
@@ -37,6 +38,8 @@ def _both(tmp_path: Path, hf, value_head: bool) -> tuple[Path, Path]:
 @pytest.mark.parametrize("value_head", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_family_is_written_as_save_pretrained_writes_it(tmp_path, case, value_head):
+    if value_head and not FAMILIES[CASES[case].family].value_head_class:
+        pytest.skip(f"{case} has no sequence-classification class in transformers")
     theirs, ours = _both(tmp_path, _model(case, value_head), value_head)
     names = sorted(p.name for p in ours.iterdir())
     assert names == sorted(p.name for p in theirs.iterdir())

@@ -74,10 +74,13 @@ def test_weights_read_from_the_files_are_the_loaded_model_s(tmp_path, value_head
     """Every family (Gemma 2's head tied to its embedding), as a critic too: each parameter
     the spec names, bit for bit, in fp32 even from bf16 files; shards with an index too."""
     from rayhf.checks.parity import CASES
+    from rayhf.models.families import FAMILIES
     from rayhf.models.sharding import param_shards
     from rayhf.models.spec import model_spec
 
     for family in CASES:
+        if value_head and not FAMILIES[CASES[family].family].value_head_class:
+            continue  # no critic of it (GLM-4.5)
         path, want = _saved(tmp_path, family, value_head)
         config, got = load_weights(path, value_head, "models.actor.path")
         names = {p.name for p in param_shards(model_spec(config, value_head))}

@@ -15,39 +15,57 @@ from rayhf.parallel import moe
 
 
 def _block(case: str):
-    """Layer 0's sparse MoE block of the case's tiny model (eager experts), and its spec."""
+    """The first sparse MoE block of the case's tiny model (eager experts), and its spec."""
     hf = _model(case, False)
     hf.config._experts_implementation = "eager"
-    block = hf.model.layers[0].mlp
+    spec = model_spec(hf.config, False)
+    block = hf.model.layers[spec.moe_layers[0]].mlp
     block.experts.config = hf.config
-    return block, model_spec(hf.config, False)
+    return block, spec
+
+
+def _route(block, h: torch.Tensor, spec, case: str):
+    """rayhf's routing of ``h`` with the block's router, as ``ShardedModel._moe_mlp`` calls it."""
+    traits = FAMILIES[case].moe
+    assert spec.moe is not None and traits is not None
+    if traits.router == "sigmoid_grouped":  # from fp32 inputs, with the correction bias
+        logits = F.linear(h.float(), block.gate.weight.float())
+        return moe.route(logits, spec.moe, traits, block.gate.e_score_correction_bias)
+    return moe.route(F.linear(h, block.gate.weight), spec.moe, traits)
 
 
 def _hidden(n: int = 24, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(n, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
 
 
+CASES_MOE = ["qwen3_moe", "mixtral", "glm4_moe"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", CASES_MOE)
 def test_routing_chooses_and_weighs_the_experts_hugging_face_does(case, dtype):
+    """GLM-4.5's sigmoid scores, chosen within groups with a (randomized) correction bias."""
     block, spec = _block(case)
     block.to(dtype)
     h = _hidden(dtype=dtype)
     _, want_weights, want_ids = block.gate(h)
-    assert spec.moe is not None and FAMILIES[case].moe is not None
-    weights, ids = moe.route(F.linear(h, block.gate.weight), spec.moe, FAMILIES[case].moe)
-    assert torch.equal(ids, want_ids)
-    assert weights.dtype == want_weights.dtype and torch.equal(weights, want_weights)
+    weights, ids = _route(block, h, spec, case)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)  # GLM's top-k is unsorted
+    assert torch.equal(order.values, want_order.values)
+    got = weights.gather(1, order.indices)
+    assert got.dtype == want_weights.dtype
+    assert torch.equal(got, want_weights.gather(1, want_order.indices))
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("case", CASES_MOE)
 def test_the_experts_give_hugging_face_s_per_expert_loop_to_rounding(case):
     block, spec = _block(case)
     h = _hidden()
-    assert spec.moe is not None and FAMILIES[case].moe is not None
     with torch.no_grad():
         want = block(h[None])[0]
-        weights, ids = moe.route(F.linear(h, block.gate.weight), spec.moe, FAMILIES[case].moe)
+        if spec.moe is not None and spec.moe.shared_size:  # GLM-4.5's shared experts
+            want = want - block.shared_experts(h[None])[0]
+        weights, ids = _route(block, h, spec, case)
         got = moe.experts(
             h, weights, ids, block.experts.gate_up_proj, block.experts.down_proj, F.silu
         )
@@ -86,4 +104,4 @@ def test_grouped_gemm_runs_only_on_aligned_operands():
     assert moe._grouped_ok(x, torch.zeros(4, 16, 8))
     assert not moe._grouped_ok(torch.zeros(6, 15), torch.zeros(4, 15, 8))  # 60-byte rows
     assert not moe._grouped_ok(x[:, 1:5], torch.zeros(4, 4, 8))  # starts 4 bytes in
-    assert "qwen3_moe" in CASES and "mixtral" in CASES
+    assert set(CASES_MOE) <= set(CASES)

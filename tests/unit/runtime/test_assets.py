@@ -182,3 +182,15 @@ def test_an_engine_that_runs_no_experts_is_refused_for_a_mixture_of_experts_role
         f"engines.{call}: engine '{engine}' does not run Mixture-of-Experts models yet (role "
         f"'actor' is mixtral); use engine '{want}' for {call}"
     )
+
+
+def test_a_family_with_no_critic_class_is_refused_as_a_critic_naming_the_field(tmp_path):
+    glm = "{family: glm4_moe, n_heads: 4, intermediate_size: 32, config: {n_routed_experts: 4}}"
+    cfg = _cfg(tmp_path, f"models.critic.init={glm}")
+    tok, _ = prepare_tokenizer(cfg, tmp_path / "run", "actor")
+    with pytest.raises(RayhfError) as info:
+        prepare_models(cfg, tmp_path / "run", tok)
+    assert str(info.value) == (
+        "models.critic.init.family: 'glm4_moe' has no sequence-classification class in "
+        "transformers, so it cannot be a critic or reward model; use another family"
+    )
