@@ -136,8 +136,8 @@ def prepare_models(cfg: ExperimentConfig, run_dir: Path, tokenizer) -> dict[str,
             if rc.value_head and not family_traits(rc.init.family).value_head_class:
                 raise RayhfError(
                     f"models.{role}.init.family: '{rc.init.family}' has no sequence-"
-                    "classification class in transformers, so it cannot be a critic or reward "
-                    "model; use another family"
+                    "classification class in transformers, so it cannot take the role's value "
+                    "head; use another family"
                 )
             if not (out / "config.json").is_file():
                 config = hf_config(

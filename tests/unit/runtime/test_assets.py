@@ -192,5 +192,5 @@ def test_a_family_with_no_critic_class_is_refused_as_a_critic_naming_the_field(t
         prepare_models(cfg, tmp_path / "run", tok)
     assert str(info.value) == (
         "models.critic.init.family: 'glm4_moe' has no sequence-classification class in "
-        "transformers, so it cannot be a critic or reward model; use another family"
+        "transformers, so it cannot take the role's value head; use another family"
     )
