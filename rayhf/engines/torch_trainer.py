@@ -398,13 +398,11 @@ def _make_optimizer(
         "weight_decay": cfg.weight_decay,
         "fused": True,  # one kernel over every tensor, on CUDA and CPU (docs/decisions/)
     }
+    trained = [p for p in module.parameters() if p.requires_grad]  # not a router's bias
     if cfg.zero1 and dp_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(
-            [p for p in module.parameters() if p.requires_grad],
-            optimizer_class=torch.optim.AdamW,
-            process_group=dp_group,
-            **kwargs,
+            trained, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs
         )
-    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **kwargs)
+    return torch.optim.AdamW(trained, **kwargs)

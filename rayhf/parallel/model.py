@@ -528,8 +528,9 @@ class ShardedModel(torch.nn.Module):
             logits = self.matmul(h, f"{m}.gate.weight")
         bias = self.param_or_none(f"{m}.gate.e_score_correction_bias")
         weights, ids = route(logits, spec.moe, spec.traits.moe, bias)
+        counts = expert_counts(ids.flatten(), spec.moe.n_experts)
         if self.training and torch.is_grad_enabled() and len(ids):  # a train step's
-            self.expert_loads.append(expert_counts(ids.flatten(), spec.moe.n_experts))
+            self.expert_loads.append(counts)
         out = experts(
             copy_to_tp(h, tp_group),
             copy_to_tp(weights, tp_group),
@@ -538,6 +539,7 @@ class ShardedModel(torch.nn.Module):
             self.param(f"{m}.experts.down_proj"),
             self.act,
             self.groups.ep_group,
+            counts,
         )
         out = reduce_from_tp(out, tp_group)
         if spec.moe.shared_size:

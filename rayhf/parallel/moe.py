@@ -107,20 +107,25 @@ def experts(
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     ep_group: dist.ProcessGroup | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [n, H]`` through its experts: ``ids``/``weights [n, k]`` from ``route``, this rank's
     ``gate_up [E_local, 2I, H]`` (gate rows, then up) and ``down [E_local, H, I]``: every
     expert, or with ``ep_group`` this rank's ``1/ep`` of them (the rows of other ranks' experts
-    travel there and back). Each (token, choice) output is weighted in the weights' dtype,
-    cast to ``x``'s, and the k summed in choice order."""
+    travel there and back). ``counts``: ``expert_counts`` of ``ids`` over every expert, where
+    the caller has them. Each (token, choice) output is weighted in the weights' dtype, cast
+    to ``x``'s, and the k summed in choice order."""
     n, k = ids.shape
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     rows = x[order // k]  # sorted by expert: by the rank that holds it, too
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if counts is None:
+        counts = expert_counts(flat, ep * gate_up.shape[0])
     if ep_group is None:
-        out = _ffn(rows, expert_counts(flat, gate_up.shape[0]), gate_up, down, act)
+        out = _ffn(rows, counts, gate_up, down, act)
     else:
-        out = _exchanged(rows, flat, gate_up, down, act, ep_group)
+        out = _exchanged(rows, counts, gate_up, down, act, ep_group)
     out = (out * weights.flatten()[order, None]).to(x.dtype)
     per_choice = torch.empty_like(out).index_copy(0, order, out)
     return per_choice.view(n, k, down.shape[1]).sum(dim=1)
@@ -151,22 +156,21 @@ def _ffn(
 
 def _exchanged(
     rows: torch.Tensor,
-    ids: torch.Tensor,
+    sent: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
-    """``_ffn`` of rows sorted by (global) expert whose experts are spread over ``group``
-    (rank j of it holds experts ``[j * E_local, (j + 1) * E_local)``): each peer's rows go to
-    it and come back computed, in the order they left. The row counts are read to the host
-    once a layer (the exchange's sizes)."""
+    """``_ffn`` of rows sorted by (global) expert, ``sent`` of them per expert, whose experts
+    are spread over ``group`` (rank j of it holds experts ``[j * E_local, (j + 1) *
+    E_local)``): each peer's rows go to it and come back computed, in the order they left. The
+    row counts are read to the host once a layer (the exchange's sizes)."""
     ep, local = dist.get_world_size(group), gate_up.shape[0]
-    sent = expert_counts(ids, ep * local)
     got = torch.empty_like(sent)
     dist.all_to_all_single(got, sent, group=group)  # [source rank, my expert]
-    send, recv = sent.view(ep, local).sum(1), got.view(ep, local).sum(1)
-    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    sizes = torch.stack([sent.view(ep, local).sum(1), got.view(ep, local).sum(1)])
+    send_sizes, recv_sizes = sizes.tolist()  # one read of both
     arrived = _Exchange.apply(rows, send_sizes, recv_sizes, group)
     # each source's rows come sorted by expert: sort all of them by expert, stably
     expert = torch.arange(local, device=rows.device).repeat(ep)

@@ -165,13 +165,12 @@ def expert_params(spec: ModelSpec) -> int:
 def _sizes(spec: ModelSpec) -> tuple[int, int, int]:
     """(all parameters, parameters a token's forward multiplies, embedding parameters): of the
     routed experts a token multiplies ``top_k`` of every layer's ``n_experts``."""
-    total = embed = experts = 0
+    total = embed = 0
     for p in param_shards(spec):
         total += p.numel
         if p.unit == 0:
             embed += p.numel
-        if p.expert:
-            experts += p.numel
+    experts = expert_params(spec)
     idle = round(experts - experts_read(spec, experts, 1))
     return total, total - embed - idle, embed
 
