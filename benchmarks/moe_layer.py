@@ -81,7 +81,7 @@ def _calls(n: int, train: bool, device: str = "cpu") -> dict[str, Callable[[], N
 
     def ours() -> torch.Tensor:
         h = x[0]
-        weights, ids = moe.route(F.linear(h, ref.gate.weight), spec, traits)
+        weights, ids, _ = moe.route(F.linear(h, ref.gate.weight), spec, traits)
         gate_up, down = ref.experts.gate_up_proj, ref.experts.down_proj
         return moe.experts(h, weights, ids, gate_up, down, F.silu)
 

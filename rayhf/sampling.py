@@ -59,6 +59,9 @@ class GenerationConfig(BaseModel):
     """Sample among the k most likely tokens; 0 = off."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1 = off."""
+    expert_routes: bool = False
+    """Keep the experts each token went to (a Mixture-of-Experts model on the native engine:
+    ``GenerateOutput.routes``); ``algorithm.router_replay`` sets it."""
 
     @model_validator(mode="after")
     def _check_lengths(self) -> GenerationConfig:
@@ -78,6 +81,10 @@ class GenerateOutput:
     # tokens and their raw log-probs, most likely first
     top_ids: list[list[list[int]]] = field(default_factory=list)
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    # with ``DecodeRules.routes`` on a Mixture-of-Experts model (else empty): per prompt, the
+    # experts each of its tokens and its response's went to, ``[tokens, L, k]`` int16 (L: the
+    # model's MoE layers); the last response token's are -1 (no forward of it ran)
+    routes: list[torch.Tensor] = field(default_factory=list)
 
 
 class Feed(Protocol):
@@ -112,6 +119,7 @@ class DecodeRules:
     pad: int
     raw_logprobs: bool = False  # report log_softmax(logits), before the temperature
     top_logprobs: int = 0  # also record the k most likely tokens per position (raw log-probs)
+    routes: bool = False  # also record each token's experts (a Mixture-of-Experts model)
 
     @staticmethod
     def of(cfg: GenerationConfig, eos_token_id: int, pad_token_id: int) -> DecodeRules:
@@ -124,6 +132,7 @@ class DecodeRules:
             max_new_tokens=cfg.max_new_tokens,
             eos=eos_token_id,
             pad=pad_token_id,
+            routes=cfg.expert_routes,
         )
 
 

@@ -29,7 +29,6 @@ from torch import Tensor
 from rayhf.algorithms.interface import Algorithm, CallContext, CallEngine, WorkShape
 from rayhf.algorithms.lm import (
     LMInterface,
-    generation_config,
     padded,
     response_forward,
     rollout_stats,
@@ -222,6 +221,7 @@ class GRPOActorInterface(LMInterface):
 
     name = "grpo_actor"
     config_type = GRPOConfig
+    policy = True
 
     @property
     def cfg(self) -> GRPOConfig:
@@ -266,8 +266,7 @@ class GRPOActorInterface(LMInterface):
         return policy_train_shape(algorithm, algorithm.ppo_epochs, algorithm.n_minibatches)
 
     def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
-        cfg = generation_config(self.settings.generation, ctx.args)
-        return sample_batch(engine, batch, cfg, ctx, n_samples=self.cfg.group_size)
+        return sample_batch(engine, batch, self.generation(ctx), ctx, self.cfg.group_size)
 
     def advantages(self, engine: CallEngine, batch: PackedBatch, rank: int) -> torch.Tensor:
         """This rank's per-sample advantages, normalized over every rank's groups."""
@@ -294,7 +293,7 @@ class GRPOActorInterface(LMInterface):
         )
 
         def loss_fn(mb: PackedBatch):
-            logp, _, mask = response_forward(engine, mb, temperature)
+            logp, _, mask = response_forward(engine, mb, temperature, self.cfg.router_replay)
             (old, behaviour), ref = reference.old(mb, logp, mask), padded(mb, "ref_logprobs")
             loss, s = self.policy_loss(
                 logp, old, ref, self.minibatch_advantages(mb), mask, behaviour

@@ -25,6 +25,9 @@ from rayhf.sampling import GenerationConfig
 
 # per sample a generate call made: the step whose update made the weights that sampled it
 VERSION_EXTRA = "policy_version"
+# per sample a generate call of a Mixture-of-Experts policy made with ``algorithm.router_replay``:
+# the experts each token went to, ``[tokens, L, k]`` int16 (``rayhf.sampling.GenerateOutput``)
+ROUTES_EXTRA = "expert_routes"
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ per-response-token tensor is right-padded ``[B, R]`` with a bool mask (see ``seq
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from rayhf.algorithms.interface import CallContext, CallEngine, Interface
+from rayhf.algorithms.interface import ROUTES_EXTRA, CallContext, CallEngine, Interface
 from rayhf.algorithms.seqs import (
     gather_positions,
     pack_per_token,
@@ -60,13 +60,17 @@ def scores_from_logits(logits: Tensor, targets: Tensor, temperature: float = 1.0
     return torch.stack([logp, entropy], dim=-1) * keep.unsqueeze(-1)
 
 
-def response_forward(engine: CallEngine, batch: PackedBatch, temperature: float = 1.0):
+def response_forward(
+    engine: CallEngine, batch: PackedBatch, temperature: float = 1.0, routes: str = "off"
+):
     """``(logprobs or values [B, R], entropy [B, R] or None, mask [B, R])``, on the CPU.
 
     An LM gives the log-probs of the response tokens under ``softmax(logits / temperature)``
     and the entropy of each of those distributions, computed by ``engine.score`` a slice of
     tokens at a time (no ``[B, R, V]`` logits, in forward or backward); a value-head model gives
-    the value of the state before each response token (and None).
+    the value of the state before each response token (and None). ``routes`` (an
+    ``algorithm.router_replay``): what the forward does with the generator's experts of each
+    token where the samples carry them (``ROUTES_EXTRA``).
     """
     ids, attn = padded_inputs(batch, engine.pad_id)
     positions, mask = response_index(batch)
@@ -77,9 +81,28 @@ def response_forward(engine: CallEngine, batch: PackedBatch, temperature: float 
     targets = torch.full_like(ids, -1)
     rows = torch.arange(len(ids)).unsqueeze(1).expand_as(positions)
     targets[rows[mask], positions[mask]] = response_labels(ids, positions)[mask]
-    scored = gather_positions(engine.score(ids, attn, targets, temperature), positions).cpu()
+    given = padded_routes(batch, ids.shape[1]) if routes != "off" else None
+    if given is not None:
+        scored = engine.score(ids, attn, targets, temperature, given, routes == "replay")
+    else:
+        scored = engine.score(ids, attn, targets, temperature)
+    scored = gather_positions(scored, positions).cpu()
     scored = scored * mask.unsqueeze(-1)  # padding: 0, not position 0's scores
     return scored[..., 0], scored[..., 1], mask
+
+
+def padded_routes(batch: PackedBatch, width: int) -> torch.Tensor | None:
+    """The samples' generator experts (``ROUTES_EXTRA``) right-padded to ``[B, width, L, k]``
+    with -1 (a sample without any: all -1); None when no sample has any."""
+    routes = batch.extras.get(ROUTES_EXTRA)
+    some = [r for r in routes or [] if r is not None]
+    if not some:
+        return None
+    out = torch.full((batch.n_samples, width, *some[0].shape[1:]), -1, dtype=torch.int16)
+    for i, r in enumerate(routes or []):
+        if r is not None:
+            out[i, : len(r)] = r
+    return out
 
 
 def padded(batch: PackedBatch, key: str) -> torch.Tensor:
@@ -109,6 +132,7 @@ def sample_batch(
     seed = ctx.seed * 100_003 + ctx.step * 101 + ctx.dp_rank
     out = engine.generate(expanded, cfg, seed=seed)
     seqs = [p + t for p, t in zip(expanded, out.tokens, strict=True)]
+    routes = {ROUTES_EXTRA: out.routes} if out.routes else {}
     if n_samples == 1:
         ids = list(batch.sample_ids)
     else:
@@ -123,18 +147,24 @@ def sample_batch(
         result.add("group_ids", torch.tensor(groups), [1] * len(groups))
     for key, values in batch.extras.items():  # each answer keeps its prompt's row
         result.add_extra(key, [v for v in values for _ in range(n_samples)])
+    for key, values in routes.items():
+        result.add_extra(key, values)
     return result
 
 
 def logprob_batch(
-    engine: CallEngine, batch: PackedBatch, temperature: float, key: str = "logprobs"
+    engine: CallEngine,
+    batch: PackedBatch,
+    temperature: float,
+    key: str = "logprobs",
+    routes: str = "off",
 ) -> PackedBatch:
     """Per-response-token log-probs (or values, for a value head) under ``key``, one forward
-    per micro-batch of the call's token budget."""
+    per micro-batch of the call's token budget (``routes``: see ``response_forward``)."""
     parts = []
     for part in engine.micro_batches(batch):
         with torch.no_grad():
-            values, _, _ = response_forward(engine, part, temperature)
+            values, _, _ = response_forward(engine, part, temperature, routes)
         packed, lens = pack_per_token(part, values)
         parts.append(PackedBatch(list(part.sample_ids), {key: packed}, {key: lens}))
     return PackedBatch.concat(parts)
@@ -161,15 +191,30 @@ class LMInterface(Interface):
     """
 
     name = "lm"
+    # the policy's own calls: its generator's experts (``algorithm.router_replay``) reach its
+    # forwards; not a reference's or another model's
+    policy: ClassVar[bool] = False
 
     @property
     def temperature(self) -> float:
         gen = self.settings.generation
         return 1.0 if gen.greedy else gen.temperature
 
-    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+    @property
+    def router_replay(self) -> str:
+        """The algorithm's ``router_replay`` in this interface's calls ("off": none)."""
+        return getattr(self.settings.algorithm, "router_replay", "off") if self.policy else "off"
+
+    def generation(self, ctx: CallContext) -> GenerationConfig:
+        """The call's generation settings (its ``args`` applied); the experts of each token
+        kept where the algorithm replays or measures them."""
         cfg = generation_config(self.settings.generation, ctx.args)
-        return sample_batch(engine, batch, cfg, ctx)
+        if self.router_replay != "off":
+            cfg = cfg.model_copy(update={"expert_routes": True})
+        return cfg
+
+    def generate(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
+        return sample_batch(engine, batch, self.generation(ctx), ctx)
 
     def inference(self, engine: CallEngine, batch: PackedBatch, ctx: CallContext) -> PackedBatch:
-        return logprob_batch(engine, batch, self.temperature)
+        return logprob_batch(engine, batch, self.temperature, routes=self.router_replay)

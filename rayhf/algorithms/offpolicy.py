@@ -93,6 +93,12 @@ class OffPolicyConfig(BaseModel):
     forwards its batch before the first update (exact); ``interpolate`` skips that forward and
     places them between the behaviour log-probs and each minibatch's own (AReaL's log-linear
     approximation)."""
+    router_replay: Literal["off", "measure", "replay"] = "off"
+    """A Mixture-of-Experts policy's routing in its own forwards: ``replay`` sends each token
+    to the experts the generator chose for it (R3, rollout routing replay; the router's
+    weights of them still learn); ``measure`` keeps the router's choice and reports how often
+    it differs from the generator's (``routes_differ_own``); both keep the generator's
+    choice with each sample (the native engine's)."""
     loss_agg: LossAgg = "token_mean"
     """How the policy loss is averaged: over every response token of the batch
     (``token_mean``, DAPO's token-level loss), or per response first (``seq_mean_token_mean``,
@@ -250,6 +256,7 @@ class PolicyReference:
         step: int = 0,
     ) -> None:
         self.engine, self.temperature = engine, temperature
+        self.routes = cfg.router_replay
         self.decoupled = cfg.recomputes
         self.interpolate = cfg.max_staleness > 0 and cfg.proximal == "interpolate"
         self.first_free = epochs == 1  # the first minibatch's forward gives its proximal ones
@@ -282,7 +289,7 @@ class PolicyReference:
     def _proximal(self, batch: PackedBatch) -> PackedBatch:
         """``prox_logprobs`` of ``batch`` by a forward of the current weights (kept in it too),
         summed into the mismatch."""
-        got = logprob_batch(self.engine, batch, self.temperature, key="prox_logprobs")
+        got = logprob_batch(self.engine, batch, self.temperature, "prox_logprobs", self.routes)
         batch.update(got)
         _, mask = response_index(batch)
         self._add(padded(batch, "logprobs"), padded(batch, "prox_logprobs"), mask)

@@ -397,6 +397,7 @@ class PPOActorInterface(_PPOBase, LMInterface):
     """The policy: samples responses, scores log-probs (also for the reference), PPO update."""
 
     name = "ppo_actor"
+    policy = True
 
     @classmethod
     def work_shape(cls, algorithm: PPOConfig, kind: str) -> WorkShape:
@@ -413,7 +414,9 @@ class PPOActorInterface(_PPOBase, LMInterface):
         reference = PolicyReference(engine, batch, self.temperature, cfg, cfg.ppo_epochs, ctx.step)
 
         def loss_fn(mb: PackedBatch):
-            logp, entropies, mask = response_forward(engine, mb, self.temperature)
+            logp, entropies, mask = response_forward(
+                engine, mb, self.temperature, cfg.router_replay
+            )
             old, behaviour = reference.old(mb, logp, mask)
             adv = padded(mb, "advantages")
             loss, s = ppo_policy_loss(

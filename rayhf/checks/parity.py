@@ -22,6 +22,10 @@ precision:
   case flagged ``zero1``: Llama's);
 - ``generate``: the share of greedy tokens identical to Hugging Face's (1.0: all; None with
   experts split over ranks, which the decode engine does not run yet).
+- ``replay`` (a Mixture-of-Experts case): scores with half the tokens sent to other experts than
+  their router's (routing replay) against one process's with the same replay, and
+  ``replay_moved`` what the replay changed; ``routes``, the share of the experts a greedy
+  generate records that equal one process's (None where it does not generate).
 
 A Mixture-of-Experts case splits its experts over its dp ranks (``expert_split``: ``ep`` in
 each row), which send each other their tokens.
@@ -326,6 +330,10 @@ def _check(
         )
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
+    replay = (None, None, None)
+    if FAMILIES[CASES[case].family].moe is not None:
+        generated = prompts if ep == 1 else None
+        replay = _replayed(case, frozen, my_ids, my_mask, generated, precision, device)
     fp32_split = ep > 1 and precision == "fp32"
     turns = _uneven_turns(case, groups, ids, mask, device) if fp32_split else (None, None)
     before = _shared(case, False, "fp32", device).state_dict()
@@ -348,11 +356,52 @@ def _check(
         "zero1_step": zero1_err,
         "moved": moved,
         "generate": same_tokens,
+        "replay": replay[0],
+        "replay_moved": replay[1],
+        "routes": replay[2],
         "turns_logits": turns[0],
         "turns_step": turns[1],
         "bytes": model.local_bytes(),
         "frozen_bytes": frozen.model.local_bytes() if frozen.model is not None else 0,
     }
+
+
+def _replayed(
+    case: str,
+    frozen,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    prompts: list[list[int]] | None,
+    precision: str,
+    device: str,
+) -> tuple[float, float, float | None]:
+    """Routing replay under this layout, against one process of the same precision: the
+    scores' error with every other token sent to k random experts, what that changed, and
+    (given ``prompts``) the share of a greedy generate's recorded experts that are one
+    process's."""
+    from rayhf.engines.build import standalone_engine as engine_of
+    from rayhf.sampling import GenerationConfig
+
+    one = engine_of(_shared(case, False), Tok(), False, None, device=device, precision=precision)
+    spec = one.model.spec
+    layers, k = len(spec.moe_layers), spec.moe.top_k
+    gen = torch.Generator().manual_seed(7)
+    draw = torch.rand(*ids.shape, layers, spec.moe.n_experts, generator=gen)
+    given = draw.argsort(dim=-1)[..., :k].to(torch.int16)
+    given[:, ::2] = -1  # these keep their router's
+    targets = _targets(ids, mask)
+    scored = targets >= 0
+    with torch.no_grad():
+        got = frozen.score(ids, mask, targets, 1.0, given.to(device), True)[scored]
+        want = one.score(ids, mask, targets, 1.0, given.to(device), True)[scored]
+        own = one.score(ids, mask, targets)[scored]
+    routes = None
+    if prompts:
+        greedy = GenerationConfig(max_new_tokens=6, greedy=True, expert_routes=True)
+        mine = torch.cat(frozen.generate(prompts, greedy, 0).routes)
+        theirs = torch.cat(one.generate(prompts, greedy, 0).routes)
+        routes = float((mine == theirs).float().mean()) if mine.shape == theirs.shape else 0.0
+    return _rel(got, want), _rel(want, own), routes
 
 
 def _uneven_turns(

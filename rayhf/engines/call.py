@@ -107,9 +107,12 @@ class CallEngine:
         attention_mask: torch.Tensor,
         targets: torch.Tensor,
         temperature: float = 1.0,
+        routes: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> torch.Tensor:
+        """``RankModel.score``."""
         assert self.model is not None, "score on a role without a model"
-        return self.model.score(input_ids, attention_mask, targets, temperature)
+        return self.model.score(input_ids, attention_mask, targets, temperature, routes, replay)
 
     @property
     def streams(self) -> bool:

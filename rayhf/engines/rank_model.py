@@ -98,12 +98,16 @@ class RankModel:
         attention_mask: torch.Tensor,
         targets: torch.Tensor,
         temperature: float = 1.0,
+        routes: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> torch.Tensor:
         """``[B, T, 2]``: at each position with a target id (``targets[b, t] >= 0``, the token
         it predicts), the target's log-probability under ``softmax(logits / temperature)`` and
         the distribution's entropy; 0 elsewhere. The LM head runs in slices, so no
-        ``[B, T, V]`` logits are made (``ShardedModel.score``)."""
-        return self._packed(input_ids, attention_mask, targets, temperature)
+        ``[B, T, V]`` logits are made (``ShardedModel.score``). ``routes [B, T, L, k]``: a
+        generator's expert choices per token (-1: none), compared with the router's in
+        training (``ShardedModel.take_route_checks``) and, with ``replay``, followed."""
+        return self._packed(input_ids, attention_mask, targets, temperature, routes, replay)
 
     def _packed(
         self,
@@ -111,13 +115,18 @@ class RankModel:
         attention_mask: torch.Tensor,
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
+        routes: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> torch.Tensor:
         """The pipeline over the rows packed (padding dropped), its output padded back with 0."""
         keep = attention_mask.to(self.device).bool()
         lengths = keep.sum(dim=1).tolist()
         packed = None if targets is None else targets.to(self.device)[keep]
+        given = None if routes is None else routes.to(self.device)[keep]
         self.turns.take(FORWARD)
-        out = self.pipe.forward(input_ids.to(self.device)[keep], lengths, packed, temperature)
+        out = self.pipe.forward(
+            input_ids.to(self.device)[keep], lengths, packed, temperature, given, replay
+        )
         padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
         return padded.index_put((keep.nonzero(as_tuple=True)), out)
 

@@ -241,6 +241,7 @@ class TorchTrainer:
                 load = module.take_expert_loads()
                 if load is not None:  # an MoE model's: the busiest expert over the mean
                     totals.add({"expert_load_max_over_mean": load})
+                totals.add(module.take_route_checks())
                 if reducer is not None:
                     reducer.finish()
                 self._sum_tied_grads()

@@ -8,7 +8,8 @@
       --> one look at which rows ended: their outputs are kept, freed slots take waiting
           prompts (refill) or the live rows move down into a smaller bucket (compact)
       --> ... until every prompt has ended -> per-prompt tokens and log-probs up to EOS
-          (and, with ``rules.top_logprobs`` k > 0, the k most likely tokens at each position)
+          (and, with ``rules.top_logprobs`` k > 0, the k most likely tokens at each position;
+          with ``rules.routes``, the experts each token went to, prompt and response)
 
 A slot's row is sampled with the uniforms of its prompt (``rayhf.sampling.uniforms``), so what a
 prompt gets does not depend on its slot, its neighbours or when it was refilled. Rows that have
@@ -36,6 +37,7 @@ from rayhf.parallel.attention import KVCache, TokenLayout
 from rayhf.parallel.buckets import CHECK_EVERY, cache_capacity, key_bucket, row_bucket
 from rayhf.parallel.lent import lent_weights, packable, refresh_lent
 from rayhf.parallel.model import ShardedModel
+from rayhf.parallel.moe import Routes
 from rayhf.parallel.pipeline import Pipeline
 from rayhf.sampling import (
     DecodeRules,
@@ -70,12 +72,20 @@ class DecodeOptions:
 class Slots:
     """Per-slot decode state on the device: ``n`` slots of up to ``max_new`` tokens each, with
     room for ``k`` top log-probs per token (0: none, empty tensors; a call asking for fewer,
-    ``DecodeRules.top_logprobs``, uses the first ones)."""
+    ``DecodeRules.top_logprobs``, uses the first ones) and, with ``routes`` ``(L, k)``, each
+    fed token's experts in L MoE layers."""
 
     def __init__(
-        self, n: int, max_new: int, hidden: int, dtype: torch.dtype, device, k: int = 0
+        self,
+        n: int,
+        max_new: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device,
+        k: int = 0,
+        routes: tuple[int, int] | None = None,
     ) -> None:
-        self.n, self.max_new, self.k = n, max_new, k
+        self.n, self.max_new, self.k, self.routes = n, max_new, k, routes
         long = {"dtype": torch.long, "device": device}
         self.tokens = torch.zeros(n, **long)  # the token each slot feeds next
         self.positions = torch.zeros(n, **long)  # where that token sits in its row
@@ -92,9 +102,21 @@ class Slots:
         self.chosen_top_logprobs = torch.zeros(n, k, device=device)
         self.hidden_in = torch.zeros(n, hidden, dtype=dtype, device=device)  # pp > 1
         self.hidden_out = torch.zeros(n, hidden, dtype=dtype, device=device)
+        # the experts of the token each slot fed (this stage's MoE layers; 0 in the others'),
+        # and per slot those of each response token fed (column max_new: spare)
+        self.step_routes: torch.Tensor | None = None
+        self.out_routes: torch.Tensor | None = None
+        if routes is not None:
+            short = {"dtype": torch.int16, "device": device}
+            self.step_routes = torch.zeros(n, *routes, **short)
+            self.out_routes = torch.zeros(n, max_new + 1, *routes, **short)
 
-    def fits(self, n: int, max_new: int, k: int) -> bool:
-        return n <= self.n and max_new <= self.max_new and k <= self.k
+    def fits(self, n: int, max_new: int, k: int, routes: tuple[int, int] | None) -> bool:
+        return n <= self.n and max_new <= self.max_new and k <= self.k and routes == self.routes
+
+    def recording(self, b: int) -> Routes | None:
+        """What a step over the first ``b`` slots records its tokens' experts in."""
+        return None if self.step_routes is None else Routes(record=self.step_routes[:b])
 
     def draws(self, b: int) -> torch.Tensor:
         """Each of the first ``b`` slots' uniform for the token it chooses next."""
@@ -103,9 +125,11 @@ class Slots:
 
     def mutable(self) -> list[torch.Tensor]:
         """What a step writes (saved around a warm-up run before a capture)."""
+        routes = [] if self.out_routes is None else [self.out_routes]
         return [self.tokens, self.positions, self.steps, self.live, self.out_tokens,
                 self.out_logprobs, self.chosen, self.chosen_logprobs, self.out_top_ids,
-                self.out_top_logprobs, self.chosen_top_ids, self.chosen_top_logprobs]  # fmt: skip
+                self.out_top_logprobs, self.chosen_top_ids, self.chosen_top_logprobs,
+                *routes]  # fmt: skip
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Slots ``dst`` take the state of slots ``src``."""
@@ -135,6 +159,9 @@ def advance(
     if top is not None:
         k = top[0].shape[-1]
         slots.out_top_ids[rows, col, :k], slots.out_top_logprobs[rows, col, :k] = top
+    if slots.out_routes is not None:  # the experts of the token fed: the one chosen before
+        assert slots.step_routes is not None
+        slots.out_routes[rows, torch.where(live, steps - 1, slots.max_new)] = slots.step_routes[:b]
     still = live & (new != rules.eos) & (steps + 1 < rules.max_new_tokens)
     grew = live.long()
     slots.tokens[:b] = new
@@ -149,7 +176,7 @@ def decode_step(
     """One token for each of the first ``b`` slots of a whole model (pp = 1), attending over
     the first ``n_keys`` key slots: forward, choose, advance."""
     where = TokenLayout.decode_step(slots.positions[:b], n_keys, cache)
-    logits = model(slots.tokens[:b], where, cache)
+    logits = model(slots.tokens[:b], where, cache, routes=slots.recording(b))
     new, lp, top = choose_with_top(logits, rules, slots.draws(b), slots.steps[:b])
     advance(slots, rules, b, new, lp, top)
 
@@ -173,7 +200,8 @@ def stage_step(
     hidden states through its layers, into ``hidden_out``, or (last stage) into ``chosen``."""
     where = TokenLayout.decode_step(slots.positions[:b], n_keys, cache)
     first = model.groups.is_first_stage
-    out = model(slots.tokens[:b] if first else slots.hidden_in[:b], where, cache)
+    x = slots.tokens[:b] if first else slots.hidden_in[:b]
+    out = model(x, where, cache, routes=slots.recording(b))
     if not model.groups.is_last_stage:
         slots.hidden_out[:b] = out
         return
@@ -211,6 +239,9 @@ class _Call:
     seed: int
     feed: Feed | None
     tops: dict[int, tuple[list[list[int]], list[list[float]]]]  # prompt -> its top log-probs
+    # with ``rules.routes``: prompt -> its tokens' experts (filled as it is prefilled), then
+    # those of its tokens and response's (as its row ends)
+    routes: dict[int, torch.Tensor]
 
 
 class DecodeEngine:
@@ -245,15 +276,17 @@ class DecodeEngine:
 
     # buffers -----------------------------------------------------------------------------
 
-    def _ensure(self, n_rows: int, capacity: int, max_new: int, k: int) -> None:
+    def _ensure(
+        self, n_rows: int, capacity: int, max_new: int, k: int, routes: tuple[int, int] | None
+    ) -> None:
         m = self.model
         if self.cache is None or not self.cache.fits(n_rows, capacity):
             self.release()
             self.cache = m.new_cache(n_rows, capacity)
-        if self.slots is None or not self.slots.fits(self.cache.n_rows, max_new, k):
+        if self.slots is None or not self.slots.fits(self.cache.n_rows, max_new, k, routes):
             self._forget_graphs()
             dtype, hidden = m.numerics.storage, m.spec.hidden_size
-            self.slots = Slots(self.cache.n_rows, max_new, hidden, dtype, m.device, k)
+            self.slots = Slots(self.cache.n_rows, max_new, hidden, dtype, m.device, k, routes)
 
     def _lend_weights(self) -> None:
         """The copies of the matmul weights the step multiplies, kept between calls and made
@@ -311,7 +344,7 @@ class DecodeEngine:
         n_slots = self._bucket(min(rows_wanted, self.options.max_rows))
         capacity = cache_capacity(longest, m, self._bucketed)
         k = rules.top_logprobs and max(rules.top_logprobs, TOP_LOGPROBS_SLOTS)
-        self._ensure(n_slots, capacity, m, k)
+        self._ensure(n_slots, capacity, m, k, self._routes_shape(rules))
         assert self.slots is not None and self.cache is not None
         self.slots.live.zero_()  # slots a previous call left are empty
         pointers = tuple(p.data_ptr() for p in self.model.parameters())
@@ -322,7 +355,7 @@ class DecodeEngine:
         results: list[tuple[list[int], list[float], bool] | None] = [None] * n
         waiting = deque(range(n))
         rows: list[_Row | None] = [None] * n_slots
-        call = _Call(prompts, results, rules, seed, feed, {})
+        call = _Call(prompts, results, rules, seed, feed, {}, {})
         with torch.inference_mode(), self.model.reading_lent(self.lent):
             self._fill(rows, waiting, call)
             while any(r is not None for r in rows):
@@ -350,7 +383,17 @@ class DecodeEngine:
             if rules.top_logprobs:
                 out.top_ids.append(call.tops[i][0])
                 out.top_logprobs.append(call.tops[i][1])
+            if self.slots.routes is not None:
+                out.routes.append(call.routes[i])
         return out
+
+    def _routes_shape(self, rules: DecodeRules) -> tuple[int, int] | None:
+        """``(L, k)`` of the experts a call records per token: its MoE layers, the experts
+        each token goes to; None when it records none."""
+        moe = self.model.spec.moe
+        if not rules.routes or moe is None:
+            return None
+        return len(self.model.spec.moe_layers), moe.top_k
 
     def _bucket(self, n_rows: int) -> int:
         return row_bucket(n_rows, self._bucketed)
@@ -389,7 +432,18 @@ class DecodeEngine:
                 heads.append(p)
                 head_slots.append(s)
             source.append(first[key])
-        logits = self._prefill([prompts[p] for p in heads], head_slots)
+        routes = self._routes_shape(rules)
+        head_lengths = [len(prompts[p]) for p in heads]
+        record = None
+        if routes is not None:
+            record = torch.zeros(
+                sum(head_lengths), *routes, dtype=torch.int16, device=self.model.device
+            )
+        logits = self._prefill([prompts[p] for p in heads], head_slots, record)
+        if record is not None:  # each prompt's experts, its repeats' too
+            parts = self._whole_routes(record).split(head_lengths)
+            for p, j in zip(taken, source, strict=True):
+                call.routes[p] = parts[j]
         device = self.model.device
         repeats = [(s, head_slots[j]) for s, j in zip(where, source, strict=True)]
         repeats = [(s, h) for s, h in repeats if s != h]
@@ -424,15 +478,24 @@ class DecodeEngine:
         for s, p in zip(where, taken, strict=True):
             rows[s] = _Row(p, len(prompts[p]), self.n_steps)
 
-    def _prefill(self, prompts: list[list[int]], cache_rows: list[int]) -> torch.Tensor | None:
-        """The prompts' forward into their cache rows; last-token logits on the last stage."""
+    def _prefill(
+        self, prompts: list[list[int]], cache_rows: list[int], record: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The prompts' forward into their cache rows; last-token logits on the last stage
+        (``record``: their tokens' experts, written)."""
         device = self.model.device
         lengths = [len(p) for p in prompts]
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
         where = TokenLayout.packed(lengths, cache_rows=cache_rows)
         assert self.cache is not None
-        return self.pipe.step(ids, where, self.cache, last)
+        routes = None if record is None else Routes(record=record)
+        return self.pipe.step(ids, where, self.cache, last, routes)
+
+    def _whole_routes(self, routes: torch.Tensor) -> torch.Tensor:
+        """Experts recorded on this stage (its layers' columns) joined with the other stages',
+        on the host."""
+        return self.pipe.sum_stages(routes.int()).to(torch.int16).cpu()
 
     def _collect(self, rows: list[_Row | None], b: int, call: _Call) -> None:
         """The one host sync per look: rows that ended hand their outputs over."""
@@ -448,12 +511,20 @@ class DecodeEngine:
         k = call.rules.top_logprobs
         top_ids = self.slots.out_top_ids[idx, :m, :k].tolist() if k else [[]] * len(ended)
         top_lps = self.slots.out_top_logprobs[idx, :m, :k].tolist() if k else [[]] * len(ended)
-        for i, t, lp, ti, tl in zip(ended, tokens, logprobs, top_ids, top_lps, strict=True):
+        out_routes = self.slots.out_routes
+        routes = None if out_routes is None else self._whole_routes(out_routes[idx, :m])
+        for j, (i, t, lp, ti, tl) in enumerate(
+            zip(ended, tokens, logprobs, top_ids, top_lps, strict=True)
+        ):
             row = rows[i]
             assert row is not None
             cut = call.results[row.prompt] = cut_row(t, lp, call.rules.eos)
             if k:
                 call.tops[row.prompt] = (ti[: len(cut[0])], tl[: len(cut[0])])
+            if routes is not None:  # the last token chosen was never fed
+                answer = routes[j, : len(cut[0])].clone()
+                answer[-1] = -1
+                call.routes[row.prompt] = torch.cat([call.routes[row.prompt], answer])
             if call.feed is not None:
                 call.feed.ended(row.prompt, *cut)
             rows[i] = None

@@ -39,7 +39,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
 from rayhf.parallel.buckets import LOGIT_CHUNK
 from rayhf.parallel.groups import ParallelGroups
-from rayhf.parallel.moe import expert_counts, experts, route
+from rayhf.parallel.moe import Routes, expert_counts, experts, route, route_differs
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
 # cos and sin of a forward's positions per frequency set: the global one (False) and Gemma 3's
@@ -122,6 +122,10 @@ class ShardedModel(torch.nn.Module):
         self.checkpointing = False
         # in training, each MoE layer's tokens per expert (``take_expert_loads``), on the device
         self.expert_loads: list[torch.Tensor] = []
+        # in training with a generator's routes (``Routes.given``), per MoE layer and pass:
+        # [tokens whose router chose other experts, ... that went to other experts, tokens]
+        self.route_checks: list[torch.Tensor] = []
+        self.moe_index = {layer: j for j, layer in enumerate(spec.moe_layers)}
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
         self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
         self.lent: dict[str, torch.Tensor] | None = None  # see ``reading_lent``
@@ -283,6 +287,7 @@ class ShardedModel(torch.nn.Module):
         select: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """Token ids ``[n]`` (first stage) or hidden ``[n, h]`` -> hidden (in the weights'
         dtype), or fp32 logits/values.
@@ -291,6 +296,7 @@ class ShardedModel(torch.nn.Module):
         prefill computes the LM head for each row's last token only. ``targets`` (``[n]`` token
         ids, -1 where none) makes the last stage return ``score``'s ``[n, 2]`` instead of
         logits. With fp32 master weights and a lower precision, matmuls run under autocast.
+        ``routes``: the MoE layers' expert choices to record, compare or replay.
         """
         low = self.numerics.autocast
         # without gradients no cast is reused; a cache kept across a CUDA graph capture breaks it
@@ -301,7 +307,7 @@ class ShardedModel(torch.nn.Module):
             else contextlib.nullcontext()
         )
         with cast:
-            return self._forward(x, where.to(x.device), cache, select, targets, temperature)
+            return self._forward(x, where.to(x.device), cache, select, targets, temperature, routes)
 
     def _forward(
         self,
@@ -311,6 +317,7 @@ class ShardedModel(torch.nn.Module):
         select: torch.Tensor | None,
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         if self.groups.is_first_stage:
             x = self.embed(x, where.positions)
@@ -318,9 +325,9 @@ class ShardedModel(torch.nn.Module):
         rot = self.rotary_tables(where.positions)
         for i in self.layers:
             if recompute and cache is None:
-                x = checkpoint(self.layer, x, i, where, None, rot, use_reentrant=False)
+                x = checkpoint(self.layer, x, i, where, None, rot, routes, use_reentrant=False)
             else:
-                x = self.layer(x, i, where, cache, rot)
+                x = self.layer(x, i, where, cache, rot, routes)
         if self.groups.is_last_stage and targets is not None:
             return self.score(x, targets, temperature)
         if self.groups.is_last_stage:
@@ -449,7 +456,13 @@ class ShardedModel(torch.nn.Module):
         return torch.stack([logp, entropy], dim=-1)
 
     def layer(
-        self, x: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None, rot: Rotations
+        self,
+        x: torch.Tensor,
+        i: int,
+        where: TokenLayout,
+        cache: KVCache | None,
+        rot: Rotations,
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         p = layer_prefix(self.spec, i)
         if self.spec.traits.block == "conv1d":
@@ -459,10 +472,10 @@ class ShardedModel(torch.nn.Module):
         attn = self._llama_attention(h, i, where, cache, rot)
         if self.spec.traits.sandwich_norms:  # a norm on each block's output, and one before the MLP
             x = x + self.norm(attn, f"{p}.post_attention_layernorm")
-            mlp = self._mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), i)
+            mlp = self._mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), i, routes)
             return x + self.norm(mlp, f"{p}.post_feedforward_layernorm")
         x = x + attn
-        return x + self._mlp(self.norm(x, f"{p}.post_attention_layernorm"), i)
+        return x + self._mlp(self.norm(x, f"{p}.post_attention_layernorm"), i, routes)
 
     def _row_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel linear layer: this rank's input columns times its weight rows, summed
@@ -500,10 +513,12 @@ class ShardedModel(torch.nn.Module):
         ).flatten(1)
         return self._row_linear(out, f"{p}.o_proj")
 
-    def _mlp(self, h: torch.Tensor, i: int) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, i: int, routes: Routes | None = None) -> torch.Tensor:
         """Layer ``i``'s feed-forward block: a gated MLP or a Mixture-of-Experts one."""
         m = f"{layer_prefix(self.spec, i)}.mlp"
-        return self._moe_mlp(h, m) if i in self.spec.moe_layers else self._gated_mlp(h, m)
+        if i in self.moe_index:
+            return self._moe_mlp(h, m, self.moe_index[i], routes)
+        return self._gated_mlp(h, m)
 
     def _gated_mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
         """The gated MLP under module ``m`` (a layer's ``mlp``, or an MoE layer's shared one)."""
@@ -514,12 +529,15 @@ class ShardedModel(torch.nn.Module):
         gate, up = self._linears(h, m, names, [width, width], "gate_up")
         return self._row_linear(self.act(gate) * up, f"{m}.down_proj")
 
-    def _moe_mlp(self, h: torch.Tensor, m: str) -> torch.Tensor:
-        """The Mixture-of-Experts block under module ``m`` (``rayhf.parallel.moe``). The router
-        runs whole on every tp rank, on ``h`` as it comes; each rank's experts give a part of
-        every token's output, summed over tp, so the routing weights' gradient is summed over
-        tp too (``copy_to_tp``), and ``h``'s gradient through the experts (not the router's).
-        With ep > 1 the tokens go to the ep rank holding their expert and back."""
+    def _moe_mlp(
+        self, h: torch.Tensor, m: str, j: int, routes: Routes | None = None
+    ) -> torch.Tensor:
+        """The Mixture-of-Experts block under module ``m``, the model's ``j``-th
+        (``rayhf.parallel.moe``). The router runs whole on every tp rank, on ``h`` as it comes;
+        each rank's experts give a part of every token's output, summed over tp, so the routing
+        weights' gradient is summed over tp too (``copy_to_tp``), and ``h``'s gradient through
+        the experts (not the router's). With ep > 1 the tokens go to the ep rank holding their
+        expert and back. ``routes``: see ``Routes``."""
         spec, tp_group = self.spec, self.groups.tp_group
         assert spec.moe is not None and spec.traits.moe is not None
         if spec.traits.moe.router == "sigmoid_grouped":  # from fp32 inputs, as Hugging Face's
@@ -527,9 +545,17 @@ class ShardedModel(torch.nn.Module):
         else:
             logits = self.matmul(h, f"{m}.gate.weight")
         bias = self.param_or_none(f"{m}.gate.e_score_correction_bias")
-        weights, ids = route(logits, spec.moe, spec.traits.moe, bias)
+        given = None if routes is None or routes.given is None else routes.given[:, j]
+        replay = given if routes is not None and routes.replay else None
+        weights, ids, own = route(logits, spec.moe, spec.traits.moe, bias, replay)
+        training = self.training and torch.is_grad_enabled() and len(ids) > 0  # a train step's
+        if routes is not None and routes.record is not None:
+            routes.record[:, j] = ids
+        if given is not None and training:
+            checks = torch.stack([route_differs(own, given), route_differs(ids, given)])
+            self.route_checks.append(checks)
         counts = expert_counts(ids.flatten(), spec.moe.n_experts)
-        if self.training and torch.is_grad_enabled() and len(ids):  # a train step's
+        if training:
             self.expert_loads.append(counts)
         out = experts(
             copy_to_tp(h, tp_group),
@@ -555,6 +581,18 @@ class ShardedModel(torch.nn.Module):
             return None
         counts = torch.stack(loads).float()
         return float((counts.max(dim=1).values / counts.mean(dim=1)).mean())
+
+    def take_route_checks(self) -> dict[str, float]:
+        """Since the last call, of the tokens a generator routed (``Routes.given``), per MoE
+        layer: the share whose router chose another expert set than the generator's
+        (``routes_differ_own``), and the share that went to another set
+        (``routes_differ``: 0 when replayed); empty without any. One host read."""
+        checks, self.route_checks = self.route_checks, []
+        if not checks:
+            return {}
+        own, used = torch.stack(checks).sum(dim=0).tolist()
+        total = max(own[1], 1)
+        return {"routes_differ_own": own[0] / total, "routes_differ": used[0] / total}
 
     def _conv1d_attention(
         self, h: torch.Tensor, layer: str, where: TokenLayout, cache: KVCache | None, i: int

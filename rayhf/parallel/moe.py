@@ -16,6 +16,7 @@ log-probs match its models to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,40 +29,68 @@ from rayhf.models.spec import MoESpec
 ALIGN_BYTES = 16
 
 
+class Routes(NamedTuple):
+    """The experts each token of a forward goes to, per MoE layer of the model in order:
+    ``[n, L, k]`` tensors (``L = len(spec.moe_layers)``; a stage of a pipeline reads and
+    writes its own layers' columns only)."""
+
+    record: torch.Tensor | None = None  # written: the experts each token went to
+    given: torch.Tensor | None = None  # a generator's choice (-1 where it made none)
+    replay: bool = False  # send each token to ``given``'s experts, not the router's own
+
+
+def route_differs(ids: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``[2]``: the tokens whose expert set in ``ids [n, k]`` is not ``given``'s, and the
+    tokens ``given`` names experts for (-1: none)."""
+    valid = given[:, 0] >= 0
+    same = (ids.sort(dim=1).values == given.to(ids.dtype).sort(dim=1).values).all(dim=1)
+    return torch.stack([(valid & ~same).sum(), valid.sum()])
+
+
 def route(
-    logits: torch.Tensor, spec: MoESpec, traits: MoETraits, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    spec: MoESpec,
+    traits: MoETraits,
+    bias: torch.Tensor | None = None,
+    replay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the router's ``logits [n, E]``: each token's ``top_k`` experts ``[n, k]`` (int64)
     and their weights ``[n, k]``, in the logits' dtype (fp32 where the family keeps them so;
-    ``bias``: the score correction of a ``sigmoid_grouped`` router)."""
+    ``bias``: the score correction of a ``sigmoid_grouped`` router), and the experts the
+    router chose itself. With ``replay [n, k]`` a token whose row holds experts (not -1) goes
+    to those, in that order, weighted by the router's scores of them as its own choice would
+    be (routing replay: the weights keep their gradient to the router)."""
     if traits.router == "sigmoid_grouped":
         assert bias is not None
-        return _grouped(logits, spec, bias)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top, ids = torch.topk(probs, spec.top_k, dim=-1)
+        scores = logits.sigmoid()
+        own = _grouped(scores, spec, bias)
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        own = torch.topk(scores, spec.top_k, dim=-1).indices
+    ids = own if replay is None else torch.where(replay < 0, own, replay.to(own.dtype))
+    top = scores.gather(1, ids)
     if spec.renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return (top if traits.weights_fp32 else top.to(logits.dtype)), ids
+        # (DeepSeek-V3's guard against an all-zero sum: sigmoid scores are never quite 0)
+        eps = 1e-20 if traits.router == "sigmoid_grouped" else 0.0
+        top = top / (top.sum(dim=-1, keepdim=True) + eps)
+    if traits.router == "sigmoid_grouped":
+        return top * spec.scaling, ids, own
+    return (top if traits.weights_fp32 else top.to(logits.dtype)), ids, own
 
 
-def _grouped(
-    logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's routing (GLM-4.5's): sigmoid scores; a group of experts scored by the sum
-    of its two best corrected scores, the best ``topk_group`` groups kept; the top k of their
-    experts by corrected score, weighted by the plain score (renormalized), times the scale."""
-    scores = logits.sigmoid()
+def _grouped(scores: torch.Tensor, spec: MoESpec, bias: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's choice (GLM-4.5's) from sigmoid ``scores``: a group of experts scored by
+    the sum of its two best corrected scores, the best ``topk_group`` groups kept; the top k
+    of their experts by corrected score (``route`` weighs them by the plain score,
+    renormalized, times the scale)."""
     corrected = scores + bias.float()
-    n, groups = len(logits), spec.n_group
+    n, groups = len(scores), spec.n_group
     grouped = corrected.view(n, groups, spec.n_experts // groups)
     best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(spec.topk_group, dim=-1).indices
-    keep = torch.zeros(n, groups, dtype=torch.bool, device=logits.device)
-    keep = keep.scatter(1, best, True).unsqueeze(-1).expand_as(grouped).reshape(logits.shape)
-    ids = corrected.masked_fill(~keep, float("-inf")).topk(spec.top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    if spec.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * spec.scaling, ids
+    keep = torch.zeros(n, groups, dtype=torch.bool, device=scores.device)
+    keep = keep.scatter(1, best, True).unsqueeze(-1).expand_as(grouped).reshape(scores.shape)
+    kept = corrected.masked_fill(~keep, float("-inf"))
+    return kept.topk(spec.top_k, dim=-1, sorted=False).indices
 
 
 def _grouped_ok(x: torch.Tensor, wt: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from rayhf.parallel.attention import KVCache, TokenLayout
 from rayhf.parallel.groups import ParallelGroups
 from rayhf.parallel.model import ShardedModel
+from rayhf.parallel.moe import Routes
 
 
 @dataclass
@@ -71,13 +72,23 @@ class Pipeline:
         lengths: list[int],
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
+        given_routes: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> torch.Tensor:
         """Packed ids of rows of ``lengths`` tokens -> packed logits ``[n, V]``/values ``[n]``,
         or with ``targets`` (packed ``[n]``, -1 where none) ``ShardedModel.score``'s ``[n, 2]``
-        log-probs and entropies."""
+        log-probs and entropies. ``given_routes`` (packed ``[n, L, k]``): a generator's expert
+        choices, compared with the router's (``replay``: and followed)."""
+
+        def routes(lo: int, hi: int) -> Routes | None:
+            if given_routes is None:
+                return None
+            return Routes(given=given_routes[lo:hi], replay=replay)
+
         if self.groups.pp == 1:
+            where = TokenLayout.packed(lengths)
             return self.model(
-                ids, TokenLayout.packed(lengths), targets=targets, temperature=temperature
+                ids, where, targets=targets, temperature=temperature, routes=routes(0, len(ids))
             )
         offsets = [0]
         for n in lengths:
@@ -95,7 +106,7 @@ class Pipeline:
             if keep and self.prev is not None:
                 x.requires_grad_(True)
             part = None if targets is None else targets[lo:hi]
-            y = self.model(x, where, targets=part, temperature=temperature)
+            y = self.model(x, where, targets=part, temperature=temperature, routes=routes(lo, hi))
             if self.next is not None:
                 sends.append(self._isend(y.detach(), self.next, tag))
             inputs.append(x)
@@ -137,12 +148,18 @@ class Pipeline:
         self.pending.clear()
 
     def step(
-        self, x: torch.Tensor, where: TokenLayout, cache: KVCache, select: torch.Tensor
+        self,
+        x: torch.Tensor,
+        where: TokenLayout,
+        cache: KVCache,
+        select: torch.Tensor,
+        routes: Routes | None = None,
     ) -> torch.Tensor | None:
-        """One cached forward (prefill or decode); the last stage returns logits at ``select``."""
+        """One cached forward (prefill or decode); the last stage returns logits at ``select``
+        (``routes``: its tokens' expert choices to record)."""
         if self.prev is not None:
             x = self._recv((len(where.rows), self._hidden), self.prev, 0, self._hidden_dtype)
-        y = self.model(x, where, cache, select=select)
+        y = self.model(x, where, cache, select=select, routes=routes)
         if self.next is not None:
             self._isend(y, self.next, 0).wait()
             return None
@@ -157,6 +174,12 @@ class Pipeline:
         """A decode step's hidden states to the stage after."""
         assert self.next is not None
         self._isend(hidden, self.next, 0).wait()
+
+    def sum_stages(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pipeline's stages (each filled its own part, 0 elsewhere)."""
+        if self.groups.pp > 1:
+            dist.all_reduce(t, group=self.groups.pp_group)
+        return t
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """The last stage's ``t`` on every stage (elsewhere ``t`` is a buffer of its shape)."""

@@ -64,6 +64,11 @@ def _assert_matches(r: dict, precision: str) -> None:
     assert r["moved"] > 10 * TOL, f"{where}: the optimizer step changed nothing"
     if CASES.get(r["family"]) is not None and CASES[r["family"]].zero1 and r["dp"] > 1:
         assert r["zero1_step"] < bound, f"{where}: ZeRO-1 step off by {r['zero1_step']}"
+    if r.get("replay") is not None:  # a Mixture-of-Experts case's routing replay
+        assert r["replay"] < tol.logits, f"{where}: replayed scores off by {r['replay']:.2e}"
+        assert r["replay_moved"] > 1e-4, f"{where}: replaying other experts changed nothing"
+        floor = 1.0 if precision == "fp32" else tol.same_tokens
+        assert r["routes"] is None or r["routes"] >= floor, f"{where}: recorded experts"
 
 
 def _assert_tokens_agree(rows: list[dict], precision: str, case: str) -> None:

@@ -89,7 +89,7 @@ def test_a_shared_prompt_prefills_once_into_the_same_keys_and_values(llama):
     shared, separate = DecodeEngine(pipe), DecodeEngine(pipe, DecodeOptions(share_prompts=False))
     prefills: list[int] = []
     real = shared._prefill
-    shared._prefill = lambda p, rows: prefills.append(len(p)) or real(p, rows)  # type: ignore[method-assign]
+    shared._prefill = lambda p, rows, rec: prefills.append(len(p)) or real(p, rows, rec)  # type: ignore[method-assign]
     shared.generate(MIXED, rules, 0)
     separate.generate(MIXED, rules, 0)
     assert prefills == [4]  # the four distinct prompts, each once
@@ -318,3 +318,49 @@ def test_a_mixture_of_experts_step_compiles_whole_and_samples_as_hugging_face():
     _same(engine.generate(MIXED, rules, 4), hf_generate(hf, MIXED, SAMPLED, EOS, PAD, seed=4))
     assert 0 < counter.frame_count <= len(engine.buckets)
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def _routes_of(pipe: Pipeline, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's experts per token in one packed forward (no cache)."""
+    from rayhf.parallel.attention import TokenLayout
+    from rayhf.parallel.moe import Routes
+
+    spec = pipe.model.spec
+    assert spec.moe is not None
+    lengths = [len(s) for s in seqs]
+    record = torch.zeros(sum(lengths), len(spec.moe_layers), spec.moe.top_k, dtype=torch.int16)
+    with torch.no_grad():
+        pipe.model(torch.tensor([t for s in seqs for t in s]), TokenLayout.packed(lengths),
+                   routes=Routes(record=record))  # fmt: skip
+    return list(record.split(lengths))
+
+
+def test_a_generator_records_the_experts_each_token_went_to():
+    """Prompt tokens (a repeated prompt prefilled once) and response tokens, through refills
+    and compaction: the experts a packed forward of prompt + response sends them to; the last
+    response token, never fed, none (-1). Compiled whole, the step records the same."""
+    import dataclasses
+
+    from rayhf.models.families import FAMILIES
+
+    _, pipe = _scaled("qwen3_moe", dict(FAMILIES["qwen3_moe"].check_shape), 5.0)
+    spec = pipe.model.spec
+    assert spec.moe is not None
+    rules = dataclasses.replace(DecodeRules.of(SAMPLED, EOS, PAD), routes=True)
+    out = DecodeEngine(pipe, DecodeOptions(max_rows=2)).generate(MIXED, rules, 4)
+    seqs = [p + t for p, t in zip(MIXED, out.tokens, strict=True)]
+    assert any(len(t) < SAMPLED.max_new_tokens for t in out.tokens)  # some rows ended early
+    for got, want, seq in zip(out.routes, _routes_of(pipe, seqs), seqs, strict=True):
+        assert got.shape == (len(seq), len(spec.moe_layers), spec.moe.top_k)
+        assert got.dtype == torch.int16 and (got[-1] == -1).all()
+        assert torch.equal(got[:-1], want[:-1])
+    plain = dataclasses.replace(rules, routes=False)
+    assert DecodeEngine(pipe).generate(MIXED, plain, 4).routes == []
+    counter = CompileCounter()
+    compiled = DecodeEngine(
+        pipe,
+        DecodeOptions(compile=True),
+        compiler=lambda f: torch.compile(f, fullgraph=True, backend=counter),
+    ).generate(MIXED, rules, 4)
+    assert compiled.tokens == out.tokens
+    assert all(torch.equal(a, b) for a, b in zip(compiled.routes, out.routes, strict=True))

@@ -24,14 +24,16 @@ def _block(case: str):
     return block, spec
 
 
-def _route(block, h: torch.Tensor, spec, case: str):
-    """rayhf's routing of ``h`` with the block's router, as ``ShardedModel._moe_mlp`` calls it."""
+def _route(block, h: torch.Tensor, spec, case: str, replay: torch.Tensor | None = None):
+    """rayhf's routing of ``h`` with the block's router, as ``ShardedModel._moe_mlp`` calls it:
+    weights, experts, the router's own experts."""
     traits = FAMILIES[case].moe
     assert spec.moe is not None and traits is not None
     if traits.router == "sigmoid_grouped":  # from fp32 inputs, with the correction bias
         logits = F.linear(h.float(), block.gate.weight.float())
-        return moe.route(logits, spec.moe, traits, block.gate.e_score_correction_bias)
-    return moe.route(F.linear(h, block.gate.weight), spec.moe, traits)
+        bias = block.gate.e_score_correction_bias
+        return moe.route(logits, spec.moe, traits, bias, replay)
+    return moe.route(F.linear(h, block.gate.weight), spec.moe, traits, replay=replay)
 
 
 def _hidden(n: int = 24, dtype=torch.float32) -> torch.Tensor:
@@ -49,7 +51,7 @@ def test_routing_chooses_and_weighs_the_experts_hugging_face_does(case, dtype):
     block.to(dtype)
     h = _hidden(dtype=dtype)
     _, want_weights, want_ids = block.gate(h)
-    weights, ids = _route(block, h, spec, case)
+    weights, ids, _ = _route(block, h, spec, case)
     order, want_order = ids.sort(-1), want_ids.sort(-1)  # GLM's top-k is unsorted
     assert torch.equal(order.values, want_order.values)
     got = weights.gather(1, order.indices)
@@ -65,11 +67,45 @@ def test_the_experts_give_hugging_face_s_per_expert_loop_to_rounding(case):
         want = block(h[None])[0]
         if spec.moe is not None and spec.moe.shared_size:  # GLM-4.5's shared experts
             want = want - block.shared_experts(h[None])[0]
-        weights, ids = _route(block, h, spec, case)
+        weights, ids, _ = _route(block, h, spec, case)
         got = moe.experts(
             h, weights, ids, block.experts.gate_up_proj, block.experts.down_proj, F.silu
         )
     assert (got - want).abs().max() < 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("case", CASES_MOE)
+def test_a_replayed_route_sends_each_token_where_it_says_weighed_by_the_router(case):
+    """Replaying the router's own choice changes nothing, to the bit; replaying another choice
+    (a token left at -1 keeps its own) weighs the given experts by the router's scores, as
+    the router would have had it chosen them, with the router's gradient."""
+    block, spec = _block(case)
+    h = _hidden()
+    weights, ids, own = _route(block, h, spec, case)
+    assert torch.equal(ids, own)
+    same = _route(block, h, spec, case, replay=ids.to(torch.int16))
+    assert torch.equal(same[0], weights) and torch.equal(same[1], ids)
+    other = (ids + 1) % spec.moe.n_experts  # every token to other experts
+    other[:2] = -1
+    block.gate.weight.grad = None
+    got, got_ids, got_own = _route(block, h, spec, case, replay=other)
+    assert torch.equal(got_own, own) and torch.equal(got_ids[2:], other[2:])
+    assert torch.equal(got_ids[:2], ids[:2]) and torch.equal(got[:2], weights[:2])
+    traits = FAMILIES[case].moe
+    logits = F.linear(h, block.gate.weight.float())
+    scores = logits.sigmoid() if traits.router == "sigmoid_grouped" else logits.softmax(-1)
+    want = scores[2:].gather(1, other[2:])
+    if spec.moe.renormalize:
+        want = want / want.sum(dim=-1, keepdim=True)
+    assert torch.allclose(got[2:], want * spec.moe.scaling, atol=1e-6)
+    got.sum().backward()
+    assert block.gate.weight.grad is not None and block.gate.weight.grad.abs().sum() > 0
+
+
+def test_route_differs_counts_tokens_whose_expert_set_is_not_the_given_one():
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    given = torch.tensor([[1, 0], [2, 4], [-1, -1], [6, 7]], dtype=torch.int16)
+    assert moe.route_differs(ids, given).tolist() == [1, 3]  # order within the set is no change
 
 
 def _run(grouped: bool, monkeypatch) -> tuple[torch.Tensor, ...]:
