@@ -330,7 +330,7 @@ def _check(
         )
         _train_step(zero, my_ids, my_mask)
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
-    replay = (None, None, None)
+    replay: tuple[float | None, float | None, float | None] = (None, None, None)
     if FAMILIES[CASES[case].family].moe is not None:
         generated = prompts if ep == 1 else None
         replay = _replayed(case, frozen, my_ids, my_mask, generated, precision, device)
@@ -383,11 +383,11 @@ def _replayed(
     from rayhf.sampling import GenerationConfig
 
     one = engine_of(_shared(case, False), Tok(), False, None, device=device, precision=precision)
-    spec = one.model.spec
-    layers, k = len(spec.moe_layers), spec.moe.top_k
+    assert one.model is not None and one.model.spec.moe is not None
+    spec, moe = one.model.spec, one.model.spec.moe
     gen = torch.Generator().manual_seed(7)
-    draw = torch.rand(*ids.shape, layers, spec.moe.n_experts, generator=gen)
-    given = draw.argsort(dim=-1)[..., :k].to(torch.int16)
+    draw = torch.rand(*ids.shape, len(spec.moe_layers), moe.n_experts, generator=gen)
+    given = draw.argsort(dim=-1)[..., : moe.top_k].to(torch.int16)
     given[:, ::2] = -1  # these keep their router's
     targets = _targets(ids, mask)
     scored = targets >= 0
