@@ -303,6 +303,28 @@ def check_engines(
         ))  # fmt: skip
 
 
+def check_router_replay(cfg: ExperimentConfig, graph: Graph, specs: dict[str, ModelSpec]) -> None:
+    """``algorithm.router_replay`` needs a Mixture-of-Experts policy whose generate calls
+    record experts: single-turn ones (the native engine's; the others run no MoE)."""
+    mode = getattr(cfg.algorithm, "router_replay", "off")
+    if mode == "off":
+        return
+    role = graph.policy_role
+    spec = specs.get(role)
+    if spec is None or spec.moe is None:
+        kind = spec.family if spec is not None else "not a model"
+        raise RayhfError(
+            f"algorithm.router_replay: {mode} routes a Mixture-of-Experts policy, and role "
+            f"'{role}' is {kind}; set it to off"
+        )
+    for call in graph.calls:
+        if call.role == role and call.kind == "generate" and INTERFACES[call.interface].needs_env:
+            raise RayhfError(
+                f"algorithm.router_replay: multi-turn rollouts (call '{call.name}') do not "
+                "record experts yet; set it to off"
+            )
+
+
 def _check_token_budgets(cfg: ExperimentConfig, datasets: list[PromptDataset]) -> None:
     """Every call's token budget holds the longest sample it may get."""
     for call, engine in cfg.engines.items():
@@ -355,6 +377,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     check_plan_fits(plan, graph, specs)
     _check_env_layouts(graph, plan)
     check_engines(cfg, graph, plan, specs)
+    check_router_replay(cfg, graph, specs)
     check_staleness(cfg, graph, plan)
     for role, rc in cfg.models.items():
         if rc.init_from is not None and role in specs:

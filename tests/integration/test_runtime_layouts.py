@@ -167,13 +167,15 @@ EP_PLAN = {
 def test_an_moe_actor_trains_and_scores_with_its_experts_split_over_ranks(ray_cluster, tiny_config):
     """A Qwen3-MoE actor: each of its 2 train ranks and the reference's holds half of every
     layer's experts (ep = 2), the generator all of them (weights moved between the two each
-    step); the trainer's log-probs of the sampled tokens are the generator's, and the
-    checkpoint is the trained model, whole."""
+    step); the trainer's log-probs of the sampled tokens are the generator's, each token goes
+    to the experts the generator chose for it (routing replay, under packing and ep = 2), and
+    the checkpoint is the trained model, whole."""
     import json
 
     import ray
 
-    cfg = tiny_config(steps=2, plan=EP_PLAN, **{"cluster.n_devices": 2, "models.actor.init": MOE})
+    replay = {"models.actor.init": MOE, "algorithm.router_replay": "replay"}
+    cfg = tiny_config(steps=2, plan=EP_PLAN, **{"cluster.n_devices": 2, **replay})
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
         alive = alive_actors()
@@ -189,6 +191,8 @@ def test_an_moe_actor_trains_and_scores_with_its_experts_split_over_ranks(ray_cl
     rows = [json.loads(line) for line in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").open()]
     steps = [r for r in rows if r.get("step", 0) > 0]
     assert len(steps) == 2 and all(r["logprob_mismatch"] < 1e-5 for r in steps)
+    # the router's own choice drifts from the generator's as the minibatches' updates land
+    assert all(r["routes_differ"] == 0.0 and 0 < r["routes_differ_own"] < 1 for r in steps)
     saved = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002" / "actor"
     hf = AutoModelForCausalLM.from_pretrained(saved)
     assert _same({k: v.float() for k, v in hf.state_dict().items()}, trained)

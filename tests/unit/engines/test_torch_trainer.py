@@ -402,3 +402,41 @@ def test_an_moe_model_s_train_step_reports_how_unevenly_its_experts_are_loaded()
     assert again.module.expert_loads == [] and again.module.take_expert_loads() is None
     dense, _ = _trainer()
     assert "expert_load_max_over_mean" not in dense.train([_batch(3)], _loss_fn(dense.model))
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_train_step_given_a_generator_s_experts_reports_how_often_its_router_differs(replay):
+    """Given other experts than the router's for half the tokens (-1: the other half), the
+    step reports the share of given tokens whose router chose another set; replayed, none of
+    them went to another set, and the loss is not the router's own."""
+    from rayhf.models.families import FAMILIES
+
+    shape = dict(FAMILIES["qwen3_moe"].check_shape)
+    model = RankModel.from_hf(tiny_model("qwen3_moe", shape), Tok(), False)
+    spec = model.spec
+    assert spec.moe is not None
+    batch = _batch(3)
+    ids, mask = batch.to_padded("seq", PAD)
+    targets = torch.where(mask, ids, -1)
+    draw = torch.rand(*ids.shape, len(spec.moe_layers), spec.moe.n_experts)
+    given = draw.argsort(dim=-1)[..., : spec.moe.top_k].to(torch.int16)
+    given[:, 1::2] = -1
+    with torch.no_grad():
+        own = -model.score(ids, mask.long(), targets)[..., 0].sum() / mask.sum()
+    losses = []
+
+    def loss_fn(routes):
+        def fn(mb: PackedBatch):
+            scored = model.score(ids, mask.long(), targets, 1.0, routes, replay)
+            loss = -scored[..., 0].sum() / mask.sum()
+            losses.append(loss.detach())
+            return loss, {}
+
+        return fn
+
+    trainer = TorchTrainer(model, OptimizerConfig())
+    stats = trainer.train([batch], loss_fn(given))
+    assert 0.5 < stats["routes_differ_own"] <= 1.0  # random pairs of 8 experts: mostly others
+    assert stats["routes_differ"] == (0.0 if replay else stats["routes_differ_own"])
+    assert torch.equal(losses[0], own) != replay  # the first forward: the weights of ``own``
+    assert "routes_differ" not in trainer.train([batch], loss_fn(None))  # none given

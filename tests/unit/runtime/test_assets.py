@@ -17,6 +17,7 @@ from rayhf.runtime.assets import (
     _check_batch,
     check_engines,
     check_graph_against_config,
+    check_router_replay,
     existing_dataset,
     model_specs,
     prepare_dataset,
@@ -182,6 +183,22 @@ def test_an_engine_that_runs_no_experts_is_refused_for_a_mixture_of_experts_role
         f"engines.{call}: engine '{engine}' does not run Mixture-of-Experts models yet (role "
         f"'actor' is mixtral); use engine '{want}' for {call}"
     )
+
+
+def test_router_replay_is_refused_for_a_dense_policy_and_for_multi_turn_rollouts(tmp_path):
+    moe = "{family: qwen3_moe, n_heads: 4, n_kv_heads: 2, config: {num_experts: 4}}"
+    cfg = _cfg(tmp_path, f"models.actor.init={moe}", "algorithm.router_replay=replay")
+    check_router_replay(cfg, PPO, model_specs(cfg))
+    dense = _cfg(tmp_path, "algorithm.router_replay=measure")
+    with pytest.raises(RayhfError) as info:
+        check_router_replay(dense, PPO, model_specs(dense))
+    assert str(info.value) == (
+        "algorithm.router_replay: measure routes a Mixture-of-Experts policy, and role 'actor' "
+        "is llama; set it to off"
+    )
+    agent = load_graph(REPO / "graphs" / "ppo_agent.yaml")
+    with pytest.raises(RayhfError, match=r"multi-turn rollouts \(call '\w+'\) do not record"):
+        check_router_replay(cfg, agent, model_specs(cfg))
 
 
 def test_a_family_with_no_critic_class_is_refused_as_a_critic_naming_the_field(tmp_path):
