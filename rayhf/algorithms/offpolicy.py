@@ -96,9 +96,11 @@ class OffPolicyConfig(BaseModel):
     router_replay: Literal["off", "measure", "replay"] = "off"
     """A Mixture-of-Experts policy's routing in its own forwards: ``replay`` sends each token
     to the experts the generator chose for it (R3, rollout routing replay; the router's
-    weights of them still learn); ``measure`` keeps the router's choice and reports how often
-    it differs from the generator's (``routes_differ_own``); both keep the generator's
-    choice with each sample (the native engine's)."""
+    weights of them still learn); ``measure`` keeps the router's choice. Both keep the
+    generator's choice with each sample (the native engine's) and report, over a train
+    call's first minibatch (before its first update), the share of (token, MoE layer) pairs
+    whose router chose another expert set than the generator (``routes_differ_own``) and
+    that went to another set (``routes_differ``: 0 when replayed)."""
     loss_agg: LossAgg = "token_mean"
     """How the policy loss is averaged: over every response token of the batch
     (``token_mean``, DAPO's token-level loss), or per response first (``seq_mean_token_mean``,

@@ -222,6 +222,7 @@ class TorchTrainer:
         overlap = self.groups.pp == 1 and self.groups.ep == 1
         try:
             self.model.ep_drain()  # the others' passes before this call trained, if any
+            first = True
             for mb, scale in zip(minibatches, scales, strict=True):
                 self.optimizer.zero_grad(set_to_none=False)
                 parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
@@ -241,7 +242,10 @@ class TorchTrainer:
                 load = module.take_expert_loads()
                 if load is not None:  # an MoE model's: the busiest expert over the mean
                     totals.add({"expert_load_max_over_mean": load})
-                totals.add(module.take_route_checks())
+                checks = module.take_route_checks()
+                if first:  # before this call's first update: the weights that generated
+                    totals.add(checks)
+                first = False
                 if reducer is not None:
                     reducer.finish()
                 self._sum_tied_grads()

@@ -117,7 +117,9 @@ class KVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, where: TokenLayout):
         """Write packed ``k, v [n, heads, dim]`` at their rows' positions; returns the keys and
-        values each row of the call sees, ``[n_rows, heads, n_keys, dim]``."""
+        values each row of the call sees, ``[n_rows, heads, n_keys, dim]``. They are kept in
+        the cache's dtype (q/k-normed keys of fp32 master weights under autocast are fp32)."""
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)
         if where.write_at is not None:  # a decode step: each row's slot, per head, flattened
             dim = self.shape[-1]
             self.k[layer].view(-1, dim).index_copy_(0, where.write_at, k.reshape(-1, dim))

@@ -191,8 +191,7 @@ def test_an_moe_actor_trains_and_scores_with_its_experts_split_over_ranks(ray_cl
     rows = [json.loads(line) for line in (Path(cfg.resolved_run_dir()) / "metrics.jsonl").open()]
     steps = [r for r in rows if r.get("step", 0) > 0]
     assert len(steps) == 2 and all(r["logprob_mismatch"] < 1e-5 for r in steps)
-    # the router's own choice drifts from the generator's as the minibatches' updates land
-    assert all(r["routes_differ"] == 0.0 and 0 < r["routes_differ_own"] < 1 for r in steps)
+    assert all(r["routes_differ"] == 0.0 and r["routes_differ_own"] < 0.05 for r in steps)
     saved = Path(cfg.resolved_run_dir()) / "checkpoints" / "step_000002" / "actor"
     hf = AutoModelForCausalLM.from_pretrained(saved)
     assert _same({k: v.float() for k, v in hf.state_dict().items()}, trained)

@@ -364,3 +364,21 @@ def test_a_generator_records_the_experts_each_token_went_to():
     ).generate(MIXED, rules, 4)
     assert compiled.tokens == out.tokens
     assert all(torch.equal(a, b) for a, b in zip(compiled.routes, out.routes, strict=True))
+
+
+def test_a_q_k_normed_model_with_fp32_master_weights_decodes_under_bf16_autocast():
+    """Qwen3's q/k norms of fp32 master weights give fp32 keys under autocast; the bf16 cache
+    keeps them in bf16, and the tokens are the bf16 frozen copy's or near them."""
+    from rayhf.models.precision import Numerics
+
+    hf = tiny_model("qwen3", {"n_heads": 4, "n_kv_heads": 2})
+    rules = DecodeRules.of(GenerationConfig(max_new_tokens=6, greedy=True), EOS, PAD)
+    outs = []
+    for numerics in (Numerics("bf16", master=True), Numerics("bf16")):
+        model = ShardedModel(model_spec(hf.config, False), single(), hf.state_dict(), numerics)
+        engine = DecodeEngine(Pipeline(model, single()))
+        outs.append(engine.generate(PROMPTS, rules, 0))
+        assert engine.cache is not None and engine.cache.k[0].dtype == torch.bfloat16
+    assert [len(t) for t in outs[0].tokens] == [6, 6, 6]
+    same = sum(a == b for x, y in zip(outs[0].tokens, outs[1].tokens) for a, b in zip(x, y))
+    assert same >= 12  # of 18: bf16 products of fp32 and of bf16-stored weights round alike
