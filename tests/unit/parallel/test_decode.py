@@ -380,5 +380,6 @@ def test_a_q_k_normed_model_with_fp32_master_weights_decodes_under_bf16_autocast
         outs.append(engine.generate(PROMPTS, rules, 0))
         assert engine.cache is not None and engine.cache.k[0].dtype == torch.bfloat16
     assert [len(t) for t in outs[0].tokens] == [6, 6, 6]
-    same = sum(a == b for x, y in zip(outs[0].tokens, outs[1].tokens) for a, b in zip(x, y))
+    pairs = zip(outs[0].tokens, outs[1].tokens, strict=True)
+    same = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
     assert same >= 12  # of 18: bf16 products of fp32 and of bf16-stored weights round alike
