@@ -122,6 +122,12 @@ def report(res: dict, commit: str) -> str:
                 f"{b['task_reward']:.3f} |"
             )
     own = [c["routes_differ_own"] for k, c in m.items() if k != "off"]
+
+    alike = m["off"]["per_step"]["task_reward"] == m["measure"]["per_step"]["task_reward"]
+
+    def cost(mode: str) -> float:
+        return m[mode]["step_seconds"] / m["off"]["step_seconds"] - 1
+
     lines += [
         "",
         "## Reading it",
@@ -130,13 +136,16 @@ def report(res: dict, commit: str) -> str:
         f"{min(own):.2%}-{max(own):.2%} of (token, layer) pairs; replayed, no token goes to "
         "other experts (the test `tests/integration/test_moe_example.py` asserts it at ep = 2, "
         "rows packed).",
-        "- On this model replay does not lower the log-prob mismatch: at a tiny hidden size with "
-        "random weights, a flipped route moves a token's log-prob less than bf16 rounding of the "
-        "whole forward does, and the runs part ways after the first update, so step means "
-        "compare different policies. The case replay is for, a large MoE whose router flips "
-        "change log-probs by more than rounding, needs a GPU (benchmarks/gpu.py).",
-        "- Recording and comparing the experts costs the step time between `off` and the two "
-        "others; all three learn.",
+        "- On this model replay does not lower the mean log-prob mismatch: with a fraction "
+        "of a percent of (token, layer) pairs routed differently, nearly every token's "
+        "mismatch is bf16 rounding elsewhere in the forward, which replay does not touch; and "
+        "the runs part ways after the first update, so their step means compare different "
+        "policies. What replay is for, a large MoE whose flipped routes move log-probs by "
+        "more than rounding, needs a GPU (benchmarks/gpu.py).",
+        f"- Recording and comparing the experts costs {cost('measure'):+.0%} of a step "
+        f"(`measure` against `off`), replaying them {cost('replay'):+.0%}. `off` and "
+        f"`measure` {'gave the same reward at every step' if alike else 'differ'}; all "
+        f"three rise by {min(c['rise_se'] for c in m.values()):.1f} standard errors or more.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -110,6 +110,14 @@ class OptimizerConfig(BaseModel):
     max_skipped_steps: int = Field(8, gt=0)
     """Optimizer steps in a row whose gradient is not finite (each skipped, the weights left as
     they were) before the run stops with an error."""
+    router_aux_loss: float = Field(0.0, ge=0)
+    """A Mixture-of-Experts model's load-balancing loss in the loss, times this (Switch
+    Transformer's, as Hugging Face's ``load_balancing_loss_func`` computes it over a forward's
+    MoE layers; its ``router_aux_loss_coef``, 0.001 for Qwen3-MoE and Mixtral): softmax
+    routers."""
+    router_z_loss: float = Field(0.0, ge=0)
+    """The router z-loss (ST-MoE: the mean square of each token's router logsumexp, per MoE
+    layer, summed over layers) in the loss, times this."""
 
 
 class Totals:
@@ -190,6 +198,7 @@ class TorchTrainer:
     def __init__(self, model: RankModel, cfg: OptimizerConfig) -> None:
         self.model, self.cfg = model, cfg
         self.groups = model.groups
+        model.module.balancing = cfg.router_aux_loss > 0 or cfg.router_z_loss > 0
         self.comm = DataParallel(self.groups.dp_group)
         self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
         fp16 = model.numerics.autocast == torch.float16
@@ -233,7 +242,13 @@ class TorchTrainer:
                     # (with pp > 1 a minibatch runs one backward per pipeline micro-batch)
                     if reducer is not None and i == len(parts) - 1 and overlap:
                         reducer.arm()
+                    module.router_sums.clear()  # (a recompute in the last backward adds some)
                     loss, stats = loss_fn(part)
+                    if module.balancing:  # an MoE model's load-balancing losses
+                        balance, values = module.take_balance_losses(
+                            self.cfg.router_aux_loss, self.cfg.router_z_loss
+                        )
+                        loss, stats = loss + balance, {**stats, **values}
                     self.model.turns.take(BACKWARD)
                     self._backward(loss * (share * scale))
                     pipe.backward_pending()

@@ -125,6 +125,11 @@ class ShardedModel(torch.nn.Module):
         # in training with a generator's routes (``Routes.given``), per MoE layer and pass:
         # [tokens whose router chose other experts, ... that went to other experts, tokens]
         self.route_checks: list[torch.Tensor] = []
+        # with ``balancing``, in training: per MoE layer and pass, the experts' picks [E], the
+        # router's probabilities summed over the tokens [E] and its logsumexps' squares summed
+        # (both with their graphs), and the tokens (``take_balance_losses``)
+        self.balancing = False
+        self.router_sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.moe_index = {layer: j for j, layer in enumerate(spec.moe_layers)}
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
         self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
@@ -557,6 +562,10 @@ class ShardedModel(torch.nn.Module):
         counts = expert_counts(ids.flatten(), spec.moe.n_experts)
         if training:
             self.expert_loads.append(counts)
+        if training and self.balancing:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=0)
+            squares = torch.logsumexp(logits.float(), dim=-1).square().sum()
+            self.router_sums.append((counts, probs, squares, len(ids)))
         out = experts(
             copy_to_tp(h, tp_group),
             copy_to_tp(weights, tp_group),
@@ -581,6 +590,27 @@ class ShardedModel(torch.nn.Module):
             return None
         counts = torch.stack(loads).float()
         return float((counts.max(dim=1).values / counts.mean(dim=1)).mean())
+
+    def take_balance_losses(self, aux: float, z: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The load-balancing losses of the forwards since the last call, times ``aux`` and
+        ``z``, summed (with their graphs), and their values. The auxiliary loss is Hugging
+        Face's ``load_balancing_loss_func``: ``E * sum_e f_e * P_e``, f the share of the
+        top-k picks and P the mean router probability of expert e, each over every token of
+        every MoE layer; the z-loss is each layer's mean squared router logsumexp, summed."""
+        sums, self.router_sums = self.router_sums, []
+        if not sums:
+            return torch.zeros((), device=self.device), {}
+        n = sum(s[3] for s in sums)
+        picks = torch.stack([s[0] for s in sums]).sum(dim=0).float() / n
+        probs = torch.stack([s[1] for s in sums]).sum(dim=0) / n
+        assert self.spec.moe is not None
+        balance = self.spec.moe.n_experts * (picks * probs).sum()
+        z_loss = sum((s[2] / s[3] for s in sums), torch.zeros((), device=self.device))
+        values = {
+            "router_aux_loss": float(balance.detach()),
+            "router_z_loss": float(z_loss.detach()),
+        }
+        return aux * balance + z * z_loss, values
 
     def take_route_checks(self) -> dict[str, float]:
         """Since the last call, of the tokens a generator routed (``Routes.given``), per MoE

@@ -278,6 +278,8 @@ def check_engines(
     (``zero1``) splits no experts over ep ranks in its train call."""
     for call in graph.calls:
         lay = plan.layouts[call.name]
+        if call.kind == "train":
+            _check_balancing(cfg, call.role, call.name, lay.pp, specs.get(call.role))
         if call.kind == "train" and lay.ep > 1 and cfg.models[call.role].optimizer.zero1:
             raise RayhfError(
                 f"models.{call.role}.optimizer.zero1: ZeRO-1 shards the optimizer over the dp "
@@ -301,6 +303,30 @@ def check_engines(
             name, call.role, layouts, spec.head_dim if spec is not None else 0,
             cfg.cluster.device, rc.optimizer.zero1, rc.init_from, rc.precision,
         ))  # fmt: skip
+
+
+def _check_balancing(
+    cfg: ExperimentConfig, role: str, call: str, pp: int, spec: ModelSpec | None
+) -> None:
+    """A role's load-balancing losses need a softmax-routed MoE model trained with pp = 1."""
+    opt = cfg.models[role].optimizer
+    named = [k for k in ("router_aux_loss", "router_z_loss") if getattr(opt, k) > 0]
+    if not named:
+        return
+    field = f"models.{role}.optimizer.{named[0]}"
+    if spec is None or spec.moe is None or spec.traits.moe is None:
+        kind = spec.family if spec is not None else "not a model"
+        raise RayhfError(f"{field}: role '{role}' is {kind}, which has no experts; set it to 0")
+    if spec.traits.moe.router != "softmax_topk":
+        raise RayhfError(
+            f"{field}: {spec.family}'s sigmoid router balances by its correction bias, not by "
+            "a loss; set it to 0"
+        )
+    if pp > 1:
+        raise RayhfError(
+            f"{field}: the load-balancing losses run with pp = 1 only (plan.{call}.pp is {pp}); "
+            "set it to 0 or the call's pp to 1"
+        )
 
 
 def check_router_replay(cfg: ExperimentConfig, graph: Graph, specs: dict[str, ModelSpec]) -> None:

@@ -440,3 +440,35 @@ def test_a_train_step_given_a_generator_s_experts_reports_how_often_its_router_d
     assert stats["routes_differ"] == (0.0 if replay else stats["routes_differ_own"])
     assert torch.equal(losses[0], own) != replay  # the first forward: the weights of ``own``
     assert "routes_differ" not in trainer.train([batch], loss_fn(None))  # none given
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_load_balancing_losses_are_hugging_face_s_and_train_the_router(family):
+    """Over a padded batch (packed here, masked there): the auxiliary loss is Hugging Face's
+    ``aux_loss``, the z-loss each layer's mean squared router logsumexp summed, and with both
+    on, the routers' gradients change."""
+    from rayhf.models.families import FAMILIES
+
+    shape = dict(FAMILIES[family].check_shape)
+    hf = tiny_model(family, shape)
+    batch = _batch(5)
+    ids, mask = batch.to_padded("seq", PAD)
+    with torch.no_grad():
+        out = hf(input_ids=ids, attention_mask=mask.long(), output_router_logits=True)
+    keep = mask.flatten()
+    want_z = sum(torch.logsumexp(g[keep].float(), -1).square().mean() for g in out.router_logits)
+    grads = {}
+    for aux, z in ((0.0, 0.0), (0.5, 0.25)):
+        model = RankModel.from_hf(tiny_model(family, shape), Tok(), False)
+        cfg = OptimizerConfig(router_aux_loss=aux, router_z_loss=z)
+        trainer = TorchTrainer(model, cfg)
+        trainer.optimizer.step = lambda: None  # keep the gradients to compare, not the step
+        stats = trainer.train([batch], _loss_fn(model))
+        gate = next(k for k in model.module.shards if k.endswith("mlp.gate.weight"))
+        grads[aux] = model.module.param(gate).grad.clone()
+        if aux:
+            assert stats["router_aux_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
+            assert stats["router_z_loss"] == pytest.approx(float(want_z), rel=1e-5)
+        else:
+            assert "router_aux_loss" not in stats
+    assert not torch.equal(grads[0.0], grads[0.5])

@@ -201,6 +201,22 @@ def test_router_replay_is_refused_for_a_dense_policy_and_for_multi_turn_rollouts
         check_router_replay(cfg, agent, model_specs(cfg))
 
 
+def test_load_balancing_losses_are_refused_where_they_cannot_run(tmp_path):
+    moe = "{family: qwen3_moe, n_heads: 4, n_kv_heads: 2, config: {num_experts: 4}}"
+    glm = "{family: glm4_moe, n_heads: 4, intermediate_size: 32, config: {n_routed_experts: 4}}"
+    plan = colocated_plan(PPO, 1)
+    on = "models.actor.optimizer.router_aux_loss=0.001"
+    ok = _cfg(tmp_path, f"models.actor.init={moe}", on)
+    check_engines(ok, PPO, plan, model_specs(ok))
+    for init, message in (
+        ("", "role 'actor' is llama, which has no experts; set it to 0"),
+        (f"models.actor.init={glm}", "glm4_moe's sigmoid router balances by its correction"),
+    ):
+        cfg = _cfg(tmp_path, *([init] if init else []), on)
+        with pytest.raises(RayhfError, match=f"^models.actor.optimizer.router_aux_loss: {message}"):
+            check_engines(cfg, PPO, plan, model_specs(cfg))
+
+
 def test_a_family_with_no_critic_class_is_refused_as_a_critic_naming_the_field(tmp_path):
     glm = "{family: glm4_moe, n_heads: 4, intermediate_size: 32, config: {n_routed_experts: 4}}"
     cfg = _cfg(tmp_path, f"models.critic.init={glm}")
