@@ -118,6 +118,11 @@ class OptimizerConfig(BaseModel):
     router_z_loss: float = Field(0.0, ge=0)
     """The router z-loss (ST-MoE: the mean square of each token's router logsumexp, per MoE
     layer, summed over layers) in the loss, times this."""
+    router_bias_rate: float = Field(0.0, ge=0)
+    """A sigmoid router's score-correction bias (GLM-4.5's) moves by this after each step, up
+    for each expert that took fewer tokens than the mean over the step's minibatch (every dp
+    rank's), down for one that took more: DeepSeek-V3's balancing without an auxiliary
+    loss (its rate: 0.001)."""
 
 
 class Totals:
@@ -199,6 +204,7 @@ class TorchTrainer:
         self.model, self.cfg = model, cfg
         self.groups = model.groups
         model.module.balancing = cfg.router_aux_loss > 0 or cfg.router_z_loss > 0
+        model.module.balances_bias = cfg.router_bias_rate > 0
         self.comm = DataParallel(self.groups.dp_group)
         self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
         fp16 = model.numerics.autocast == torch.float16
@@ -269,6 +275,8 @@ class TorchTrainer:
                 norm = self._clip_grads(self.cfg.grad_clip)
                 totals.add({"grad_norm": norm})
                 self._step(norm, totals)
+                if module.balances_bias:
+                    module.update_correction_biases(self.cfg.router_bias_rate, self.groups.dp_group)
             self.model.changed()
         finally:
             pipe.record = False

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -129,6 +130,10 @@ class ShardedModel(torch.nn.Module):
         # router's probabilities summed over the tokens [E] and its logsumexps' squares summed
         # (both with their graphs), and the tokens (``take_balance_losses``)
         self.balancing = False
+        # with ``balances_bias``, in training: each sigmoid-routed MoE layer's tokens per
+        # expert since the last ``update_correction_biases``
+        self.balances_bias = False
+        self.layer_loads: dict[str, torch.Tensor] = {}
         self.router_sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self.moe_index = {layer: j for j, layer in enumerate(spec.moe_layers)}
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
@@ -562,6 +567,8 @@ class ShardedModel(torch.nn.Module):
         counts = expert_counts(ids.flatten(), spec.moe.n_experts)
         if training:
             self.expert_loads.append(counts)
+        if training and self.balances_bias and bias is not None:
+            self.layer_loads[m] = self.layer_loads.get(m, 0) + counts
         if training and self.balancing:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=0)
             squares = torch.logsumexp(logits.float(), dim=-1).square().sum()
@@ -611,6 +618,26 @@ class ShardedModel(torch.nn.Module):
             "router_z_loss": float(z_loss.detach()),
         }
         return aux * balance + z * z_loss, values
+
+    def update_correction_biases(self, rate: float, dp_group: dist.ProcessGroup | None) -> None:
+        """Move each sigmoid-routed MoE layer's score-correction bias by ``rate`` toward an even
+        load: up for each expert that took fewer tokens than the mean since the last call, down
+        for one that took more, the tokens summed over ``dp_group`` (every replica moves its
+        copy alike). Every rank of the group calls it (a rank with no tokens adds none)."""
+        loads, self.layer_loads = self.layer_loads, {}
+        assert self.spec.moe is not None
+        names = [f"{layer_prefix(self.spec, i)}.mlp" for i in self.layers if i in self.moe_index]
+        names = [m for m in names if f"{m}.gate.e_score_correction_bias" in self.shards]
+        if not names:
+            return
+        zeros = torch.zeros(self.spec.moe.n_experts, dtype=torch.int64, device=self.device)
+        counts = torch.stack([loads.get(m, zeros) for m in names]).float()
+        if dp_group is not None:
+            dist.all_reduce(counts, group=dp_group)
+        with torch.no_grad():
+            for m, c in zip(names, counts, strict=True):
+                bias = self.param(f"{m}.gate.e_score_correction_bias")
+                bias.add_(rate * torch.sign(c.mean() - c).to(bias.dtype))
 
     def take_route_checks(self) -> dict[str, float]:
         """Since the last call, of the tokens a generator routed (``Routes.given``), per MoE

@@ -310,13 +310,21 @@ def _check_balancing(
 ) -> None:
     """A role's load-balancing losses need a softmax-routed MoE model trained with pp = 1."""
     opt = cfg.models[role].optimizer
-    named = [k for k in ("router_aux_loss", "router_z_loss") if getattr(opt, k) > 0]
+    keys = ("router_aux_loss", "router_z_loss", "router_bias_rate")
+    named = [k for k in keys if getattr(opt, k) > 0]
     if not named:
         return
     field = f"models.{role}.optimizer.{named[0]}"
     if spec is None or spec.moe is None or spec.traits.moe is None:
         kind = spec.family if spec is not None else "not a model"
         raise RayhfError(f"{field}: role '{role}' is {kind}, which has no experts; set it to 0")
+    if opt.router_bias_rate > 0 and spec.traits.moe.router != "sigmoid_grouped":
+        raise RayhfError(
+            f"models.{role}.optimizer.router_bias_rate: {spec.family}'s softmax router has no "
+            "correction bias to move; set it to 0 (router_aux_loss balances it)"
+        )
+    if named == ["router_bias_rate"]:
+        return
     if spec.traits.moe.router != "softmax_topk":
         raise RayhfError(
             f"{field}: {spec.family}'s sigmoid router balances by its correction bias, not by "

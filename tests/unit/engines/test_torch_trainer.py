@@ -472,3 +472,28 @@ def test_the_load_balancing_losses_are_hugging_face_s_and_train_the_router(famil
         else:
             assert "router_aux_loss" not in stats
     assert not torch.equal(grads[0.0], grads[0.5])
+
+
+def test_a_sigmoid_router_s_correction_bias_moves_toward_an_even_load():
+    """GLM-4.5's score-correction bias, after a step with ``router_bias_rate``: up by the rate
+    for each expert that took fewer tokens than the mean, down for each that took more."""
+    from rayhf.models.families import FAMILIES
+
+    shape = dict(FAMILIES["glm4_moe"].check_shape)
+    rate = 0.01
+    model = RankModel.from_hf(tiny_model("glm4_moe", shape), Tok(), False)
+    again = RankModel.from_hf(tiny_model("glm4_moe", shape), Tok(), False)
+    batch = _batch(6)
+    ids, mask = batch.to_padded("seq", PAD)
+    again.module.train(True)
+    again.module.balances_bias = True
+    again.forward(ids, mask.long())  # the step's forward, by hand: the loads it saw
+    loads = again.module.layer_loads
+    assert loads, "no sigmoid-routed layer"
+    before = {m: model.module.param(f"{m}.gate.e_score_correction_bias").clone() for m in loads}
+    TorchTrainer(model, OptimizerConfig(router_bias_rate=rate)).train([batch], _loss_fn(model))
+    for m, counts in loads.items():
+        moved = model.module.param(f"{m}.gate.e_score_correction_bias") - before[m]
+        want = rate * torch.sign(counts.float().mean() - counts.float())
+        torch.testing.assert_close(moved, want, atol=1e-7, rtol=0)
+        assert moved.abs().sum() > 0

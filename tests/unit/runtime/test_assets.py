@@ -215,6 +215,13 @@ def test_load_balancing_losses_are_refused_where_they_cannot_run(tmp_path):
         cfg = _cfg(tmp_path, *([init] if init else []), on)
         with pytest.raises(RayhfError, match=f"^models.actor.optimizer.router_aux_loss: {message}"):
             check_engines(cfg, PPO, plan, model_specs(cfg))
+    biased = _cfg(tmp_path, f"models.actor.init={glm}", "models.actor.optimizer.router_bias_rate=1")
+    check_engines(biased, PPO, plan, model_specs(biased))
+    softmax = _cfg(
+        tmp_path, f"models.actor.init={moe}", "models.actor.optimizer.router_bias_rate=1"
+    )
+    with pytest.raises(RayhfError, match="softmax router has no correction bias to move"):
+        check_engines(softmax, PPO, plan, model_specs(softmax))
 
 
 def test_a_family_with_no_critic_class_is_refused_as_a_critic_naming_the_field(tmp_path):
