@@ -83,7 +83,7 @@ def _calls(n: int, train: bool, device: str = "cpu") -> dict[str, Callable[[], N
         h = x[0]
         weights, ids, _ = moe.route(F.linear(h, ref.gate.weight), spec, traits)
         gate_up, down = ref.experts.gate_up_proj, ref.experts.down_proj
-        return moe.experts(h, weights, ids, gate_up, down, F.silu)
+        return moe.experts(h, weights, ids, gate_up, down, moe.glu(F.silu))
 
     def hf(block: torch.nn.Module) -> Callable[[], torch.Tensor]:
         return lambda: block(x)[0]

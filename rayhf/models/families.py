@@ -66,9 +66,10 @@ GPT2_NAMES = ConfigNames(
 )
 
 
-RouterKind = Literal["softmax_topk", "sigmoid_grouped"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped"]
 """``softmax_topk``: a softmax over every expert's logit in fp32, then the top k (Qwen3-MoE,
-Mixtral); ``sigmoid_grouped``: sigmoid scores in fp32, the top k chosen by score plus a
+Mixtral); ``topk_softmax``: the top k logits (a router with a bias), then a softmax over them in
+their dtype (gpt-oss); ``sigmoid_grouped``: sigmoid scores in fp32, the top k chosen by score plus a
 score-correction bias (``gate.e_score_correction_bias``, not trained) within the best
 ``topk_group`` of ``n_group`` groups, weighted by the scores without it, times
 ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5)."""
@@ -77,10 +78,18 @@ DenseLayers = Literal["none", "sparse_step", "first_k"]
 """Which decoder layers keep a dense MLP: none; those ``mlp_only_layers`` names or off the
 ``decoder_sparse_step`` (Qwen3-MoE); the first ``first_k_dense_replace`` (GLM-4.5)."""
 
-ExpertFiles = Literal["per_expert", "mixtral"]
+ExpertFiles = Literal["per_expert", "mixtral", "stacked"]
 """How a checkpoint on disk names the experts that the model holds stacked: one
-``experts.{e}.{gate,up,down}_proj.weight`` each (Qwen3-MoE, GLM-4.5), or Mixtral's
-``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` and ``block_sparse_moe.gate``."""
+``experts.{e}.{gate,up,down}_proj.weight`` each (Qwen3-MoE, GLM-4.5), Mixtral's
+``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` and ``block_sparse_moe.gate``, or stacked
+as in memory (gpt-oss)."""
+
+ExpertForm = Literal["gated", "clamped_swiglu"]
+"""What an expert is: ``gated``, ``down(act(gate) * up)`` with ``gate_up_proj [E, 2I, H]`` (gate
+rows, then up rows) and ``down_proj [E, H, I]``, no biases; ``clamped_swiglu``, gpt-oss's:
+``gate_up_proj [E, H, 2I]`` (inputs first, gate and up columns interleaved) and ``down_proj
+[E, I, H]`` with biases, ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g =
+clamp(gate, max=l)`` (the config's ``swiglu_limit`` l and ``swiglu_alpha``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,9 @@ class MoETraits:
     """An MLP every token goes through beside its routed experts, ``n_shared_experts`` experts
     wide (GLM-4.5)."""
     files: ExpertFiles = "per_expert"
+    form: ExpertForm = "gated"
+    router_module: str = "gate"
+    """The router's module under the layer's ``mlp`` (gpt-oss: ``router``, with a bias)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +176,11 @@ class FamilyTraits:
     """With ``attention_bias`` the output projection has a bias too (GLM-4.5's has none)."""
     value_head_class: bool = True
     """transformers has a sequence-classification class of it: a critic or reward model."""
+    sinks: bool = False
+    """Each attention head has a learned logit beside its keys' in the softmax, which takes
+    some of the weight and adds nothing (``self_attn.sinks``: gpt-oss)."""
+    norm_weight_fp32: bool = False
+    """RMSNorm multiplies its weight by the fp32 normalized input, then casts (gpt-oss)."""
     check_randomized: tuple[str, ...] = ()
     """Parameters the parity check's tiny model refills at random (name endings): ones Hugging
     Face starts at zero, which would not bite."""
@@ -301,6 +318,35 @@ FAMILIES: dict[str, FamilyTraits] = {
                 "first_k_dense_replace": 1,
                 "attention_bias": True,
                 "use_qk_norm": True,
+            },
+        },
+    ),
+    # a router with a bias (softmax over the top k logits), biased interleaved experts with a
+    # clamped SwiGLU, attention sinks, q/k/v/o biases, alternating sliding-window layers, YaRN
+    "gpt_oss": FamilyTraits(
+        "GptOssConfig",
+        always_windowed=True,
+        alternating_layer_types=True,
+        sinks=True,
+        norm_weight_fp32=True,
+        moe=MoETraits(
+            router="topk_softmax",
+            expert_size="intermediate_size",
+            renormalize=False,
+            files="stacked",
+            form="clamped_swiglu",
+            router_module="router",
+        ),
+        check_randomized=("sinks", "router.bias", "proj_bias", "_proj.bias"),
+        check_shape={
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "sliding_window": 4,
+            "intermediate_size": 32,
+            "config": {
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "swiglu_limit": 1.0,
             },
         },
     ),

@@ -136,7 +136,7 @@ def saved_names(spec: ModelSpec) -> dict[str, list[str]]:
     ..., or Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``, ...), gate|up as every
     expert's gate, then every expert's up."""
     out = {p.name: [p.name] for p in param_shards(spec)}
-    if spec.moe is None or spec.traits.moe is None:
+    if spec.moe is None or spec.traits.moe is None or spec.traits.moe.files == "stacked":
         return out
     mixtral = spec.traits.moe.files == "mixtral"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -154,6 +154,8 @@ def saved_names(spec: ModelSpec) -> dict[str, list[str]]:
 
 def join_saved(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Parameter ``name`` from the tensors ``saved_names`` lists for it."""
+    if len(tensors) == 1:  # saved as it is held (stacked experts too: gpt-oss)
+        return tensors[0]
     if name.endswith("experts.gate_up_proj"):
         half = len(tensors) // 2
         return torch.cat([torch.stack(tensors[:half]), torch.stack(tensors[half:])], dim=1)
@@ -209,7 +211,9 @@ def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch
         n: t.to(dtype).contiguous()
         for k, v in full.items()
         if k != tied
-        for n, t in zip(saved.get(k, [k]), split_saved(k, v), strict=True)
+        for n, t in zip(
+            saved.get(k, [k]), split_saved(k, v) if len(saved.get(k, [k])) > 1 else [v], strict=True
+        )
     }
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -98,6 +98,8 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
         ]
     if spec.o_bias:
         out.append(ParamShard(f"{p}.self_attn.o_proj.bias", (h,), None, unit))
+    if spec.traits.sinks:  # one per query head: split with the heads
+        out.append(ParamShard(f"{p}.self_attn.sinks", (spec.n_heads,), 0, unit))
     if spec.mlp_bias and i not in spec.moe_layers:
         out += [
             ParamShard(f"{p}.mlp.gate_proj.bias", (inter,), 0, unit),
@@ -118,14 +120,26 @@ def _dense_mlp(m: str, h: int, inter: int, unit: int) -> list[ParamShard]:
 
 def _moe_mlp(spec: ModelSpec, m: str, unit: int) -> list[ParamShard]:
     """A Mixture-of-Experts layer's weights under module ``m``: the router (whole on every
-    rank), the experts stacked ``[experts, out, in]`` (gate|up as one, split by tp like a fused
-    gate_up_proj, down by its input), and the shared experts as a dense MLP."""
-    moe, h = spec.moe, spec.hidden_size
-    assert moe is not None
-    e, w = moe.n_experts, moe.expert_size
-    out = [ParamShard(f"{m}.gate.weight", (e, h), None, unit)]
-    if spec.traits.moe is not None and spec.traits.moe.router == "sigmoid_grouped":
-        out.append(ParamShard(f"{m}.gate.e_score_correction_bias", (e,), None, unit, trained=False))
+    rank), the experts stacked (``ExpertForm``: gate|up as one, split by tp into each rank's
+    intermediate units, down by its input), and the shared experts as a dense MLP. gpt-oss's
+    gate|up bias goes with its expert; its down bias, added after the sum over tp, stays whole
+    on every rank."""
+    moe, traits, h = spec.moe, spec.traits.moe, spec.hidden_size
+    assert moe is not None and traits is not None
+    e, w, r = moe.n_experts, moe.expert_size, f"{m}.{traits.router_module}"
+    out = [ParamShard(f"{r}.weight", (e, h), None, unit)]
+    if traits.router == "sigmoid_grouped":
+        out.append(ParamShard(f"{r}.e_score_correction_bias", (e,), None, unit, trained=False))
+    if traits.router == "topk_softmax":
+        out.append(ParamShard(f"{r}.bias", (e,), None, unit))
+    if traits.form == "clamped_swiglu":  # [E, in, out], gate and up interleaved
+        out += [
+            ParamShard(f"{m}.experts.gate_up_proj", (e, h, 2 * w), 2, unit, expert=True),
+            ParamShard(f"{m}.experts.gate_up_proj_bias", (e, 2 * w), 1, unit, expert=True),
+            ParamShard(f"{m}.experts.down_proj", (e, w, h), 1, unit, expert=True),
+            ParamShard(f"{m}.experts.down_proj_bias", (e, h), None, unit),
+        ]
+        return out
     out += [
         ParamShard(f"{m}.experts.gate_up_proj", (e, 2 * w, h), 1, unit, (w, w), expert=True),
         ParamShard(f"{m}.experts.down_proj", (e, h, w), 2, unit, expert=True),

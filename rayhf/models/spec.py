@@ -31,6 +31,8 @@ class MoESpec:
     scaling: float = 1.0  # routing weights times this (GLM-4.5's routed_scaling_factor)
     n_group: int = 1  # sigmoid routing: experts in this many groups, the best topk_group kept
     topk_group: int = 1
+    limit: float = 0.0  # a clamped SwiGLU's clamp (gpt-oss's swiglu_limit)
+    alpha: float = 0.0  # and its sigmoid's slope (swiglu_alpha)
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,8 @@ def _moe_fields(config: Any, traits: FamilyTraits) -> dict[str, Any]:
         scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
         n_group=getattr(config, "n_group", 1) or 1,
         topk_group=getattr(config, "topk_group", 1) or 1,
+        limit=float(getattr(config, "swiglu_limit", 0.0) or 0.0),
+        alpha=float(getattr(config, "swiglu_alpha", 0.0) or 0.0),
     )
     return {"moe": spec, "moe_layers": tuple(i for i in range(n_layers) if i not in dense)}
 

@@ -187,10 +187,12 @@ def attention(
     layer: int,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed ``q [n, hq, d]`` over keys ``k, v [n, hkv, d]`` (+ cache),
     scores times ``scale`` (default ``d ** -0.5``) and soft-capped to ``(-softcap, softcap)``
-    by ``tanh`` (Gemma 2) when given."""
+    by ``tanh`` (Gemma 2) when given; ``sinks [hq]``: a logit per head beside its keys' in the
+    softmax, whose weight is dropped (gpt-oss)."""
     n_heads, n_kv = q.shape[1], k.shape[1]
     if cache is not None:
         keys, values = cache.store(layer, k, v, where)
@@ -202,7 +204,7 @@ def attention(
                 early = key_pos[None, :] <= where.positions[:, None] - window
                 early = early.repeat_interleave(keys.shape[1], 0)[:, None, :]
                 bias = bias.masked_fill(early, float("-inf"))
-            return decode_attention(q, keys, values, bias, scale, softcap)
+            return decode_attention(q, keys, values, bias, scale, softcap, sinks)
     else:
         shape = (where.n_rows, where.n_keys, n_kv, k.shape[-1])
         index = (where.rows, where.positions)
@@ -220,15 +222,17 @@ def attention(
     if n_kv != n_heads:
         keys = keys.repeat_interleave(n_heads // n_kv, dim=1)
         values = values.repeat_interleave(n_heads // n_kv, dim=1)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=allowed[:, None], scale=scale
         )
-    else:  # as Hugging Face's eager attention: cap, mask, softmax in fp32
+    else:  # as Hugging Face's eager attention: cap, mask, (sink), softmax in fp32
         scores = queries @ keys.transpose(2, 3) * (scale or q.shape[-1] ** -0.5)
-        scores = torch.tanh(scores / softcap) * softcap
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        out = scores.softmax(-1, dtype=torch.float32).to(values.dtype) @ values
+        probs = _with_sinks(scores.float(), sinks).softmax(-1)
+        out = probs[..., : scores.shape[-1]].to(values.dtype) @ values
     return out.transpose(1, 2)[where.rows, where.slots]
 
 
@@ -239,12 +243,13 @@ def decode_attention(
     key_bias: torch.Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row, ``q [rows, hq, d]``, over ``keys, values [rows, hkv, n_keys, d]``
     plus ``key_bias [rows * hkv, 1, n_keys]`` (-inf: a key past the row's position, outside its
     window): the ``hq / hkv`` query heads of a group are one matmul's rows against their shared
     key head. Scores and softmax in fp32 (as fused attention kernels keep them), the weights
-    cast to the values' dtype for their matmul."""
+    cast to the values' dtype for their matmul (``sinks``: see ``attention``)."""
     rows, n_heads, dim = q.shape
     n_kv = keys.shape[1]
     grouped = q.reshape(rows * n_kv, n_heads // n_kv, dim)
@@ -255,9 +260,23 @@ def decode_attention(
     else:
         scores = _fp32_scores(torch.zeros_like(key_bias), grouped, keys_t, scale)
         scores = torch.tanh(scores / softcap) * softcap + key_bias
-    probs = scores.softmax(-1)
+    if sinks is not None:  # each group's heads' sinks, row by row
+        per_row = sinks.float().view(1, n_kv, n_heads // n_kv, 1).expand(rows, -1, -1, -1)
+        n_keys = scores.shape[-1]
+        scores = torch.cat([scores, per_row.reshape(rows * n_kv, -1, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., :n_keys]
+    else:
+        probs = scores.softmax(-1)
     probs = probs if probs.dtype == values.dtype else probs.to(values.dtype)
     return torch.bmm(probs, values.flatten(0, 1)).view(rows, n_heads, dim)
+
+
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``scores [rows, heads, queries, keys]`` with each head's sink logit as one more key."""
+    if sinks is None:
+        return scores
+    column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1)
 
 
 def _fp32_scores(

@@ -40,7 +40,15 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
 from rayhf.parallel.buckets import LOGIT_CHUNK
 from rayhf.parallel.groups import ParallelGroups
-from rayhf.parallel.moe import Routes, expert_counts, experts, route, route_differs
+from rayhf.parallel.moe import (
+    Routes,
+    clamped_swiglu,
+    expert_counts,
+    experts,
+    glu,
+    route,
+    route_differs,
+)
 from rayhf.parallel.tp import copy_to_tp, gather_from_tp, reduce_from_tp
 
 # cos and sin of a forward's positions per frequency set: the global one (False) and Gemma 3's
@@ -161,7 +169,11 @@ class ShardedModel(torch.nn.Module):
         lookups = {position_table_name(self.spec)}
         if not self.spec.tied:
             lookups.add(embedding_name(self.spec))
-        return [n for n in self.shards if self.param(n).dim() == 2 and n not in lookups]
+        return [
+            n
+            for n in self.shards
+            if self.param(n).dim() == 2 and n not in lookups and not n.endswith("proj_bias")
+        ]  # (gpt-oss's expert biases are 2-D)
 
     def lendable(self) -> dict[str, list[str]]:
         """What a generator may lend (``reading_lent``), by key: each layer's q, k and v
@@ -382,6 +394,8 @@ class ShardedModel(torch.nn.Module):
         h = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
         if adds_one:
             return (h * (1.0 + weight.float())).to(x.dtype)
+        if self.spec.traits.norm_weight_fp32:  # gpt-oss: times the weight in fp32, then cast
+            return (weight * h).to(x.dtype)
         return weight * h.to(x.dtype)
 
     def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -518,8 +532,9 @@ class ShardedModel(torch.nn.Module):
                 q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(-1, self.n_kv_heads, d)
+        sinks = self.param_or_none(f"{p}.sinks")  # this rank's heads' (gpt-oss)
         out = attention(
-            q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap
+            q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap, sinks
         ).flatten(1)
         return self._row_linear(out, f"{p}.o_proj")
 
@@ -548,16 +563,17 @@ class ShardedModel(torch.nn.Module):
         weights' gradient is summed over tp too (``copy_to_tp``), and ``h``'s gradient through
         the experts (not the router's). With ep > 1 the tokens go to the ep rank holding their
         expert and back. ``routes``: see ``Routes``."""
-        spec, tp_group = self.spec, self.groups.tp_group
-        assert spec.moe is not None and spec.traits.moe is not None
-        if spec.traits.moe.router == "sigmoid_grouped":  # from fp32 inputs, as Hugging Face's
-            logits = F.linear(h.float(), self.param(f"{m}.gate.weight").float())
+        spec, tp_group, traits = self.spec, self.groups.tp_group, self.spec.traits.moe
+        assert spec.moe is not None and traits is not None
+        r = f"{m}.{traits.router_module}"
+        if traits.router == "sigmoid_grouped":  # from fp32 inputs, as Hugging Face's
+            logits = F.linear(h.float(), self.param(f"{r}.weight").float())
         else:
-            logits = self.matmul(h, f"{m}.gate.weight")
-        bias = self.param_or_none(f"{m}.gate.e_score_correction_bias")
+            logits = self.matmul(h, f"{r}.weight", self.param_or_none(f"{r}.bias"))
+        bias = self.param_or_none(f"{r}.e_score_correction_bias")
         given = None if routes is None or routes.given is None else routes.given[:, j]
         replay = given if routes is not None and routes.replay else None
-        weights, ids, own = route(logits, spec.moe, spec.traits.moe, bias, replay)
+        weights, ids, own = route(logits, spec.moe, traits, bias, replay)
         training = self.training and torch.is_grad_enabled() and len(ids) > 0  # a train step's
         if routes is not None and routes.record is not None:
             routes.record[:, j] = ids
@@ -573,17 +589,28 @@ class ShardedModel(torch.nn.Module):
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=0)
             squares = torch.logsumexp(logits.float(), dim=-1).square().sum()
             self.router_sums.append((counts, probs, squares, len(ids)))
+        gate_up = self.param(f"{m}.experts.gate_up_proj")
+        down = self.param(f"{m}.experts.down_proj")
+        act, gate_up_bias = glu(self.act), None
+        if traits.form == "clamped_swiglu":  # [E, in, out], biased (gpt-oss)
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            act = clamped_swiglu(spec.moe.limit, spec.moe.alpha)
+            gate_up_bias = self.param(f"{m}.experts.gate_up_proj_bias")
         out = experts(
             copy_to_tp(h, tp_group),
             copy_to_tp(weights, tp_group),
             ids,
-            self.param(f"{m}.experts.gate_up_proj"),
-            self.param(f"{m}.experts.down_proj"),
-            self.act,
+            gate_up,
+            down,
+            act,
             self.groups.ep_group,
             counts,
+            gate_up_bias,
         )
         out = reduce_from_tp(out, tp_group)
+        down_bias = self.param_or_none(f"{m}.experts.down_proj_bias")
+        if down_bias is not None:  # whole on every rank: after the sum over tp, weighted
+            out = out + (weights.unsqueeze(-1) * down_bias[ids]).sum(dim=1).to(out.dtype)
         if spec.moe.shared_size:
             out = out + self._gated_mlp(h, f"{m}.shared_experts")
         return out
@@ -628,6 +655,7 @@ class ShardedModel(torch.nn.Module):
         assert self.spec.moe is not None
         names = [f"{layer_prefix(self.spec, i)}.mlp" for i in self.layers if i in self.moe_index]
         names = [m for m in names if f"{m}.gate.e_score_correction_bias" in self.shards]
+        # (only a sigmoid router, named ``gate``, has one)
         if not names:
             return
         zeros = torch.zeros(self.spec.moe.n_experts, dtype=torch.int64, device=self.device)

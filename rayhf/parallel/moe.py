@@ -15,6 +15,7 @@ log-probs match its models to rounding.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -60,6 +61,10 @@ def route(
     router chose itself. With ``replay [n, k]`` a token whose row holds experts (not -1) goes
     to those, in that order, weighted by the router's scores of them as its own choice would
     be (routing replay: the weights keep their gradient to the router)."""
+    if traits.router == "topk_softmax":  # a softmax over the k chosen logits, in their dtype
+        own = torch.topk(logits, spec.top_k, dim=-1).indices
+        ids = own if replay is None else torch.where(replay < 0, own, replay.to(own.dtype))
+        return torch.softmax(logits.gather(1, ids), dim=-1, dtype=logits.dtype), ids, own
     if traits.router == "sigmoid_grouped":
         assert bias is not None
         scores = logits.sigmoid()
@@ -128,22 +133,50 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     return torch.bmm(x.unsqueeze(1), wt[expert]).squeeze(1)
 
 
+Gated = Callable[[torch.Tensor], torch.Tensor]
+"""An expert's activation: its gate|up product's rows ``[S, 2I]`` -> ``[S, I]``."""
+
+
+def glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Gated:
+    """``act(gate) * up``, gate the first half of the columns, up the second."""
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return gated
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Gated:
+    """gpt-oss's: gate and up interleaved column by column, each clamped (gate from above, up
+    both ways) at ``limit``; ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def gated(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return gated
+
+
 def experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    act: Gated,
     ep_group: dist.ProcessGroup | None = None,
     counts: torch.Tensor | None = None,
+    gate_up_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [n, H]`` through its experts: ``ids``/``weights [n, k]`` from ``route``, this rank's
-    ``gate_up [E_local, 2I, H]`` (gate rows, then up) and ``down [E_local, H, I]``: every
-    expert, or with ``ep_group`` this rank's ``1/ep`` of them (the rows of other ranks' experts
-    travel there and back). ``counts``: ``expert_counts`` of ``ids`` over every expert, where
-    the caller has them. Each (token, choice) output is weighted in the weights' dtype, cast
-    to ``x``'s, and the k summed in choice order."""
+    ``gate_up [E_local, 2I, H]`` and ``down [E_local, H, I]`` (``[out, in]``; views of weights
+    held ``[in, out]`` do too), ``act`` between them (``glu``, ``clamped_swiglu``) after
+    ``gate_up_bias [E_local, 2I]`` where given: every expert, or with ``ep_group`` this rank's
+    ``1/ep`` of them (the rows of other ranks' experts travel there and back). ``counts``:
+    ``expert_counts`` of ``ids`` over every expert, where the caller has them. Each (token,
+    choice) output is weighted in the weights' dtype, cast to ``x``'s, and the k summed in
+    choice order."""
     n, k = ids.shape
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -151,10 +184,8 @@ def experts(
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     if counts is None:
         counts = expert_counts(flat, ep * gate_up.shape[0])
-    if ep_group is None:
-        out = _ffn(rows, counts, gate_up, down, act)
-    else:
-        out = _exchanged(rows, counts, gate_up, down, act, ep_group)
+    ffn = functools.partial(_ffn, gate_up=gate_up, down=down, act=act, bias=gate_up_bias)
+    out = ffn(rows, counts) if ep_group is None else _exchanged(rows, counts, ffn, ep_group)
     out = (out * weights.flatten()[order, None]).to(x.dtype)
     per_choice = torch.empty_like(out).index_copy(0, order, out)
     return per_choice.view(n, k, down.shape[1]).sum(dim=1)
@@ -171,7 +202,8 @@ def _ffn(
     counts: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    act: Gated,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows sorted by expert (``counts`` each) through their expert's gated MLP; under
     autocast the products run in its dtype (grouped GEMM does not cast)."""
@@ -179,23 +211,24 @@ def _ffn(
     if torch.is_autocast_enabled(rows.device.type):
         low = torch.get_autocast_dtype(rows.device.type)
         rows, gate_up, down = rows.to(low), gate_up.to(low), down.to(low)
-    gate, up = grouped_linear(rows, gate_up, offsets).chunk(2, dim=-1)
-    return grouped_linear(act(gate) * up, down, offsets)
+    hidden = grouped_linear(rows, gate_up, offsets)
+    if bias is not None:  # each row's expert's
+        expert = torch.bucketize(torch.arange(len(rows), device=rows.device), offsets, right=True)
+        hidden = hidden + bias[expert.clamp(max=len(bias) - 1)]
+    return grouped_linear(act(hidden).to(down.dtype), down, offsets)  # (a bias promotes it)
 
 
 def _exchanged(
     rows: torch.Tensor,
     sent: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    act: Callable[[torch.Tensor], torch.Tensor],
+    ffn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
     """``_ffn`` of rows sorted by (global) expert, ``sent`` of them per expert, whose experts
     are spread over ``group`` (rank j of it holds experts ``[j * E_local, (j + 1) *
     E_local)``): each peer's rows go to it and come back computed, in the order they left. The
     row counts are read to the host once a layer (the exchange's sizes)."""
-    ep, local = dist.get_world_size(group), gate_up.shape[0]
+    ep, local = dist.get_world_size(group), len(sent) // dist.get_world_size(group)
     got = torch.empty_like(sent)
     dist.all_to_all_single(got, sent, group=group)  # [source rank, my expert]
     sizes = torch.stack([sent.view(ep, local).sum(1), got.view(ep, local).sum(1)])
@@ -204,7 +237,7 @@ def _exchanged(
     # each source's rows come sorted by expert: sort all of them by expert, stably
     expert = torch.arange(local, device=rows.device).repeat(ep)
     order = torch.argsort(torch.repeat_interleave(expert, got), stable=True)
-    done = _ffn(arrived[order], got.view(ep, local).sum(0), gate_up, down, act)
+    done = ffn(arrived[order], got.view(ep, local).sum(0))
     done = torch.empty_like(done).index_copy(0, order, done)
     return _Exchange.apply(done, recv_sizes, send_sizes, group)
 

@@ -29,6 +29,9 @@ def _route(block, h: torch.Tensor, spec, case: str, replay: torch.Tensor | None 
     weights, experts, the router's own experts."""
     traits = FAMILIES[case].moe
     assert spec.moe is not None and traits is not None
+    if traits.router == "topk_softmax":  # gpt-oss: a router with a bias
+        logits = F.linear(h, block.router.weight, block.router.bias)
+        return moe.route(logits, spec.moe, traits, replay=replay)
     if traits.router == "sigmoid_grouped":  # from fp32 inputs, with the correction bias
         logits = F.linear(h.float(), block.gate.weight.float())
         bias = block.gate.e_score_correction_bias
@@ -40,7 +43,7 @@ def _hidden(n: int = 24, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(n, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
 
 
-CASES_MOE = ["qwen3_moe", "mixtral", "glm4_moe"]
+CASES_MOE = ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,7 +53,8 @@ def test_routing_chooses_and_weighs_the_experts_hugging_face_does(case, dtype):
     block, spec = _block(case)
     block.to(dtype)
     h = _hidden(dtype=dtype)
-    _, want_weights, want_ids = block.gate(h)
+    router = block.router if case == "gpt_oss" else block.gate
+    _, want_weights, want_ids = router(h)
     weights, ids, _ = _route(block, h, spec, case)
     order, want_order = ids.sort(-1), want_ids.sort(-1)  # GLM's top-k is unsorted
     assert torch.equal(order.values, want_order.values)
@@ -68,9 +72,14 @@ def test_the_experts_give_hugging_face_s_per_expert_loop_to_rounding(case):
         if spec.moe is not None and spec.moe.shared_size:  # GLM-4.5's shared experts
             want = want - block.shared_experts(h[None])[0]
         weights, ids, _ = _route(block, h, spec, case)
-        got = moe.experts(
-            h, weights, ids, block.experts.gate_up_proj, block.experts.down_proj, F.silu
-        )
+        e = block.experts
+        if case == "gpt_oss":  # [E, in, out], biased, a clamped SwiGLU
+            gated = moe.clamped_swiglu(spec.moe.limit, spec.moe.alpha)
+            up, down = e.gate_up_proj.transpose(1, 2), e.down_proj.transpose(1, 2)
+            got = moe.experts(h, weights, ids, up, down, gated, gate_up_bias=e.gate_up_proj_bias)
+            got = got + (weights.unsqueeze(-1) * e.down_proj_bias[ids]).sum(dim=1)
+        else:
+            got = moe.experts(h, weights, ids, e.gate_up_proj, e.down_proj, moe.glu(F.silu))
     assert (got - want).abs().max() < 1e-6 * want.abs().max()
 
 
@@ -87,19 +96,23 @@ def test_a_replayed_route_sends_each_token_where_it_says_weighed_by_the_router(c
     assert torch.equal(same[0], weights) and torch.equal(same[1], ids)
     other = (ids + 1) % spec.moe.n_experts  # every token to other experts
     other[:2] = -1
-    block.gate.weight.grad = None
+    router = block.router if case == "gpt_oss" else block.gate
+    router.weight.grad = None
     got, got_ids, got_own = _route(block, h, spec, case, replay=other)
     assert torch.equal(got_own, own) and torch.equal(got_ids[2:], other[2:])
     assert torch.equal(got_ids[:2], ids[:2]) and torch.equal(got[:2], weights[:2])
     traits = FAMILIES[case].moe
-    logits = F.linear(h, block.gate.weight.float())
-    scores = logits.sigmoid() if traits.router == "sigmoid_grouped" else logits.softmax(-1)
-    want = scores[2:].gather(1, other[2:])
-    if spec.moe.renormalize:
-        want = want / want.sum(dim=-1, keepdim=True)
+    logits = F.linear(h, router.weight.float(), getattr(router, "bias", None))
+    if traits.router == "topk_softmax":  # a softmax over the chosen logits
+        want = logits[2:].gather(1, other[2:]).softmax(-1)
+    else:
+        scores = logits.sigmoid() if traits.router == "sigmoid_grouped" else logits.softmax(-1)
+        want = scores[2:].gather(1, other[2:])
+        if spec.moe.renormalize:
+            want = want / want.sum(dim=-1, keepdim=True)
     assert torch.allclose(got[2:], want * spec.moe.scaling, atol=1e-6)
-    got.sum().backward()
-    assert block.gate.weight.grad is not None and block.gate.weight.grad.abs().sum() > 0
+    (got * torch.arange(1, got.shape[1] + 1)).sum().backward()  # (each row's sum may be 1)
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 1e-3
 
 
 def test_route_differs_counts_tokens_whose_expert_set_is_not_the_given_one():
@@ -120,7 +133,7 @@ def _run(grouped: bool, monkeypatch) -> tuple[torch.Tensor, ...]:
     logits[:, 5] = -1e4  # nobody's
     weights = torch.softmax(logits, -1).topk(2).values.requires_grad_()
     ids = logits.topk(2).indices
-    out = moe.experts(x, weights, ids, gate_up, down, F.silu)
+    out = moe.experts(x, weights, ids, gate_up, down, moe.glu(F.silu))
     out.pow(2).sum().backward()
     assert x.grad is not None and gate_up.grad is not None and down.grad is not None
     assert weights.grad is not None
