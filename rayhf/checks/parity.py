@@ -20,12 +20,13 @@ precision:
   difference, with the gathered shards compared against the Hugging Face parameters (and
   ``zero1_step``, the same with ZeRO-1 optimizer sharding, for layouts with dp > 1 of the
   case flagged ``zero1``: Llama's);
-- ``generate``: the share of greedy tokens identical to Hugging Face's (1.0: all; None with
-  experts split over ranks, which the decode engine does not run yet).
+- ``generate``: the share of greedy tokens identical to Hugging Face's (1.0: all); with experts
+  split over the replicas, the last replica generates nothing and serves the others' exchanges
+  (None in its row).
 - ``replay`` (a Mixture-of-Experts case): scores with half the tokens sent to other experts than
   their router's (routing replay) against one process's with the same replay, and
   ``replay_moved`` what the replay changed; ``routes``, the share of the experts a greedy
-  generate records that equal one process's (None where it does not generate).
+  generate records that equal one process's.
 
 A Mixture-of-Experts case splits its experts over its dp ranks (``expert_split``: ``ep`` in
 each row), which send each other their tokens.
@@ -296,12 +297,13 @@ def _check(
     )
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
     greedy = GenerationConfig(max_new_tokens=6, greedy=True)
-    same_tokens = None  # the decode engine runs ep = 1 only (its replicas do not step together)
-    if ep == 1:
-        same_tokens = _same_share(
-            frozen.generate(prompts, greedy, 0).tokens,
-            hf_generate(frozen_ref, prompts, greedy, EOS, PAD).tokens,
-        )
+    # with experts split over the replicas they decode in step; the last has no prompts of its
+    # own and serves the others' exchanges
+    mine = [] if ep > 1 and groups.coords.dp_rank == dp - 1 else prompts
+    got = frozen.generate(mine, greedy, 0).tokens
+    same_tokens = None
+    if mine:
+        same_tokens = _same_share(got, hf_generate(frozen_ref, mine, greedy, EOS, PAD).tokens)
     ref = _model(case, False, device)
     engine = engine_of(
         _model(case, False), Tok(), False, opt, groups, device=device, precision=precision
@@ -332,8 +334,7 @@ def _check(
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
     replay: tuple[float | None, float | None, float | None] = (None, None, None)
     if FAMILIES[CASES[case].family].moe is not None:
-        generated = prompts if ep == 1 else None
-        replay = _replayed(case, frozen, my_ids, my_mask, generated, precision, device)
+        replay = _replayed(case, frozen, my_ids, my_mask, prompts, precision, device)
     fp32_split = ep > 1 and precision == "fp32"
     turns = _uneven_turns(case, groups, ids, mask, device) if fp32_split else (None, None)
     before = _shared(case, False, "fp32", device).state_dict()

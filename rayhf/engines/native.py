@@ -16,14 +16,16 @@ from rayhf.sampling import DecodeRules, Feed, GenerateOutput, GenerationConfig, 
 def decode_options(engine: NativeEngineConfig | None, model: RankModel) -> DecodeOptions:
     """The decode engine's options for a call's ``engines:`` entry (None: the defaults): CUDA
     graphs only on CUDA, and with tp > 1 only over NCCL (a graph captures NCCL's all-reduces;
-    gloo's stage CUDA tensors through host memory, which a graph cannot hold)."""
+    gloo's stage CUDA tensors through host memory, which a graph cannot hold); neither graphs
+    nor compilation with experts split over ranks (each MoE layer reads its exchange's sizes
+    on the host)."""
     engine = engine or NativeEngineConfig()
     tp = model.groups.tp_group
-    capturable = tp is None or dist.get_backend(tp) == "nccl"
+    capturable = (tp is None or dist.get_backend(tp) == "nccl") and model.groups.ep == 1
     return DecodeOptions(
         max_rows=engine.max_rows,
         capture=engine.cuda_graphs and model.device.type == "cuda" and capturable,
-        compile=engine.compile,
+        compile=engine.compile and model.groups.ep == 1,
     )
 
 
@@ -40,7 +42,7 @@ class NativeGenerator:
     def generate(
         self, prompts: list[list[int]], cfg: GenerationConfig, seed: int, feed: Feed | None = None
     ) -> GenerateOutput:
-        if not prompts:
+        if not prompts and self.model.groups.ep == 1:  # (with ep > 1 it serves the others)
             return GenerateOutput()
         check_prompts(prompts)
         m = self.model

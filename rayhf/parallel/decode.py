@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rayhf.errors import RayhfError
 from rayhf.parallel.attention import KVCache, TokenLayout
@@ -335,6 +336,12 @@ class DecodeEngine:
         response goes to it as its row ends, and the output holds the fed prompts' too."""
         prompts = list(prompts)
         n, m = len(prompts), rules.max_new_tokens
+        ep = self.model.groups.ep_group  # experts split over replicas: they step together
+        if n == 0:  # (with ep > 1: the group's others generate; serve their exchanges)
+            assert ep is not None, "a generate call of no prompts"
+            with torch.inference_mode():
+                self._loop([], deque(), None, rules)
+            return GenerateOutput()
         if feed is not None and self.pipe.groups.pp * self.pipe.groups.tp > 1:
             raise RayhfError("a fed generate call (multi-turn rollouts) needs tp = pp = 1")
         rows_wanted = n if feed is None else max(n, feed.rows)
@@ -357,23 +364,7 @@ class DecodeEngine:
         rows: list[_Row | None] = [None] * n_slots
         call = _Call(prompts, results, rules, seed, feed, {}, {})
         with torch.inference_mode(), self.model.reading_lent(self.lent):
-            self._fill(rows, waiting, call)
-            while any(r is not None for r in rows):
-                b = self._bucket(max(i for i, r in enumerate(rows) if r is not None) + 1)
-                left = max(m - 1 - (self.n_steps - r.started) for r in rows if r is not None)
-                for _ in range(min(CHECK_EVERY, left)):
-                    self._step(rules, b, self._n_keys(rows, m))
-                self._collect(rows, b, call)
-                if feed is not None:
-                    free = sum(r is None for r in rows) - len(waiting)
-                    for p in feed.more(max(free, 0), self.cache.capacity - m):
-                        waiting.append(len(prompts))
-                        prompts.append(p)
-                        results.append(None)
-                if waiting:
-                    self._fill(rows, waiting, call)
-                elif self.options.compact:
-                    self._compact(rows)
+            self._loop(rows, waiting, call, rules)
         out = GenerateOutput()
         for i, r in enumerate(results):
             assert r is not None
@@ -386,6 +377,57 @@ class DecodeEngine:
             if self.slots.routes is not None:
                 out.routes.append(call.routes[i])
         return out
+
+    def _loop(
+        self, rows: list[_Row | None], waiting: deque, call: _Call | None, rules: DecodeRules
+    ) -> None:
+        """Decode until every prompt has ended: fill, steps, a look, fill or compact. With
+        experts split over the replicas (ep > 1) every MoE layer exchanges tokens, so the ep
+        group's ranks agree at each look whether any is still busy, fills and how many steps
+        run; a rank with nothing of its own runs passes of no tokens beside the others'."""
+        m, feed = rules.max_new_tokens, call.feed if call is not None else None
+        self._fill(rows, waiting, call)
+        while self._agree(int(any(r is not None for r in rows) or bool(waiting))):
+            live = any(r is not None for r in rows)
+            steps = b = 0
+            if live:
+                b = self._bucket(max(i for i, r in enumerate(rows) if r is not None) + 1)
+                left = max(m - 1 - (self.n_steps - r.started) for r in rows if r is not None)
+                steps = min(CHECK_EVERY, left)
+            for _ in range(self._agree(steps)):  # (past a row's end: its spare column)
+                if live:
+                    self._step(rules, b, self._n_keys(rows, m))
+                else:
+                    self._idle_pass()
+            if live:
+                assert call is not None
+                self._collect(rows, b, call)
+            if feed is not None and call is not None:
+                assert self.cache is not None
+                free = sum(r is None for r in rows) - len(waiting)
+                for p in feed.more(max(free, 0), self.cache.capacity - m):
+                    waiting.append(len(call.prompts))
+                    call.prompts.append(p)
+                    call.results.append(None)
+            filling = bool(waiting)
+            if filling or self.model.groups.ep > 1:
+                self._fill(rows, waiting, call)
+            if not filling and self.options.compact:
+                self._compact(rows)
+
+    def _agree(self, value: int) -> int:
+        """``value``'s largest over the ep group (this rank's without one)."""
+        group = self.model.groups.ep_group
+        if group is None:
+            return value
+        t = torch.tensor([value], device=self.model.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
+
+    def _idle_pass(self) -> None:
+        """A forward of no tokens, beside the ep group's others' prefill or step."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.model.device)
+        self.model(empty, TokenLayout.packed([]))
 
     def _routes_shape(self, rules: DecodeRules) -> tuple[int, int] | None:
         """``(L, k)`` of the experts a call records per token: its MoE layers, the experts
@@ -411,13 +453,18 @@ class DecodeEngine:
         assert self.cache is not None
         return key_bucket(far + 1, self.cache.capacity, self._bucketed)
 
-    def _fill(self, rows: list[_Row | None], waiting: deque, call: _Call) -> None:
-        """Prefill waiting prompts into free slots and choose their first tokens."""
-        prompts, rules = call.prompts, call.rules
+    def _fill(self, rows: list[_Row | None], waiting: deque, call: _Call | None) -> None:
+        """Prefill waiting prompts into free slots and choose their first tokens (with ep > 1:
+        a pass of no tokens if another rank of the group prefills and this one has none)."""
         free = [i for i, r in enumerate(rows) if r is None]
         taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-        if not taken:
+        if not self._agree(len(taken)):
             return
+        if not taken:
+            self._idle_pass()
+            return
+        assert call is not None
+        prompts, rules = call.prompts, call.rules
         slots, cache = self.slots, self.cache
         assert slots is not None and cache is not None
         where = free[: len(taken)]

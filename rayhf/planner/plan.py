@@ -132,10 +132,10 @@ def check_plan_fits(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> No
             reason = check_layout(specs[role], lay.tp, lay.pp, lay.ep)
             if reason is not None:
                 raise RayhfError(f"plan.{name}: {reason} (role '{role}')")
-        if lay.ep > 1 and call.kind == "generate":
+        if lay.ep > 1 and lay.pp > 1 and call.kind == "generate":
             raise RayhfError(
-                f"plan.{name}.ep: the decode engine runs ep = 1 (its replicas' steps do not "
-                "line up yet); set it to 1"
+                f"plan.{name}.ep: the decode engine splits experts over replicas with pp = 1 "
+                f"only (pp is {lay.pp}); set ep to 1 or pp to 1"
             )
 
 

@@ -29,7 +29,7 @@ def test_candidates_respect_nodes_and_the_model():
 
 def test_an_moe_model_s_calls_may_split_experts_except_the_generate_call():
     """Every ep that divides dp and the experts is a candidate for training and inference; the
-    decode engine runs ep = 1, so the search never gives a generate call more."""
+    search does not price the decode step's exchanges, so it never gives a generate call more."""
     moe = public_shape("qwen3-30b-a3b")
     options = candidates(moe, 16, 8)
     assert {lay.ep for lay in options} == {1, 2, 4, 8, 16}
