@@ -2,7 +2,9 @@
 
 Sizes from the models' published ``config.json`` files: Llama-2 7B/13B/70B
 (meta-llama/Llama-2-{7,13,70}b-hf), CodeLlama-34B (codellama/CodeLlama-34b-hf) and Qwen2.5
-0.5B/1.5B/7B (Qwen/Qwen2.5-{0.5,1.5,7}B-Instruct), Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B).
+0.5B/1.5B/7B (Qwen/Qwen2.5-{0.5,1.5,7}B-Instruct), Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B),
+GLM-4.5-Air (zai-org/GLM-4.5-Air, as transformers' conversion script gives its config; its
+multi-token-prediction layer, which RL does not train, left out).
 """
 
 from __future__ import annotations
@@ -62,6 +64,18 @@ def _qwen3_moe(hidden: int, layers: int, heads: int, kv: int, experts: int, widt
     )  # fmt: skip
 
 
+def _glm45_air() -> ModelSpec:
+    """GLM-4.5-Air: 46 layers, the first dense, the rest 128 routed experts (8 a token, sigmoid
+    routing with a correction bias) and one shared; q/k/v biases, half-width RoPE."""
+    return replace(
+        _llama(4096, 46, 96, 8, 10944, 131072),
+        family="glm4_moe", traits=FAMILIES["glm4_moe"], vocab_size=151552, head_dim=128,
+        norm_eps=1e-5, rope_theta=1e6, qkv_bias=True,
+        moe=MoESpec(n_experts=128, top_k=8, expert_size=1408, renormalize=True, shared_size=1408),
+        moe_layers=tuple(range(1, 46)),
+    )  # fmt: skip
+
+
 PUBLIC_SHAPES: dict[str, ModelSpec] = {
     "llama2-7b": _llama(4096, 32, 32, 32, 11008, 4096),
     "llama2-13b": _llama(5120, 40, 40, 40, 13824, 4096),
@@ -71,6 +85,7 @@ PUBLIC_SHAPES: dict[str, ModelSpec] = {
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
     "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 768),
+    "glm-4.5-air": _glm45_air(),
 }
 
 

@@ -20,11 +20,13 @@ from rayhf.models.sharding import param_shards
         ("qwen2.5-1.5b", 1.544),
         ("qwen2.5-7b", 7.616),
         ("qwen3-30b-a3b", 30.532),  # the model card's 30.5B, of which 3.3B a token uses
+        ("glm-4.5-air", 106.852),  # the model card's 106B (12B a token), its MTP layer aside
     ],
 )
 def test_parameter_counts_are_the_published_ones(name, billions):
     count = sum(p.numel for p in param_shards(public_shape(name)))
-    assert count / 1e9 == pytest.approx(billions, abs=0.001 if name.startswith("qwen") else 0.01)
+    close = 0.001 if name.startswith(("qwen", "glm")) else 0.01
+    assert count / 1e9 == pytest.approx(billions, abs=close)
 
 
 def test_grouped_query_attention_of_the_large_models():
@@ -50,5 +52,5 @@ def test_an_unknown_name_lists_the_known_ones():
         public_shape("llama3-8b")
     assert str(info.value) == (
         "model shape 'llama3-8b' is unknown; use one of llama2-7b, llama2-13b, codellama-34b, "
-        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b"
+        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b, glm-4.5-air"
     )
