@@ -6,8 +6,9 @@
         [--skip PART ...] [--page NAME]
 
 Under 10 minutes a call, the 1.5B parts and the weight-move transports go in a second one:
-``--skip ppo_1.5b planner_1.5b transports colocated_move moe_layer``, then ``--skip-ppo --skip
-generation train_step logprob_memory planner_0.5b hf_static --page gpu_1.5b``.
+``--skip ppo_1.5b planner_1.5b transports colocated_move moe_layer moe_model``, then
+``--skip-ppo --skip generation train_step logprob_memory planner_0.5b hf_static --page
+gpu_1.5b``.
 
 The model has Qwen2-0.5B's shape (24 layers, 896 wide, 14 query and 2 key/value heads, MLP 4864,
 tied embedding, vocabulary padded to 151,936 rows) and random weights; prompts are the demo task's
@@ -31,6 +32,9 @@ frozen copies store bf16.
   of that shape first).
 - One Mixture-of-Experts layer (``moe_layer``): ``benchmarks/moe_layer.py --device cuda``, its
   own page.
+- Mixture-of-Experts models (``moe_model``): ``benchmarks/moe_model.py --device cuda``, the small
+  and a ~1B-total Qwen3-MoE: decode (eager and compiled) and train step against Hugging Face's,
+  and routing replay on the same samples in bf16; its own page (``moe_model_gpu``).
 - Weight-move transports between processes on the one GPU: the PPO run with the reference's
   first move and any later ones through /dev/shm and through CUDA IPC (``transports``), and
   ``benchmarks/gpu_colocated_move.py``'s bytes/s of each (``colocated_move``, its own page).
@@ -236,6 +240,16 @@ def colocated_move(commit: str) -> dict[str, Any]:
     subprocess.run(cmd, check=True, timeout=420, cwd=here)
     page = json.loads((REPO / "docs" / "benchmarks" / "gpu_colocated_move.json").read_text())
     return page.get("results", page)
+
+
+def moe_model(commit: str) -> dict[str, Any]:
+    """``benchmarks/moe_model.py --device cuda`` (its own page, ``moe_model_gpu``), read back."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    cmd = ["python", str(here / "moe_model.py"), "--device", "cuda", "--commit", commit]
+    subprocess.run(cmd, check=True, timeout=420, cwd=here)
+    return json.loads((REPO / "docs" / "benchmarks" / "moe_model_gpu.json").read_text())
 
 
 def moe_layer(commit: str) -> dict[str, Any]:
@@ -614,6 +628,12 @@ def report(res: dict[str, Any]) -> str:
         "colocated_move": lambda: [
             "## Colocated weight moves: [gpu_colocated_move.md](gpu_colocated_move.md)"
         ],
+        "moe_layer": lambda: [
+            "## One Mixture-of-Experts layer: [moe_layer_gpu.md](moe_layer_gpu.md)"
+        ],
+        "moe_model": lambda: [
+            "## Mixture-of-Experts models, routing replay: [moe_model_gpu.md](moe_model_gpu.md)"
+        ],
     }
     for name, lines_of in parts.items():
         if name == "generation" and "hf_static" in res["errors"]:
@@ -662,6 +682,7 @@ def main() -> None:
         "transports": lambda: transports(args.steps, args.warmup, args.batch, args.new_tokens),
         "colocated_move": lambda: colocated_move(res["commit"]),
         "moe_layer": lambda: moe_layer(res["commit"]),
+        "moe_model": lambda: moe_model(res["commit"]),
     }
     for name, measure in parts.items():
         if (name == "ppo" and args.skip_ppo) or name in args.skip:

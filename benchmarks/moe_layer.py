@@ -11,7 +11,7 @@ with its experts ``eager`` (a loop over the experts a batch hits) and ``grouped_
 default). Forward without gradients at 1 and 16 tokens (a decode step's rows) and 2,048 (a
 prefill); forward and backward at 2,048 (a train step's micro-batch). Each figure is the
 median over ``--repeats`` rounds of the mean time of as many calls as fit ``--seconds``, the
-implementations taking turns within a round. ep > 1 is not measured here yet.
+implementations taking turns within a round. ep > 1: ``benchmarks/moe_model.py``.
 
 With ``--device cuda`` (``benchmarks/gpu.py`` runs it as its ``moe_layer`` part): bf16, the shape
 of a Qwen3-30B-A3B layer (hidden 2048, 128 experts of width 768, 8 a token), at 1, 64 and 4,096
@@ -183,8 +183,8 @@ def report(rows: list[dict], device: str = "cpu") -> str:
         f"Against Hugging Face's default (grouped_mm): geometric mean "
         f"{statistics.geometric_mean(ratios):.2f}x, lowest {min(ratios):.2f}x. The issue's goal "
         "(1.5x for decode, no slower for a train step) is for the layer in the whole decode "
-        "step and on a GPU as well; this page is the layer alone on a CPU. Not measured here "
-        "yet: ep = 2 and 4 on emulated devices.",
+        "step and on a GPU as well; this page is the layer alone on a CPU. The whole model's "
+        "decode and train step, and ep = 2 and 4 on emulated devices: moe_model.md.",
     ]
     return "\n".join(lines) + "\n"
 

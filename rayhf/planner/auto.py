@@ -178,12 +178,16 @@ def format_auto(result: AutoPlan) -> str:
         f"{max(sim.peak_memory.values(), default=0) / 1e9:.1f} GB",
         "baselines (same cost model):",
     ]
+    width = max([10, *(len(n) + 1 for n in [*result.baselines, *result.absent])])
     for name, (_, bsim) in result.baselines.items():
         fits = "" if bsim.feasible else " (does not fit memory)"
         speed = bsim.iteration_seconds / sim.iteration_seconds
-        rows.append(f"  {name:<10}{bsim.iteration_seconds:>9.2f} s  ({speed:.2f}x the plan){fits}")
+        seconds = f"{bsim.iteration_seconds:>9.2f} s"
+        rows.append(f"  {name:<{width}}{seconds}  ({speed:.2f}x the plan){fits}")
     for name in result.absent:
-        rows.append(f"  {name:<10} no plan: its layouts do not fit this graph, cluster or model")
+        rows.append(
+            f"  {name:<{width}} no plan: its layouts do not fit this graph, cluster or model"
+        )
     if result.device_use:
         rows += ["devices per role (where fewer than all):", *result.device_use]
     return "\n".join(rows)

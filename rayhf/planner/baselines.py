@@ -104,15 +104,19 @@ class Setting:
         )
 
 
-def _options(s: Setting, name: str, mesh: tuple[int, ...], engines: bool) -> list[Layout]:
+def _options(
+    s: Setting, name: str, mesh: tuple[int, ...], engines: bool, megatron: bool = False
+) -> list[Layout]:
     """Layouts call ``name`` may take on ``mesh``; with ``engines`` (verl's and OpenRLHF's
-    rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines)."""
+    rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines); with
+    ``megatron`` (verl's Megatron backend, slime) any layout but generation dp x tp (vLLM's or
+    SGLang's engines)."""
     kind = s.graph.by_name[name].kind
     out = layouts_on(mesh, s.spec(name), s.per_node)
     if engines and kind == "train":
         out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
-    if engines and kind == "generate":
-        out = [lay for lay in out if lay.pp == 1]
+    if (engines or megatron) and kind == "generate":
+        out = [lay for lay in out if lay.pp == 1 and (lay.ep == 1 or not megatron)]
     return out
 
 
@@ -158,6 +162,36 @@ def openrlhf(s: Setting) -> Plan | None:
     return _disjoint(s, groups, _Rule("openrlhf", zero3=True, engines=True))
 
 
+def _experts(s: Setting) -> bool:
+    return any(spec is not None and spec.moe is not None for spec in s.specs.values())
+
+
+def verl_megatron(s: Setting) -> Plan | None:
+    """verl's Megatron backend, which its Mixture-of-Experts recipes use (Qwen3-30B-A3B,
+    GLM-4.5-Air): the hybrid engine, every call on every device; train and inference calls in
+    any tp x pp x ep layout, generation dp x tp (vLLM); each call tuned in its own layout.
+    (slime's recipes, all ``--colocate``, take the same layouts in this cost model.) None
+    without an MoE model: the dense baselines stand as they were measured."""
+    if not _experts(s):
+        return None
+    every = tuple(range(s.n_devices))
+    options = {c.name: _options(s, c.name, every, False, True) for c in s.graph.calls}
+    rule = _Rule("verl_megatron", zero3=False, engines=False, megatron=True)
+    return _tune(s, options, rule, passes=2)
+
+
+def slime(s: Setting) -> Plan | None:
+    """slime without ``--colocate``: the generate calls (SGLang, dp x tp) on devices of their
+    own, every other call (Megatron: any tp x pp x ep) on the rest, block sizes tuned. None
+    without an MoE model."""
+    if not _experts(s):
+        return None
+    groups: dict[str, list[str]] = {}
+    for c in s.graph.calls:
+        groups.setdefault("rollout" if c.kind == "generate" else "train", []).append(c.name)
+    return _disjoint(s, groups, _Rule("slime", zero3=False, engines=False, megatron=True))
+
+
 def disjoint(s: Setting) -> Plan:
     """Each role on devices of its own (generation on the actor's); stages as the rule picks."""
     groups = {r: s.graph.role_calls(r) for r in s.graph.roles}
@@ -186,6 +220,7 @@ class _Rule:
     source: str
     zero3: bool
     engines: bool
+    megatron: bool = False
 
 
 def _tune(s: Setting, options: dict[str, list[Layout]], rule: _Rule, passes: int) -> Plan:
@@ -289,7 +324,11 @@ def _on_blocks(
     options: dict[str, list[Layout]] = {}
     for g, calls in groups.items():
         for name in calls:
-            opts = _options(s, name, meshes[g], rule.engines) if g in meshes else [Layout((0,), 1)]
+            opts = (
+                _options(s, name, meshes[g], rule.engines, rule.megatron)
+                if g in meshes
+                else [Layout((0,), 1)]
+            )
             options[name] = _shortlist(s, name, opts) if quick else opts
     return _tune(s, options, rule, passes=1 if quick else 2)
 
@@ -351,10 +390,13 @@ def _realhf_plan(
 def build_all(s: Setting) -> dict[str, Plan | None]:
     """Every baseline for ``s`` (None: its rules give no plan for this graph, cluster or
     engines)."""
-    return {
+    out = {
         "colocated": colocated(s),
         "verl": verl(s),
         "openrlhf": openrlhf(s),
         "disjoint": disjoint(s),
         "realhf": realhf(s),
     }
+    if _experts(s):  # the peers' MoE recipes' rules
+        out |= {"verl_megatron": verl_megatron(s), "slime": slime(s)}
+    return out

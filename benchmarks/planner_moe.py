@@ -1,0 +1,188 @@
+"""The planner on Mixture-of-Experts models (simulated): GRPO and PPO of Qwen3-30B-A3B- and
+GLM-4.5-Air-shaped policies on 1, 2 and 4 nodes of 8 H100s.
+
+    python benchmarks/planner_moe.py [--time-limit 20] [--quick]
+
+For each setup the search's plan (``rayhf plan --cluster``'s) is compared in estimated iteration
+time with every baseline's (``rayhf.planner.baselines``), the peers' MoE recipes' rules among
+them: ``verl_megatron`` (verl's Megatron backend, which its Qwen3-30B-A3B and GLM-4.5-Air
+recipes use: every call on every device, training and inference in any tp x pp x ep layout,
+generation dp x tp; slime's recipes, all ``--colocate``, take the same layouts here) and
+``slime`` (without ``--colocate``: generation on devices of its own). verl's FSDP and OpenRLHF
+train with DeepSpeed ZeRO-3 and the ReaLHF heuristic needs a dense model: no plan for an MoE
+model. Infeasible (over memory) plans never count as the best baseline. A batch of
+``BATCH`` sequences (64 prompts x 8 samples for GRPO) of ``PROMPT`` prompt and ``GEN`` new
+tokens, 4 minibatches. GRPO's reward is a function (no model); PPO's critic and reward model are
+Qwen2.5-7B-shaped (GLM-4.5 has no sequence-classification class, and a dense critic is the
+peers' usual choice). Writes docs/benchmarks/planner_moe.{md,json}, every plan included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from _common import git_commit, write_results
+from planner_scale import speedup
+
+from rayhf.graph import load_graph
+from rayhf.models.shapes import public_shape
+from rayhf.planner import baselines
+from rayhf.planner.auto import expert_calls, open_stages
+from rayhf.planner.cost import AnalyticCost, Workload
+from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.plan import Plan
+from rayhf.planner.problem import Problem
+from rayhf.planner.search import search
+from rayhf.planner.simulate import simulate
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH, PROMPT, GEN = 512, 512, 1024
+COLUMNS = {
+    "colocated": "one layout",
+    "disjoint": "disjoint",
+    "verl_megatron": "verl (Megatron)",
+    "slime": "slime (apart)",
+    "verl": "verl (FSDP)",
+    "openrlhf": "OpenRLHF",
+    "realhf": "ReaLHF",
+}
+
+
+def setups(quick: bool) -> list[tuple[str, str, int]]:
+    """(algorithm, policy shape, devices)."""
+    out = [
+        (algo, shape, devices)
+        for shape in ("qwen3-30b-a3b", "glm-4.5-air")
+        for algo in ("grpo", "ppo")
+        for devices in (8, 16, 32)
+    ]
+    return out[:2] if quick else out
+
+
+def problem(algo: str, shape: str, devices: int) -> Problem:
+    graph = load_graph(REPO / "graphs" / f"{algo}.yaml")
+    specs = {"actor": public_shape(shape), "ref": public_shape(shape)}
+    if algo == "ppo":
+        specs |= {
+            "critic": public_shape("qwen2.5-7b", value_head=True),
+            "reward": public_shape("qwen2.5-7b", value_head=True),
+        }
+    works = {
+        c.name: Workload(c.kind, BATCH, PROMPT, GEN, 4 if c.kind == "train" else 1)
+        for c in graph.calls
+    }
+    cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
+    prob = Problem(graph, specs, works, cost)
+    return prob.with_works(open_stages(works, expert_calls(prob)))  # as `rayhf plan` opens them
+
+
+def run_setup(algo: str, shape: str, devices: int, time_limit: float) -> dict:
+    prob = problem(algo, shape, devices)
+    built = baselines.build_all(baselines.Setting.priced(prob))
+    base = {k: v for k, v in built.items() if v is not None}
+    began = time.perf_counter()
+    found = search(prob, list(base.values()), time_limit=time_limit)
+    row: dict = {"algo": algo, "shape": shape, "devices": devices}
+    for name, plan in {**built, "search": found.plan}.items():
+        if plan is None:
+            row[name] = None  # its rules give no plan here
+            continue
+        sim = simulate(prob, plan)
+        row[name] = {
+            "seconds": sim.iteration_seconds,
+            "feasible": sim.feasible,
+            "plan": json.loads(Plan(plan.layouts, plan.source, sim.stages).to_json()),
+        }
+    row["search_seconds"] = time.perf_counter() - began
+    feasible = {k: row[k]["seconds"] for k in base if row[k]["feasible"]}
+    row["best_baseline"] = min(feasible, key=feasible.__getitem__) if feasible else None
+    row["search_feasible"] = row["search"]["feasible"]
+    return row
+
+
+def _layout(v: dict | None, call: str) -> str:
+    if v is None:
+        return "-"
+    lay = v["plan"][call]
+    ep = f" ep{lay['ep']}" if lay.get("ep", 1) > 1 else ""
+    return f"{len(lay['mesh'])} dev, dp{lay['dp']} tp{lay['tp']} pp{lay['pp']}{ep}"
+
+
+def report(rows: list[dict], commit: str) -> str:
+    lines = [
+        "# The planner on Mixture-of-Experts models (simulated, H100 datasheet figures)",
+        "",
+        f"`python benchmarks/planner_moe.py` at {commit}. GRPO and PPO, {BATCH} sequences of "
+        f"{PROMPT} prompt and {GEN} new tokens a step, 4 minibatches; seconds per iteration from "
+        "the analytic cost model (steps overlapped where the dataflow allows, as the driver runs "
+        "them); `*` = does not fit memory, `-` = the baseline's rules give no plan. Every plan, "
+        "with its stages, is in `planner_moe.json`.",
+        "",
+        "| algorithm | policy | GPUs | "
+        + " | ".join(COLUMNS.values())
+        + " | search | best baseline | speed-up |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: | --- | ---: |",
+    ]
+    ups = []
+    for r in rows:
+        cells = []
+        for k in [*COLUMNS, "search"]:
+            v = r.get(k)
+            cells.append("-" if v is None else f"{v['seconds']:.1f}{'' if v['feasible'] else '*'}")
+        up = speedup(r) if r["best_baseline"] and r["search_feasible"] else float("nan")
+        ups.append(up)
+        lines.append(
+            f"| {r['algo']} | {r['shape']} | {r['devices']} | {' | '.join(cells)} "
+            f"| {COLUMNS.get(r['best_baseline'] or '', 'none')} | "
+            + ("-" if up != up else f"{up:.2f}x")
+            + " |"
+        )
+    finite = [u for u in ups if u == u]
+    none = len(rows) - len(finite)
+    lines += [""]
+    if finite:
+        lines.append(
+            f"Speed-up of the search over the best feasible baseline: geometric mean "
+            f"{statistics.geometric_mean(finite):.2f}x, median {statistics.median(finite):.2f}x, "
+            f"worst {min(finite):.2f}x, best {max(finite):.2f}x over {len(finite)} setups"
+            + (f"; {none} setups have no feasible plan to compare." if none else ".")
+        )
+    lines += [
+        "",
+        "The search's train and generate layouts (devices, dp, tp, pp, ep):",
+        "",
+        "| algorithm | policy | GPUs | actor_train | actor_gen | verl (Megatron) actor_train |",
+        "| --- | --- | ---: | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['algo']} | {r['shape']} | {r['devices']} | "
+            f"{_layout(r['search'], 'actor_train')} | {_layout(r['search'], 'actor_gen')} | "
+            f"{_layout(r.get('verl_megatron'), 'actor_train')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="first two setups only")
+    args = parser.parse_args()
+    rows = []
+    for setup in setups(args.quick):
+        rows.append(run_setup(*setup, time_limit=args.time_limit))
+        best = rows[-1]["best_baseline"]
+        print(setup, best, rows[-1]["search"]["seconds"], flush=True)
+    commit = git_commit()
+    text = report(rows, commit)
+    print(text)
+    if not args.quick:
+        write_results("planner_moe", text, rows, commit, indent=None)
+
+
+if __name__ == "__main__":
+    main()
