@@ -164,6 +164,30 @@ def report(rows: list[dict], commit: str) -> str:
             f"{_layout(r['search'], 'actor_train')} | {_layout(r['search'], 'actor_gen')} | "
             f"{_layout(r.get('verl_megatron'), 'actor_train')} |"
         )
+    infeasible = [r for r in rows if not r["search_feasible"]]
+    gap = [r["verl_megatron"]["seconds"] - r["search"]["seconds"] for r in rows]
+    same, faster = sum(abs(g) < 1e-9 for g in gap), sum(g > 1e-9 for g in gap)
+    with_ep = [
+        r for r in rows if any(lay.get("ep", 1) > 1 for lay in r["search"]["plan"].values()
+                               if isinstance(lay, dict))
+    ]  # fmt: skip
+    lines += [
+        "",
+        "## Reading it",
+        "",
+        f"- The search's plan is as fast as verl's Megatron-style hybrid plan in {same} of "
+        f"{len(rows)} setups and faster in {faster} (the search starts from every baseline); "
+        "the goal of 1.3x over the best baseline is not met.",
+        f"- {len(infeasible)} of {len(rows)} setups have no plan within 80 GB a device, the "
+        "search's included: this cost model keeps optimizer state, gradients and master "
+        "weights on the GPU, where the peers' recipes for these models offload the optimizer "
+        "(and verl's, parameters and gradients) to the host. Pricing offload is open.",
+        f"- ep is chosen in {len(with_ep)} of {len(rows)} search plans: the cost model finds "
+        "pipeline stages over a node's tp cheaper than splitting the experts, where every "
+        "recipe the peers publish for these models trains at ep 4-8. Which is right needs the "
+        "cost model checked against a measured MoE step on GPUs (benchmarks/gpu.py's "
+        "moe_model part measures one device).",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -136,12 +136,14 @@ def report(res: dict, commit: str) -> str:
         f"{min(own):.2%}-{max(own):.2%} of (token, layer) pairs; replayed, no token goes to "
         "other experts (the test `tests/integration/test_moe_example.py` asserts it at ep = 2, "
         "rows packed).",
-        "- On this model replay does not lower the mean log-prob mismatch: with a fraction "
-        "of a percent of (token, layer) pairs routed differently, nearly every token's "
-        "mismatch is bf16 rounding elsewhere in the forward, which replay does not touch; and "
-        "the runs part ways after the first update, so their step means compare different "
-        "policies. What replay is for, a large MoE whose flipped routes move log-probs by "
-        "more than rounding, needs a GPU (benchmarks/gpu.py).",
+        "- Across these runs replay does not lower the mean log-prob mismatch: with a "
+        "fraction of a percent of (token, layer) pairs routed differently, nearly every "
+        "token's mismatch is bf16 rounding elsewhere in the forward, and the runs part ways "
+        "after the first update, so their step means compare different policies. On the "
+        "same samples, one trained copy scoring them both ways, replay does lower it "
+        "([moe_model.md](moe_model.md): 2.80e-3 -> 1.88e-3 per token, 2.06% of pairs "
+        "routed differently, on a larger random MoE). A large MoE on a GPU: "
+        "benchmarks/gpu.py's moe_model part.",
         f"- Recording and comparing the experts costs {cost('measure'):+.0%} of a step "
         f"(`measure` against `off`), replaying them {cost('replay'):+.0%}. `off` and "
         f"`measure` {'gave the same reward at every step' if alike else 'differ'}; all "
