@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,3 +33,17 @@ def write_results(
     if isinstance(data, dict):
         data = {**data, "commit": commit}
     (out / f"{name}.json").write_text(json.dumps(data, indent=indent) + "\n")
+
+
+def median_seconds(fns: Mapping[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Each call's median seconds over ``reps`` rounds after a warm-up of each; a round times
+    every call once, so a slow spell of the machine falls on all of them alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            began = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - began)
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import write_results
+from _common import median_seconds, write_results
 
 from rayhf.engines.config import NativeEngineConfig
 from rayhf.engines.native import NativeGenerator
@@ -51,20 +51,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                   "n_kv_heads": 2, "intermediate_size": 1408, "tied": True,
                   "config": {"vocab_size": 32000}},
 }  # fmt: skip
-
-
-def _median_seconds(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Each call's median seconds over ``reps`` rounds after a warm-up of each; a round times
-    every call once, so a slow spell of the machine falls on all of them alike."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            began = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - began)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _prompts(batch: int, group: int, seed: int = 0) -> list[list[int]]:
@@ -115,7 +101,7 @@ def measure_shape(name: str, args: argparse.Namespace, tok: Any) -> list[dict[st
         for group in (1, args.group):
             prompts = _prompts(batch, group)
             calls = {k: functools.partial(fn, prompts) for k, fn in engines.items()}
-            secs = _median_seconds(calls, args.reps)
+            secs = median_seconds(calls, args.reps)
             tokens = batch * args.new
             row = {"shape": name, "params": params, "batch": batch, "group": group,
                    "seconds": secs}  # fmt: skip

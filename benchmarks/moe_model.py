@@ -38,17 +38,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import git_commit, write_results
+from _common import git_commit, median_seconds, write_results
 
 VOCAB, PROMPTS, PROMPT_LEN, NEW, ROWS, SEQ = 4096, 16, 16, 32, 8, 128
 LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 4))  # (dp, ep)
@@ -89,20 +87,6 @@ def _data() -> tuple[torch.Tensor, list[list[int]]]:
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return -logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).mean()
-
-
-def _median_seconds(fns: Mapping[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Each call's median seconds over ``reps`` rounds after a warm-up of each; a round times
-    every call once, so a slow spell of the machine falls on all of them alike."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            began = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - began)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _hf_step(model: Any, ids: torch.Tensor, autocast: bool = False) -> Callable[[], None]:
@@ -169,7 +153,7 @@ def one_device(
     assert frozen.model is not None
     compiled = DecodeEngine(frozen.model.pipe, DecodeOptions(compile=True))
     rules = DecodeRules.of(greedy, _Tok.eos_token_id, _Tok.pad_token_id)
-    decode = _median_seconds(
+    decode = median_seconds(
         {
             "rayhf": lambda: frozen.generate(prompts, greedy, 0),
             "rayhf_compiled": lambda: compiled.generate(prompts, rules, 0),
@@ -178,7 +162,7 @@ def one_device(
         reps,
     )
     train_hf = {impl: _model(layers, impl, shape).to(device) for impl in ("grouped_mm", "eager")}
-    train = _median_seconds(
+    train = median_seconds(
         {"rayhf": rayhf_step} | {f"hf_{k}": _hf_step(m, ids, gpu) for k, m in train_hf.items()},
         reps,
     )
@@ -249,7 +233,7 @@ def _layout_worker(rank: int, layout: tuple[int, int], args: tuple, out: str) ->
         trained.train([batch], lambda _: (_loss(trained.forward(ids, mask), ids), {}))
 
     # every rank times the same rounds (the calls are collective); rank 0 reports
-    seconds = _median_seconds(
+    seconds = median_seconds(
         {"decode": lambda: frozen.generate(prompts, greedy, 0), "train": step}, reps
     )
     assert frozen.model is not None

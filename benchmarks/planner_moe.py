@@ -20,24 +20,18 @@ peers' usual choice). Writes docs/benchmarks/planner_moe.{md,json}, every plan i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 from _common import git_commit, write_results
-from planner_scale import speedup
+from planner_scale import compare, speedup
 
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
-from rayhf.planner import baselines
 from rayhf.planner.auto import expert_calls, open_stages
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
-from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
-from rayhf.planner.search import search
-from rayhf.planner.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, PROMPT, GEN = 512, 512, 1024
@@ -81,25 +75,8 @@ def problem(algo: str, shape: str, devices: int) -> Problem:
 
 
 def run_setup(algo: str, shape: str, devices: int, time_limit: float) -> dict:
-    prob = problem(algo, shape, devices)
-    built = baselines.build_all(baselines.Setting.priced(prob))
-    base = {k: v for k, v in built.items() if v is not None}
-    began = time.perf_counter()
-    found = search(prob, list(base.values()), time_limit=time_limit)
     row: dict = {"algo": algo, "shape": shape, "devices": devices}
-    for name, plan in {**built, "search": found.plan}.items():
-        if plan is None:
-            row[name] = None  # its rules give no plan here
-            continue
-        sim = simulate(prob, plan)
-        row[name] = {
-            "seconds": sim.iteration_seconds,
-            "feasible": sim.feasible,
-            "plan": json.loads(Plan(plan.layouts, plan.source, sim.stages).to_json()),
-        }
-    row["search_seconds"] = time.perf_counter() - began
-    feasible = {k: row[k]["seconds"] for k in base if row[k]["feasible"]}
-    row["best_baseline"] = min(feasible, key=feasible.__getitem__) if feasible else None
+    row |= compare(problem(algo, shape, devices), time_limit)
     row["search_feasible"] = row["search"]["feasible"]
     return row
 

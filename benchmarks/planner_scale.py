@@ -106,13 +106,21 @@ def setting(actor: str, critic: str, devices: int, gen: int):
 
 def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float) -> dict:
     graph, specs, w, cost = setting(actor, critic, devices, gen)
-    problem = Problem(graph, specs, w, cost)
+    row: dict = {"actor": actor, "critic": critic, "devices": devices, "gen": gen}
+    row |= compare(Problem(graph, specs, w, cost), time_limit)
+    row["bound"] = bound(graph, specs, w, cost)
+    return row
+
+
+def compare(problem: Problem, time_limit: float) -> dict:
+    """Every baseline's plan and the search's (started from them), each simulated: its
+    seconds, whether it fits and the plan (None: the baseline's rules give none); the best
+    feasible baseline, the search's own seconds and steps."""
     began = time.perf_counter()
     built = baselines.build_all(baselines.Setting.priced(problem))
-    baseline_seconds = time.perf_counter() - began
+    row: dict = {"baseline_seconds": time.perf_counter() - began}
     base = {k: v for k, v in built.items() if v is not None}
     found = search(problem, list(base.values()), time_limit=time_limit)
-    row: dict = {"actor": actor, "critic": critic, "devices": devices, "gen": gen}
     for name, plan in {**built, "search": found.plan}.items():
         if plan is None:
             row[name] = None  # its rules give no plan here
@@ -123,9 +131,7 @@ def run_setup(actor: str, critic: str, devices: int, gen: int, time_limit: float
             "feasible": sim.feasible,
             "plan": json.loads(Plan(plan.layouts, plan.source, sim.stages).to_json()),
         }
-    row["bound"] = bound(graph, specs, w, cost)
     row["search_seconds"] = found.seconds
-    row["baseline_seconds"] = baseline_seconds
     row["iterations"] = found.iterations
     feasible = {k: row[k]["seconds"] for k in base if row[k]["feasible"]}
     row["best_baseline"] = min(feasible, key=feasible.__getitem__) if feasible else None
