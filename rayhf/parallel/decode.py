@@ -337,6 +337,8 @@ class DecodeEngine:
         prompts = list(prompts)
         n, m = len(prompts), rules.max_new_tokens
         ep = self.model.groups.ep_group  # experts split over replicas: they step together
+        if ep is not None and self.pipe.groups.pp > 1:
+            raise RayhfError("a generate call with experts split over replicas needs pp = 1")
         if n == 0:  # (with ep > 1: the group's others generate; serve their exchanges)
             assert ep is not None, "a generate call of no prompts"
             with torch.inference_mode():

@@ -68,7 +68,7 @@ def _assert_matches(r: dict, precision: str) -> None:
         assert r["replay"] < tol.logits, f"{where}: replayed scores off by {r['replay']:.2e}"
         assert r["replay_moved"] > 1e-4, f"{where}: replaying other experts changed nothing"
         floor = 1.0 if precision == "fp32" else tol.same_tokens
-        assert r["routes"] >= floor, f"{where}: recorded experts"
+        assert r["routes"] is None or r["routes"] >= floor, f"{where}: recorded experts"
 
 
 def _assert_tokens_agree(rows: list[dict], precision: str, case: str) -> None:
