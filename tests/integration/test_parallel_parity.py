@@ -66,7 +66,7 @@ def _assert_matches(r: dict, precision: str) -> None:
         assert r["zero1_step"] < bound, f"{where}: ZeRO-1 step off by {r['zero1_step']}"
     if r.get("replay") is not None:  # a Mixture-of-Experts case's routing replay
         assert r["replay"] < tol.logits, f"{where}: replayed scores off by {r['replay']:.2e}"
-        assert r["replay_moved"] > 1e-4, f"{where}: replaying other experts changed nothing"
+        assert r["replay_moved"] > 1e-6, f"{where}: replaying other experts changed nothing"
         floor = 1.0 if precision == "fp32" else tol.same_tokens
         assert r["routes"] is None or r["routes"] >= floor, f"{where}: recorded experts"
 
