@@ -260,13 +260,10 @@ def decode_attention(
     else:
         scores = _fp32_scores(torch.zeros_like(key_bias), grouped, keys_t, scale)
         scores = torch.tanh(scores / softcap) * softcap + key_bias
-    if sinks is not None:  # each group's heads' sinks, row by row
-        per_row = sinks.float().view(1, n_kv, n_heads // n_kv, 1).expand(rows, -1, -1, -1)
-        n_keys = scores.shape[-1]
-        scores = torch.cat([scores, per_row.reshape(rows * n_kv, -1, 1)], dim=-1)
-        probs = scores.softmax(-1)[..., :n_keys]
-    else:
-        probs = scores.softmax(-1)
+    n_keys = scores.shape[-1]
+    # (rows * hkv, hq / hkv) are (rows, hq) in head order: one query per row and head
+    scores = _with_sinks(scores.view(rows, n_heads, 1, n_keys), sinks)
+    probs = scores.softmax(-1)[..., :n_keys].view(rows * n_kv, n_heads // n_kv, n_keys)
     probs = probs if probs.dtype == values.dtype else probs.to(values.dtype)
     return torch.bmm(probs, values.flatten(0, 1)).view(rows, n_heads, dim)
 

@@ -63,7 +63,7 @@ def route(
     be (routing replay: the weights keep their gradient to the router)."""
     if traits.router == "topk_softmax":  # a softmax over the k chosen logits, in their dtype
         own = torch.topk(logits, spec.top_k, dim=-1).indices
-        ids = own if replay is None else torch.where(replay < 0, own, replay.to(own.dtype))
+        ids = _replayed(own, replay)
         return torch.softmax(logits.gather(1, ids), dim=-1, dtype=logits.dtype), ids, own
     if traits.router == "sigmoid_grouped":
         assert bias is not None
@@ -72,7 +72,7 @@ def route(
     else:
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         own = torch.topk(scores, spec.top_k, dim=-1).indices
-    ids = own if replay is None else torch.where(replay < 0, own, replay.to(own.dtype))
+    ids = _replayed(own, replay)
     top = scores.gather(1, ids)
     if spec.renormalize:
         # (DeepSeek-V3's guard against an all-zero sum: sigmoid scores are never quite 0)
@@ -81,6 +81,11 @@ def route(
     if traits.router == "sigmoid_grouped":
         return top * spec.scaling, ids, own
     return (top if traits.weights_fp32 else top.to(logits.dtype)), ids, own
+
+
+def _replayed(own: torch.Tensor, replay: torch.Tensor | None) -> torch.Tensor:
+    """The experts tokens go to: ``replay``'s where it names them, else the router's own."""
+    return own if replay is None else torch.where(replay < 0, own, replay.to(own.dtype))
 
 
 def _grouped(scores: torch.Tensor, spec: MoESpec, bias: torch.Tensor) -> torch.Tensor:
