@@ -127,6 +127,8 @@ class RankModel:
         out = self.pipe.forward(
             input_ids.to(self.device)[keep], lengths, packed, temperature, given, replay
         )
+        if len(out) == input_ids.numel():  # no padding: the rows, token by token
+            return out.view(*input_ids.shape, *out.shape[1:])
         padded = out.new_zeros(*input_ids.shape, *out.shape[1:])
         return padded.index_put((keep.nonzero(as_tuple=True)), out)
 

@@ -37,6 +37,9 @@ class TokenLayout:
     # fp32
     key_bias: torch.Tensor | None = None
     write_at: torch.Tensor | None = None  # decode: [rows * kv heads] each row's slot, flattened
+    # every row starts at position 0 (a query's slot is its key's): a causal mask is the rows'
+    from_start: bool = False
+    square: bool = False  # from_start, and every row as long: the tokens are the rows, in order
 
     @staticmethod
     def packed(
@@ -52,9 +55,12 @@ class TokenLayout:
         positions = slots + torch.tensor(start, dtype=torch.long)[rows]
         n_keys = max((s + n for s, n in zip(start, lengths, strict=True)), default=0)
         cache = None if cache_rows is None else torch.tensor(cache_rows, dtype=torch.long)
+        from_start = not any(start)
+        square = from_start and len(set(lengths)) == 1
         return TokenLayout(
-            rows, positions, slots, len(lengths), max(lengths, default=0), n_keys, cache
-        )
+            rows, positions, slots, len(lengths), max(lengths, default=0), n_keys, cache,
+            from_start=from_start, square=square,
+        )  # fmt: skip
 
     @staticmethod
     def decode_step(positions: torch.Tensor, n_keys: int, cache: KVCache) -> TokenLayout:
@@ -78,8 +84,9 @@ class TokenLayout:
         cache_rows = None if self.cache_rows is None else self.cache_rows.to(device)
         assert not self.decode, "a decode step's layout is made on its device"
         return TokenLayout(
-            rows, positions, slots, self.n_rows, self.n_slots, self.n_keys, cache_rows
-        )
+            rows, positions, slots, self.n_rows, self.n_slots, self.n_keys, cache_rows,
+            from_start=self.from_start, square=self.square,
+        )  # fmt: skip
 
 
 class KVCache:
@@ -207,11 +214,14 @@ def attention(
             return decode_attention(q, keys, values, bias, scale, softcap, sinks)
     else:
         shape = (where.n_rows, where.n_keys, n_kv, k.shape[-1])
-        index = (where.rows, where.positions)
-        keys = k.new_zeros(shape).index_put(index, k).transpose(1, 2)
-        values = v.new_zeros(shape).index_put(index, v).transpose(1, 2)
-    queries = q.new_zeros(where.n_rows, where.n_slots, n_heads, q.shape[-1])
-    queries = queries.index_put((where.rows, where.slots), q).transpose(1, 2)
+        keys, values = (_rows(t, where, shape, where.positions) for t in (k, v))
+    queries = _rows(q, where, (where.n_rows, where.n_slots, n_heads, q.shape[-1]), where.slots)
+    plain = softcap is None and sinks is None
+    if plain and window is None and cache is None and where.from_start:
+        # keys past a query's position are the only ones to hide: the causal kernel's mask
+        keys, values = _grouped_keys(keys, values, n_heads)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+        return _tokens(out, where)
     # Query slots no token fills look at key 0 only (every row has one); their output is dropped.
     qpos = torch.zeros(where.n_rows, where.n_slots, dtype=torch.long, device=q.device)
     qpos[where.rows, where.slots] = where.positions
@@ -219,10 +229,8 @@ def attention(
     allowed = key_pos[None, None, :] <= qpos[:, :, None]
     if window is not None:
         allowed &= key_pos[None, None, :] > qpos[:, :, None] - window
-    if n_kv != n_heads:
-        keys = keys.repeat_interleave(n_heads // n_kv, dim=1)
-        values = values.repeat_interleave(n_heads // n_kv, dim=1)
-    if softcap is None and sinks is None:
+    keys, values = _grouped_keys(keys, values, n_heads)
+    if plain:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=allowed[:, None], scale=scale
         )
@@ -233,7 +241,36 @@ def attention(
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         probs = _with_sinks(scores.float(), sinks).softmax(-1)
         out = probs[..., : scores.shape[-1]].to(values.dtype) @ values
+    return _tokens(out, where)
+
+
+def _rows(
+    t: torch.Tensor, where: TokenLayout, shape: tuple[int, ...], at: torch.Tensor
+) -> torch.Tensor:
+    """Packed ``t [n, heads, d]`` as rows ``[rows, heads, slots, d]`` (``shape`` before the
+    transpose), each token at slot ``at`` of its row, zero where a row has no token: a view
+    when the tokens are the rows already."""
+    if where.square:
+        return t.reshape(shape).transpose(1, 2)
+    return t.new_zeros(shape).index_put((where.rows, at), t).transpose(1, 2)
+
+
+def _tokens(out: torch.Tensor, where: TokenLayout) -> torch.Tensor:
+    """Attention's ``out [rows, heads, slots, d]`` back to packed ``[n, heads, d]``."""
+    if where.square:
+        return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
     return out.transpose(1, 2)[where.rows, where.slots]
+
+
+def _grouped_keys(
+    keys: torch.Tensor, values: torch.Tensor, n_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each key/value head repeated for the query heads of its group."""
+    n_kv = keys.shape[1]
+    if n_kv == n_heads:
+        return keys, values
+    repeat = n_heads // n_kv
+    return keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
 
 
 def decode_attention(
