@@ -156,9 +156,11 @@ def report(rows: list[dict], commit: str) -> str:
         f"{len(rows)} setups and faster in {faster} (the search starts from every baseline); "
         "the goal of 1.3x over the best baseline is not met.",
         f"- {len(infeasible)} of {len(rows)} setups have no plan within 80 GB a device, the "
-        "search's included: this cost model keeps optimizer state, gradients and master "
-        "weights on the GPU, where the peers' recipes for these models offload the optimizer "
-        "(and verl's, parameters and gradients) to the host. Pricing offload is open.",
+        "search's included: rayhf's torch engine, the one that runs ep, keeps optimizer state, "
+        "gradients and master weights on the GPU, where the peers' recipes for these models "
+        "offload the optimizer (and verl's, parameters and gradients) to the host. The cost "
+        "model prices DeepSpeed's offload, which runs dp layouts only; the torch engine has "
+        "none yet.",
         f"- ep is chosen in {len(with_ep)} of {len(rows)} search plans: the cost model finds "
         "pipeline stages over a node's tp cheaper than splitting the experts, where every "
         "recipe the peers publish for these models trains at ep 4-8. Which is right needs the "

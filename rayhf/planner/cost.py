@@ -17,7 +17,9 @@ It models rayhf's own execution (eager PyTorch, ``rayhf/parallel``), not an idea
   step over the optimizer's shard (ZeRO 1-2: the state split over dp, a reduce-scatter and an
   all-gather moving what the all-reduce moves); ZeRO-3 gathers every weight before the forward
   and again before the backward and reduce-scatters the gradients, prefetched under the compute
-  (DeepSpeed and FSDP overlap them), so a minibatch takes the longer of the two;
+  (DeepSpeed and FSDP overlap them), so a minibatch takes the longer of the two; an offloaded
+  optimizer (DeepSpeed's ``offload``) sends its gradients down the host link, steps in host
+  memory at the device's share of it and sends the weights back, none of it overlapped;
 - generation (``rayhf.parallel.decode``): prefill is one unmicro-batched pass (stages in
   turn); each decode step walks the stages one after another, reading every weight shard and
   the keys and values of the filled slots (rounded up to whole ``KEY_BLOCK``s, as the captured
@@ -387,7 +389,18 @@ class AnalyticCost:
         reduce = _allreduce((shard - experts) * wb, layout.dp, bandwidth, lat)
         reduce += _allreduce(experts * wb, layout.dp // layout.ep, bandwidth, lat)
         owned = shard / (layout.dp if zero >= 1 else 1)
-        return (0.0 if zero >= 3 else reduce) + 2 * 16 * owned / self._bytes_rate()
+        return (0.0 if zero >= 3 else reduce) + self._adamw_seconds(owned, wb, work)
+
+    def _adamw_seconds(self, owned: float, wb: int, work: Workload | None) -> float:
+        """AdamW over ``owned`` parameters, reading and writing 16 bytes of state each, in the
+        device's memory; offloaded (``work.offload``), in host memory at the device's share of
+        it, its gradients sent down and its weights back up the host link first."""
+        if work is None or not work.offload:
+            return 2 * 16 * owned / self._bytes_rate()
+        cluster, device = self.cluster, self.cluster.device
+        link = cluster.host_link_bandwidth or device.memory_bandwidth
+        memory = cluster.host_memory_bandwidth or device.memory_bandwidth
+        return 2 * owned * wb / link + 2 * 16 * owned / (memory * self.eff.memory)
 
     def _gather_seconds(
         self, spec: ModelSpec, layout: Layout, work: Workload | None = None

@@ -48,6 +48,15 @@ DEVICES: dict[str, DeviceSpec] = {
 # A weight move between processes sharing a GPU, staged through /dev/shm: 0.988 GB in 0.227 s
 # on an H200 (docs/benchmarks/gpu_colocated_move.md, "1 process -> 1 other").
 GPU_STAGED_BANDWIDTH = 4.35e9
+# A GPU's link to its host, each way: PCIe Gen5 x16 on H100/H200 SXM (128 GB/s both ways), Gen4
+# x16 on A100 (64 GB/s), as in the datasheets above; and the host memory's share of a GPU in the
+# DGX systems: H100/H200, two Xeon 8480C with 8 channels of DDR5-4800 each (614 GB/s) for 8 GPUs;
+# A100, two EPYC 7742 with 8 channels of DDR4-3200 each (410 GB/s) for 8 GPUs.
+HOST: dict[str, tuple[float, float]] = {  # kind -> (host link, host memory share) bytes/s
+    "H100": (64e9, 614e9 / 8),
+    "H200": (64e9, 614e9 / 8),
+    "A100": (32e9, 410e9 / 8),
+}
 LINKS: dict[str, tuple[float, float]] = {  # kind -> (intra-node, inter-node) bytes/s per device
     "H100": (450e9, 50e9),  # NVLink 4: 900 GB/s bidirectional; NDR 400 Gb/s
     "H200": (450e9, 50e9),
@@ -75,6 +84,11 @@ class ClusterSpec:
     shared_gpu_bandwidth: float = 0.0
     # the same when the move stays on one GPU and goes through CUDA IPC (device copies)
     ipc_bandwidth: float = 0.0
+    # an offloaded optimizer (``offload``): bytes/s between a device and host memory, each way,
+    # and the host memory's bytes/s that device's share of the node's CPUs reads and writes;
+    # 0: the device's own memory bandwidth (emulated devices: host memory already)
+    host_link_bandwidth: float = 0.0
+    host_memory_bandwidth: float = 0.0
 
     @property
     def n_devices(self) -> int:
@@ -159,6 +173,7 @@ def gpu_cluster(
     return ClusterSpec(
         n_devices // per, per, device, intra, inter,
         shared_gpu_bandwidth=GPU_STAGED_BANDWIDTH, ipc_bandwidth=ipc_rate,
+        host_link_bandwidth=HOST[kind][0], host_memory_bandwidth=HOST[kind][1],
     )  # fmt: skip
 
 
@@ -174,4 +189,8 @@ def parse_cluster(text: str) -> ClusterSpec:
     intra, inter = LINKS[kind]
     # moves between groups sharing GPUs priced at NVLink, as if NCCL could join them (the
     # runtime stages them through host memory: docs/layouts-and-plans.md, "Known limits")
-    return ClusterSpec(nodes, per_node, DEVICES[kind], intra, inter)
+    link, memory = HOST[kind]
+    return ClusterSpec(
+        nodes, per_node, DEVICES[kind], intra, inter,
+        host_link_bandwidth=link, host_memory_bandwidth=memory,
+    )  # fmt: skip

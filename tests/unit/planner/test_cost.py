@@ -11,7 +11,14 @@ from planner_support import GRAPH, SPECS, WORKS
 from rayhf.engines.config import DeepSpeedEngineConfig, TorchEngineConfig, VllmEngineConfig
 from rayhf.models.shapes import public_shape
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import VLLM_KV_BYTES, AnalyticCost, Rows, Workload, _sizes
+from rayhf.planner.cost import (
+    VLLM_KV_BYTES,
+    AnalyticCost,
+    Rows,
+    Workload,
+    _sizes,
+    max_shard_params,
+)
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
@@ -71,6 +78,16 @@ def test_engines_change_the_memory_the_planner_counts():
     offload = dataclasses.replace(train, engine=DeepSpeedEngineConfig(), zero_stage=2, offload=True)
     # DeepSpeed's bf16 mode: bf16 weights and gradients (the fp32 master offloaded)
     assert cost.resident(spec, lay, True, offload) == pytest.approx(weights + weights / 8)
+    # ... and what it saves in memory costs time: the state's pass in host memory, the gradients
+    # down and the weights up PCIe (2 bytes each way a parameter, 16 read and written)
+    on_gpu = dataclasses.replace(offload, offload=False)
+    owned = cost.call(spec, lay, on_gpu).parts["optimizer"]
+    moved = cost.call(spec, lay, offload).parts["optimizer"]
+    params = max_shard_params(spec, 1, 1) / 8  # ZeRO-2: this rank's eighth of the state
+    host = 2 * 2 / 64e9 + 2 * 16 / (614e9 / 8 * cost.eff.memory)
+    gpu = 2 * 16 / (3.35e12 * cost.eff.memory)
+    steps = train.epochs * train.n_minibatches
+    assert moved - owned == pytest.approx(steps * params * (host - gpu), rel=1e-6)
     gen = WORKS["actor_gen"]
     vllm = dataclasses.replace(gen, engine=VllmEngineConfig())
     extra = cost.memory(spec, lay, vllm) - cost.memory(spec, lay, gen)
