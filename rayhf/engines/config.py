@@ -45,6 +45,7 @@ class EngineSite:
     zero1: bool  # the role's optimizer.zero1
     init_from: str | None  # the role's init_from
     precision: str  # the role's precision
+    kind: str = "train"  # the call's kind
 
     @property
     def layout(self) -> Layout:
@@ -98,6 +99,12 @@ class BaseEngineConfig(BaseModel):
         """The engine a train call runs on when a plan gives it ZeRO ``stage``."""
         del stage
         return self
+
+    def offers_stage(self, stage: int) -> bool:
+        """Whether a plan may give a train call on this engine ZeRO ``stage`` (one of its
+        ``zero_choices``) as configured."""
+        del stage
+        return True
 
     def check(self, site: EngineSite) -> None:
         """Refuse, naming the field, what this engine cannot run at ``site`` (none by default)."""
@@ -176,8 +183,8 @@ class VllmEngineConfig(BaseEngineConfig):
 
 
 class TorchEngineConfig(BaseEngineConfig):
-    """rayhf's own forward (inference) and AdamW (train, optionally ZeRO-1) on the rank's sharded
-    model, any layout."""
+    """rayhf's own forward (inference) and AdamW (train, optionally ZeRO-1 or offloaded to host
+    memory) on the rank's sharded model, any layout."""
 
     engine: Literal["torch"] = "torch"
     """Forward and optimizer on the rank's own sharded model."""
@@ -185,6 +192,10 @@ class TorchEngineConfig(BaseEngineConfig):
     """Cut a call's batches into micro-batches of at most this many tokens (the gradients of a
     minibatch's micro-batches accumulate into one optimizer step), so long responses do not run
     out of memory; None runs each minibatch whole."""
+    offload: bool = False
+    """Train calls: keep AdamW's state and its fp32 copy of the weights in host memory; each
+    step's gradients go to the host, AdamW steps there and the weights come back (device
+    memory for the state traded for the host link's time; not with optimizer.zero1 or fp16)."""
 
     kinds = ("inference", "train")
     default_for = ("inference", "train")
@@ -194,18 +205,46 @@ class TorchEngineConfig(BaseEngineConfig):
     def token_budget(self) -> int | None:
         return self.max_tokens_per_microbatch
 
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload
+
     def zero_stage_for(self, zero1: bool) -> int:
         return 1 if zero1 else 0
 
     def at_zero_stage(self, stage: int) -> BaseEngineConfig:
         if stage < 2:
             return self
-        return DeepSpeedEngineConfig.model_validate({"zero_stage": stage})
+        return DeepSpeedEngineConfig.model_validate({"zero_stage": stage, "offload": self.offload})
+
+    def offers_stage(self, stage: int) -> bool:
+        return not (self.offload and stage == 1)  # ZeRO-1 shards what offload keeps on the host
+
+    def check(self, site: EngineSite) -> None:
+        if not self.offload:
+            return
+        field = f"engines.{site.call}.offload"
+        if site.kind != "train":
+            article = "an" if site.kind[0] in "aeiou" else "a"
+            raise RayhfError(
+                f"{field}: {site.call} is {article} {site.kind} call, and only train calls have "
+                "an optimizer to offload; remove it"
+            )
+        if site.zero1:
+            raise RayhfError(
+                f"{field}: an offloaded optimizer steps in host memory and "
+                f"models.{site.role}.optimizer.zero1 shards it over devices; drop one"
+            )
+        if site.precision == "fp16":
+            raise RayhfError(
+                f"{field}: fp16's loss scaling unscales the gradients on the device, before "
+                f"they go to the host; use bf16 for models.{site.role}.precision, or no offload"
+            )
 
     def make_trainer(self, model: RankModel, optimizer: OptimizerConfig) -> RankTrainer:
         from rayhf.engines.torch_trainer import TorchTrainer
 
-        return TorchTrainer(model, optimizer)
+        return TorchTrainer(model, optimizer, offload=self.offload)
 
 
 class DeepSpeedEngineConfig(BaseEngineConfig):
@@ -273,8 +312,9 @@ def default_engine(kind: str) -> BaseEngineConfig:
 
 
 def owner_of(field: str) -> str | None:
-    """The engine whose setting ``field`` is (None: no engine's)."""
-    return next((n for n, cls in ENGINES.items() if field in cls.model_fields), None)
+    """The engines whose setting ``field`` is, as a message names them (None: no engine's)."""
+    owners = [n for n, cls in ENGINES.items() if field in cls.model_fields]
+    return "' or '".join(owners) or None
 
 
 def check_kind(call: str, kind: str, engine: BaseEngineConfig) -> None:

@@ -4,7 +4,8 @@ Every rank of a data-parallel replica runs the same algorithm code on the same b
 the same outputs; gradients are averaged over the replicas before each optimizer step (in
 buckets that overlap backward: ``rayhf.engines.grad_buckets``), and the clipping norm is taken
 over the whole model (all tp shards, all pp stages).
-With ``zero1`` the optimizer state is split over the replicas (torch's ZeroRedundancyOptimizer).
+With ``zero1`` the optimizer state is split over the replicas (torch's ZeroRedundancyOptimizer);
+with ``offload`` it lives in host memory (``HostAdamW``).
 The weights, their gradients and the optimizer state are fp32 at every precision (the forward
 runs under autocast at bf16/fp16); fp16 scales the loss (torch's GradScaler) and skips a step
 whose gradients overflow, on every rank of the model alike (the overflow is read from the
@@ -200,13 +201,18 @@ class TorchTrainer:
     name = "torch"
     gathers_over_dp = False  # every replica holds the whole model: saving needs replica 0 only
 
-    def __init__(self, model: RankModel, cfg: OptimizerConfig) -> None:
+    def __init__(self, model: RankModel, cfg: OptimizerConfig, offload: bool = False) -> None:
         self.model, self.cfg = model, cfg
         self.groups = model.groups
         model.module.balancing = cfg.router_aux_loss > 0 or cfg.router_z_loss > 0
         model.module.balances_bias = cfg.router_bias_rate > 0
         self.comm = DataParallel(self.groups.dp_group)
-        self.optimizer = _make_optimizer(model.module, cfg, self.groups.dp_group)
+        self.host = HostAdamW(_trained(model.module), cfg) if offload else None
+        self.optimizer = (
+            _make_optimizer(model.module, cfg, self.groups.dp_group)
+            if self.host is None
+            else self.host.optimizer
+        )
         fp16 = model.numerics.autocast == torch.float16
         self.scaler = torch.amp.GradScaler(model.device.type) if fp16 else None
         self.buckets: Reducers | None = None
@@ -239,7 +245,7 @@ class TorchTrainer:
             self.model.ep_drain()  # the others' passes before this call trained, if any
             first = True
             for mb, scale in zip(minibatches, scales, strict=True):
-                self.optimizer.zero_grad(set_to_none=False)
+                self._zero_grad()
                 parts = micro_batches(mb, token_budget, weight) if mb.n_samples else []
                 if token_budget is not None:  # how many the budget cut, per minibatch
                     totals.add({"micro_batches": float(len(parts))})
@@ -299,7 +305,7 @@ class TorchTrainer:
         if not math.isfinite(norm):
             totals.count("skipped_steps")
             self.skipped_in_a_row += 1 if scale <= 1.0 else 0
-            self.optimizer.zero_grad(set_to_none=False)
+            self._zero_grad()
             if self.scaler is not None:
                 self.scaler.update(scale * self.scaler.get_backoff_factor())
             if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
@@ -310,11 +316,23 @@ class TorchTrainer:
                 )
             return
         self.skipped_in_a_row = 0
+        if self.host is not None:
+            self.host.step()
+            return
         if self.scaler is None:
             self.optimizer.step()
             return
         self.scaler.step(self.optimizer)  # every local gradient is finite: it steps
         self.scaler.update()
+
+    def _zero_grad(self) -> None:
+        """The model's gradients to 0 (kept: the buckets hold views of them)."""
+        if self.host is None:
+            self.optimizer.zero_grad(set_to_none=False)
+            return
+        for p in self.host.params:
+            if p.grad is not None:
+                p.grad.zero_()
 
     def _reducer(self) -> Reducers | None:
         """The dp replicas' gradient buckets (None: one replica), built again if a parameter
@@ -389,7 +407,10 @@ class TorchTrainer:
         return float(norm)
 
     def weights_loaded(self) -> None:
-        """Weights written into the shards from outside (the optimizer steps them as they are)."""
+        """Weights written into the shards from outside (the optimizer steps them as they are;
+        offloaded, its host copy takes them)."""
+        if self.host is not None:
+            self.host.pull()
 
     def shard_source(self) -> RankModel:
         """What a move out of this rank's layout reads: the shards themselves."""
@@ -419,14 +440,8 @@ class TorchTrainer:
 def _make_optimizer(
     module: torch.nn.Module, cfg: OptimizerConfig, dp_group: dist.ProcessGroup | None
 ) -> torch.optim.Optimizer:
-    kwargs: dict[str, Any] = {
-        "lr": cfg.lr,
-        "betas": cfg.betas,
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
-        "fused": True,  # one kernel over every tensor, on CUDA and CPU (docs/decisions/)
-    }
-    trained = [p for p in module.parameters() if p.requires_grad]  # not a router's bias
+    kwargs = _adamw_settings(cfg)
+    trained = _trained(module)
     if cfg.zero1 and dp_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -434,3 +449,53 @@ def _make_optimizer(
             trained, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs
         )
     return torch.optim.AdamW(trained, **kwargs)
+
+
+def _adamw_settings(cfg: OptimizerConfig) -> dict[str, Any]:
+    return {
+        "lr": cfg.lr,
+        "betas": cfg.betas,
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+        "fused": True,  # one kernel over every tensor, on CUDA and CPU (docs/decisions/)
+    }
+
+
+def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]  # not a router's bias
+
+
+class HostAdamW:
+    """AdamW whose state and fp32 copy of the weights live in host memory (pinned, on CUDA):
+    a step sends the device's gradients there, steps the copy and sends it back into the
+    device's weights. On CPUs the copy is a second tensor in the same memory, the same steps."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> None:
+        self.params = params
+        pin = any(p.device.type == "cuda" for p in params)
+        self.copies = [
+            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in params
+        ]
+        for c in self.copies:
+            c.grad = torch.zeros(c.shape, pin_memory=pin)
+            if pin:
+                c.data = c.data.pin_memory()
+        self.optimizer = torch.optim.AdamW(self.copies, **_adamw_settings(cfg))
+
+    def step(self) -> None:
+        for p, c in zip(self.params, self.copies, strict=True):
+            assert c.grad is not None
+            if p.grad is None:
+                c.grad.zero_()
+            else:
+                c.grad.copy_(p.grad, non_blocking=True)
+        if any(p.device.type == "cuda" for p in self.params):
+            torch.cuda.synchronize()
+        self.optimizer.step()
+        for p, c in zip(self.params, self.copies, strict=True):
+            p.data.copy_(c, non_blocking=True)
+
+    def pull(self) -> None:
+        """The device's weights into the host copy (written there from outside)."""
+        for p, c in zip(self.params, self.copies, strict=True):
+            c.data.copy_(p.detach())

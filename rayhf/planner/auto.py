@@ -89,7 +89,8 @@ def open_stages(
             stages = tuple(
                 s
                 for s in w.engine.zero_choices
-                if name not in experts or w.engine.at_zero_stage(s).runs_experts
+                if w.engine.offers_stage(s)
+                and (name not in experts or w.engine.at_zero_stage(s).runs_experts)
             )
             out[name] = dataclasses.replace(w, zero_choices=stages)
     return out

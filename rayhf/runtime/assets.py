@@ -301,7 +301,7 @@ def check_engines(
         layouts = {c: plan.layouts[c] for c in graph.role_calls(call.role) if c in plan.layouts}
         ec.check(EngineSite(
             name, call.role, layouts, spec.head_dim if spec is not None else 0,
-            cfg.cluster.device, rc.optimizer.zero1, rc.init_from, rc.precision,
+            cfg.cluster.device, rc.optimizer.zero1, rc.init_from, rc.precision, call.kind,
         ))  # fmt: skip
 
 

@@ -67,15 +67,17 @@ def test_role_groups_are_named_actors_and_dp_replicas_agree(ray_cluster, tiny_co
     assert not [a for a in alive_actors() if a.startswith(("actor.", "critic.", "ref."))]
 
 
-def test_token_budgets_and_checkpointing_change_memory_not_results(
+def test_token_budgets_checkpointing_and_offload_change_memory_not_results(
     ray_cluster, tiny_config, tmp_path
 ):
-    """A budget a few samples wide on the actor's train and the reference's inference: the same
-    step as without one (gradients accumulate; log-probs are per sample)."""
+    """A budget a few samples wide on the actor's train and the reference's inference, and the
+    train calls' optimizers in host memory (``offload``): the same step as without them
+    (gradients accumulate; log-probs are per sample; AdamW steps a host copy)."""
     budget = {"engine": "torch", "max_tokens_per_microbatch": 24}  # prompts <= 18 + 4 new
+    trained = {**budget, "offload": True}
     # one minibatch of all 4 samples, so the budget has something to cut
     runs = {}
-    cut = {"actor_train": budget, "critic_train": budget, "ref_inf": budget}
+    cut = {"actor_train": trained, "critic_train": trained, "ref_inf": budget}
     for name, engines in (("whole", {}), ("cut", cut)):
         cfg = tiny_config(engines=engines, plan="colocated", **{"algorithm.n_minibatches": 1})
         if name == "cut":  # and the actor recomputes its activations: still the same step

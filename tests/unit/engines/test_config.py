@@ -11,6 +11,7 @@ from rayhf.engines.config import (
     ENGINES,
     DeepSpeedEngineConfig,
     EngineConfig,
+    EngineSite,
     NativeEngineConfig,
     TorchEngineConfig,
     VllmEngineConfig,
@@ -20,6 +21,7 @@ from rayhf.engines.config import (
     owner_of,
 )
 from rayhf.errors import RayhfError
+from rayhf.parallel.layout import Layout
 
 UNION = TypeAdapter(EngineConfig)
 
@@ -45,7 +47,8 @@ def test_every_row_is_chosen_by_its_name_and_has_its_own_fields_only():
         for kind in cls.kinds:
             check_kind("c", kind, cfg)
     owned = [f for cls in ENGINES.values() for f in cls.model_fields if f != "engine"]
-    assert len(owned) == len(set(owned)), "a field belongs to one engine"
+    shared = {"offload"}  # the optimizer in host memory: torch's and DeepSpeed's, one meaning
+    assert len(owned) == len(set(owned)) + len(shared), "a field belongs to one engine"
 
 
 def test_another_engine_s_field_is_refused_by_name():
@@ -54,12 +57,15 @@ def test_another_engine_s_field_is_refused_by_name():
     assert DeepSpeedEngineConfig().zero_stage == 2
     for engine in ("native", "vllm", "torch"):
         for extra in ({"zero_stage": 1}, {"offload": True}):
+            if engine == "torch" and "offload" in extra:
+                continue  # its own too
             with pytest.raises(ValidationError, match=f"{engine}.{next(iter(extra))}\n.*Extra"):
                 UNION.validate_python({"engine": engine, **extra})
     with pytest.raises(ValidationError, match="max_tokens_per_microbatch"):
         UNION.validate_python({"engine": "vllm", "max_tokens_per_microbatch": 64})
     assert owner_of("zero_stage") == "deepspeed" and owner_of("check_sync") == "vllm"
     assert owner_of("max_rows") == "native" and owner_of("nope") is None
+    assert owner_of("offload") == "torch' or 'deepspeed"  # quoted by the message around it
 
 
 def test_check_sync_is_a_vllm_setting_on_by_default():
@@ -102,6 +108,9 @@ def test_traits():
     assert [e.server_resident for e in (native, vllm, torch, ds)] == [False, True, False, False]
     assert [e.trains_in_compute_dtype for e in (torch, ds)] == [False, True]
     assert [e.offloads_optimizer for e in (torch, ds)] == [False, True]
+    assert TorchEngineConfig(offload=True).offloads_optimizer
+    assert [TorchEngineConfig(offload=True).offers_stage(s) for s in (0, 1, 2)] == [1, 0, 1]
+    assert TorchEngineConfig(offload=True).at_zero_stage(2) == DeepSpeedEngineConfig(offload=True)
     assert TorchEngineConfig(max_tokens_per_microbatch=64).token_budget == 64
     assert ds.token_budget is None and torch.token_budget is None
     assert torch.at_zero_stage(1) is torch and torch.at_zero_stage(3) == DeepSpeedEngineConfig(
@@ -145,3 +154,21 @@ def test_an_engine_runs_only_its_own_kinds():
         NativeEngineConfig().make_trainer(None, None)  # type: ignore[arg-type]
     with pytest.raises(AssertionError, match="runs no generate call"):
         TorchEngineConfig().make_generator(None, 0, False, ())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kind", "zero1", "precision", "says"),
+    [
+        ("inference", False, "fp32", "engines.c.offload: c is an inference call, and only train"),
+        ("train", True, "bf16", "engines.c.offload: .*models.actor.optimizer.zero1 shards it"),
+        ("train", False, "fp16", "engines.c.offload: fp16's loss scaling .*models.actor.precision"),
+    ],
+)
+def test_an_offloaded_optimizer_is_refused_where_it_cannot_run(kind, zero1, precision, says):
+    site = EngineSite("c", "actor", {"c": Layout((0,), 1)}, 16, "cpu", zero1, None, precision, kind)
+    with pytest.raises(RayhfError, match=says):
+        TorchEngineConfig(offload=True).check(site)
+    TorchEngineConfig().check(site)  # without offload: nothing to refuse
+    TorchEngineConfig(offload=True).check(
+        EngineSite("c", "actor", {"c": Layout((0,), 1)}, 16, "cpu", False, None, "bf16", "train")
+    )

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from rayhf.checks.common import PAD, VOCAB, Tok, tiny_model
 from rayhf.data.batch import PackedBatch
+from rayhf.engines.config import TorchEngineConfig
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import (
     NonFiniteGradients,
@@ -148,6 +149,38 @@ def test_save_then_load_optimizer_continues_identically(tmp_path):
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
     assert any(not torch.equal(fresh[n], expected[n]) for n in expected)  # the state mattered
+
+
+def test_an_offloaded_optimizer_steps_as_the_one_on_the_device_and_resumes(tmp_path):
+    """``engines.<train>.offload``: AdamW's state and its copy of the weights in host memory
+    (another tensor, on a CPU) give the same weights bit for bit, step after step, a skipped
+    step included; its state saves and loads, and weights written from outside reach it."""
+    cfg = {"lr": 1e-2, "weight_decay": 0.1}
+    device, _ = _trainer(**cfg)
+    model = RankModel.from_hf(tiny_model("llama", SHAPE), Tok(), False)
+    host = TorchEngineConfig(offload=True).make_trainer(model, OptimizerConfig(**cfg))
+    assert isinstance(host, TorchTrainer)
+    assert host.host is not None and not host.optimizer.state
+    for trainer in (device, host):
+        for seed in (1, 2):
+            trainer.train([_batch(seed), _batch(seed + 10)], _loss_fn(trainer.model))
+        trainer.train([_batch(3)], _nonfinite(trainer, [True]))
+    copies = {id(c) for c in host.host.copies}
+    assert {id(p) for g in host.optimizer.param_groups for p in g["params"]} == copies
+    want, got = device.model.full_state(), host.model.full_state()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    state = copy.deepcopy(host.save_optimizer(str(tmp_path)))
+    again = TorchTrainer(RankModel.from_hf(tiny_model("llama", SHAPE, seed=1), Tok(), False),
+                         OptimizerConfig(**cfg), offload=True)  # fmt: skip
+    again.model.load_full_state({k: v.clone() for k, v in got.items()})
+    again.weights_loaded()  # the host copy takes the loaded weights
+    again.load_optimizer(str(tmp_path), state)
+    for trainer in (host, again):
+        trainer.train([_batch(4)], _loss_fn(trainer.model))
+    want, got = host.model.full_state(), again.model.full_state()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
 def test_one_rank_holds_everything_itself():
