@@ -45,7 +45,7 @@ class EngineSite:
     zero1: bool  # the role's optimizer.zero1
     init_from: str | None  # the role's init_from
     precision: str  # the role's precision
-    kind: str = "train"  # the call's kind
+    kind: str  # the call's kind
 
     @property
     def layout(self) -> Layout:

@@ -345,7 +345,7 @@ class TorchTrainer:
         module = self.model.module
         split = groups.ep > 1
         held = {id(module.param(n)) for n, p in module.shards.items() if p.expert and split}
-        trained = [p for p in module.parameters() if p.requires_grad]  # not a router's bias
+        trained = _trained(module)
         experts = [p for p in trained if id(p) in held]
         dense = [p for p in trained if id(p) not in held]
         if self.buckets is None or not self.buckets.holds([dense, experts]):
@@ -472,13 +472,13 @@ class HostAdamW:
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> None:
         self.params = params
-        pin = any(p.device.type == "cuda" for p in params)
+        self.cuda = any(p.device.type == "cuda" for p in params)  # pinned copies, async moves
         self.copies = [
             torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in params
         ]
         for c in self.copies:
-            c.grad = torch.zeros(c.shape, pin_memory=pin)
-            if pin:
+            c.grad = torch.zeros(c.shape, pin_memory=self.cuda)
+            if self.cuda:
                 c.data = c.data.pin_memory()
         self.optimizer = torch.optim.AdamW(self.copies, **_adamw_settings(cfg))
 
@@ -489,7 +489,7 @@ class HostAdamW:
                 c.grad.zero_()
             else:
                 c.grad.copy_(p.grad, non_blocking=True)
-        if any(p.device.type == "cuda" for p in self.params):
+        if self.cuda:  # the gradients are on the host before AdamW reads them
             torch.cuda.synchronize()
         self.optimizer.step()
         for p, c in zip(self.params, self.copies, strict=True):

@@ -258,7 +258,7 @@ def _rows(
 def _tokens(out: torch.Tensor, where: TokenLayout) -> torch.Tensor:
     """Attention's ``out [rows, heads, slots, d]`` back to packed ``[n, heads, d]``."""
     if where.square:
-        return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
+        return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])
     return out.transpose(1, 2)[where.rows, where.slots]
 
 
