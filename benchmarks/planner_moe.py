@@ -155,6 +155,9 @@ def report(rows: list[dict], commit: str) -> str:
         r for r in rows if any(lay.get("ep", 1) > 1 for lay in r["search"]["plan"].values()
                                if isinstance(lay, dict))
     ]  # fmt: skip
+    train_ep = [r["search"]["plan"]["actor_train"] for r in rows]
+    train_ep = [lay for lay in train_ep if lay.get("ep", 1) > 1]
+    reordered = sum(lay["mesh"] != sorted(lay["mesh"]) for lay in train_ep)
     lines += [
         "",
         "## Reading it",
@@ -170,12 +173,16 @@ def report(rows: list[dict], commit: str) -> str:
         "search's included, with every optimizer in host memory: rayhf's torch engine (the one "
         "that runs ep) keeps fp32 weights and gradients on the GPU at every precision, where "
         "verl's Megatron recipes offload parameters and gradients too.",
-        f"- ep is chosen in {len(with_ep)} of {len(rows)} search plans, where every recipe the "
-        "peers publish for these models trains at ep 4-8. rayhf's ep group is dp ranks tp x pp "
-        "devices apart (dp is the outermost of its rank order), so at tp x pp = 8 on 8-GPU "
-        "nodes every token exchange crosses nodes; Megatron orders ranks so that an ep group "
-        "stays in a node. Whether the cost model prices the exchange right needs a measured "
-        "MoE step on GPUs (benchmarks/gpu.py's moe_model part measures one device).",
+        f"- ep is chosen for the actor's train call in {len(train_ep)} of {len(rows)} search "
+        f"plans ({len(with_ep)} counting every call), {reordered} of them with the mesh in "
+        "Megatron's rank order (`stage_major`: a pipeline stage's dp x tp ranks on neighbouring "
+        "devices, so the ep group stays in a node); the peers' recipes for these models train "
+        "at ep 4-8. What holds ep back here: with the optimizer offloaded, every replica steps "
+        "its whole dense part in host memory (the torch engine has no ZeRO-1 beside offload), "
+        "so the dp > 1 that ep needs costs optimizer time the smaller expert share only partly "
+        "repays; and generation takes no ep (the decode engine's replicas do not step "
+        "together). Whether the cost model prices the exchange right needs a measured MoE step "
+        "on GPUs (benchmarks/gpu.py's moe_model part measures one device).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from rayhf.checks.common import Tok, tiny_model
 from rayhf.models.sharding import check_layout, param_shards, take_shard
-from rayhf.parallel.layout import Layout
+from rayhf.parallel.layout import Layout, stage_major
 
 N_DEVICES, POOL, DST0 = 4, 8, 4  # destination ranks are DST0..POOL-1
 # split q, k, v and gate, up (grouped-query heads); fused q|k|v in Conv1D blocks: each is built
@@ -61,8 +61,9 @@ def classes_for(spec) -> tuple[str, ...]:
 
 
 def all_layouts(n_devices: int = N_DEVICES, n_experts: int = 0) -> list[Layout]:
-    """Every layout over every subset of the devices (a mesh in increasing device order); for
-    a model with ``n_experts`` experts, every ep > 1 that divides dp and them too."""
+    """Every layout over every subset of the devices (a mesh in increasing device order, and
+    in ``stage_major`` order where that differs); for a model with ``n_experts`` experts, every
+    ep > 1 that divides dp and them too."""
     out = []
     for size in range(1, n_devices + 1):
         for mesh in itertools.combinations(range(n_devices), size):
@@ -70,9 +71,11 @@ def all_layouts(n_devices: int = N_DEVICES, n_experts: int = 0) -> list[Layout]:
                 for tp in range(1, size // dp + 1):
                     if size % (dp * tp):
                         continue
+                    pp = size // (dp * tp)
+                    orders = {mesh, stage_major(mesh, dp, tp, pp)}  # and Megatron's rank order
                     for ep in range(1, dp + 1):
                         if ep == 1 or (dp % ep == 0 and n_experts % ep == 0):
-                            out.append(Layout(mesh, dp, tp, size // (dp * tp), ep=ep))
+                            out += [Layout(m, dp, tp, pp, ep=ep) for m in sorted(orders)]
     return out
 
 

@@ -70,6 +70,17 @@ def coords_of(rank: int, pp: int, tp: int) -> Coords:
     return Coords(rank // (pp * tp), rank // tp % pp, rank % tp)
 
 
+def stage_major(mesh: tuple[int, ...], dp: int, tp: int, pp: int) -> tuple[int, ...]:
+    """``mesh`` reordered so that a layout's ranks sit where Megatron-LM puts them: tp innermost,
+    then dp, then pp (rank ``layout_rank(d, p, t)`` on ``mesh[(p * dp + d) * tp + t]``). Each
+    pipeline stage's ``dp x tp`` ranks are then neighbouring devices, so an ep group (``ep``
+    neighbouring dp ranks) spans ``ep x tp`` devices, not ``ep x tp x pp``; only the stages'
+    point-to-point sends cross the gaps."""
+    return tuple(
+        mesh[(p * dp + d) * tp + t] for d in range(dp) for p in range(pp) for t in range(tp)
+    )
+
+
 def _ranges(mesh: tuple[int, ...]) -> str:
     if list(mesh) == list(range(mesh[0], mesh[0] + len(mesh))) and len(mesh) > 1:
         return f"{mesh[0]}-{mesh[-1]}"

@@ -22,12 +22,12 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rayhf.graph import Graph
 from rayhf.models.sharding import check_layout
 from rayhf.models.spec import ModelSpec
-from rayhf.parallel.layout import Layout
+from rayhf.parallel.layout import Layout, stage_major
 from rayhf.planner.cost import Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
@@ -87,6 +87,9 @@ def layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> 
                 for n_microbatches in MICRO_BATCHES if pp > 1 else (1,):
                     for ep in _expert_splits(spec, dp):
                         out.append(Layout(mesh, dp, tp, pp, n_microbatches, ep))
+                        if ep > 1 and pp > 1:  # the ep group inside a node too
+                            order = stage_major(mesh, dp, tp, pp)
+                            out.append(Layout(order, dp, tp, pp, n_microbatches, ep))
     return out
 
 
@@ -131,12 +134,11 @@ def _neighbour(
         lay = trial[name]
         size, n_devices = len(lay.mesh), len(options[name][-1].mesh)
         start = rng.choice(range(0, n_devices - size + 1, min(size, per_node)))
-        trial[name] = Layout(
-            tuple(range(start, start + size)), lay.dp, lay.tp, lay.pp, lay.n_microbatches
-        )
+        shift = start - min(lay.mesh)  # the same layout, its rank order kept
+        trial[name] = replace(lay, mesh=tuple(d + shift for d in lay.mesh))
     elif len(graph.order) > 1:
         other = rng.choice([n for n in graph.order if n != name])
-        block = trial[name].mesh
+        block = tuple(sorted(trial[name].mesh))
         if len(block) >= 2 and graph.by_name[other].role in specs:
             cut = len(block) // 2
             if len(block) > per_node:  # whole nodes: cut at any node boundary

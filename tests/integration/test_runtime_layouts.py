@@ -157,7 +157,7 @@ MOE = {"family": "qwen3_moe", "n_heads": 4, "n_kv_heads": 2, "config": EXPERTS}
 EP_PLAN = {
     "actor_gen": {"dp": 2},
     "actor_train": {"dp": 2, "ep": 2},
-    "ref_inf": {"dp": 2, "ep": 2},
+    "ref_inf": {"mesh": [1, 0], "dp": 2, "ep": 2},  # its ranks on the devices the other way
     "critic_inf": {"dp": 2},
     "critic_train": {"dp": 2},
     "rew_inf": {"dp": 2},
@@ -168,8 +168,9 @@ def test_an_moe_actor_trains_and_scores_with_its_experts_split_over_ranks(ray_cl
     """A Qwen3-MoE actor: each of its 2 train ranks and the reference's holds half of every
     layer's experts (ep = 2), the generator all of them (weights moved between the two each
     step); the trainer's log-probs of the sampled tokens are the generator's, each token goes
-    to the experts the generator chose for it (routing replay, under packing and ep = 2), and
-    the checkpoint is the trained model, whole."""
+    to the experts the generator chose for it (routing replay, under packing and ep = 2, the
+    reference's ranks on the devices in the other order), and the checkpoint is the trained
+    model, whole."""
     import json
 
     import ray
@@ -180,7 +181,7 @@ def test_an_moe_actor_trains_and_scores_with_its_experts_split_over_ranks(ray_cl
     with Session(cfg, assets, resume=None) as session:
         alive = alive_actors()
         assert {"actor.d0-1.dp2tp1pp1ep2[0]", "actor.d0-1.dp2tp1pp1ep2[1]"} <= alive
-        assert {"actor.d0-1.dp2tp1pp1[0]", "ref.d0-1.dp2tp1pp1ep2[1]"} <= alive
+        assert {"actor.d0-1.dp2tp1pp1[0]", "ref.d1_0.dp2tp1pp1ep2[1]"} <= alive
         split = session.groups["actor"].actors[0]
         whole = next(g for g in session.all_groups() if g.layout.ep == 1 and g.role == "actor")
         split_bytes = ray.get(split.weights_summary.remote()).bytes

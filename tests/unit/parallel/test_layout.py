@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from rayhf.parallel.layout import Coords, Layout, coords_of, layout_rank
+from rayhf.parallel.layout import Coords, Layout, coords_of, layout_rank, stage_major
 
 
 def test_a_layout_splits_its_mesh_exactly():
@@ -69,3 +69,17 @@ def test_coords_of_inverts_layout_rank(pp, tp):
         assert layout_rank(c.dp_rank, c.pp_rank, c.tp_rank, pp, tp) == rank
     coords = {coords_of(r, pp, tp) for r in range(2 * pp * tp)}
     assert coords == {Coords(*c) for c in itertools.product(range(2), range(pp), range(tp))}
+
+
+def test_stage_major_keeps_a_stage_s_data_parallel_ranks_on_neighbouring_devices():
+    """Megatron's order: rank (d, p, t) on device (p * dp + d) * tp + t, so dp ranks (and an ep
+    group of them) are tp devices apart rather than tp * pp; a permutation of the mesh."""
+    dp, tp, pp = 4, 2, 2
+    mesh = tuple(range(10, 10 + dp * tp * pp))
+    order = stage_major(mesh, dp, tp, pp)
+    assert sorted(order) == list(mesh) and order != mesh
+    for d, p, t in itertools.product(range(dp), range(pp), range(tp)):
+        assert order[layout_rank(d, p, t, pp, tp)] == 10 + (p * dp + d) * tp + t
+    dp_line = order[:: tp * pp]  # stage 0, tp rank 0: every replica
+    assert dp_line == (10, 12, 14, 16)
+    assert stage_major(mesh, dp * pp, tp, 1) == mesh  # one stage: nothing to reorder

@@ -11,7 +11,7 @@ from planner_support import GRAPH, REPO, SPECS, WORKS
 from rayhf.engines.config import DeepSpeedEngineConfig, VllmEngineConfig
 from rayhf.graph import load_graph
 from rayhf.models.shapes import public_shape
-from rayhf.parallel.layout import Layout
+from rayhf.parallel.layout import Layout, stage_major
 from rayhf.planner import baselines
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import parse_cluster
@@ -38,6 +38,22 @@ def test_an_moe_model_s_calls_may_split_experts_except_the_generate_call():
     generate = call_layouts(moe, WORKS["actor_gen"], 16, 8)
     assert generate and {lay.ep for lay in generate} == {1}
     assert {lay.ep for lay in call_layouts(moe, WORKS["actor_train"], 16, 8)} > {1}
+
+
+def test_a_pipelined_expert_split_is_offered_in_megatron_s_rank_order_too():
+    """At tp x pp = 8 on 8-GPU nodes an ep group of dp-outer ranks spans nodes; the same layout
+    with its mesh in ``stage_major`` order keeps it in one, and the cost model prices that."""
+    moe, mesh = public_shape("qwen3-30b-a3b"), tuple(range(32))
+    options = [lay for lay in candidates(moe, 32, 8) if lay.mesh[0] == 0 and len(lay.mesh) == 32]
+    split = [lay for lay in options if (lay.dp, lay.tp, lay.pp, lay.ep) == (2, 4, 4, 2)]
+    assert {lay.mesh for lay in split} == {mesh, stage_major(mesh, 2, 4, 4)}
+    assert all(lay.mesh == mesh for lay in options if lay.ep == 1 or lay.pp == 1)
+    cost = AnalyticCost(parse_cluster("4x8xH100"))
+    outer, inner = (Layout(m, 2, 4, 4, 8, ep=2) for m in (mesh, stage_major(mesh, 2, 4, 4)))
+    assert (
+        cost.exchange_seconds(moe, inner, 1e5, True)
+        < cost.exchange_seconds(moe, outer, 1e5, True) / 4
+    ), "an ep group inside a node exchanges over NVLink"
 
 
 def test_meshes_are_blocks_inside_a_node_or_runs_of_whole_nodes():
