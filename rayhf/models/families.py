@@ -114,6 +114,18 @@ class MoETraits:
 
 
 @dataclass(frozen=True)
+class DeltaNetTraits:
+    """A hybrid family's Gated DeltaNet layers (``layer_types``' ``linear_attention``): per
+    token, a short causal convolution over q|k|v, then a gated delta-rule recurrence whose
+    state per sequence is ``[v heads, key dim, value dim]``, an RMSNorm gated by ``z`` and
+    ``out_proj`` (Qwen3.5: ``linear_attn.in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``)."""
+
+    layer_type: str = "linear_attention"
+    """The config's ``layer_types`` entry of such a layer."""
+
+
+@dataclass(frozen=True)
 class FamilyTraits:
     """What one model family is. Defaults: a Llama-style decoder with plain RoPE."""
 
@@ -181,6 +193,11 @@ class FamilyTraits:
     some of the weight and adds nothing (``self_attn.sinks``: gpt-oss)."""
     norm_weight_fp32: bool = False
     """RMSNorm multiplies its weight by the fp32 normalized input, then casts (gpt-oss)."""
+    attn_output_gate: bool = False
+    """``q_proj`` gives each head's query and then as many gate units: the attention output
+    times their sigmoid before ``o_proj`` (Qwen3.5, Qwen3-Next)."""
+    delta_net: DeltaNetTraits | None = None
+    """Gated DeltaNet layers among the attention ones; None: attention everywhere."""
     check_randomized: tuple[str, ...] = ()
     """Parameters the parity check's tiny model refills at random (name endings): ones Hugging
     Face starts at zero, which would not bite."""
@@ -361,6 +378,28 @@ FAMILIES: dict[str, FamilyTraits] = {
             "sliding_window": 4,
             "intermediate_size": 32,
             "config": {"num_local_experts": 4, "num_experts_per_tok": 2},
+        },
+    ),
+    # Gated DeltaNet layers (three in four) with a gated full-attention layer between them,
+    # (1 + w) norms, q/k norms, a quarter of each head rotated; grouped heads in both kinds
+    "qwen3_5_text": FamilyTraits(
+        "Qwen3_5TextConfig",
+        norm_adds_one=True,
+        qk_norm=True,
+        attn_output_gate=True,
+        delta_net=DeltaNetTraits(),
+        check_randomized=("norm.weight", "dt_bias"),  # (1 + w) norms start at 0
+        check_shape={
+            "n_heads": 8,
+            "n_kv_heads": 4,
+            "rope_parameters": {"partial_rotary_factor": 0.5},
+            "config": {
+                "linear_num_key_heads": 4,
+                "linear_num_value_heads": 8,
+                "linear_key_head_dim": 8,
+                "linear_value_head_dim": 4,
+                "layer_types": ["linear_attention", "full_attention"] * 2,
+            },
         },
     ),
 }

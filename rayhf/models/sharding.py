@@ -55,22 +55,14 @@ class ParamShard:
 
 def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
     h = spec.hidden_size
-    q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     inter, unit, p = spec.intermediate_size, i + 1, layer_prefix(spec, i)
     fused = spec.traits.fused_projections  # q|k|v and gate|up in one weight each
-    qkv = (q_out, kv_out, kv_out)
     out = [ParamShard(f"{p}.input_layernorm.weight", (h,), None, unit)]
-    if fused:
-        out.append(ParamShard(f"{p}.self_attn.qkv_proj.weight", (sum(qkv), h), 0, unit, qkv))
+    if i in spec.delta_layers:
+        out += _delta_net(spec, f"{p}.linear_attn", unit)
     else:
-        out += [
-            ParamShard(f"{p}.self_attn.{x}_proj.weight", (n, h), 0, unit)
-            for x, n in zip("qkv", qkv, strict=True)
-        ]
-    out += [
-        ParamShard(f"{p}.self_attn.o_proj.weight", (h, q_out), 1, unit),
-        ParamShard(f"{p}.post_attention_layernorm.weight", (h,), None, unit),
-    ]
+        out += _attention(spec, f"{p}.self_attn", unit)
+    out.append(ParamShard(f"{p}.post_attention_layernorm.weight", (h,), None, unit))
     if spec.traits.sandwich_norms:  # norms before and after the MLP too
         out += [
             ParamShard(f"{p}.pre_feedforward_layernorm.weight", (h,), None, unit),
@@ -85,21 +77,8 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
         ]
     else:
         out += _dense_mlp(f"{p}.mlp", h, inter, unit)
-    if spec.qk_norm:  # one weight per head dim, shared by every head: replicated
-        out += [
-            ParamShard(f"{p}.self_attn.q_norm.weight", (spec.head_dim,), None, unit),
-            ParamShard(f"{p}.self_attn.k_norm.weight", (spec.head_dim,), None, unit),
-        ]
-    if spec.qkv_bias:
-        out += [
-            ParamShard(f"{p}.self_attn.q_proj.bias", (q_out,), 0, unit),
-            ParamShard(f"{p}.self_attn.k_proj.bias", (kv_out,), 0, unit),
-            ParamShard(f"{p}.self_attn.v_proj.bias", (kv_out,), 0, unit),
-        ]
-    if spec.o_bias:
-        out.append(ParamShard(f"{p}.self_attn.o_proj.bias", (h,), None, unit))
-    if spec.traits.sinks:  # one per query head: split with the heads
-        out.append(ParamShard(f"{p}.self_attn.sinks", (spec.n_heads,), 0, unit))
+    if i not in spec.delta_layers:
+        out += _attention_extras(spec, f"{p}.self_attn", unit)
     if spec.mlp_bias and i not in spec.moe_layers:
         out += [
             ParamShard(f"{p}.mlp.gate_proj.bias", (inter,), 0, unit),
@@ -107,6 +86,68 @@ def _llama_layer(spec: ModelSpec, i: int) -> list[ParamShard]:
             ParamShard(f"{p}.mlp.down_proj.bias", (h,), None, unit),
         ]
     return out
+
+
+def _attention(spec: ModelSpec, a: str, unit: int) -> list[ParamShard]:
+    """An attention block's projections under module ``a``: q, k, v column-parallel (whole
+    heads; a gated q's rows hold each head's query, then its gate), o row-parallel."""
+    h, qkv = spec.hidden_size, _qkv_sizes(spec)
+    if spec.traits.fused_projections:
+        out = [ParamShard(f"{a}.qkv_proj.weight", (sum(qkv), h), 0, unit, qkv)]
+    else:
+        out = [
+            ParamShard(f"{a}.{x}_proj.weight", (n, h), 0, unit)
+            for x, n in zip("qkv", qkv, strict=True)
+        ]
+    return [*out, ParamShard(f"{a}.o_proj.weight", (h, spec.n_heads * spec.head_dim), 1, unit)]
+
+
+def _qkv_sizes(spec: ModelSpec) -> tuple[int, int, int]:
+    """Rows of q (with a gate: twice the heads' dims), k and v."""
+    q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    return (q_out * (2 if spec.traits.attn_output_gate else 1), kv_out, kv_out)
+
+
+def _attention_extras(spec: ModelSpec, a: str, unit: int) -> list[ParamShard]:
+    """An attention block's norms, biases and sinks (listed after the layer's MLP)."""
+    h, d, qkv = spec.hidden_size, spec.head_dim, _qkv_sizes(spec)
+    out = []
+    if spec.qk_norm:  # one weight per head dim, shared by every head: replicated
+        out += [
+            ParamShard(f"{a}.q_norm.weight", (d,), None, unit),
+            ParamShard(f"{a}.k_norm.weight", (d,), None, unit),
+        ]
+    if spec.qkv_bias:
+        out += [
+            ParamShard(f"{a}.{x}_proj.bias", (n,), 0, unit) for x, n in zip("qkv", qkv, strict=True)
+        ]
+    if spec.o_bias:
+        out.append(ParamShard(f"{a}.o_proj.bias", (h,), None, unit))
+    if spec.traits.sinks:  # one per query head: split with the heads
+        out.append(ParamShard(f"{a}.sinks", (spec.n_heads,), 0, unit))
+    return out
+
+
+def _delta_net(spec: ModelSpec, a: str, unit: int) -> list[ParamShard]:
+    """A Gated DeltaNet block's weights under module ``a``, split by heads: q|k|v (and the
+    convolution's channels, which are theirs) by key heads and value heads alike, z, b, a and
+    the per-head decay numbers by value heads, ``out_proj`` row-parallel; the gated norm's
+    weight (one per value dim, shared by every head) whole on every rank."""
+    net, h = spec.delta_net, spec.hidden_size
+    assert net is not None
+    qkv = (net.n_key_heads * net.key_dim,) * 2 + (net.n_value_heads * net.value_dim,)
+    width, heads = qkv[2], net.n_value_heads
+    return [
+        ParamShard(f"{a}.in_proj_qkv.weight", (sum(qkv), h), 0, unit, qkv),
+        ParamShard(f"{a}.conv1d.weight", (sum(qkv), 1, net.conv_kernel), 0, unit, qkv),
+        ParamShard(f"{a}.in_proj_z.weight", (width, h), 0, unit),
+        ParamShard(f"{a}.in_proj_b.weight", (heads, h), 0, unit),
+        ParamShard(f"{a}.in_proj_a.weight", (heads, h), 0, unit),
+        ParamShard(f"{a}.dt_bias", (heads,), 0, unit),
+        ParamShard(f"{a}.A_log", (heads,), 0, unit),
+        ParamShard(f"{a}.norm.weight", (net.value_dim,), None, unit),
+        ParamShard(f"{a}.out_proj.weight", (h, width), 1, unit),
+    ]
 
 
 def _dense_mlp(m: str, h: int, inter: int, unit: int) -> list[ParamShard]:
@@ -343,6 +384,10 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> str | None:
         return f"tp={tp} does not divide the model's {spec.n_heads} attention heads"
     if spec.n_kv_heads % tp:
         return f"tp={tp} does not divide the model's {spec.n_kv_heads} key/value heads"
+    if spec.delta_net is not None and spec.delta_net.n_key_heads % tp:
+        return (
+            f"tp={tp} does not divide the model's {spec.delta_net.n_key_heads} DeltaNet key heads"
+        )
     if tp > spec.vocab_size or tp > spec.intermediate_size:
         return f"tp={tp} is larger than the vocabulary or the MLP width"
     if spec.moe is not None and tp > spec.moe.expert_size:

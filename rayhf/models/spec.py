@@ -36,6 +36,27 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """A hybrid model's Gated DeltaNet numbers (its layers: ``ModelSpec.delta_layers``)."""
+
+    n_key_heads: int
+    n_value_heads: int  # a multiple of the key heads: each key head serves a run of them
+    key_dim: int
+    value_dim: int
+    conv_kernel: int  # the causal convolution's width (it keeps kernel - 1 inputs of state)
+
+    @property
+    def conv_channels(self) -> int:
+        """q|k|v, the channels the convolution mixes."""
+        return 2 * self.n_key_heads * self.key_dim + self.n_value_heads * self.value_dim
+
+    def state_numel(self) -> int:
+        """One sequence's recurrent and convolution state, elements per layer."""
+        state = self.n_value_heads * self.key_dim * self.value_dim
+        return state + self.conv_channels * (self.conv_kernel - 1)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Sizes and family traits of one causal LM (+ scalar head when ``value_head``)."""
 
@@ -84,6 +105,9 @@ class ModelSpec:
     moe: MoESpec | None = None
     moe_layers: tuple[int, ...] = ()
     qk_norm: bool = False  # RMSNorm over each head's q and k (the family's, or its config's flag)
+    # Gated DeltaNet layers (None: none) and which layers they are
+    delta_net: DeltaNetSpec | None = None
+    delta_layers: tuple[int, ...] = ()
 
     @property
     def prefix(self) -> str:
@@ -142,6 +166,7 @@ def model_spec(config: Any, value_head: bool) -> ModelSpec:
         **_window_fields(config, traits),
         **_scale_and_cap_fields(config, traits, hidden),
         **_moe_fields(config, traits),
+        **_delta_fields(config, traits),
     )
 
 
@@ -224,6 +249,27 @@ def _moe_fields(config: Any, traits: FamilyTraits) -> dict[str, Any]:
         alpha=float(getattr(config, "swiglu_alpha", 0.0) or 0.0),
     )
     return {"moe": spec, "moe_layers": tuple(i for i in range(n_layers) if i not in dense)}
+
+
+def _delta_fields(config: Any, traits: FamilyTraits) -> dict[str, Any]:
+    """The Gated DeltaNet numbers and the layers that have one (none for other families)."""
+    if traits.delta_net is None:
+        return {}
+    spec = DeltaNetSpec(
+        n_key_heads=config.linear_num_key_heads,
+        n_value_heads=config.linear_num_value_heads,
+        key_dim=config.linear_key_head_dim,
+        value_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+    )
+    if spec.n_value_heads % spec.n_key_heads:
+        raise RayhfError(
+            f"linear_num_value_heads={spec.n_value_heads} is not a multiple of "
+            f"linear_num_key_heads={spec.n_key_heads}; fix the model's config.json"
+        )
+    kind = traits.delta_net.layer_type
+    layers = tuple(i for i, t in enumerate(config.layer_types) if t == kind)
+    return {"delta_net": spec, "delta_layers": layers}
 
 
 def _rope(

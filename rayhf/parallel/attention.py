@@ -107,6 +107,23 @@ class KVCache:
         self.dtype = dtype
         self.k = {i: torch.zeros(self.shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(self.shape, dtype=dtype, device=device) for i in layers}
+        self.device = device
+        # Gated DeltaNet layers (``hold_states``): per row, the recurrent state [heads, key
+        # dim, value dim] (fp32) and the convolution's last inputs [channels, kernel - 1]
+        self.state: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+
+    def hold_states(
+        self, layers: list[int], state: tuple[int, int, int], channels: int, history: int
+    ) -> None:
+        """Room for each row's state in recurrent ``layers``: ``state`` per row and
+        ``channels x history`` convolution inputs."""
+        rows = self.n_rows
+        for i in layers:
+            self.state[i] = torch.zeros(rows, *state, device=self.device)
+            self.conv[i] = torch.zeros(
+                rows, channels, history, dtype=self.dtype, device=self.device
+            )
 
     @property
     def n_rows(self) -> int:
@@ -120,7 +137,8 @@ class KVCache:
         return n_rows <= self.n_rows and capacity <= self.capacity
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        held = (*self.k.values(), *self.v.values(), *self.state.values(), *self.conv.values())
+        return sum(t.numel() * t.element_size() for t in held)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, where: TokenLayout):
         """Write packed ``k, v [n, heads, dim]`` at their rows' positions; returns the keys and
@@ -144,10 +162,14 @@ class KVCache:
         )
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, n_slots: int) -> None:
-        """Cache rows ``dst`` get the first ``n_slots`` keys and values of rows ``src``."""
+        """Cache rows ``dst`` get the first ``n_slots`` keys and values of rows ``src``, and
+        their recurrent states whole."""
         for cache in (self.k, self.v):
             for t in cache.values():
                 t[dst, :, :n_slots] = t[src, :, :n_slots]
+        for states in (self.state, self.conv):
+            for t in states.values():
+                t[dst] = t[src]
 
 
 def rotary(

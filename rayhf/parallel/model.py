@@ -39,6 +39,18 @@ from rayhf.models.sharding import (
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
 from rayhf.parallel.buckets import LOGIT_CHUNK
+from rayhf.parallel.delta_net import (
+    by_rows,
+    by_tokens,
+    causal_conv,
+    conv_step,
+    decays,
+    gated_delta_rule,
+    gated_norm,
+    history,
+    rule_step,
+    split_heads,
+)
 from rayhf.parallel.groups import ParallelGroups
 from rayhf.parallel.moe import (
     Routes,
@@ -252,11 +264,19 @@ class ShardedModel(torch.nn.Module):
                 p.data = torch.empty(shape, device=p.device, dtype=p.dtype)
 
     def new_cache(self, n_rows: int, capacity: int) -> KVCache:
-        """Keys and values of this rank's layers for ``n_rows`` rows of ``capacity`` tokens."""
-        return KVCache(
-            self.layers, n_rows, capacity, self.n_kv_heads, self.spec.head_dim,
+        """Keys and values of this rank's attention layers for ``n_rows`` rows of ``capacity``
+        tokens; each row's recurrent and convolution state in its Gated DeltaNet layers."""
+        spec, net = self.spec, self.spec.delta_net
+        attending = [i for i in self.layers if i not in spec.delta_layers]
+        cache = KVCache(
+            attending, n_rows, capacity, self.n_kv_heads, spec.head_dim,
             self.numerics.compute, self.device,
         )  # fmt: skip
+        if net is not None:
+            tp, delta = self.groups.tp, [i for i in self.layers if i in spec.delta_layers]
+            state = (net.n_value_heads // tp, net.key_dim, net.value_dim)
+            cache.hold_states(delta, state, net.conv_channels // tp, net.conv_kernel - 1)
+        return cache
 
     def _linears(
         self, h: torch.Tensor, prefix: str, names: list[str], sizes: list[int], group: str
@@ -493,7 +513,10 @@ class ShardedModel(torch.nn.Module):
             x = x + self._conv1d_attention(self.norm(x, f"{p}.ln_1"), p, where, cache, i)
             return x + self._conv1d_mlp(self.norm(x, f"{p}.ln_2"), p)
         h = self.norm(x, f"{p}.input_layernorm")
-        attn = self._llama_attention(h, i, where, cache, rot)
+        if i in self.spec.delta_layers:
+            attn = self._delta_net(h, i, where, cache)
+        else:
+            attn = self._llama_attention(h, i, where, cache, rot)
         if self.spec.traits.sandwich_norms:  # a norm on each block's output, and one before the MLP
             x = x + self.norm(attn, f"{p}.post_attention_layernorm")
             mlp = self._mlp(self.norm(x, f"{p}.pre_feedforward_layernorm"), i, routes)
@@ -516,7 +539,8 @@ class ShardedModel(torch.nn.Module):
         h = copy_to_tp(h, self.groups.tp_group)
         # this rank's heads of q, k and v (Phi-3 keeps them in one weight)
         names = ["qkv_proj"] if spec.traits.fused_projections else list(QKV)
-        sizes = [self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d]
+        gated = spec.traits.attn_output_gate  # each head's query, then its gate
+        sizes = [self.n_heads * d * (2 if gated else 1), self.n_kv_heads * d, self.n_kv_heads * d]
         local = spec.window_layers is None or i in spec.window_layers  # a sliding-window layer
         window = spec.sliding_window if local else None
         cos, sin = rot[local and spec.rope_inv_freq_local is not None]  # Gemma 3's local layers
@@ -527,6 +551,8 @@ class ShardedModel(torch.nn.Module):
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
         else:
             q, k, v = self._linears(h, p, names, sizes, "qkv")
+            if gated:
+                q, gate = q.reshape(-1, self.n_heads, 2 * d).chunk(2, dim=-1)
             q, k = q.reshape(-1, self.n_heads, d), k.reshape(-1, self.n_kv_heads, d)
             if spec.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
                 q, k = self._head_norm(q, f"{p}.q_norm"), self._head_norm(k, f"{p}.k_norm")
@@ -536,7 +562,46 @@ class ShardedModel(torch.nn.Module):
         out = attention(
             q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap, sinks
         ).flatten(1)
+        if gated:
+            out = out * torch.sigmoid(gate.reshape(len(out), -1))
         return self._row_linear(out, f"{p}.o_proj")
+
+    def _delta_net(
+        self, h: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None
+    ) -> torch.Tensor:
+        """Layer ``i``'s Gated DeltaNet block over this rank's heads
+        (``rayhf.parallel.delta_net``): rows from a zero state (a prefill leaves each row's
+        in its cache row), or a decode step's token from its row's state in ``cache``."""
+        net, tp = self.spec.delta_net, self.groups.tp
+        assert net is not None
+        a = f"{layer_prefix(self.spec, i)}.linear_attn"
+        h = copy_to_tp(h, self.groups.tp_group)
+        heads = (net.n_key_heads // tp, net.n_value_heads // tp, net.key_dim, net.value_dim)
+        qkv = self.matmul(h, f"{a}.in_proj_qkv.weight")
+        conv = self.param(f"{a}.conv1d.weight")
+        beta = self.matmul(h, f"{a}.in_proj_b.weight").sigmoid()
+        g = decays(self.matmul(h, f"{a}.in_proj_a.weight"), self.param(f"{a}.A_log"),
+                   self.param(f"{a}.dt_bias"))  # fmt: skip
+        if where.decode:
+            assert cache is not None
+            n = len(qkv)
+            mixed = conv_step(qkv, cache.conv[i][:n], conv)
+            out = rule_step(*split_heads(mixed, *heads), g, beta, cache.state[i][:n])
+        else:
+            assert where.from_start, "a DeltaNet layer runs each row from its first token"
+            rows = by_rows(qkv, where)
+            q, k, v = split_heads(causal_conv(rows, conv), *heads)
+            out, state = gated_delta_rule(q, k, v, by_rows(g, where), by_rows(beta, where))
+            if cache is not None:
+                lengths = torch.bincount(where.rows, minlength=where.n_rows)
+                held = slice(where.n_rows) if where.cache_rows is None else where.cache_rows
+                cache.state[i][held] = state
+                cache.conv[i][held] = history(rows, lengths, net.conv_kernel).to(cache.dtype)
+            out = by_tokens(out, where)
+        z = self.matmul(h, f"{a}.in_proj_z.weight").reshape(out.shape)
+        weight = copy_to_tp(self.param(f"{a}.norm.weight"), self.groups.tp_group)
+        out = gated_norm(out, z, weight, self.spec.norm_eps)
+        return self._row_linear(out.flatten(1), f"{a}.out_proj")
 
     def _mlp(self, h: torch.Tensor, i: int, routes: Routes | None = None) -> torch.Tensor:
         """Layer ``i``'s feed-forward block: a gated MLP or a Mixture-of-Experts one."""

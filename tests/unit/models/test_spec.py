@@ -50,7 +50,7 @@ def test_llama_spec():
         "window_layers": None, "rope_inv_freq_local": None,
         "rope_scale_local": 1.0, "embed_scale": 1.0, "attn_scale": None,
         "attn_softcap": None, "final_softcap": None, "dtype_bytes": 0, "master": False,
-        "moe": None, "moe_layers": (), "qk_norm": False,
+        "moe": None, "moe_layers": (), "qk_norm": False, "delta_net": None, "delta_layers": (),
     }  # fmt: skip
     assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
 
@@ -112,7 +112,7 @@ def test_an_unsupported_family_is_refused():
         model_spec(SimpleNamespace(model_type="bert"), value_head=False)
     assert str(info.value) == (
         "model type 'bert' is not supported; use one of llama, qwen2, qwen3, mistral, phi3, "
-        "gemma2, gemma3_text, gpt2, qwen3_moe, glm4_moe, gpt_oss, mixtral"
+        "gemma2, gemma3_text, gpt2, qwen3_moe, glm4_moe, gpt_oss, mixtral, qwen3_5_text"
     )
 
 

@@ -383,3 +383,20 @@ def test_a_q_k_normed_model_with_fp32_master_weights_decodes_under_bf16_autocast
     pairs = zip(outs[0].tokens, outs[1].tokens, strict=True)
     same = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
     assert same >= 12  # of 18: bf16 products of fp32 and of bf16-stored weights round alike
+
+
+@pytest.mark.parametrize(
+    "options",
+    [DecodeOptions(max_rows=2), pytest.param(DecodeOptions(compile=True), marks=pytest.mark.slow)],
+)
+def test_a_hybrid_model_carries_each_row_s_recurrent_state_through_refills(options):
+    """Qwen3.5's Gated DeltaNet layers keep a state per row beside the attention layers' keys:
+    a prefill leaves it in the row, a repeated prompt's rows copy it, refills overwrite it and
+    compaction moves it; the step with it compiles whole. The whole-model sampler's tokens."""
+    from rayhf.models.families import FAMILIES
+
+    hf, pipe = _scaled("qwen3_5_text", dict(FAMILIES["qwen3_5_text"].check_shape), 3.0)
+    engine = DecodeEngine(pipe, options)
+    got = engine.generate(MIXED, DecodeRules.of(SAMPLED, EOS, PAD), 3)
+    _same(got, hf_generate(hf, MIXED, SAMPLED, EOS, PAD, 3))
+    assert engine.cache is not None and engine.cache.state and len(engine.cache.k) == 2
