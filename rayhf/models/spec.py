@@ -50,11 +50,6 @@ class DeltaNetSpec:
         """q|k|v, the channels the convolution mixes."""
         return 2 * self.n_key_heads * self.key_dim + self.n_value_heads * self.value_dim
 
-    def state_numel(self) -> int:
-        """One sequence's recurrent and convolution state, elements per layer."""
-        state = self.n_value_heads * self.key_dim * self.value_dim
-        return state + self.conv_channels * (self.conv_kernel - 1)
-
 
 @dataclass(frozen=True)
 class ModelSpec:

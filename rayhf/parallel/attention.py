@@ -266,22 +266,37 @@ def attention(
     return _tokens(out, where)
 
 
+def by_rows(
+    x: torch.Tensor, where: TokenLayout, n_slots: int | None = None, at: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed ``x [n, ...]`` as rows ``[rows, n_slots, ...]`` (default: the call's slots), each
+    token at slot ``at`` of its row (default: its own slot), zeros where a row has no token: a
+    view when the tokens are the rows already."""
+    if where.square:
+        return x.reshape(where.n_rows, -1, *x.shape[1:])
+    n_slots = where.n_slots if n_slots is None else n_slots
+    at = where.slots if at is None else at
+    return x.new_zeros((where.n_rows, n_slots, *x.shape[1:])).index_put((where.rows, at), x)
+
+
+def by_tokens(x: torch.Tensor, where: TokenLayout) -> torch.Tensor:
+    """Rows ``[rows, slots, ...]`` back to packed ``[n, ...]``."""
+    if where.square:
+        return x.reshape(-1, *x.shape[2:])
+    return x[where.rows, where.slots]
+
+
 def _rows(
     t: torch.Tensor, where: TokenLayout, shape: tuple[int, ...], at: torch.Tensor
 ) -> torch.Tensor:
-    """Packed ``t [n, heads, d]`` as rows ``[rows, heads, slots, d]`` (``shape`` before the
-    transpose), each token at slot ``at`` of its row, zero where a row has no token: a view
-    when the tokens are the rows already."""
-    if where.square:
-        return t.reshape(shape).transpose(1, 2)
-    return t.new_zeros(shape).index_put((where.rows, at), t).transpose(1, 2)
+    """Packed ``t [n, heads, d]`` as attention's rows ``[rows, heads, slots, d]`` (``shape``
+    before the transpose), each token at slot ``at`` of its row (``by_rows``)."""
+    return by_rows(t, where, shape[1], at).transpose(1, 2)
 
 
 def _tokens(out: torch.Tensor, where: TokenLayout) -> torch.Tensor:
     """Attention's ``out [rows, heads, slots, d]`` back to packed ``[n, heads, d]``."""
-    if where.square:
-        return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])
-    return out.transpose(1, 2)[where.rows, where.slots]
+    return by_tokens(out.transpose(1, 2), where)
 
 
 def _grouped_keys(

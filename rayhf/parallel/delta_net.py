@@ -21,25 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayhf.parallel.attention import TokenLayout
-
 CHUNK = 64  # tokens per chunk: Hugging Face's and flash-linear-attention's size
 NORM_EPS = 1e-6  # the L2 norm of q and k: flash-linear-attention's epsilon
-
-
-def by_rows(x: torch.Tensor, where: TokenLayout) -> torch.Tensor:
-    """Packed ``[n, ...]`` as ``[rows, slots, ...]``, zeros past each row's end."""
-    if where.square:
-        return x.view(where.n_rows, where.n_slots, *x.shape[1:])
-    out = x.new_zeros((where.n_rows, where.n_slots, *x.shape[1:]))
-    return out.index_put((where.rows, where.slots), x)
-
-
-def by_tokens(x: torch.Tensor, where: TokenLayout) -> torch.Tensor:
-    """``[rows, slots, ...]`` back to packed ``[n, ...]``."""
-    if where.square:
-        return x.reshape(-1, *x.shape[2:])
-    return x[where.rows, where.slots]
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

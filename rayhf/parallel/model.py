@@ -37,11 +37,17 @@ from rayhf.models.sharding import (
     take_shard,
 )
 from rayhf.models.spec import ModelSpec
-from rayhf.parallel.attention import KVCache, TokenLayout, apply_rotary, attention, rotary
-from rayhf.parallel.buckets import LOGIT_CHUNK
-from rayhf.parallel.delta_net import (
+from rayhf.parallel.attention import (
+    KVCache,
+    TokenLayout,
+    apply_rotary,
+    attention,
     by_rows,
     by_tokens,
+    rotary,
+)
+from rayhf.parallel.buckets import LOGIT_CHUNK
+from rayhf.parallel.delta_net import (
     causal_conv,
     conv_step,
     decays,

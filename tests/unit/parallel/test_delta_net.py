@@ -8,14 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayhf.parallel.attention import TokenLayout
-from rayhf.parallel.delta_net import (
-    CHUNK,
-    by_rows,
-    by_tokens,
-    causal_conv,
-    gated_delta_rule,
-)
+from rayhf.parallel.attention import TokenLayout, by_rows, by_tokens
+from rayhf.parallel.delta_net import CHUNK, causal_conv, gated_delta_rule
 
 
 def _inputs(rows: int, length: int, heads: int = 2, dk: int = 8, dv: int = 4, seed: int = 0):
