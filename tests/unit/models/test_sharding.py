@@ -110,6 +110,12 @@ def test_impossible_layouts_say_why():
     assert "does not divide" in (check_layout(_spec(n_kv_heads=2), 4, 1) or "")
     assert "more pipeline stages than the model's 4 layers" in (check_layout(spec, 1, 5) or "")
     assert check_layout(spec, 4, 4) is None
+    heads = {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
+    hybrid = _spec("qwen3_5_text", n_kv_heads=4, config=heads)  # attention takes tp 4
+    assert "the model's 2 DeltaNet key heads" in (check_layout(hybrid, 4, 1) or "")
+    assert check_layout(hybrid, 2, 1) is None
+    with pytest.raises(RayhfError, match=r"^linear_num_value_heads=3 is not a multiple of"):
+        _spec("qwen3_5_text", config={**heads, "linear_num_value_heads": 3})
     with pytest.raises(RayhfError, match="pp=5"):
         stage_layers(spec, 5)
 
