@@ -213,7 +213,7 @@ def _layout_worker(rank: int, layout: tuple[int, int], args: tuple, out: str) ->
     from rayhf.data.batch import PackedBatch
     from rayhf.engines.build import standalone_engine
     from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.parallel.groups import build_groups, join_store
+    from rayhf.parallel.groups import build_groups, join_store, leave_spawned
     from rayhf.sampling import GenerationConfig
 
     address, layers, reps = args
@@ -240,7 +240,7 @@ def _layout_worker(rank: int, layout: tuple[int, int], args: tuple, out: str) ->
     seconds["bytes"] = float(frozen.model.local_bytes())
     if rank == 0:
         Path(out).write_text(json.dumps(seconds))
-    dist.destroy_process_group()
+    leave_spawned()
 
 
 def on_layout(layout: tuple[int, int], layers: int, reps: int, tmp: Path) -> dict[str, float]:

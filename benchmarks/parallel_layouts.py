@@ -85,7 +85,7 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     from rayhf.data.batch import PackedBatch
     from rayhf.engines.build import standalone_engine
     from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.parallel.groups import build_groups, join_store
+    from rayhf.parallel.groups import build_groups, join_store, leave_spawned
     from rayhf.sampling import GenerationConfig
 
     address, layers, reps = args
@@ -114,8 +114,7 @@ def _layout_worker(rank: int, layout: tuple[int, int, int], args: tuple, out: st
     }
     if rank == 0:
         Path(out).write_text(json.dumps(result))
-    if world > 1:
-        dist.destroy_process_group()
+    leave_spawned()
 
 
 def _run_layout(layout: tuple[int, int, int], layers: int, reps: int, tmp: Path) -> dict:

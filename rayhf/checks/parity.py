@@ -56,7 +56,7 @@ import torch.multiprocessing as mp
 from rayhf.checks.common import EOS, PAD, VOCAB, Tok, tiny_model
 from rayhf.models.families import FAMILIES, FamilyTraits, register_family
 from rayhf.models.precision import DTYPES
-from rayhf.parallel.groups import host_store, join_store
+from rayhf.parallel.groups import host_store, join_store, leave_spawned
 
 
 @dataclass(frozen=True)
@@ -490,7 +490,7 @@ def _worker(
     if rank == 0:
         with open(out, "w") as f:
             json.dump([r for part in gathered for r in part], f, indent=1)
-    dist.destroy_process_group()
+    leave_spawned()
 
 
 def run(

@@ -275,7 +275,7 @@ def _worker(
     rank: int, address: str, store_addresses: tuple[str, str], pairs: list, out: str, device: str
 ) -> None:
     from rayhf.models.files import quiet_transformers
-    from rayhf.parallel.groups import join_store
+    from rayhf.parallel.groups import join_store, leave_spawned
     from rayhf.realloc.transport import TransferGroup
 
     torch.set_num_threads(1)
@@ -299,7 +299,9 @@ def _worker(
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
+    for group in groups.values():
+        group.close()
+    leave_spawned()
 
 
 def main(argv: list[str] | None = None) -> None:

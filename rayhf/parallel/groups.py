@@ -12,6 +12,8 @@ Every process of the world calls ``build_groups`` with the same arguments except
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -83,6 +85,22 @@ def join_store(address: str) -> dist.TCPStore:
     """A client of the store that ``host_store`` opened at ``address`` (``tcp://host:port``)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
+
+
+def leave_spawned() -> None:
+    """End a spawned rank: leave its process groups, then exit without finalizing Python.
+
+    A gloo thread drops its reference to a finished collective after the caller's ``wait``
+    returns. When that reference is the last one to a tensor Python made, dropping it takes the
+    GIL; during the interpreter's shutdown the thread is killed there, inside a destructor, and
+    the rank aborts ("terminate called without an active exception"; about 1 exit in 10 here).
+    Nothing is left to finalize after the groups are gone, so the rank skips that step.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def single() -> ParallelGroups:
