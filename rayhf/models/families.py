@@ -198,6 +198,10 @@ class FamilyTraits:
     times their sigmoid before ``o_proj`` (Qwen3.5, Qwen3-Next)."""
     delta_net: DeltaNetTraits | None = None
     """Gated DeltaNet layers among the attention ones; None: attention everywhere."""
+    released_as: str | None = None
+    """The model type of the multimodal checkpoints released with this family as their text
+    tower, under ``model.language_model`` beside a vision tower (and MTP heads): rayhf trains
+    the tower and saves the other tensors back as it read them (Qwen3.5's ``qwen3_5``)."""
     check_randomized: tuple[str, ...] = ()
     """Parameters the parity check's tiny model refills at random (name endings): ones Hugging
     Face starts at zero, which would not bite."""
@@ -388,6 +392,7 @@ FAMILIES: dict[str, FamilyTraits] = {
         qk_norm=True,
         attn_output_gate=True,
         delta_net=DeltaNetTraits(),
+        released_as="qwen3_5",
         check_randomized=("norm.weight", "dt_bias"),  # (1 + w) norms start at 0
         check_shape={
             "n_heads": 8,
@@ -404,6 +409,18 @@ FAMILIES: dict[str, FamilyTraits] = {
     ),
 }
 """Every supported family by Hugging Face model type, in the order messages list them."""
+
+
+TOWER = "model.language_model"
+"""Where a released multimodal checkpoint keeps its text tower's backbone (``released_as``)."""
+
+
+def text_tower(config: Any) -> Any:
+    """The config of the model rayhf runs: a released multimodal checkpoint's text tower
+    (``FamilyTraits.released_as``), else ``config`` itself."""
+    if any(t.released_as == config.model_type for t in FAMILIES.values()):
+        return config.get_text_config()
+    return config
 
 
 def family_traits(family: str) -> FamilyTraits:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rayhf.models.families import TOWER
 from rayhf.models.sharding import layer_prefix, param_shards
 from rayhf.models.spec import ModelSpec
 
@@ -110,6 +111,10 @@ class ModelFiles:
     spec: ModelSpec
     dtype: str = "float32"
     texts: tuple[tuple[str, str], ...] = ()
+    released: str | None = None
+    """The directory of the released multimodal checkpoint this model is the text tower of:
+    saves put the tower under ``model.language_model`` and copy that checkpoint's other
+    tensors (vision tower, MTP heads) as they are there."""
 
     def write_texts(self, out_dir: str | Path) -> None:
         """The JSON files alone (a model's shape, for an engine that loads its weights later)."""
@@ -175,24 +180,33 @@ def split_saved(name: str, t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 
 
+def released_name(spec: ModelSpec, name: str) -> str:
+    """Parameter ``name``'s name in a released multimodal checkpoint: the backbone's under
+    ``model.language_model``, the head's as it is."""
+    backbone = spec.prefix + "."
+    return TOWER + name[len(spec.prefix) :] if name.startswith(backbone) else name
+
+
 def read_weights(path: str | Path, spec: ModelSpec) -> dict[str, torch.Tensor] | None:
     """The fp32 tensors of every parameter ``spec`` names, read from the directory's safetensors
-    files (stacking experts saved one by one); None when the files do not hold them all (a
-    critic from a causal LM's directory: no ``score`` head; another naming; .bin weights): then
-    the model must be built to be read."""
+    files (stacking experts saved one by one; a released multimodal checkpoint's text tower);
+    None when the files do not hold them all (a critic from a causal LM's directory: no
+    ``score`` head; another naming; .bin weights): then the model must be built to be read."""
     from safetensors import safe_open
 
     where = weight_files(path)
     saved = saved_names(spec)
-    names = [n for parts in saved.values() for n in parts]
-    if not all(n in where for n in names):
-        return None
+    disk = {n: n for parts in saved.values() for n in parts}
+    if not all(n in where for n in disk):
+        disk = {n: released_name(spec, n) for n in disk}
+        if not all(d in where for d in disk.values()):
+            return None
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted({where[n] for n in names}):
+    for file in sorted({where[d] for d in disk.values()}):
         with safe_open(file, framework="pt") as f:
-            for n in names:
-                if where[n] == file:
-                    tensors[n] = f.get_tensor(n).float()
+            for n, d in disk.items():
+                if where[d] == file:
+                    tensors[n] = f.get_tensor(d).float()
     return {name: join_saved(name, [tensors[n] for n in parts]) for name, parts in saved.items()}
 
 
@@ -215,6 +229,9 @@ def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch
             saved.get(k, [k]), split_saved(k, v) if len(saved.get(k, [k])) > 1 else [v], strict=True
         )
     }
+    if files.released is not None:
+        state = {released_name(files.spec, n): t for n, t in state.items()}
+        state |= _kept(files.released, set(state))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
@@ -238,3 +255,15 @@ def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     files.write_texts(out)
+
+
+def _kept(path: str, tower: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of the released checkpoint in ``path`` outside its text tower, as saved."""
+    from safetensors import safe_open
+
+    where = {n: f for n, f in weight_files(path).items() if n not in tower}
+    kept: dict[str, torch.Tensor] = {}
+    for file in sorted(set(where.values())):
+        with safe_open(file, framework="pt") as f:
+            kept |= {n: f.get_tensor(n) for n, at in where.items() if at == file}
+    return kept

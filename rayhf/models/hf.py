@@ -18,7 +18,7 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig
 
 from rayhf.errors import RayhfError
-from rayhf.models.families import family_traits, name_registered_row
+from rayhf.models.families import family_traits, name_registered_row, text_tower
 from rayhf.models.init import ModelInit
 
 if TYPE_CHECKING:
@@ -122,7 +122,8 @@ def read_model_config(path: str | Path, value_head: bool, field: str) -> Pretrai
         config = AutoConfig.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise _unloadable(p, field, e) from None
-    if value_head:
+    if value_head:  # a critic of a released multimodal checkpoint: its text tower alone
+        config = text_tower(config)
         config.num_labels = 1
     return config
 
@@ -170,10 +171,11 @@ def load_weights(
     return config, state
 
 
-def model_files(config: PretrainedConfig, value_head: bool) -> ModelFiles:
+def model_files(config: PretrainedConfig, value_head: bool, path: str | None = None) -> ModelFiles:
     """What a role-group worker needs to read and save this model without transformers: its
     spec, and config.json (and generation_config.json for a causal LM) as ``save_pretrained``
-    of a model built from ``config`` writes them."""
+    of a model built from ``config`` writes them. A released multimodal checkpoint read from
+    ``path`` is saved as one again, its other tensors copied from there."""
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -190,14 +192,16 @@ def model_files(config: PretrainedConfig, value_head: bool) -> ModelFiles:
         else (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     )
     dtype = str(saved.dtype or torch.float32).removeprefix("torch.")  # what from_config builds
-    # the architecture of the config's class (a registered row may rename its model type)
-    saved.dtype, saved.architectures = dtype, [names[type(saved).model_type]]
+    released = path if text_tower(config) is not config else None
+    saved.dtype = dtype
+    if released is None:  # the architecture of the config's class (a registered row may
+        saved.architectures = [names[type(saved).model_type]]  # rename its model type)
     with tempfile.TemporaryDirectory() as tmp:
         saved.save_pretrained(tmp)
         if not value_head:
             GenerationConfig.from_model_config(saved).save_pretrained(tmp)
         texts = tuple((f.name, f.read_text()) for f in sorted(Path(tmp).glob("*.json")))
-    return ModelFiles(model_spec(config, value_head), dtype, texts)
+    return ModelFiles(model_spec(config, value_head), dtype, texts, released)
 
 
 def per_token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayhf.errors import RayhfError
-from rayhf.models.families import FamilyTraits, family_traits
+from rayhf.models.families import FamilyTraits, family_traits, text_tower
 
 # RoPE variants whose frequencies are fixed at load (Hugging Face computes them the same way);
 # "dynamic" and "longrope" change with the sequence length and are refused.
@@ -123,7 +123,9 @@ def _default_inv_freq(theta: float, head_dim: int) -> tuple[float, ...]:
 
 
 def model_spec(config: Any, value_head: bool) -> ModelSpec:
-    """The spec of a Hugging Face config; unsupported families or features are refused."""
+    """The spec of a Hugging Face config (a released multimodal checkpoint's: its text
+    tower's); unsupported families or features are refused."""
+    config = text_tower(config)
     family = config.model_type
     traits = family_traits(family)
     if value_head and not traits.value_head_class:

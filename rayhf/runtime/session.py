@@ -244,7 +244,7 @@ class Session:
         key = (path, value_head)
         if key not in self._files:
             config = read_model_config(path, value_head, f"models.{role}")
-            self._files[key] = model_files(config, value_head)
+            self._files[key] = model_files(config, value_head, path)
         return self._files[key]
 
     @functools.cached_property

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from rayhf.checks.common import PAD, VOCAB
 from rayhf.checks.parity import CASES, _model
 from rayhf.models import files
 from rayhf.models.families import FAMILIES
@@ -144,3 +145,83 @@ def test_experts_saved_one_by_one_are_read_back_stacked_without_building_the_mod
     state = read_weights(tmp_path, model_files(config, False).spec)
     assert state is not None and state.keys() == hf.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in hf.state_dict().items())
+
+
+def _released(out: Path) -> Path:
+    """A released Qwen3.5 checkpoint in miniature: the multimodal class's layout (the text
+    tower under ``model.language_model``, a vision tower) and MTP heads in bf16, as Qwen's
+    files hold them."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4,
+        "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 4, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "pad_token_id": PAD,
+    }  # fmt: skip
+    vision = {
+        "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+        "out_hidden_size": 32, "num_position_embeddings": 16, "patch_size": 4,
+    }  # fmt: skip
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config)
+    for name, p in model.named_parameters():  # (1 + w) norms and zero biases start equal
+        if name.endswith(("norm.weight", "dt_bias")):
+            p.data.normal_(0, 0.1)
+    model.save_pretrained(out)
+    state = load_file(out / "model.safetensors")
+    state["mtp.fc.weight"] = torch.randn(32, 64).bfloat16()
+    state["mtp.layers.0.input_layernorm.weight"] = torch.randn(32).bfloat16()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_a_released_multimodal_checkpoint_trains_its_text_tower_and_saves_the_rest_back(
+    tmp_path,
+):
+    """Qwen3.5 as released: rayhf reads the text tower under ``model.language_model``, gives the
+    full model's logits, and saves the tower back there with the vision tower, the MTP heads and
+    config.json as they were; a critic from it is the text tower with a head."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from rayhf.checks.common import Tok
+    from rayhf.engines.rank_model import RankModel
+    from rayhf.models.hf import load_weights
+    from rayhf.models.spec import model_spec
+
+    src = _released(tmp_path / "released")
+    config, state = load_weights(src, False, "models.actor")
+    files = model_files(config, False, str(src))
+    assert files.spec.family == "qwen3_5_text" and files.released == str(src)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(src).eval()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).logits
+        got = RankModel(files, state, Tok()).forward(ids, mask)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+
+    state["model.norm.weight"] += 1.0  # a trained tower
+    write_model(tmp_path / "saved", files, state)
+    before, after = (
+        load_file(src / "model.safetensors"),
+        load_file(tmp_path / "saved/model.safetensors"),
+    )
+    assert set(after) == set(before)
+    tower = "model.language_model."
+    kept = [n for n in before if not n.startswith(tower) and n != "lm_head.weight"]
+    assert any(n.startswith("mtp.") for n in kept) and any(".visual." in n for n in kept)
+    for n in kept:  # byte for byte: values and dtype
+        assert after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]), n
+    assert torch.equal(after[tower + "norm.weight"], before[tower + "norm.weight"] + 1.0)
+    saved_config = json.loads((tmp_path / "saved/config.json").read_text())
+    assert saved_config == json.loads((src / "config.json").read_text())
+    reloaded = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "saved")
+    assert torch.equal(reloaded.model.language_model.norm.weight, after[tower + "norm.weight"])
+
+    critic = read_model_config(src, True, "models.critic")
+    assert critic.model_type == "qwen3_5_text" and model_spec(critic, True).value_head
