@@ -44,6 +44,7 @@ from rayhf.engines.config import EngineConfig, default_engine
 from rayhf.models.sharding import param_shards, shard_numel
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.buckets import CHECK_EVERY, LOGIT_CHUNK, cache_capacity, mean_keys
+from rayhf.parallel.delta_net import CHUNK
 from rayhf.parallel.layout import Layout
 from rayhf.planner.hardware import ClusterSpec
 
@@ -205,6 +206,35 @@ def _allreduce(n_bytes: float, n: int, bandwidth: float, latency: float) -> floa
     return 2 * (n - 1) / n * n_bytes / bandwidth + latency
 
 
+def attention_layers(spec: ModelSpec) -> int:
+    """Layers that attend over every earlier token (a hybrid's others are DeltaNet layers)."""
+    return spec.n_layers - len(spec.delta_layers)
+
+
+def mixing_flops(spec: ModelSpec, seq: float) -> float:
+    """FLOPs per token of an average layer's token mixing at ``seq`` tokens, forward: causal
+    attention's scores and weighted values (``2 * hidden * seq``); a DeltaNet layer's chunked
+    rule instead, linear in length: within a chunk, scores and corrections over its
+    ``CHUNK`` tokens, and across chunks the state read and updated, per value head."""
+    attention = attention_layers(spec) * 2 * spec.hidden_size * seq
+    net = spec.delta_net
+    if net is None:
+        return attention / spec.n_layers
+    dk, dv, chunk = net.key_dim, net.value_dim, min(CHUNK, seq)
+    per_head = 2 * chunk * (2 * dk + dv) + 6 * dk * dv
+    return (attention + len(spec.delta_layers) * net.n_value_heads * per_head) / spec.n_layers
+
+
+def delta_state_bytes(spec: ModelSpec, b: int) -> float:
+    """One row's decode state in the DeltaNet layers: the fp32 recurrent state and the
+    convolution's last inputs in the compute dtype (``b`` bytes)."""
+    net = spec.delta_net
+    if net is None:
+        return 0.0
+    state = net.n_value_heads * net.key_dim * net.value_dim * 4
+    return len(spec.delta_layers) * (state + net.conv_channels * (net.conv_kernel - 1) * b)
+
+
 def scoring_bytes(spec: ModelSpec, tokens: float) -> float:
     """The LM head's transient bytes while scoring ``tokens`` (``ShardedModel.score``): one
     slice of at most ``LOGIT_CHUNK`` fp32 logits, three such tensors at once (the logits, their
@@ -248,7 +278,7 @@ class AnalyticCost:
         b = self.dtype_bytes(spec)
         passes = 3 if backward else 1  # backward: gradients of inputs and of weights
         passes += 1 if backward and recompute else 0
-        flops = passes * tokens * (2 * matmul / spec.n_layers + 2 * spec.hidden_size * seq)
+        flops = passes * tokens * (2 * matmul / spec.n_layers + mixing_flops(spec, seq))
         # weights read forward, read again and their gradients written backward; activations
         # written forward, read back backward
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
@@ -332,8 +362,15 @@ class AnalyticCost:
         _, matmul, _ = _sizes(spec)
         b = self.dtype_bytes(spec)
         weights = weights_read(spec, n_seqs) * b / layout.tp
-        kv = 2 * spec.n_layers * n_seqs * keys * spec.n_kv_heads * spec.head_dim * b / layout.tp
-        flops = n_seqs * (2 * matmul + 4 * spec.n_layers * spec.hidden_size * keys)
+        attending = attention_layers(spec)
+        kv = 2 * attending * n_seqs * keys * spec.n_kv_heads * spec.head_dim * b / layout.tp
+        kv += 2 * n_seqs * delta_state_bytes(spec, b) / layout.tp  # read and written
+        flops = n_seqs * (2 * matmul + 4 * attending * spec.hidden_size * keys)
+        if spec.delta_net is not None:  # the state read, decayed, corrected and read again
+            net = spec.delta_net
+            flops += n_seqs * len(spec.delta_layers) * net.n_value_heads * 8 * net.key_dim * (
+                net.value_dim
+            )  # fmt: skip
         gpu = max(flops / layout.tp / self._flops_rate(spec), (weights + kv) / self._bytes_rate())
         host = layout.pp * self.eff.replay_seconds + self.eff.sync_seconds / CHECK_EVERY
         lat = self.cluster.link_latency
@@ -473,7 +510,9 @@ class AnalyticCost:
         layers = math.ceil(spec.n_layers / layout.pp)
         if work.kind == "generate":
             slots = cache_capacity(work.prompt_len, work.gen_len, True)
-            kv = 2 * layers * n_seqs * slots * spec.n_kv_heads * spec.head_dim * b / layout.tp
+            share = layers / spec.n_layers  # of the attention layers and the DeltaNet ones
+            kv = 2 * attention_layers(spec) * share * n_seqs * slots * spec.n_kv_heads
+            kv = (kv * spec.head_dim * b + share * n_seqs * delta_state_bytes(spec, b)) / layout.tp
             transient = kv + n_seqs * spec.vocab_size * 4
             return self.resident(spec, layout, False) + transient
         if work.kind == "inference":  # a token budget's micro-batches run one after another

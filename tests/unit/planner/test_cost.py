@@ -215,3 +215,38 @@ def test_experts_split_over_ep_ranks_cost_exchanges_and_save_memory():
     within = ep8.parts["forward_backward"] - plain.parts["forward_backward"]
     assert across > 4 * within, "an ep group across nodes exchanges over the slower links"
     assert cost.exchange_seconds(SPECS["actor"], Layout(mesh, 16), 1000.0, True) == 0.0
+
+
+def _hybrid_spec(hybrid: bool):
+    from rayhf.models.hf import ModelInit, hf_config
+    from rayhf.models.spec import model_spec
+
+    kinds = ["linear_attention"] * 3 + ["full_attention"] if hybrid else ["full_attention"] * 4
+    init = ModelInit(
+        family="qwen3_5_text", hidden_size=1024, n_layers=16, n_heads=8, n_kv_heads=2,
+        max_positions=40000,
+        config={"linear_num_key_heads": 8, "linear_num_value_heads": 16,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "layer_types": kinds * 4},
+    )  # fmt: skip
+    return model_spec(hf_config(init, 32000, 0, 1, 2), False)
+
+
+def test_a_hybrid_model_s_deltanet_layers_cost_linear_in_length():
+    """Three DeltaNet layers in four: a generate call at 32k tokens holds about a quarter of the
+    cache of the same model with attention everywhere, its decode step reads less, and its
+    train call's time grows more slowly with length."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    hybrid, full = _hybrid_spec(True), _hybrid_spec(False)
+    assert len(hybrid.delta_layers) == 12 and not full.delta_layers
+    lay = Layout(tuple(range(1)), 1)
+    gen = Workload("generate", 64, 1024, 31 * 1024)
+    kv_h, kv_f = (cost.memory(s, lay, gen) - cost.resident(s, lay, False) for s in (hybrid, full))
+    assert 3.5 < kv_f / kv_h < 4.0
+    step_h, step_f = (cost.decode_seconds(s, lay, 64, 32768) for s in (hybrid, full))
+    assert step_h < step_f / 2
+    short, long = Workload("train", 64, 256, 256), Workload("train", 64, 256, 8 * 1024 - 256)
+    growth_h, growth_f = (
+        cost.call(s, lay, long).seconds / cost.call(s, lay, short).seconds for s in (hybrid, full)
+    )
+    assert growth_h < growth_f
