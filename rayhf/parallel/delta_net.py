@@ -112,7 +112,8 @@ def conv_step(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> torc
     inputs (then SiLU); ``past`` moves on by the token, in place."""
     window = torch.cat([past, x[..., None].to(past.dtype)], dim=-1)
     past.copy_(window[..., 1:])
-    mixed = F.conv1d(window.to(weight.dtype), weight, groups=x.shape[-1])[..., -1]
+    # one output per channel: a product and a sum, cheaper than a grouped conv1d's set-up
+    mixed = (window.to(weight.dtype) * weight[:, 0]).sum(dim=-1)
     return F.silu(mixed).to(x.dtype)
 
 
