@@ -6,7 +6,7 @@
         [--skip PART ...] [--page NAME]
 
 Under 10 minutes a call, the 1.5B parts and the weight-move transports go in a second one:
-``--skip ppo_1.5b planner_1.5b transports colocated_move moe_layer moe_model``, then
+``--skip ppo_1.5b planner_1.5b transports colocated_move moe_layer moe_model hybrid_model``, then
 ``--skip-ppo --skip generation train_step logprob_memory planner_0.5b hf_static --page
 gpu_1.5b``.
 
@@ -35,6 +35,10 @@ frozen copies store bf16.
 - Mixture-of-Experts models (``moe_model``): ``benchmarks/moe_model.py --device cuda``, the small
   and a ~1B-total Qwen3-MoE: decode (eager and compiled) and train step against Hugging Face's,
   and routing replay on the same samples in bf16; its own page (``moe_model_gpu``).
+- A hybrid model (``hybrid_model``): ``benchmarks/hybrid_model.py --device cuda``, a ~0.8B
+  Qwen3.5-shaped model's prefill, decode and train step against Hugging Face's at 512, 2k and
+  8k tokens, with flash-linear-attention's kernel (``fla-core``, carried as a wheel) and
+  without; its own page (``hybrid_model_gpu``).
 - Weight-move transports between processes on the one GPU: the PPO run with the reference's
   first move and any later ones through /dev/shm and through CUDA IPC (``transports``), and
   ``benchmarks/gpu_colocated_move.py``'s bytes/s of each (``colocated_move``, its own page).
@@ -250,6 +254,18 @@ def moe_model(commit: str) -> dict[str, Any]:
     cmd = ["python", str(here / "moe_model.py"), "--device", "cuda", "--commit", commit]
     subprocess.run(cmd, check=True, timeout=420, cwd=here)
     return json.loads((REPO / "docs" / "benchmarks" / "moe_model_gpu.json").read_text())
+
+
+def hybrid_model(commit: str) -> dict[str, Any]:
+    """``benchmarks/hybrid_model.py --device cuda`` (a ~0.8B Qwen3.5-shaped hybrid: prefill,
+    decode and train step against Hugging Face's, with flash-linear-attention's kernel and
+    without; its own page, ``hybrid_model_gpu``), read back."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    cmd = ["python", str(here / "hybrid_model.py"), "--device", "cuda", "--commit", commit]
+    subprocess.run(cmd, check=True, timeout=420, cwd=here)
+    return json.loads((REPO / "docs" / "benchmarks" / "hybrid_model_gpu.json").read_text())
 
 
 def moe_layer(commit: str) -> dict[str, Any]:
@@ -634,6 +650,9 @@ def report(res: dict[str, Any]) -> str:
         "moe_model": lambda: [
             "## Mixture-of-Experts models, routing replay: [moe_model_gpu.md](moe_model_gpu.md)"
         ],
+        "hybrid_model": lambda: [
+            "## A hybrid (Gated DeltaNet) model: [hybrid_model_gpu.md](hybrid_model_gpu.md)"
+        ],
     }
     for name, lines_of in parts.items():
         if name == "generation" and "hf_static" in res["errors"]:
@@ -683,6 +702,7 @@ def main() -> None:
         "colocated_move": lambda: colocated_move(res["commit"]),
         "moe_layer": lambda: moe_layer(res["commit"]),
         "moe_model": lambda: moe_model(res["commit"]),
+        "hybrid_model": lambda: hybrid_model(res["commit"]),
     }
     for name, measure in parts.items():
         if (name == "ppo" and args.skip_ppo) or name in args.skip:

@@ -16,7 +16,8 @@ RAY_VERSION=2.60.0
 WHEELS=(pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
         rapidfuzz==3.14.6 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
-        referencing==0.37.0 rpds-py==2026.9.1)
+        referencing==0.37.0 rpds-py==2026.9.1
+        fla-core==0.6.0)  # flash-linear-attention's kernels (Triton; the image has triton)
 
 pack() (
   set -euo pipefail

@@ -107,6 +107,15 @@ class MoETraits:
     shared_experts: bool = False
     """An MLP every token goes through beside its routed experts, ``n_shared_experts`` experts
     wide (GLM-4.5)."""
+    shared_module: str = "shared_experts"
+    """That MLP's module under the layer's ``mlp`` (Qwen3-Next: ``shared_expert``)."""
+    shared_width: str | None = None
+    """The config's name for that MLP's width; None: ``n_shared_experts`` experts wide."""
+    shared_gate: bool = False
+    """That MLP's output is times the sigmoid of a one-unit linear layer of the token
+    (``shared_expert_gate``: Qwen3-Next)."""
+    n_experts: str = "num_local_experts"
+    """The config's name for the number of routed experts."""
     files: ExpertFiles = "per_expert"
     form: ExpertForm = "gated"
     router_module: str = "gate"
@@ -123,6 +132,9 @@ class DeltaNetTraits:
 
     layer_type: str = "linear_attention"
     """The config's ``layer_types`` entry of such a layer."""
+    fused: bool = False
+    """q|k|v|z in one ``in_proj_qkvz`` and b|a in one ``in_proj_ba``, grouped by key head:
+    each key head's q, k, v, z (of the value heads it serves), then its b, a (Qwen3-Next)."""
 
 
 @dataclass(frozen=True)
@@ -404,6 +416,43 @@ FAMILIES: dict[str, FamilyTraits] = {
                 "linear_key_head_dim": 8,
                 "linear_value_head_dim": 4,
                 "layer_types": ["linear_attention", "full_attention"] * 2,
+            },
+        },
+    ),
+    # Qwen3.5's layers with DeltaNet projections fused by key head, and Mixture-of-Experts
+    # feed-forward layers whose shared expert is gated by the token
+    "qwen3_next": FamilyTraits(
+        "Qwen3NextConfig",
+        norm_adds_one=True,
+        qk_norm=True,
+        attn_output_gate=True,
+        delta_net=DeltaNetTraits(fused=True),
+        moe=MoETraits(
+            renormalize="norm_topk_prob",
+            dense_layers="sparse_step",
+            shared_experts=True,
+            shared_module="shared_expert",
+            shared_width="shared_expert_intermediate_size",
+            shared_gate=True,
+            n_experts="num_experts",
+        ),
+        check_randomized=("norm.weight", "dt_bias"),
+        check_shape={
+            "n_heads": 8,
+            "n_kv_heads": 4,
+            "intermediate_size": 48,
+            "rope_parameters": {"partial_rotary_factor": 0.5},
+            "config": {
+                "linear_num_key_heads": 4,
+                "linear_num_value_heads": 8,
+                "linear_key_head_dim": 8,
+                "linear_value_head_dim": 4,
+                "layer_types": ["linear_attention", "full_attention"] * 2,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48,
+                "mlp_only_layers": [1],
             },
         },
     ),

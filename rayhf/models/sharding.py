@@ -134,15 +134,24 @@ def _delta_net(spec: ModelSpec, a: str, unit: int) -> list[ParamShard]:
     the per-head decay numbers by value heads, ``out_proj`` row-parallel; the gated norm's
     weight (one per value dim, shared by every head) whole on every rank."""
     net, h = spec.delta_net, spec.hidden_size
-    assert net is not None
+    assert net is not None and spec.traits.delta_net is not None
     qkv = (net.n_key_heads * net.key_dim,) * 2 + (net.n_value_heads * net.value_dim,)
     width, heads = qkv[2], net.n_value_heads
+    if spec.traits.delta_net.fused:  # grouped by key head: a rank's rows are its heads' all
+        projections = [
+            ParamShard(f"{a}.in_proj_qkvz.weight", (sum(qkv) + width, h), 0, unit),
+            ParamShard(f"{a}.in_proj_ba.weight", (2 * heads, h), 0, unit),
+        ]
+    else:
+        projections = [
+            ParamShard(f"{a}.in_proj_qkv.weight", (sum(qkv), h), 0, unit, qkv),
+            ParamShard(f"{a}.in_proj_z.weight", (width, h), 0, unit),
+            ParamShard(f"{a}.in_proj_b.weight", (heads, h), 0, unit),
+            ParamShard(f"{a}.in_proj_a.weight", (heads, h), 0, unit),
+        ]
     return [
-        ParamShard(f"{a}.in_proj_qkv.weight", (sum(qkv), h), 0, unit, qkv),
+        *projections,
         ParamShard(f"{a}.conv1d.weight", (sum(qkv), 1, net.conv_kernel), 0, unit, qkv),
-        ParamShard(f"{a}.in_proj_z.weight", (width, h), 0, unit),
-        ParamShard(f"{a}.in_proj_b.weight", (heads, h), 0, unit),
-        ParamShard(f"{a}.in_proj_a.weight", (heads, h), 0, unit),
         ParamShard(f"{a}.dt_bias", (heads,), 0, unit),
         ParamShard(f"{a}.A_log", (heads,), 0, unit),
         ParamShard(f"{a}.norm.weight", (net.value_dim,), None, unit),
@@ -186,7 +195,9 @@ def _moe_mlp(spec: ModelSpec, m: str, unit: int) -> list[ParamShard]:
         ParamShard(f"{m}.experts.down_proj", (e, h, w), 2, unit, expert=True),
     ]
     if moe.shared_size:
-        out += _dense_mlp(f"{m}.shared_experts", h, moe.shared_size, unit)
+        out += _dense_mlp(f"{m}.{traits.shared_module}", h, moe.shared_size, unit)
+        if traits.shared_gate:
+            out.append(ParamShard(f"{m}.shared_expert_gate.weight", (1, h), None, unit))
     return out
 
 

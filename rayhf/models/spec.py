@@ -232,13 +232,17 @@ def _moe_fields(config: Any, traits: FamilyTraits) -> dict[str, Any]:
     elif moe.dense_layers == "first_k":
         dense = set(range(getattr(config, "first_k_dense_replace", 0)))
     width = getattr(config, moe.expert_size)
-    shared = getattr(config, "n_shared_experts", 0) if moe.shared_experts else 0
+    shared = 0
+    if moe.shared_experts:
+        shared = getattr(config, moe.shared_width) if moe.shared_width else (
+            getattr(config, "n_shared_experts", 0) * width
+        )  # fmt: skip
     spec = MoESpec(
-        n_experts=config.num_local_experts,
+        n_experts=getattr(config, moe.n_experts),
         top_k=config.num_experts_per_tok,
         expert_size=width,
         renormalize=bool(getattr(config, renorm) if isinstance(renorm, str) else renorm),
-        shared_size=shared * width,
+        shared_size=shared,
         scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
         n_group=getattr(config, "n_group", 1) or 1,
         topk_group=getattr(config, "topk_group", 1) or 1,

@@ -16,6 +16,8 @@ import functools
 LOGIT_CHUNK = 2**24
 
 CHECK_EVERY = 8  # decode steps between looks at which rows ended: one host sync per 8 tokens
+DELTA_CHUNK = 64  # a DeltaNet layer's chunk (``rayhf.parallel.delta_net``): Hugging Face's and
+# flash-linear-attention's size
 KEY_BLOCK = 64  # a bucketed step attends over the filled key slots rounded up to this many
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # captured widths
 

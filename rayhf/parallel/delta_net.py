@@ -14,14 +14,23 @@ and a zero convolution history, and nothing crosses a sequence boundary. Slots p
 carry ``beta = 0`` and ``g = 0``: they change no state, so a row's final state is the one after
 its last token. This is the torch form, written to give Hugging Face's torch path's numbers;
 each operation runs in the dtype Hugging Face's runs it in, under the same autocast.
+
+On a GPU with flash-linear-attention installed (``fla_kernel``), training and prefills run its
+Triton kernel instead, over the packed tokens as they are (``packed_rule``: each sequence's
+bounds from ``cu_seqlens``, so no scatter into rows), as Hugging Face does with it installed.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64  # tokens per chunk: Hugging Face's and flash-linear-attention's size
+from rayhf.parallel.buckets import DELTA_CHUNK as CHUNK  # tokens a chunk (priced by the planner)
+
 NORM_EPS = 1e-6  # the L2 norm of q and k: flash-linear-attention's epsilon
 
 
@@ -83,8 +92,42 @@ def gated_delta_rule(
         fresh = corrections[:, :, c] - reads[:, :, c] @ s
         outs.append(q_before[:, :, c] @ s + within[:, :, c] @ fresh)
         s = s * carry[:, :, c] + k_after[:, :, c].transpose(-1, -2) @ fresh
+    if not outs:  # no tokens (a rank's pass beside its ep group's): nothing read or written
+        return q.new_zeros(rows, 0, heads, v.shape[-1]).to(dtype), s
     out = torch.stack(outs, dim=2).reshape(rows, heads, n * CHUNK, -1)[:, :, :length]
     return out.transpose(1, 2).to(dtype), s
+
+
+@functools.cache
+def fla_kernel() -> Callable[..., Any] | None:
+    """flash-linear-attention's chunked gated delta rule (Triton: GPUs only) where the package
+    is installed, else None."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def packed_rule(
+    kernel: Callable[..., Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule by ``kernel`` (``fla_kernel``'s) over packed sequences of ``lengths`` tokens:
+    ``q, k [n, heads, dk]``, ``v [n, heads, dv]``, ``g, beta [n, heads]``, each sequence from
+    a zero state. Returns the outputs ``[n, heads, dv]`` in ``q``'s dtype and each sequence's
+    final state ``[sequences, heads, dk, dv]`` (fp32)."""
+    bounds = F.pad(lengths.cumsum(0), (1, 0))
+    out, state = kernel(
+        q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds,
+    )  # fmt: skip
+    return out[0].to(q.dtype), state.float()
 
 
 def split_heads(

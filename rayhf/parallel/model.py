@@ -51,9 +51,11 @@ from rayhf.parallel.delta_net import (
     causal_conv,
     conv_step,
     decays,
+    fla_kernel,
     gated_delta_rule,
     gated_norm,
     history,
+    packed_rule,
     rule_step,
     split_heads,
 )
@@ -204,7 +206,9 @@ class ShardedModel(torch.nn.Module):
         if traits.block == "llama" and not traits.fused_projections:
             for i in self.layers:
                 p = layer_prefix(self.spec, i)
-                mlp = f"{p}.mlp.shared_experts" if i in self.spec.moe_layers else f"{p}.mlp"
+                moe = traits.moe
+                shared = f"{p}.mlp.{moe.shared_module}" if moe is not None else ""
+                mlp = shared if i in self.spec.moe_layers else f"{p}.mlp"
                 for prefix, group, names in ((f"{p}.self_attn", "qkv", QKV),
                                              (mlp, "gate_up", GATE_UP)):  # fmt: skip
                     weights = [f"{prefix}.{n}.weight" for n in names]
@@ -569,7 +573,7 @@ class ShardedModel(torch.nn.Module):
             q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap, sinks
         ).flatten(1)
         if gated:
-            out = out * torch.sigmoid(gate.reshape(len(out), -1))
+            out = out * torch.sigmoid(gate.reshape(out.shape))
         return self._row_linear(out, f"{p}.o_proj")
 
     def _delta_net(
@@ -583,11 +587,10 @@ class ShardedModel(torch.nn.Module):
         a = f"{layer_prefix(self.spec, i)}.linear_attn"
         h = copy_to_tp(h, self.groups.tp_group)
         heads = (net.n_key_heads // tp, net.n_value_heads // tp, net.key_dim, net.value_dim)
-        qkv = self.matmul(h, f"{a}.in_proj_qkv.weight")
+        qkv, z, b, a_in = self._delta_projections(h, a, heads)
         conv = self.param(f"{a}.conv1d.weight")
-        beta = self.matmul(h, f"{a}.in_proj_b.weight").sigmoid()
-        g = decays(self.matmul(h, f"{a}.in_proj_a.weight"), self.param(f"{a}.A_log"),
-                   self.param(f"{a}.dt_bias"))  # fmt: skip
+        beta = b.sigmoid()
+        g = decays(a_in, self.param(f"{a}.A_log"), self.param(f"{a}.dt_bias"))
         if where.decode:
             assert cache is not None
             n = len(qkv)
@@ -596,18 +599,44 @@ class ShardedModel(torch.nn.Module):
         else:
             assert where.from_start, "a DeltaNet layer runs each row from its first token"
             rows = by_rows(qkv, where)
-            q, k, v = split_heads(causal_conv(rows, conv), *heads)
-            out, state = gated_delta_rule(q, k, v, by_rows(g, where), by_rows(beta, where))
+            mixed = causal_conv(rows, conv)
+            lengths = torch.bincount(where.rows, minlength=where.n_rows)
+            kernel = fla_kernel() if h.is_cuda else None
+            if kernel is None:
+                q, k, v = split_heads(mixed, *heads)
+                out, state = gated_delta_rule(q, k, v, by_rows(g, where), by_rows(beta, where))
+                out = by_tokens(out, where)
+            else:  # flash-linear-attention's kernel, over the packed tokens
+                q, k, v = split_heads(by_tokens(mixed, where), *heads)
+                out, state = packed_rule(kernel, q, k, v, g, beta, lengths)
             if cache is not None:
-                lengths = torch.bincount(where.rows, minlength=where.n_rows)
                 held = slice(where.n_rows) if where.cache_rows is None else where.cache_rows
                 cache.state[i][held] = state
                 cache.conv[i][held] = history(rows, lengths, net.conv_kernel).to(cache.dtype)
-            out = by_tokens(out, where)
-        z = self.matmul(h, f"{a}.in_proj_z.weight").reshape(out.shape)
+        z = z.reshape(out.shape)
         weight = copy_to_tp(self.param(f"{a}.norm.weight"), self.groups.tp_group)
         out = gated_norm(out, z, weight, self.spec.norm_eps)
         return self._row_linear(out.flatten(1), f"{a}.out_proj")
+
+    def _delta_projections(
+        self, h: torch.Tensor, a: str, heads: tuple[int, int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q|k|v, z, b and a of this rank's DeltaNet heads (``heads``: key heads, value heads,
+        key dim, value dim), from their own weights or, fused by key head (Qwen3-Next), split
+        out of ``in_proj_qkvz`` and ``in_proj_ba``."""
+        assert self.spec.traits.delta_net is not None
+        if not self.spec.traits.delta_net.fused:
+            names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+            qkv, z, b, a_in = (self.matmul(h, f"{a}.{n}.weight") for n in names)
+            return qkv, z, b, a_in
+        n_keys, n_values, key_dim, value_dim = heads
+        served = n_values // n_keys  # value heads a key head serves
+        qkvz = self.matmul(h, f"{a}.in_proj_qkvz.weight").unflatten(-1, (n_keys, -1))
+        sizes = [key_dim, key_dim, served * value_dim, served * value_dim]
+        q, k, v, z = (t.flatten(-2) for t in qkvz.split(sizes, dim=-1))
+        ba = self.matmul(h, f"{a}.in_proj_ba.weight").unflatten(-1, (n_keys, -1))
+        b, a_in = (t.flatten(-2) for t in ba.split([served, served], dim=-1))
+        return torch.cat([q, k, v], dim=-1), z, b, a_in
 
     def _mlp(self, h: torch.Tensor, i: int, routes: Routes | None = None) -> torch.Tensor:
         """Layer ``i``'s feed-forward block: a gated MLP or a Mixture-of-Experts one."""
@@ -683,7 +712,11 @@ class ShardedModel(torch.nn.Module):
         if down_bias is not None:  # whole on every rank: after the sum over tp, weighted
             out = out + (weights.unsqueeze(-1) * down_bias[ids]).sum(dim=1).to(out.dtype)
         if spec.moe.shared_size:
-            out = out + self._gated_mlp(h, f"{m}.shared_experts")
+            shared = self._gated_mlp(h, f"{m}.{traits.shared_module}")
+            if traits.shared_gate:  # whole on every rank, as the shared output is after tp's sum
+                gate = self.param(f"{m}.shared_expert_gate.weight")
+                shared = torch.sigmoid(torch.nn.functional.linear(h, gate.to(h.dtype))) * shared
+            out = out + shared
         return out
 
     def take_expert_loads(self) -> float | None:

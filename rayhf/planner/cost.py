@@ -43,8 +43,13 @@ from typing import Literal
 from rayhf.engines.config import EngineConfig, default_engine
 from rayhf.models.sharding import param_shards, shard_numel
 from rayhf.models.spec import ModelSpec
-from rayhf.parallel.buckets import CHECK_EVERY, LOGIT_CHUNK, cache_capacity, mean_keys
-from rayhf.parallel.delta_net import CHUNK
+from rayhf.parallel.buckets import (
+    CHECK_EVERY,
+    DELTA_CHUNK,
+    LOGIT_CHUNK,
+    cache_capacity,
+    mean_keys,
+)
 from rayhf.parallel.layout import Layout
 from rayhf.planner.hardware import ClusterSpec
 
@@ -215,12 +220,12 @@ def mixing_flops(spec: ModelSpec, seq: float) -> float:
     """FLOPs per token of an average layer's token mixing at ``seq`` tokens, forward: causal
     attention's scores and weighted values (``2 * hidden * seq``); a DeltaNet layer's chunked
     rule instead, linear in length: within a chunk, scores and corrections over its
-    ``CHUNK`` tokens, and across chunks the state read and updated, per value head."""
+    ``DELTA_CHUNK`` tokens, and across chunks the state read and updated, per value head."""
     attention = attention_layers(spec) * 2 * spec.hidden_size * seq
     net = spec.delta_net
     if net is None:
         return attention / spec.n_layers
-    dk, dv, chunk = net.key_dim, net.value_dim, min(CHUNK, seq)
+    dk, dv, chunk = net.key_dim, net.value_dim, min(DELTA_CHUNK, seq)
     per_head = 2 * chunk * (2 * dk + dv) + 6 * dk * dv
     return (attention + len(spec.delta_layers) * net.n_value_heads * per_head) / spec.n_layers
 

@@ -82,3 +82,37 @@ def test_packed_rows_of_different_lengths_are_the_rows_one_by_one():
         torch.testing.assert_close(packed[part], o1[0], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(state[row], s1[0], atol=1e-6, rtol=1e-5)
         lo += length
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_linear_attention_s_kernel_over_packed_sequences_matches_the_torch_form():
+    """On a GPU with flash-linear-attention installed, prefills and training run its kernel over
+    the packed tokens (``packed_rule``): the outputs and final states equal the torch form's
+    over the same sequences scattered into rows."""
+    from rayhf.parallel.delta_net import fla_kernel, packed_rule
+
+    kernel = fla_kernel()
+    if kernel is None:
+        pytest.skip("flash-linear-attention is not installed")
+    lengths = [70, 5, 130, 64]
+    where = TokenLayout.packed(lengths).to(torch.device("cuda"))
+    q, k, v, g, beta = (t.cuda() for t in _inputs(len(lengths), max(lengths), heads=4, dk=64,
+                                                   dv=32))  # fmt: skip
+    for t in (g, beta):  # slots past a row's end change nothing
+        for r, n in enumerate(lengths):
+            t[r, n:] = 0.0
+    want, want_state = gated_delta_rule(q, k, v, g, beta)
+    packed = [by_tokens(t, where) for t in (q, k, v, g, beta)]
+    out, state = packed_rule(kernel, *packed, torch.tensor(lengths, device="cuda"))
+    torch.testing.assert_close(out, by_tokens(want, where), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(state, want_state, atol=2e-3, rtol=2e-3)
+
+
+def test_no_tokens_read_nothing_and_leave_the_state():
+    """A rank with no rows of its own still runs its layers beside its ep group's (an idle
+    pass): the rule over no tokens gives no outputs and leaves the state as it was."""
+    q, k, v, g, beta = _inputs(3, 0)
+    state = torch.randn(3, 2, 8, 4)
+    out, after = gated_delta_rule(q, k, v, g, beta, state)
+    assert out.shape == (3, 0, 2, 4) and torch.equal(after, state)
