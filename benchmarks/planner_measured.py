@@ -1,6 +1,6 @@
 """The planner's gain measured: the searched plan and every fair baseline run as real PPO runs
-on 4 emulated devices (sharing this machine's 2 cores), for two models, beside what the
-simulator predicted for each.
+on 4 emulated devices (sharing this machine's 2 cores), for three models (one a Qwen3.5-shaped
+hybrid), beside what the simulator predicted for each.
 
     python benchmarks/planner_measured.py [--steps 3] [--warmup 2] [--rounds 3]
 
@@ -33,9 +33,17 @@ from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
 
 DEVICES = 4
+# examples/grpo_hybrid_tiny.yaml's policy: three Gated DeltaNet layers, then one attention layer
+LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16}
+HYBRID = {
+    "family": "qwen3_5_text", "hidden_size": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+    "config": {**LINEAR, "linear_value_head_dim": 16,
+               "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+}  # fmt: skip
 MODELS = {
     "ppo_tiny (0.1M)": {},  # the example's own models
     "12.6M": {"family": "llama", "hidden_size": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4},
+    "qwen3.5-shaped (0.1M)": HYBRID,
 }
 
 

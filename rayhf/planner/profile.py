@@ -1,12 +1,13 @@
 """Profiled cost model: timings of rayhf's own engine on this machine, fitted into a call's cost
 under any layout. The planner only consumes the numbers; ``rayhf.runtime.profiling`` measures.
 
-    timings -- for the model at depth 1 and depth 2 layers, the engine's forward, train step
-        (forward, backward, AdamW) and generation (prefill + decode) over the grids below, in
-        one process with one emulated device's threads
+    timings -- for the model at depth 1 and depth 2 layers (a hybrid's: one and two periods of
+        its layer kinds), the engine's forward, train step (forward, backward, AdamW) and
+        generation (prefill + decode) over the grids below, in one process with one emulated
+        device's threads
     -> fit_profile: least-squares fit per op (``OpFit``: seconds = coefficients . features); the
-       depth-2 fit minus the depth-1 fit is one layer, the rest is the embedding, head and
-       per-call Python
+       deeper fit minus the shallower one is one layer (a hybrid's: the mean of its kinds),
+       the rest is the embedding, head and per-call Python
     -> cached as JSON per (model shape, threads, torch version)
 
 ``ProfiledCost`` composes those per-layer times under a layout the way rayhf executes it (the
@@ -44,8 +45,9 @@ GPU_GEN_GRID = [(8, 64, 32), (32, 64, 32), (64, 64, 32), (8, 64, 128), (32, 64, 
 Timing = tuple[int, tuple[int, ...], float]  # (model depth, grid point, seconds)
 # What the engine's timings mean: bumped when its execution changes (2: the static decode
 # step of rayhf.parallel.decode; 3: train steps score through the sliced LM head; 4: CPU decode
-# steps multiply packed weights from 2^16 elements), so profiles cached before are measured again.
-ENGINE_REVISION = 4
+# steps multiply packed weights from 2^16 elements; 5: a hybrid timed over whole periods of its
+# layer kinds), so profiles cached before are measured again.
+ENGINE_REVISION = 5
 
 
 @dataclasses.dataclass(frozen=True)

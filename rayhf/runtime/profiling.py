@@ -1,6 +1,7 @@
 """Measuring a model for the planner's profiled cost model (the execution side of profiling).
 
-model config -> at depth 1 and 2 layers, a one-rank engine (``standalone_engine``) times its
+model config -> at depth 1 and 2 layers (a hybrid's: one and two periods of its layer kinds), a
+one-rank engine (``standalone_engine``) times its
 forward, train step and generation over the planner's grids (fastest of ``REPEATS``)
 -> ``rayhf.planner.profile.fit_profile`` -> cached as JSON per (shape, threads, torch)
 """
@@ -64,7 +65,8 @@ def profile_model(
         torch.set_num_threads(threads)
     grid, gen_grid = (GPU_GRID, GPU_GEN_GRID) if cuda else (GRID, GEN_GRID)
     timings: dict[str, list[Timing]] = {op: [] for op in OPS}
-    for depth in (1, 2):
+    period = _period(config)
+    for depth in (period, 2 * period):
         engine = _engine(_with_depth(config, depth), value_head, device)
         for op in OPS:
             if op == "generate" and value_head:
@@ -112,13 +114,26 @@ def _profiles_on_gpu(configs: dict[str, tuple[Any, bool]]):
     return specs, profiles, torch.cuda.get_device_name(0)
 
 
+def _period(config: Any) -> int:
+    """How many layers a profile's depth step spans: 1, or for a hybrid (DeltaNet layers beside
+    attention, which cost differently) the period of its ``layer_types``, so that one "layer"
+    of the fit is the mean of its kinds in the proportion the model has them."""
+    types = getattr(config, "layer_types", None)
+    if FAMILIES[config.model_type].delta_net is None or not types:
+        return 1
+    n = len(types)
+    return next(p for p in range(1, n + 1) if all(types[i] == types[i % p] for i in range(n)))
+
+
 def _with_depth(config: Any, depth: int) -> Any:
     """``config`` with ``depth`` layers; a per-layer list (``layer_types``: Qwen2's, Gemma's)
-    keeps its first ``depth`` entries, as Hugging Face checks the two agree."""
+    gets ``depth`` entries, its pattern repeated, as Hugging Face checks the two agree."""
     fields = config.to_dict()
     fields[FAMILIES[config.model_type].config_names.n_layers] = depth
     if fields.get("layer_types") is not None:
-        fields["layer_types"] = fields["layer_types"][:depth]
+        period, types = _period(config), fields["layer_types"]
+        types = types[:period] if period > 1 else types
+        fields["layer_types"] = [types[i % len(types)] for i in range(depth)]
     return type(config).from_dict(fields)
 
 

@@ -26,7 +26,7 @@ from rayhf.planner.hardware import cpu_cluster
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.problem import Problem
 from rayhf.planner.profile import ProfiledCost
-from rayhf.runtime.profiling import _engine, _with_depth, profile_model, profiles_for
+from rayhf.runtime.profiling import _engine, _period, _with_depth, profile_model, profiles_for
 
 REPO = Path(__file__).resolve().parents[3]
 GRAPH = load_graph(REPO / "graphs" / "ppo.yaml")
@@ -76,6 +76,22 @@ def test_a_shape_is_profiled_at_one_and_two_layers_whatever_its_per_layer_lists(
         assert engine.model.spec == dataclasses.replace(
             whole, n_layers=depth, window_layers=windows
         )
+
+
+def test_a_hybrid_is_profiled_over_whole_periods_of_its_layer_kinds():
+    """A Qwen3.5 shape's DeltaNet layers cost unlike its attention layer: one fitted "layer" is
+    their mean over a period (three DeltaNet, one attention), not a DeltaNet layer alone."""
+    linear, full = "linear_attention", "full_attention"
+    init = ModelInit(family="qwen3_5_text", hidden_size=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                     config={"layer_types": [linear] * 3 + [full]})  # fmt: skip
+    config = hf_config(init, 26, 0, 1, 2)
+    assert _period(config) == 4
+    deeper = _with_depth(config, 8)
+    assert deeper.layer_types == ([linear] * 3 + [full]) * 2
+    spec = _engine(deeper, value_head=False).model.spec
+    assert spec.n_layers == 8 and spec.delta_layers == (0, 1, 2, 4, 5, 6)
+    assert _period(hf_config(ModelInit(family="gemma2", hidden_size=64, n_layers=4, n_heads=4,
+                                       n_kv_heads=2), 26, 0, 1, 2)) == 1  # fmt: skip
 
 
 def test_auto_plan_on_two_cpu_devices_is_valid_and_reproducible(tmp_path, monkeypatch):
