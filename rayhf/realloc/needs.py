@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -213,10 +214,11 @@ def _flat_slices(
     itemsize: int,
 ) -> list[Content]:
     """The ``wanted`` ranges of ``p``, each from the flat source rank(s) holding it, as
-    rectangles of the parameter seen as ``[rows, cols]`` (a 1-D one as one row)."""
-    assert len(p.shape) in (1, 2), f"{p.name}: reallocation handles 1-D and 2-D parameters"
+    rectangles of the parameter seen as ``[rows, cols]`` (a 1-D one as one row, one of more
+    dims, split along the first, as ``[shape[0], the rest]``: a DeltaNet layer's convolution)."""
     dim = split_dim(p)
-    rows, cols = (1, p.shape[0]) if len(p.shape) == 1 else p.shape
+    assert len(p.shape) <= 2 or dim == 0, f"{p.name}: a parameter of 3+ dims splits on dim 0"
+    rows, cols = (1, p.shape[0]) if len(p.shape) == 1 else (p.shape[0], math.prod(p.shape[1:]))
     part = -(-p.numel // dp)  # ceil: every rank's slice has this length (the last padded)
     out = []
     for a, b in wanted:

@@ -267,9 +267,13 @@ def tag(stream: int, message: int) -> int:
 
 
 def _region(shard: torch.Tensor, t: Transfer, offset: int, first: int = 0) -> torch.Tensor:
-    """``t``'s slice of ``shard``, its rows from ``offset`` (and its experts from ``first``)."""
+    """``t``'s slice of ``shard``, its rows from ``offset`` (and its experts from ``first``); a
+    dense shard of 3+ dims split along the first is seen as ``[rows, the rest]``, as a flat
+    source's rectangles see it."""
     if t.experts is not None:
         shard = shard.narrow(0, first, t.experts[2])
+    elif shard.dim() > 2 and t.dim == 0:
+        shard = shard.view(shard.shape[0], -1)
     piece = shard.narrow(t.dim, offset, t.stop - t.start)
     if t.cross is not None:
         piece = piece.narrow(1 - t.dim, t.cross[0], t.cross[1] - t.cross[0])

@@ -208,8 +208,11 @@ def _flat_slices(full: dict[str, torch.Tensor], dp: int) -> dict[int, dict[str, 
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("hidden", [32, 40])  # 40: slices end mid-row
+# hidden 40: slices end mid-row; qwen3_5_text: a DeltaNet layer's convolution weight is 3-D
+@pytest.mark.parametrize(
+    ("family", "hidden"),
+    [("llama", 32), ("llama", 40), ("gpt2", 32), ("gpt2", 40), ("qwen3_5_text", 40)],
+)
 def test_a_flat_zero3_source_rebuilds_every_destination_exactly(family, hidden):
     spec = _spec(family, hidden_size=hidden)
     full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
