@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +48,18 @@ def median_seconds(fns: Mapping[str, Callable[[], object]], reps: int) -> dict[s
             fn()
             times[k].append(time.perf_counter() - began)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def hf_decode(model: Any, prompts: list[list[int]], new: int) -> Callable[[], None]:
+    """Hugging Face ``generate`` on ``model``: greedy, exactly ``new`` tokens after each of the
+    equal-length ``prompts`` (the reference a benchmark's decode is timed against)."""
+    import torch  # only the scripts that time a model load torch
+
+    ids = torch.tensor(prompts, device=model.device)
+
+    def decode() -> None:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=new, min_new_tokens=new, pad_token_id=0)  # fmt: skip
+
+    return decode

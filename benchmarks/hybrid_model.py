@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import git_commit, median_seconds, write_results
+from _common import git_commit, hf_decode, median_seconds, write_results
 
 VOCAB, PROMPTS, NEW, ROWS = 4096, 4, 32, 2
 LENGTHS = (512, 2048, 8192)
@@ -131,17 +131,6 @@ def _hf_step(model: Any, ids: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _hf_decode(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
-    ids = torch.tensor(prompts, device=model.device)
-
-    def decode() -> None:
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)  # fmt: skip
-
-    return decode
-
-
 def _without_fla(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` with rayhf's DeltaNet layers in their torch form, flash-linear-attention or not."""
     import rayhf.parallel.model as sharded
@@ -187,7 +176,7 @@ def at_length(
         hf.forward, lambda **kw: kw["input_ids"].shape[1] == 1
     )
     ours = functools.partial(frozen.generate, prompts, greedy, 0)
-    runs: dict[str, Callable[[], object]] = {"rayhf": ours, "hf": _hf_decode(hf, prompts)}
+    runs: dict[str, Callable[[], object]] = {"rayhf": ours, "hf": hf_decode(hf, prompts, NEW)}
     if gpu:
         runs["rayhf_torch"] = _without_fla(ours)
     seen: dict[tuple[str, str], list[float]] = {

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import git_commit, median_seconds, write_results
+from _common import git_commit, hf_decode, median_seconds, write_results
 
 VOCAB, PROMPTS, PROMPT_LEN, NEW, ROWS, SEQ = 4096, 16, 16, 32, 8, 128
 LAYOUTS = ((2, 1), (2, 2), (4, 1), (4, 4))  # (dp, ep)
@@ -106,17 +106,6 @@ def _hf_step(model: Any, ids: torch.Tensor, autocast: bool = False) -> Callable[
     return step
 
 
-def _hf_decode(model: Any, prompts: list[list[int]]) -> Callable[[], None]:
-    ids = torch.tensor(prompts, device=model.device)
-
-    def decode() -> None:
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)  # fmt: skip
-
-    return decode
-
-
 def one_device(
     layers: int, reps: int, device: str = "cpu", shape: str = "small"
 ) -> dict[str, dict[str, float]]:
@@ -158,7 +147,7 @@ def one_device(
             "rayhf": lambda: frozen.generate(prompts, greedy, 0),
             "rayhf_compiled": lambda: compiled.generate(prompts, rules, 0),
         }
-        | {f"hf_{k}": _hf_decode(m, prompts) for k, m in hf.items()},
+        | {f"hf_{k}": hf_decode(m, prompts, NEW) for k, m in hf.items()},
         reps,
     )
     train_hf = {impl: _model(layers, impl, shape).to(device) for impl in ("grouped_mm", "eager")}

@@ -247,6 +247,20 @@ _GEMMA = FamilyTraits(
                             "query_pre_attn_scalar": 16}},
 )  # fmt: skip
 
+# the parity check's shape of a hybrid (DeltaNet layers beside attention), shared by its rows
+HYBRID_CHECK: dict[str, Any] = {
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "rope_parameters": {"partial_rotary_factor": 0.5},
+    "config": {
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 4,
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+    },
+}
+
 FAMILIES: dict[str, FamilyTraits] = {
     "llama": _LLAMA,
     "qwen2": FamilyTraits("Qwen2Config", qkv_bias=True, check_shape={"n_heads": 4}),
@@ -406,18 +420,7 @@ FAMILIES: dict[str, FamilyTraits] = {
         delta_net=DeltaNetTraits(),
         released_as="qwen3_5",
         check_randomized=("norm.weight", "dt_bias"),  # (1 + w) norms start at 0
-        check_shape={
-            "n_heads": 8,
-            "n_kv_heads": 4,
-            "rope_parameters": {"partial_rotary_factor": 0.5},
-            "config": {
-                "linear_num_key_heads": 4,
-                "linear_num_value_heads": 8,
-                "linear_key_head_dim": 8,
-                "linear_value_head_dim": 4,
-                "layer_types": ["linear_attention", "full_attention"] * 2,
-            },
-        },
+        check_shape=HYBRID_CHECK,
     ),
     # Qwen3.5's layers with DeltaNet projections fused by key head, and Mixture-of-Experts
     # feed-forward layers whose shared expert is gated by the token
@@ -438,16 +441,10 @@ FAMILIES: dict[str, FamilyTraits] = {
         ),
         check_randomized=("norm.weight", "dt_bias"),
         check_shape={
-            "n_heads": 8,
-            "n_kv_heads": 4,
+            **HYBRID_CHECK,
             "intermediate_size": 48,
-            "rope_parameters": {"partial_rotary_factor": 0.5},
             "config": {
-                "linear_num_key_heads": 4,
-                "linear_num_value_heads": 8,
-                "linear_key_head_dim": 8,
-                "linear_value_head_dim": 4,
-                "layer_types": ["linear_attention", "full_attention"] * 2,
+                **HYBRID_CHECK["config"],
                 "num_experts": 8,
                 "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32,
