@@ -128,7 +128,11 @@ def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> lis
             sizes = [*base, rest[(i + j) % len(rest)]]
             if c in moe:
                 m = moe.index(c) + j
-                sizes += [EXPERT_LAYOUTS[(m + k) % len(EXPERT_LAYOUTS)] for k in range(2)]
+                turn = [
+                    EXPERT_LAYOUTS[(m + k) % len(EXPERT_LAYOUTS)]
+                    for k in range(len(EXPERT_LAYOUTS))
+                ]
+                sizes += [x for x in turn if x not in sizes and x in every][:2]  # two new ones
             out += [(p, c, s) for s in dict.fromkeys(sizes) if s in every]
     return out
 
