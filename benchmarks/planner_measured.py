@@ -20,7 +20,8 @@ import statistics
 import tempfile
 from typing import Any, NamedTuple
 
-from _common import git_commit, write_results
+import yaml
+from _common import REPO, git_commit, write_results
 from planner_calibration import as_config, base_config, measure_rounds, planner, same_as
 
 from rayhf.planner import baselines
@@ -33,17 +34,12 @@ from rayhf.planner.search import search
 from rayhf.planner.simulate import simulate
 
 DEVICES = 4
-# examples/grpo_hybrid_tiny.yaml's policy: three Gated DeltaNet layers, then one attention layer
-LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16}
-HYBRID = {
-    "family": "qwen3_5_text", "hidden_size": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
-    "config": {**LINEAR, "linear_value_head_dim": 16,
-               "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
-}  # fmt: skip
+# its policy: three Gated DeltaNet layers, then one attention layer
+HYBRID_EXAMPLE = yaml.safe_load((REPO / "examples" / "grpo_hybrid_tiny.yaml").read_text())
 MODELS = {
     "ppo_tiny (0.1M)": {},  # the example's own models
     "12.6M": {"family": "llama", "hidden_size": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4},
-    "qwen3.5-shaped (0.1M)": HYBRID,
+    "qwen3.5-shaped (0.1M)": HYBRID_EXAMPLE["models"]["actor"]["init"],
 }
 
 
