@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -138,9 +139,15 @@ def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> lis
 
 
 def _model(case: str, value_head: bool, device: str = "cpu"):
-    """The tiny model of case ``case`` of ``CASES``."""
+    """The tiny model of case ``case`` of ``CASES``: a fresh copy (a copy costs a third of a
+    build)."""
+    return copy.deepcopy(_pristine(case, value_head)).to(device)
+
+
+@functools.cache
+def _pristine(case: str, value_head: bool):
     c = CASES[case]
-    return tiny_model(c.family, dict(c.shape), value_head, seed=7).to(device)
+    return tiny_model(c.family, dict(c.shape), value_head, seed=7)
 
 
 @functools.cache
@@ -161,6 +168,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]  # a greedy generate's, one per row
 SCORE_SLICE = 3  # tokens per slice of the scoring head here: every row spans several
 
 
@@ -223,21 +231,21 @@ def _share_off(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: floa
     return off / sum(v.numel() for v in b.values())
 
 
-def _value_error(
-    case: str, groups, ids: torch.Tensor, mask: torch.Tensor, precision: str, device: str
-) -> float:
+def _value_error(case: str, groups, rows: Rows, precision: str, device: str) -> float:
     """A frozen critic's per-token values against the Hugging Face model's, on this rank's
-    rows, both in ``precision``."""
+    ``rows``, both in ``precision``."""
     from rayhf.engines.build import standalone_engine
     from rayhf.models.hf import per_token_values
 
-    critic_ref = _shared(case, True, precision, device)
+    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
     critic = standalone_engine(
         _shared(case, True), Tok(), True, None, groups, device=device, precision=precision
     )
     keep = mask.bool()
     with torch.no_grad():
-        want = per_token_values(critic_ref, ids, mask).float()
+        want = _once((case, precision, device, rows, "values"), lambda: per_token_values(
+            _shared(case, True, precision, device), ids, mask
+        ).float())  # fmt: skip
         return _rel(critic.forward(ids, mask)[keep], want[keep])
 
 
@@ -246,6 +254,69 @@ def _autocast(precision: str, device: str):
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=DTYPES[precision])
+
+
+# Hugging Face's side of a check does not depend on the layout: each process works it out once
+# per case, precision and rows, and every layout it runs is held to it.
+Rows = tuple[int, int]  # a replica's rows of ``_batch``: [start, stop)
+_RESULTS: dict[tuple[Any, ...], Any] = {}
+
+
+def _once(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, kept for the next check that asks by the same ``key``: what it computes of a
+    case, precision, device, rows (``CASES`` names a case's model for the worker's whole run)."""
+    if key not in _RESULTS:
+        _RESULTS[key] = make()
+    return _RESULTS[key]
+
+
+def _reference_logits(case: str, precision: str, device: str, rows: Rows) -> torch.Tensor:
+    """Hugging Face's logits of ``rows`` (fp32) from its model in ``precision``."""
+    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
+    model = _shared(case, False, precision, device)
+    with torch.no_grad():
+        return _once((case, precision, device, rows, "logits"), lambda: model(
+            input_ids=ids, attention_mask=mask
+        ).logits.float())  # fmt: skip
+
+
+def _reference_tokens(case: str, precision: str, device: str, rows: Rows) -> list[list[int]]:
+    """Hugging Face's greedy tokens for the ``PROMPTS`` of ``rows``, its model in ``precision``."""
+    from rayhf.sampling import generate
+
+    model, prompts = _shared(case, False, precision, device), PROMPTS[slice(*rows)]
+    return _once((case, precision, device, rows, "tokens"), lambda: generate(
+        model, prompts, _greedy(), EOS, PAD
+    ).tokens)  # fmt: skip
+
+
+def _reference_step(case: str, precision: str, device: str, rows: Rows):
+    """Hugging Face's model after one AdamW step on ``rows`` (its forward under ``precision``'s
+    autocast), its gradients kept. Read it, never train it."""
+    return _once(
+        (case, precision, device, rows, "step"), lambda: _step(case, precision, device, rows)
+    )
+
+
+def _greedy(routes: bool = False):
+    """Six greedy tokens (recording each one's experts with ``routes``)."""
+    from rayhf.sampling import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=6, greedy=True, expert_routes=routes)
+
+
+def _step(case: str, precision: str, device: str, rows: Rows):
+    from rayhf.engines.torch_trainer import OptimizerConfig
+
+    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
+    opt, ref = OptimizerConfig(), _model(case, False, device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
+    with _autocast(precision, device):
+        logits = ref(input_ids=ids, attention_mask=mask).logits.float()
+    _loss(logits, ids, mask).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
+    ref_opt.step()
+    return ref
 
 
 def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
@@ -271,24 +342,22 @@ def _check(
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
     from rayhf.parallel.groups import build_groups
-    from rayhf.sampling import GenerationConfig
-    from rayhf.sampling import generate as hf_generate
 
     ep = expert_split(case, dp, precision)
     groups = build_groups(dp, tp, pp, rank, ep=ep)
     if groups.coords.dp_rank < 0:
         return None
     ids, mask = (t.to(device) for t in _batch())
-    rows = slice(groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
+    bounds = (groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
+    rows = slice(*bounds)
     my_ids, my_mask, keep = ids[rows], mask[rows], mask[rows].bool()
     opt = OptimizerConfig()  # lr 1e-4, AdamW, clip at norm 1
-    frozen_ref = _shared(case, False, precision, device)
     frozen = engine_of(
         _shared(case, False), Tok(), False, None, groups, device=device, precision=precision
     )
     targets = _targets(my_ids, my_mask)
+    want = _reference_logits(case, precision, device, bounds)
     with torch.no_grad():
-        want = frozen_ref(input_ids=my_ids, attention_mask=my_mask).logits.float()
         logit_err = _rel(frozen.forward(my_ids, my_mask)[keep], want[keep])
         scored = targets >= 0
         score_err = _rel(
@@ -296,22 +365,20 @@ def _check(
             scores_from_logits(want, targets)[scored],
         )
     value_err = (  # a family with no sequence-classification class has no critic
-        _value_error(case, groups, my_ids, my_mask, precision, device)
+        _value_error(case, groups, bounds, precision, device)
         if FAMILIES[CASES[case].family].value_head_class
         else None
     )
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]][rows]
-    greedy = GenerationConfig(max_new_tokens=6, greedy=True)
+    prompts = PROMPTS[rows]
     # with experts split over the replicas they decode in step; the last has no prompts of its
     # own and serves the others' exchanges (pp = 1 only: the decode engine refuses more)
     decodes = ep == 1 or pp == 1
     mine = [] if ep > 1 and groups.coords.dp_rank == dp - 1 else prompts
     same_tokens = None
     if decodes:
-        got = frozen.generate(mine, greedy, 0).tokens
+        got = frozen.generate(mine, _greedy(), 0).tokens
         if mine:
-            same_tokens = _same_share(got, hf_generate(frozen_ref, mine, greedy, EOS, PAD).tokens)
-    ref = _model(case, False, device)
+            same_tokens = _same_share(got, _reference_tokens(case, precision, device, bounds))
     engine = engine_of(
         _model(case, False), Tok(), False, opt, groups, device=device, precision=precision
     )
@@ -319,12 +386,7 @@ def _check(
     assert model is not None
     # One optimizer step: the engine on its rows; the reference on all rows (dp averages).
     _train_step(engine, my_ids, my_mask)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    with _autocast(precision, device):
-        ref_logits = ref(input_ids=ids, attention_mask=mask).logits.float()
-    _loss(ref_logits, ids, mask).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
-    ref_opt.step()
+    ref = _reference_step(case, precision, device, (0, len(ids)))
     grad_err = _grad_error(engine, dict(ref.named_parameters()))
     full = engine.full_state()
     step_err = _max_diff(full, ref.state_dict())
@@ -341,10 +403,9 @@ def _check(
         zero1_err = _max_diff(zero.full_state(), ref.state_dict())
     replay: tuple[float | None, float | None, float | None] = (None, None, None)
     if FAMILIES[CASES[case].family].moe is not None:
-        generated = prompts if decodes else None
-        replay = _replayed(case, frozen, my_ids, my_mask, generated, precision, device)
+        replay = _replayed(case, frozen, bounds, decodes, precision, device)
     fp32_split = ep > 1 and precision == "fp32"
-    turns = _uneven_turns(case, groups, ids, mask, device) if fp32_split else (None, None)
+    turns = _uneven_turns(case, groups, device) if fp32_split else (None, None)
     before = _shared(case, False, "fp32", device).state_dict()
     moved = _max_diff(full, before)
     return {
@@ -376,21 +437,36 @@ def _check(
 
 
 def _replayed(
-    case: str,
-    frozen,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    prompts: list[list[int]] | None,
-    precision: str,
-    device: str,
+    case: str, frozen, rows: Rows, generate: bool, precision: str, device: str
 ) -> tuple[float, float, float | None]:
-    """Routing replay under this layout, against one process of the same precision: the
-    scores' error with every other token sent to k random experts, what that changed, and
-    (given ``prompts``) the share of a greedy generate's recorded experts that are one
+    """Routing replay under this layout on ``rows``, against one process of the same precision:
+    the scores' error with every other token sent to k random experts, what that changed, and
+    (with ``generate``) the share of a greedy generate's recorded experts that are one
     process's."""
-    from rayhf.engines.build import standalone_engine as engine_of
-    from rayhf.sampling import GenerationConfig
+    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
+    given, want, own, theirs = _once(
+        (case, precision, device, rows, generate, "replay"),
+        lambda: _one_process_replay(case, rows, generate, precision, device),
+    )
+    targets = _targets(ids, mask)
+    with torch.no_grad():
+        got = frozen.score(ids, mask, targets, 1.0, given, True)[targets >= 0]
+    routes = None
+    if generate:
+        mine = torch.cat(frozen.generate(PROMPTS[slice(*rows)], _greedy(True), 0).routes)
+        routes = float((mine == theirs).float().mean()) if mine.shape == theirs.shape else 0.0
+    return _rel(got, want), _rel(want, own), routes
 
+
+def _one_process_replay(
+    case: str, rows: Rows, generate: bool, precision: str, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``_replayed``'s one process: the experts given (every other token keeps its router's),
+    its scores with them and with its router's own, and (with ``generate``) the experts a
+    greedy generate of the rows' prompts records."""
+    from rayhf.engines.build import standalone_engine as engine_of
+
+    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
     one = engine_of(_shared(case, False), Tok(), False, None, device=device, precision=precision)
     assert one.model is not None and one.model.spec.moe is not None
     spec, moe = one.model.spec, one.model.spec.moe
@@ -398,24 +474,19 @@ def _replayed(
     draw = torch.rand(*ids.shape, len(spec.moe_layers), moe.n_experts, generator=gen)
     given = draw.argsort(dim=-1)[..., : moe.top_k].to(torch.int16)
     given[:, ::2] = -1  # these keep their router's
+    given = given.to(device)
     targets = _targets(ids, mask)
     scored = targets >= 0
     with torch.no_grad():
-        got = frozen.score(ids, mask, targets, 1.0, given.to(device), True)[scored]
-        want = one.score(ids, mask, targets, 1.0, given.to(device), True)[scored]
+        want = one.score(ids, mask, targets, 1.0, given, True)[scored]
         own = one.score(ids, mask, targets)[scored]
-    routes = None
-    if prompts:
-        greedy = GenerationConfig(max_new_tokens=6, greedy=True, expert_routes=True)
-        mine = torch.cat(frozen.generate(prompts, greedy, 0).routes)
-        theirs = torch.cat(one.generate(prompts, greedy, 0).routes)
-        routes = float((mine == theirs).float().mean()) if mine.shape == theirs.shape else 0.0
-    return _rel(got, want), _rel(want, own), routes
+    theirs = None
+    if generate:
+        theirs = torch.cat(one.generate(PROMPTS[slice(*rows)], _greedy(True), 0).routes)
+    return given, want, own, theirs
 
 
-def _uneven_turns(
-    case: str, groups, ids: torch.Tensor, mask: torch.Tensor, device: str
-) -> tuple[float, float]:
+def _uneven_turns(case: str, groups, device: str) -> tuple[float, float]:
     """With the experts split over ep ranks, ranks that run their model unequally often (fp32):
     rank ``i`` of the ep group runs ``i + 1`` forwards of its rows, then serves the others'
     (``RankModel.ep_drain``); then the last replica trains on an empty minibatch beside the
@@ -425,34 +496,26 @@ def _uneven_turns(
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
 
-    dp, r = groups.dp, groups.coords.dp_rank
-    mine = slice(r * len(ids) // dp, (r + 1) * len(ids) // dp)
+    all_ids, _ = _batch()
+    dp, r, n = groups.dp, groups.coords.dp_rank, len(all_ids)
+    bounds = (r * n // dp, (r + 1) * n // dp)
+    ids, mask = (t[slice(*bounds)].to(device) for t in _batch())
     frozen = engine_of(_shared(case, False), Tok(), False, None, groups, device=device)
-    keep = mask[mine].bool()
+    keep = mask.bool()
     worst = 0.0
+    want = _reference_logits(case, "fp32", device, bounds)
     with torch.no_grad():
-        want = _shared(case, False, "fp32", device)(ids[mine], attention_mask=mask[mine]).logits
         for _ in range(groups.ep_rank + 1):
-            worst = max(worst, _rel(frozen.forward(ids[mine], mask[mine])[keep], want[keep]))
+            worst = max(worst, _rel(frozen.forward(ids, mask)[keep], want[keep]))
     assert frozen.model is not None
     frozen.model.ep_drain()
-    opt = OptimizerConfig()
-    engine = engine_of(_model(case, False), Tok(), False, opt, groups, device=device)
+    engine = engine_of(_model(case, False), Tok(), False, OptimizerConfig(), groups, device=device)
     idle = r == dp - 1
-    batch = PackedBatch([] if idle else list(range(mine.stop - mine.start)))
-    targets = _targets(ids[mine], mask[mine])
-    engine.train(
-        [batch],
-        lambda _: (_score_loss(engine.score(ids[mine], mask[mine], targets), mask[mine]), {}),
-    )
-    trained = slice(0, (dp - 1) * len(ids) // dp)  # every replica's rows but the last's
-    ref = _model(case, False, device)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
-    _loss(
-        ref(ids[trained], attention_mask=mask[trained]).logits, ids[trained], mask[trained]
-    ).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
-    ref_opt.step()
+    batch = PackedBatch([] if idle else list(range(len(ids))))
+    targets = _targets(ids, mask)
+    engine.train([batch], lambda _: (_score_loss(engine.score(ids, mask, targets), mask), {}))
+    # the reference trains on every replica's rows but the last's
+    ref = _reference_step(case, "fp32", device, (0, (dp - 1) * n // dp))
     return worst, _max_diff(engine.full_state(), ref.state_dict())
 
 
