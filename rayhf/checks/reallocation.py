@@ -27,6 +27,7 @@ between ranks on one GPU would need NCCL, which refuses them).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -128,7 +129,10 @@ def sample_pairs(spec, n: int, seed: int) -> list[tuple[Layout, Layout, bool]]:
     return pairs
 
 
+@functools.cache
 def _model(family: str):
+    """The tiny model of ``family``, built once per process: only read (a source's shards, the
+    reference logits)."""
     from rayhf.models.families import family_traits
 
     return tiny_model(family, dict(family_traits(family).check_shape))
@@ -165,8 +169,7 @@ def _one_pair(
     spec = model_spec(whole.config, value_head=False)
     full = {k: v.detach() for k, v in whole.state_dict().items()}
     plan = plan_realloc(spec, src, dst, src_flat=flat)
-    ids = torch.randint(3, 37, (2, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
+    ids, mask = _ids()
     mine: dict[str, Any] = {}
     through_shm, through_ipc = group.shm_messages, group.ipc_messages
     if rank < src.world_size:
@@ -197,8 +200,7 @@ def _one_pair(
     dist.all_gather_object(results, mine)
     if rank != DST0:
         return None
-    with torch.no_grad():
-        want = RankModel.from_hf(whole, Tok(), False).forward(ids, mask)
+    want = _reference_logits(family)
     ranks = results[DST0 : DST0 + dst.world_size]
     heads = [x["logits"] for x in ranks if x["logits"] is not None]
     return {
@@ -222,6 +224,22 @@ def _one_pair(
         "shm_messages": sum(x["shm_messages"] for x in results),
         "ipc_messages": sum(x["ipc_messages"] for x in results),
     }
+
+
+def _ids() -> tuple[torch.Tensor, torch.Tensor]:
+    """The two rows every pair's destination replicas score, and their mask."""
+    ids = torch.randint(3, 37, (2, 9), generator=torch.Generator().manual_seed(1))
+    return ids, torch.ones_like(ids)
+
+
+@functools.cache
+def _reference_logits(family: str) -> torch.Tensor:
+    """One process's logits of ``_ids`` from ``family``'s model: what every pair's destination
+    replicas are held to."""
+    from rayhf.engines.rank_model import RankModel
+
+    with torch.no_grad():
+        return RankModel.from_hf(_model(family), Tok(), False).forward(*_ids())
 
 
 def _shards_exact(model, spec, full: dict[str, torch.Tensor], dst: Layout, r: int) -> bool:
