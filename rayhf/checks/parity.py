@@ -46,7 +46,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -235,17 +235,14 @@ def _value_error(case: str, groups, rows: Rows, precision: str, device: str) -> 
     """A frozen critic's per-token values against the Hugging Face model's, on this rank's
     ``rows``, both in ``precision``."""
     from rayhf.engines.build import standalone_engine
-    from rayhf.models.hf import per_token_values
 
-    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
+    ids, mask = _rows(rows, device)
     critic = standalone_engine(
         _shared(case, True), Tok(), True, None, groups, device=device, precision=precision
     )
     keep = mask.bool()
+    want = _reference_values(case, precision, device, rows)
     with torch.no_grad():
-        want = _once((case, precision, device, rows, "values"), lambda: per_token_values(
-            _shared(case, True, precision, device), ids, mask
-        ).float())  # fmt: skip
         return _rel(critic.forward(ids, mask)[keep], want[keep])
 
 
@@ -257,58 +254,50 @@ def _autocast(precision: str, device: str):
 
 
 # Hugging Face's side of a check does not depend on the layout: each process works it out once
-# per case, precision and rows, and every layout it runs is held to it.
+# per case, precision and rows (cached as ``_shared`` is), and every layout it runs is held to it.
 Rows = tuple[int, int]  # a replica's rows of ``_batch``: [start, stop)
-_RESULTS: dict[tuple[Any, ...], Any] = {}
 
 
-def _once(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-    """``make()``, kept for the next check that asks by the same ``key``: what it computes of a
-    case, precision, device, rows (``CASES`` names a case's model for the worker's whole run)."""
-    if key not in _RESULTS:
-        _RESULTS[key] = make()
-    return _RESULTS[key]
+def _rows(rows: Rows, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of ``_batch``, ids and mask, on ``device``."""
+    ids, mask = _batch()
+    return ids[slice(*rows)].to(device), mask[slice(*rows)].to(device)
 
 
+@functools.cache
 def _reference_logits(case: str, precision: str, device: str, rows: Rows) -> torch.Tensor:
     """Hugging Face's logits of ``rows`` (fp32) from its model in ``precision``."""
-    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
-    model = _shared(case, False, precision, device)
+    ids, mask = _rows(rows, device)
     with torch.no_grad():
-        return _once((case, precision, device, rows, "logits"), lambda: model(
-            input_ids=ids, attention_mask=mask
-        ).logits.float())  # fmt: skip
+        return _shared(case, False, precision, device)(ids, attention_mask=mask).logits.float()
 
 
+@functools.cache
+def _reference_values(case: str, precision: str, device: str, rows: Rows) -> torch.Tensor:
+    """Hugging Face's critic's per-token values of ``rows`` (fp32), in ``precision``."""
+    from rayhf.models.hf import per_token_values
+
+    ids, mask = _rows(rows, device)
+    with torch.no_grad():
+        return per_token_values(_shared(case, True, precision, device), ids, mask).float()
+
+
+@functools.cache
 def _reference_tokens(case: str, precision: str, device: str, rows: Rows) -> list[list[int]]:
     """Hugging Face's greedy tokens for the ``PROMPTS`` of ``rows``, its model in ``precision``."""
     from rayhf.sampling import generate
 
-    model, prompts = _shared(case, False, precision, device), PROMPTS[slice(*rows)]
-    return _once((case, precision, device, rows, "tokens"), lambda: generate(
-        model, prompts, _greedy(), EOS, PAD
-    ).tokens)  # fmt: skip
+    model = _shared(case, False, precision, device)
+    return generate(model, PROMPTS[slice(*rows)], _greedy(), EOS, PAD).tokens
 
 
+@functools.cache
 def _reference_step(case: str, precision: str, device: str, rows: Rows):
     """Hugging Face's model after one AdamW step on ``rows`` (its forward under ``precision``'s
     autocast), its gradients kept. Read it, never train it."""
-    return _once(
-        (case, precision, device, rows, "step"), lambda: _step(case, precision, device, rows)
-    )
-
-
-def _greedy(routes: bool = False):
-    """Six greedy tokens (recording each one's experts with ``routes``)."""
-    from rayhf.sampling import GenerationConfig
-
-    return GenerationConfig(max_new_tokens=6, greedy=True, expert_routes=routes)
-
-
-def _step(case: str, precision: str, device: str, rows: Rows):
     from rayhf.engines.torch_trainer import OptimizerConfig
 
-    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
+    ids, mask = _rows(rows, device)
     opt, ref = OptimizerConfig(), _model(case, False, device)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps)
     with _autocast(precision, device):
@@ -317,6 +306,13 @@ def _step(case: str, precision: str, device: str, rows: Rows):
     torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip)
     ref_opt.step()
     return ref
+
+
+def _greedy(routes: bool = False):
+    """Six greedy tokens (recording each one's experts with ``routes``)."""
+    from rayhf.sampling import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=6, greedy=True, expert_routes=routes)
 
 
 def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
@@ -443,21 +439,20 @@ def _replayed(
     the scores' error with every other token sent to k random experts, what that changed, and
     (with ``generate``) the share of a greedy generate's recorded experts that are one
     process's."""
-    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
-    given, want, own, theirs = _once(
-        (case, precision, device, rows, generate, "replay"),
-        lambda: _one_process_replay(case, rows, generate, precision, device),
-    )
+    ids, mask = _rows(rows, device)
+    given, want, own, theirs = _one_process_replay(case, rows, generate, precision, device)
     targets = _targets(ids, mask)
     with torch.no_grad():
         got = frozen.score(ids, mask, targets, 1.0, given, True)[targets >= 0]
     routes = None
     if generate:
+        assert theirs is not None
         mine = torch.cat(frozen.generate(PROMPTS[slice(*rows)], _greedy(True), 0).routes)
         routes = float((mine == theirs).float().mean()) if mine.shape == theirs.shape else 0.0
     return _rel(got, want), _rel(want, own), routes
 
 
+@functools.cache
 def _one_process_replay(
     case: str, rows: Rows, generate: bool, precision: str, device: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -466,7 +461,7 @@ def _one_process_replay(
     greedy generate of the rows' prompts records."""
     from rayhf.engines.build import standalone_engine as engine_of
 
-    ids, mask = (t[slice(*rows)].to(device) for t in _batch())
+    ids, mask = _rows(rows, device)
     one = engine_of(_shared(case, False), Tok(), False, None, device=device, precision=precision)
     assert one.model is not None and one.model.spec.moe is not None
     spec, moe = one.model.spec, one.model.spec.moe
@@ -496,10 +491,9 @@ def _uneven_turns(case: str, groups, device: str) -> tuple[float, float]:
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
 
-    all_ids, _ = _batch()
-    dp, r, n = groups.dp, groups.coords.dp_rank, len(all_ids)
+    dp, r, n = groups.dp, groups.coords.dp_rank, len(_batch()[0])
     bounds = (r * n // dp, (r + 1) * n // dp)
-    ids, mask = (t[slice(*bounds)].to(device) for t in _batch())
+    ids, mask = _rows(bounds, device)
     frozen = engine_of(_shared(case, False), Tok(), False, None, groups, device=device)
     keep = mask.bool()
     worst = 0.0
