@@ -23,7 +23,9 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -237,6 +239,62 @@ def param_shards(spec: ModelSpec) -> list[ParamShard]:
         out.append(ParamShard("score.weight", (1, h), None, last))
     elif not spec.tied:
         out.append(ParamShard("lm_head.weight", (v, h), 0, last))
+    return out if spec.lora is None else _with_adapters(spec, out)
+
+
+Split = Literal["column", "row", "whole"]  # how tp splits an adapted weight's [out, in] view
+
+
+@dataclass(frozen=True)
+class AdapterPair:
+    """The LoRA adapters of one weight (``rayhf.models.lora``): ``a`` and ``b`` as shards, and
+    how tp splits the weight."""
+
+    weight: str
+    a: ParamShard
+    b: ParamShard
+    split: Split
+
+
+def adapter_pairs(spec: ModelSpec, weights: Iterable[ParamShard]) -> list[AdapterPair]:
+    """The pairs of those of ``weights`` that ``spec.lora`` adapts: 2-D weights of the decoder
+    layers, never routed experts. A column-parallel weight's B splits its rows as the weight
+    does (blocks too), a row-parallel one's A its columns; a weight held whole keeps both whole."""
+    lora, pairs = spec.lora, []
+    assert lora is not None
+    kept_in_out = spec.traits.block == "conv1d"  # GPT-2's Conv1D weights are [in, out]
+    for p in weights:
+        module = p.name.removesuffix(".weight")
+        inside = 1 <= p.unit <= spec.n_layers and module != p.name and len(p.shape) == 2
+        if not inside or p.expert or ".lora_" in module or not lora.adapts(module):
+            continue
+        out_dim = 1 if kept_in_out else 0
+        n_out, n_in = p.shape[out_dim], p.shape[1 - out_dim]
+        split: Split = "whole" if p.tp_dim is None else "column" if p.tp_dim == out_dim else "row"
+        row, column = split == "row", split == "column"
+        a = ParamShard(
+            f"{module}.lora_A.weight", (lora.rank, n_in), 1 if row else None, p.unit,
+            p.blocks if row else (),
+        )  # fmt: skip
+        b = ParamShard(
+            f"{module}.lora_B.weight", (n_out, lora.rank), 0 if column else None, p.unit,
+            p.blocks if column else (),
+        )  # fmt: skip
+        pairs.append(AdapterPair(p.name, a, b, split))
+    return pairs
+
+
+def _with_adapters(spec: ModelSpec, shards: list[ParamShard]) -> list[ParamShard]:
+    """``shards`` frozen (but the modules ``spec.lora.trains``), each adapted weight followed
+    by its adapters."""
+    assert spec.lora is not None
+    lora = spec.lora
+    pairs = {pair.weight: pair for pair in adapter_pairs(spec, shards)}
+    out = []
+    for p in shards:
+        out.append(p if lora.trains_whole(p.name) else replace(p, trained=False))
+        if p.name in pairs:
+            out += [pairs[p.name].a, pairs[p.name].b]
     return out
 
 

@@ -52,6 +52,36 @@ class DeltaNetSpec:
 
 
 @dataclass(frozen=True)
+class Lora:
+    """LoRA adapters (``rayhf.models.lora``) of rank ``rank`` on the linear layers of the decoder
+    layers whose module names are ``targets`` or end with ``.{target}`` (PEFT's
+    ``target_modules`` as a list); every other weight frozen but the modules named by
+    ``trains`` (PEFT's ``modules_to_save``: a critic's value head)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    rslora: bool = False
+    trains: tuple[str, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        """What an adapter's term is scaled by: ``alpha / rank`` (rsLoRA: ``/ sqrt(rank)``)."""
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
+
+    def adapts(self, module: str) -> bool:
+        return _named(module, self.targets)
+
+    def trains_whole(self, weight: str) -> bool:
+        """Whether parameter ``weight`` trains in full (its module is one of ``trains``)."""
+        return _named(weight.rsplit(".", 1)[0], self.trains)
+
+
+def _named(module: str, names: tuple[str, ...]) -> bool:
+    return any(module == t or module.endswith(f".{t}") for t in names)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Sizes and family traits of one causal LM (+ scalar head when ``value_head``)."""
 
@@ -103,6 +133,7 @@ class ModelSpec:
     # Gated DeltaNet layers (None: none) and which layers they are
     delta_net: DeltaNetSpec | None = None
     delta_layers: tuple[int, ...] = ()
+    lora: Lora | None = None  # adapters beside the weights, which alone train (None: none)
 
     @property
     def prefix(self) -> str:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rayhf.errors import RayhfError
+from rayhf.models.lora import initial
 from rayhf.models.precision import Numerics
 from rayhf.models.sharding import (
     ParamShard,
@@ -60,6 +61,7 @@ from rayhf.parallel.delta_net import (
     split_heads,
 )
 from rayhf.parallel.groups import ParallelGroups
+from rayhf.parallel.lora import adapters_of, reduced_term, unreduced_term
 from rayhf.parallel.moe import (
     Routes,
     clamped_swiglu,
@@ -112,7 +114,8 @@ class ShardedModel(torch.nn.Module):
         numerics: Numerics | None = None,
     ):
         """Keep this rank's shards of the full Hugging Face state dict ``full`` (None: zeros),
-        stored and computed as ``numerics`` says (default: fp32)."""
+        stored and computed as ``numerics`` says (default: fp32); LoRA adapters that ``full``
+        lacks start as PEFT's do (``spec.lora``: ``rayhf.parallel.lora``)."""
         super().__init__()
         self.spec, self.groups = spec, groups
         self.numerics = numerics or Numerics()
@@ -134,7 +137,8 @@ class ShardedModel(torch.nn.Module):
             if full is None:  # the weights arrive later (reallocation)
                 local = torch.zeros(shard_shape(p, tp, c.tp_rank, ep, ep_rank), dtype=dtype)
             else:
-                local = take_shard(full[name].to(dtype), p, tp, c.tp_rank, ep, ep_rank)
+                whole = full[name] if name in full or ".lora_" not in name else initial(p)
+                local = take_shard(whole.to(dtype), p, tp, c.tp_rank, ep, ep_rank)
             self.register_parameter(_key(name), torch.nn.Parameter(local, p.trained))
         self.shard_shapes = {name: tuple(self.param(name).shape) for name in self.shards}
         self.n_heads = spec.n_heads // tp
@@ -170,6 +174,8 @@ class ShardedModel(torch.nn.Module):
         # GPT-2's blocks keep their matmul weights [in, out] (Conv1D); None: every one [out, in]
         conv1d = spec.traits.block == "conv1d"
         self.conv1d_prefix = f"{spec.prefix}.{spec.traits.layers}." if conv1d else None
+        # LoRA: each adapted weight's adapters (by the weight's name), applied unmerged
+        self.adapters = {} if spec.lora is None else adapters_of(self)
 
     @property
     def device(self) -> torch.device:
@@ -246,10 +252,15 @@ class ShardedModel(torch.nn.Module):
         lent = self.lent
         w = lent[name] if lent is not None and name in lent else self.param(name)
         if w.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-        if self._conv1d(name):
-            return x @ w if bias is None else torch.addmm(bias, x, w)
-        return F.linear(x, w, bias)
+            out = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        elif self._conv1d(name):
+            out = x @ w if bias is None else torch.addmm(bias, x, w)
+        else:
+            out = F.linear(x, w, bias)
+        pair = self.adapters.get(name) if self.adapters else None
+        if pair is not None and pair.split != "row":  # (a row-parallel one's: ``_row_linear``)
+            out = out + unreduced_term(self, x, pair)
+        return out
 
     def weights_fingerprint(self) -> tuple[int, ...]:
         """Changes whenever the weights may have: a new version, new storage, an update in
@@ -306,6 +317,8 @@ class ShardedModel(torch.nn.Module):
         bias); None where none are lent."""
         if self.lent is None or key not in self.lent:
             return None
+        if any(n.startswith(f"{key.rsplit('.', 1)[0]}.") for n in self.adapters):
+            return None  # each adapted weight on its own, its adapter beside it
         return self.matmul(h, key, self.lent.get(f"{key}.bias"))
 
     def _rope_freq(self, local: bool, device: torch.device) -> torch.Tensor:
@@ -538,6 +551,9 @@ class ShardedModel(torch.nn.Module):
         """A row-parallel linear layer: this rank's input columns times its weight rows, summed
         over tp, then the bias (whole on every rank)."""
         out = reduce_from_tp(self.matmul(x, f"{name}.weight"), self.groups.tp_group)
+        pair = self.adapters.get(f"{name}.weight") if self.adapters else None
+        if pair is not None and pair.split == "row":
+            out = out + reduced_term(self, x, pair)
         bias = self.param_or_none(f"{name}.bias")
         return out if bias is None else out + bias
 

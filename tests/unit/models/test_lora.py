@@ -1,0 +1,111 @@
+"""LoRA adapters in one process: how each adapted weight's pair splits over tp, the adapted
+model against PEFT's, and PEFT's adapter files both ways (the layouts: test_lora_parity.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rayhf.checks.common import Tok
+from rayhf.checks.lora import ALPHA, RANK, peft_model, targets
+from rayhf.checks.parity import _batch, _model
+from rayhf.engines.rank_model import RankModel
+from rayhf.errors import RayhfError
+from rayhf.models.hf import model_files
+from rayhf.models.lora import adapted, from_peft, load_adapter, save_adapter
+from rayhf.models.sharding import adapter_pairs, param_shards
+from rayhf.models.spec import Lora, model_spec
+
+
+def _pairs(case: str):
+    spec = model_spec(_model(case, False).config, value_head=False)
+    spec = replace(spec, lora=Lora(RANK, ALPHA, targets(case)))
+    return {p.weight.split(".")[-2]: p for p in adapter_pairs(spec, param_shards(spec))}
+
+
+def test_a_column_parallel_weight_splits_b_and_a_row_parallel_one_splits_a():
+    pairs = _pairs("llama")
+    q, o = pairs["q_proj"], pairs["o_proj"]
+    assert (q.split, q.a.tp_dim, q.b.tp_dim) == ("column", None, 0)
+    assert (o.split, o.a.tp_dim, o.b.tp_dim) == ("row", 1, None)
+    assert q.a.shape == (RANK, 32) and q.b.shape[1] == RANK
+    assert q.a.name.endswith("q_proj.lora_A.weight") and q.b.name.endswith("q_proj.lora_B.weight")
+    spec = model_spec(_model("llama", False).config, value_head=False)
+    shards = param_shards(replace(spec, lora=Lora(RANK, ALPHA, ("q_proj",))))
+    names = [p.name for p in shards]  # each pair right after its weight; only adapters train
+    at = names.index(q.weight)
+    assert names[at + 1 : at + 3] == [q.a.name, q.b.name]
+    assert [p.name for p in shards if p.trained] == [n for n in names if ".lora_" in n]
+
+
+def test_fused_and_conv1d_weights_split_their_adapters_by_the_same_blocks():
+    qkv = _pairs("phi3")["qkv_proj"]  # q|k|v in one weight: B's rows split block by block
+    assert qkv.split == "column" and qkv.b.blocks and sum(qkv.b.blocks) == qkv.b.shape[0]
+    gpt2 = _pairs("gpt2")  # Conv1D keeps [in, out]: a column split is on its dim 1
+    assert gpt2["c_attn"].split == "column" and gpt2["c_attn"].b.blocks
+    assert gpt2["c_proj"].split == "row"
+
+
+def _rayhf(case: str, full, lora: Lora) -> RankModel:
+    config = _model(case, False).config
+    return RankModel(adapted(model_files(config, False), lora), full, Tok())
+
+
+def _logits(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        if isinstance(model, RankModel):
+            return model.forward(ids, mask)
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt2", "qwen3_5_text"])
+def test_the_adapted_model_gives_peft_s_logits_and_trains_only_its_adapters(case):
+    ids, mask = _batch()
+    ref = peft_model(case)
+    model = _rayhf(case, from_peft(ref.state_dict()), Lora(RANK, ALPHA, targets(case)))
+    keep = mask.bool()
+    want, got = _logits(ref, ids, mask)[keep], _logits(model, ids, mask)[keep]
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    trained = {n for n, p in model.module.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert len(trained) == 2 * len(model.module.adapters)
+
+
+def test_a_fresh_adapter_changes_nothing():
+    ids, mask = _batch()
+    base = _model("llama", False).state_dict()
+    fresh = _rayhf("llama", base, Lora(8, 16, ("q_proj", "down_proj")))
+    plain = RankModel(model_files(_model("llama", False).config, False), base, Tok())
+    assert len(fresh.module.adapters) == 2 * 4  # two weights in each of 4 layers
+    assert torch.equal(_logits(fresh, ids, mask), _logits(plain, ids, mask))
+
+
+def test_adapters_saved_by_rayhf_load_in_peft_and_peft_s_load_in_rayhf(tmp_path):
+    from peft import PeftModel
+
+    ids, mask = _batch()
+    keep = mask.bool()
+    ref = peft_model("qwen2")
+    lora = Lora(RANK, ALPHA, targets("qwen2"))
+    model = _rayhf("qwen2", from_peft(ref.state_dict()), lora)
+    save_adapter(model.full_state(), lora, tmp_path / "ours")
+    theirs = PeftModel.from_pretrained(_model("qwen2", False), str(tmp_path / "ours"))
+    assert torch.allclose(
+        _logits(theirs, ids, mask)[keep], _logits(model, ids, mask)[keep], atol=1e-5
+    )
+
+    ref.save_pretrained(str(tmp_path / "peft"))
+    loaded, tensors = load_adapter(tmp_path / "peft")
+    assert loaded == lora
+    base = {k: v for k, v in _model("qwen2", False).state_dict().items()}
+    again = _rayhf("qwen2", base | tensors, loaded)
+    want = _logits(ref, ids, mask)[keep]
+    assert (_logits(again, ids, mask)[keep] - want).abs().max() < 1e-5 * want.abs().max()
+
+
+def test_a_directory_without_an_adapter_is_refused_in_one_line(tmp_path):
+    with pytest.raises(RayhfError, match=r"no adapter_config\.json") as err:
+        load_adapter(tmp_path)
+    assert "\n" not in str(err.value)
