@@ -9,6 +9,7 @@ backbone with a scalar head (``AutoModelForSequenceClassification`` with one lab
 from __future__ import annotations
 
 import copy
+import logging
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,10 +107,26 @@ def build_model(config: PretrainedConfig, value_head: bool, seed: int = 0) -> Pr
 def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer=None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _quiet_deepspeed_guess()
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+def _quiet_deepspeed_guess() -> None:
+    """Keep DeepSpeed's "Setting accelerator to CPU" warning off stdout. ``save_pretrained``
+    unwraps the model through accelerate (peft's dependency), which imports DeepSpeed wherever it
+    is installed; on a machine without a GPU its import prints that guess, into ``rayhf plan``'s
+    table. Its logger is named before DeepSpeed creates it, so the filter is in place first."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _NoAcceleratorGuess) for f in logger.filters):
+        logger.addFilter(_NoAcceleratorGuess())
+
+
+class _NoAcceleratorGuess(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
 
 
 def read_model_config(path: str | Path, value_head: bool, field: str) -> PretrainedConfig:

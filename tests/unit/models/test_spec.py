@@ -51,6 +51,7 @@ def test_llama_spec():
         "rope_scale_local": 1.0, "embed_scale": 1.0, "attn_scale": None,
         "attn_softcap": None, "final_softcap": None, "dtype_bytes": 0, "master": False,
         "moe": None, "moe_layers": (), "qk_norm": False, "delta_net": None, "delta_layers": (),
+        "lora": None,
     }  # fmt: skip
     assert (spec.prefix, spec.head_name) == ("model", "lm_head.weight")
 
