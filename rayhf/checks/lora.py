@@ -69,7 +69,10 @@ def peft_model(case: str):
     """The case's model wrapped by PEFT, its adapters drawn the same on every rank."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets(case)))
+    conv1d = FAMILIES[CASES[case].family].block == "conv1d"  # GPT-2's weights are [in, out]
+    config = LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=list(targets(case)), fan_in_fan_out=conv1d
+    )
     base = _model(case, False)  # (its first build seeds torch's generator: then draw)
     torch.manual_seed(11)
     wrapped = get_peft_model(base, config)
@@ -149,6 +152,12 @@ def _check(case: str, dp: int, tp: int, pp: int, rank: int, precision: str) -> d
             if g is not None
         )
 
+    def norm_error(got: dict, ref: dict) -> float:  # over this rank's shards, all adapters
+        mine_of = {n: take_shard(ref[n], adapters[n], tp, tp_rank) for n in adapters}
+        pairs = [(got[n], mine_of[n]) for n in adapters if got.get(n) is not None]
+        diff = torch.cat([(g - r).flatten() for g, r in pairs])
+        return float(diff.norm() / torch.cat([r.flatten() for _, r in pairs]).norm())
+
     want, grads, after = _peft_step(case, precision, rows)
     whole = model.full_state()
     row = {
@@ -165,6 +174,10 @@ def _check(case: str, dp: int, tp: int, pp: int, rank: int, precision: str) -> d
         row["grads_fp32"] = grad_error(exact_grads)
         row["peft_logits_fp32"] = _rel(want[keep], exact[keep])
         row["peft_grads_fp32"] = _rel_grads(grads, exact_grads, adapters)
+        row["grads_fp32_norm"] = norm_error(mine, exact_grads)  # (relative L2, the same shards)
+        row["peft_grads_fp32_norm"] = norm_error(
+            {n: take_shard(grads[n], adapters[n], tp, tp_rank) for n in adapters}, exact_grads
+        )
     return row
 
 

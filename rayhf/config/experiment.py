@@ -36,6 +36,7 @@ from rayhf.envs.env import EnvConfig
 from rayhf.errors import RayhfError
 from rayhf.metrics.tracker import MetricsConfig
 from rayhf.models.init import ModelInit
+from rayhf.models.lora import LoraConfig
 from rayhf.models.precision import Precision
 from rayhf.planner import ClusterConfig, PlanConfig
 from rayhf.sampling import GenerationConfig
@@ -94,6 +95,9 @@ class RoleConfig(BaseModel):
     """At bf16/fp16, run the LM head (the projection to the vocabulary) and its log-probs in fp32,
     in every call of the role (generate, inference, train), so sampled and trained log-probs agree
     more closely."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters of a trained role's linear layers, its weights frozen (PEFT's
+    format)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> RoleConfig:
@@ -102,6 +106,8 @@ class RoleConfig(BaseModel):
             raise ValueError(f"give exactly one of path, init, init_from, function (got {given})")
         if self.ema is not None and self.init_from is None:
             raise ValueError("ema needs init_from (the role whose weights it follows)")
+        if self.lora is not None and (self.function is not None or self.ema is not None):
+            raise ValueError("lora adapts a trained model: drop it, or function / ema")
         return self
 
 

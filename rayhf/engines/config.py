@@ -74,6 +74,7 @@ class BaseEngineConfig(BaseModel):
     # runs Mixture-of-Experts models (vLLM and DeepSpeed not yet: rayhf's weight sync into
     # vLLM and DeepSpeed's flat ZeRO buffers hold no stacked experts)
     runs_experts: ClassVar[bool] = True
+    runs_adapters: ClassVar[bool] = True  # a role's LoRA adapters (models.<role>.lora)
 
     @property
     def token_budget(self) -> int | None:
@@ -164,6 +165,7 @@ class VllmEngineConfig(BaseEngineConfig):
     server_resident = True
     shared_per_rank = True
     runs_experts = False
+    runs_adapters = False
 
     @property
     def checks_sync(self) -> bool:
@@ -262,6 +264,7 @@ class DeepSpeedEngineConfig(BaseEngineConfig):
     trains_in_compute_dtype = True
     zero_choices = (1, 2, 3)
     runs_experts = False
+    runs_adapters = False
 
     @property
     def offloads_optimizer(self) -> bool:

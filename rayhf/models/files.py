@@ -115,11 +115,17 @@ class ModelFiles:
     """The directory of the released multimodal checkpoint this model is the text tower of:
     saves put the tower under ``model.language_model`` and copy that checkpoint's other
     tensors (vision tower, MTP heads) as they are there."""
+    adapter_config: str | None = None
+    """With ``spec.lora``: PEFT's ``adapter_config.json`` for the adapters, written with them
+    under ``adapter/`` beside the model's files."""
 
     def write_texts(self, out_dir: str | Path) -> None:
         """The JSON files alone (a model's shape, for an engine that loads its weights later)."""
         for name, text in self.texts:
             (Path(out_dir) / name).write_text(text)
+
+
+ADAPTER_DIR = "adapter"  # a LoRA model's adapters, PEFT's directory, beside its files
 
 
 def weight_files(path: str | Path) -> dict[str, Path]:
@@ -140,7 +146,7 @@ def saved_names(spec: ModelSpec) -> dict[str, list[str]]:
     except for stacked experts, saved one tensor per expert (``experts.{e}.gate_proj.weight``,
     ..., or Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``, ...), gate|up as every
     expert's gate, then every expert's up."""
-    out = {p.name: [p.name] for p in param_shards(spec)}
+    out = {p.name: [p.name] for p in param_shards(spec) if ".lora_" not in p.name}
     if spec.moe is None or spec.traits.moe is None or spec.traits.moe.files == "stacked":
         return out
     mixtral = spec.traits.moe.files == "mixtral"
@@ -224,7 +230,7 @@ def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch
     state = {
         n: t.to(dtype).contiguous()
         for k, v in full.items()
-        if k != tied
+        if k != tied and ".lora_" not in k
         for n, t in zip(
             saved.get(k, [k]), split_saved(k, v) if len(saved.get(k, [k])) > 1 else [v], strict=True
         )
@@ -255,6 +261,10 @@ def write_model(out_dir: str | Path, files: ModelFiles, full: Mapping[str, torch
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     files.write_texts(out)
+    if files.spec.lora is not None and files.adapter_config is not None:
+        from rayhf.models.lora import write_adapter
+
+        write_adapter(full, files.spec.lora, out / ADAPTER_DIR, files.adapter_config)
 
 
 def _kept(path: str, tower: set[str]) -> dict[str, torch.Tensor]:

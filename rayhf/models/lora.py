@@ -21,18 +21,113 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from rayhf.errors import RayhfError
-from rayhf.models.sharding import ParamShard
-from rayhf.models.spec import Lora
+from rayhf.models.sharding import ParamShard, param_shards
+from rayhf.models.spec import Lora, ModelSpec, module_named
 
 if TYPE_CHECKING:
     from rayhf.models.files import ModelFiles
 
 
-def adapted(files: ModelFiles, lora: Lora | None) -> ModelFiles:
-    """``files`` whose model carries ``lora``'s adapters (None: none)."""
-    return dataclasses.replace(files, spec=dataclasses.replace(files.spec, lora=lora))
+ALL_LINEAR = "all-linear"
+
+
+class LoraConfig(BaseModel):
+    """A role's LoRA adapters (``models.<role>.lora``): its weights frozen, adapters trained."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    rank: int = Field(8, gt=0)
+    """The adapters' rank r."""
+    alpha: float = Field(16.0, gt=0)
+    """An adapter's term is scaled by alpha / rank (alpha / sqrt(rank) with rslora)."""
+    targets: list[str] = Field(default_factory=lambda: [ALL_LINEAR], min_length=1)
+    """The linear layers adapted, by module name or its last parts (PEFT's target_modules), or
+    "all-linear": every linear layer of the decoder layers."""
+    rslora: bool = False
+    """Scale by alpha / sqrt(rank) (rank-stabilized LoRA)."""
+    trains: list[str] = Field(default_factory=list)
+    """Modules that train in full beside the adapters (PEFT's modules_to_save); a value head
+    (score) always does."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on an adapter's input in training: only 0 is built."""
+    adapter: str | None = None
+    """A PEFT adapter directory to start from: its rank, alpha, targets, rslora and trains stand
+    where these fields are not given, and must equal those that are."""
+
+
+def linear_modules(spec: ModelSpec) -> list[str]:
+    """The modules LoRA can adapt: every 2-D weight's of the decoder layers (routed experts
+    are not)."""
+    base = dataclasses.replace(spec, lora=None)
+    return [
+        p.name.removesuffix(".weight")
+        for p in param_shards(base)
+        if 1 <= p.unit <= spec.n_layers and len(p.shape) == 2 and not p.expert
+        if p.name.endswith(".weight") and "." in p.name.removesuffix(".weight")
+    ]
+
+
+def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
+    """``config`` (with its starting adapter's config) as the model's ``Lora``, checked against
+    the model: each target and trained module names one of its modules."""
+    given = config.model_dump(include=config.model_fields_set)
+    if config.adapter is not None:
+        saved = _saved_config(config.adapter, f"{field}.adapter")
+        for key, want in given.items():
+            if key in saved and _norm(saved[key]) != _norm(want):
+                raise RayhfError(
+                    f"{field}.{key}: {want!r} differs from adapter {config.adapter}'s "
+                    f"{saved[key]!r}; drop it or make it equal"
+                )
+        config = config.model_copy(update={k: v for k, v in saved.items() if k not in given})
+    if config.dropout > 0:
+        raise RayhfError(f"{field}.dropout: adapter dropout is not built yet; set it to 0")
+    if spec.moe is not None:
+        raise RayhfError(
+            f"{field}: LoRA on a Mixture-of-Experts model ({spec.family}) is not built yet"
+        )
+    linear = linear_modules(spec)
+    targets = config.targets
+    if targets == [ALL_LINEAR]:
+        targets = sorted({m.rsplit(".", 1)[-1] for m in linear})
+    for t in targets:
+        if not any(module_named(m, (t,)) for m in linear):
+            names = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in linear}))
+            raise RayhfError(
+                f"{field}.targets: '{t}' names no linear layer of this {spec.family} model's "
+                f"decoder layers (they have: {names})"
+            )
+    trains = list(config.trains)
+    if spec.value_head and "score" not in trains:
+        trains.append(spec.head_name.removesuffix(".weight"))
+    modules = {p.name.rsplit(".", 1)[0] for p in param_shards(dataclasses.replace(spec, lora=None))}
+    for t in trains:
+        if not any(module_named(m, (t,)) for m in modules):
+            raise RayhfError(f"{field}.trains: '{t}' names no module of this {spec.family} model")
+    return Lora(config.rank, config.alpha, tuple(targets), config.rslora, tuple(trains))
+
+
+def _norm(value):
+    return sorted(value) if isinstance(value, list) else value
+
+
+def _saved_config(path: str, field: str) -> dict:
+    """A PEFT adapter directory's config as ``LoraConfig`` fields."""
+    lora = read_adapter_config(path, field)
+    return {
+        "rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
+        "rslora": lora.rslora, "trains": list(lora.trains),
+    }  # fmt: skip
+
+
+def adapted(files: ModelFiles, lora: Lora | None, config_text: str | None = None) -> ModelFiles:
+    """``files`` whose model carries ``lora``'s adapters (None: none), saved with PEFT's
+    ``config_text``."""
+    spec = dataclasses.replace(files.spec, lora=lora)
+    return dataclasses.replace(files, spec=spec, adapter_config=config_text)
 
 
 def initial(p: ParamShard) -> torch.Tensor:
@@ -67,53 +162,79 @@ def from_peft(
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 
-def peft_config(lora: Lora, base: str | None = None):
-    """``lora`` as PEFT's ``LoraConfig`` (``base``: the base model's path, recorded in it)."""
-    from peft import LoraConfig
+def peft_config(lora: Lora, base: str | None = None, conv1d: bool = False):
+    """``lora`` as PEFT's ``LoraConfig`` (``base``: the base model's path, recorded in it;
+    ``conv1d``: its weights are GPT-2's ``[in, out]``)."""
+    from peft import LoraConfig as PeftLora
 
-    return LoraConfig(
+    return PeftLora(
         r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # (a float works)
         target_modules=list(lora.targets),
         use_rslora=lora.rslora, modules_to_save=list(lora.trains) or None,
-        base_model_name_or_path=base, lora_dropout=0.0,
+        base_model_name_or_path=base, lora_dropout=0.0, fan_in_fan_out=conv1d,
     )  # fmt: skip
+
+
+def adapter_config_text(lora: Lora, base: str | None = None, conv1d: bool = False) -> str:
+    """The ``adapter_config.json`` PEFT writes for ``lora``: rendered where peft is imported
+    (the driver), written by workers that do not import it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        peft_config(lora, base, conv1d).save_pretrained(tmp)
+        return (Path(tmp) / ADAPTER_CONFIG).read_text()
+
+
+def write_adapter(
+    state: Mapping[str, torch.Tensor], lora: Lora, out_dir: str | Path, config_text: str
+) -> None:
+    """The adapters of ``state`` (a whole model's, by rayhf's names) and the modules that train
+    in full (``lora.trains``), written as PEFT writes an adapter, with its ``config_text``:
+    ``PeftModel.from_pretrained`` loads the directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {n: t for n, t in state.items() if ".lora_" in n or lora.trains_whole(n)}
+    tensors = {f"{PEFT_PREFIX}{n}": t.contiguous() for n, t in kept.items()}
+    save_file(tensors, out / ADAPTER_FILE, metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(config_text)
 
 
 def save_adapter(
     state: Mapping[str, torch.Tensor], lora: Lora, out_dir: str | Path, base: str | None = None
 ) -> None:
-    """The adapters of ``state`` (a whole model's, by rayhf's names) written as PEFT writes an
-    adapter: ``PeftModel.from_pretrained`` loads the directory."""
-    from safetensors.torch import save_file
-
-    if lora.trains:
-        raise RayhfError(
-            f"lora.trains: saving {list(lora.trains)} beside the adapters is not built"
-        )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    adapters = {f"{PEFT_PREFIX}{n}": t.contiguous() for n, t in state.items() if ".lora_" in n}
-    save_file(adapters, out / ADAPTER_FILE, metadata={"format": "pt"})
-    peft_config(lora, base).save_pretrained(str(out))
+    """``write_adapter`` with the config rendered here."""
+    write_adapter(state, lora, out_dir, adapter_config_text(lora, base))
 
 
-def load_adapter(path: str | Path) -> tuple[Lora, dict[str, torch.Tensor]]:
-    """A PEFT adapter directory's ``Lora`` and tensors (by rayhf's names)."""
-    from peft import LoraConfig
-    from safetensors.torch import load_file
+def read_adapter_config(path: str | Path, field: str = "adapter") -> Lora:
+    """A PEFT adapter directory's ``Lora``."""
+    from peft import LoraConfig as PeftLora
 
     where = Path(path)
     if not (where / ADAPTER_CONFIG).is_file():
         raise RayhfError(
-            f"{where}: no {ADAPTER_CONFIG}; a LoRA adapter is a PEFT adapter directory"
+            f"{field}: {where} has no {ADAPTER_CONFIG}; a LoRA adapter is a PEFT adapter directory"
         )
-    cfg = LoraConfig.from_pretrained(str(where))
+    cfg = PeftLora.from_pretrained(str(where))
     if isinstance(cfg.target_modules, str) or cfg.rank_pattern or cfg.alpha_pattern:
         raise RayhfError(
-            f"{where / ADAPTER_CONFIG}: target_modules as a regex, rank_pattern and alpha_pattern "
-            "are not read; name the target modules as a list"
+            f"{field}: {where / ADAPTER_CONFIG} gives target_modules as a regex, rank_pattern or "
+            "alpha_pattern, which are not read; name the target modules as a list"
         )
     targets = tuple(sorted(cfg.target_modules or ()))
     trains = tuple(cfg.modules_to_save or ())
-    lora = Lora(cfg.r, float(cfg.lora_alpha), targets, bool(cfg.use_rslora), trains)
-    return lora, from_peft(load_file(str(where / ADAPTER_FILE)))
+    return Lora(cfg.r, float(cfg.lora_alpha), targets, bool(cfg.use_rslora), trains)
+
+
+def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
+    """A PEFT adapter directory's tensors, by rayhf's names (no peft import: a worker reads it)."""
+    from safetensors.torch import load_file
+
+    return from_peft(load_file(str(Path(path) / ADAPTER_FILE)))
+
+
+def load_adapter(path: str | Path) -> tuple[Lora, dict[str, torch.Tensor]]:
+    """A PEFT adapter directory's ``Lora`` and tensors (by rayhf's names)."""
+    return read_adapter_config(path), read_adapter(path)

@@ -70,14 +70,15 @@ class Lora:
         return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
 
     def adapts(self, module: str) -> bool:
-        return _named(module, self.targets)
+        return module_named(module, self.targets)
 
     def trains_whole(self, weight: str) -> bool:
         """Whether parameter ``weight`` trains in full (its module is one of ``trains``)."""
-        return _named(weight.rsplit(".", 1)[0], self.trains)
+        return module_named(weight.rsplit(".", 1)[0], self.trains)
 
 
-def _named(module: str, names: tuple[str, ...]) -> bool:
+def module_named(module: str, names: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``names`` or ends with ``.{name}`` (PEFT's matching)."""
     return any(module == t or module.endswith(f".{t}") for t in names)
 
 

@@ -7,6 +7,7 @@ actors has already passed every check a user can fix.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ from rayhf.metrics.tracker import check_trackers
 from rayhf.models.families import family_traits
 from rayhf.models.files import special_ids
 from rayhf.models.hf import build_model, hf_config, save_model
+from rayhf.models.lora import lora_of
 from rayhf.models.precision import priced
-from rayhf.models.spec import ModelSpec, model_spec
+from rayhf.models.spec import Lora, ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.planner import Plan, make_plan
 from rayhf.planner.plan import check_plan_fits
@@ -51,6 +53,7 @@ class RunAssets:
     specs: dict[str, ModelSpec]  # shape of every role that has a model
     special_ids: dict[str, int | None]  # the tokenizer's pad/eos/bos_token_id
     trainable: set[str]  # roles with a train call
+    loras: dict[str, Lora] = dataclasses.field(default_factory=dict)  # LoRA adapters, by role
 
 
 def prepare_tokenizer(cfg: ExperimentConfig, run_dir: Path, policy: str):
@@ -422,5 +425,42 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
             raise RayhfError(f"models.{role}: role '{role}' is trained, so it needs a model")
     return RunAssets(
         run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, specs,
-        special_ids(tokenizer), trainable,
+        special_ids(tokenizer), trainable, check_lora(cfg, graph, specs, trainable),
     )  # fmt: skip
+
+
+def check_lora(
+    cfg: ExperimentConfig, graph: Graph, specs: dict[str, ModelSpec], trainable: set[str]
+) -> dict[str, Lora]:
+    """Each ``models.<role>.lora`` as its model's ``Lora``: on a trained role with a model of
+    its own, whose calls' engines run adapters, and no moving average following it."""
+    out = {}
+    for role, rc in cfg.models.items():
+        if rc.lora is None:
+            continue
+        field = f"models.{role}.lora"
+        if role not in trainable:
+            raise RayhfError(
+                f"{field}: role '{role}' has no train call in graph '{graph.name}', so no "
+                "adapters to train; drop it"
+            )
+        if rc.init_from is not None:
+            raise RayhfError(
+                f"{field}: adapters on a role whose weights come from another's (init_from) are "
+                "not built yet; give it a path or init"
+            )
+        for c in graph.calls:
+            ec = cfg.engine_of(c.name, c.kind)
+            if c.role == role and not ec.runs_adapters:
+                raise RayhfError(
+                    f"engines.{c.name}: engine '{ec.engine}' does not run LoRA adapters yet "
+                    f"({field}); use engine '{engines_for(c.kind)[0]}'"
+                )
+        for other, oc in cfg.models.items():
+            if oc.init_from == role and oc.ema is not None:
+                raise RayhfError(
+                    f"models.{other}.ema: it follows '{role}', whose LoRA adapters it does not "
+                    "hold; drop ema (a frozen reference) or the lora"
+                )
+        out[role] = lora_of(rc.lora, specs[role], field)
+    return out

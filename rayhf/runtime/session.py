@@ -19,7 +19,7 @@ import ray
 from rayhf.algorithms import InterfaceSettings
 from rayhf.config import ExperimentConfig
 from rayhf.config.faults import FaultInjection
-from rayhf.models.files import ModelFiles
+from rayhf.models.files import ADAPTER_DIR, ModelFiles
 from rayhf.models.precision import Numerics, resolve
 from rayhf.parallel.layout import Layout
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
@@ -81,6 +81,7 @@ class Session:
         self.namespace = f"rayhf-{cfg.name}-{uuid.uuid4().hex[:6]}"
         self.init_realloc: ReallocStats | None = None
         self._files: dict[tuple[str, bool], ModelFiles] = {}  # by (directory, value head)
+        self._adapter_configs: dict[str, str] = {}  # PEFT's adapter_config.json, by role
 
     def __enter__(self) -> Session:
         try:
@@ -225,6 +226,7 @@ class Session:
             special_ids=assets.special_ids,
             model=None if shape_dir is None else self._model_files(shape_dir, rc.value_head, role),
             model_dir=model_dir,
+            adapter_dir=self._adapter_dir(role, model_dir),
             value_head=rc.value_head,
             optimizer=optimizer if role in assets.trainable and home else None,
             activation_checkpointing=rc.activation_checkpointing,
@@ -245,7 +247,26 @@ class Session:
         if key not in self._files:
             config = read_model_config(path, value_head, f"models.{role}")
             self._files[key] = model_files(config, value_head, path)
-        return self._files[key]
+        lora = self.assets.loras.get(role)
+        if lora is None:
+            return self._files[key]
+        from rayhf.models.lora import adapted, adapter_config_text
+
+        if role not in self._adapter_configs:  # rendered by peft, once
+            conv1d = self._files[key].spec.traits.block == "conv1d"
+            self._adapter_configs[role] = adapter_config_text(lora, path, conv1d)
+        return adapted(self._files[key], lora, self._adapter_configs[role])
+
+    def _adapter_dir(self, role: str, model_dir: str | None) -> str | None:
+        """Where a LoRA role's first adapters come from: a resumed checkpoint's, else
+        ``models.<role>.lora.adapter``; None: PEFT's fresh ones."""
+        lora = self.cfg.models[role].lora
+        if lora is None or model_dir is None:
+            return None
+        if self.resume is not None:
+            saved = Path(model_dir) / ADAPTER_DIR
+            return str(saved) if saved.is_dir() else None
+        return None if lora.adapter is None else str(Path(lora.adapter).resolve())
 
     @functools.cached_property
     def start_step(self) -> int:

@@ -67,6 +67,10 @@ def _first_weights(spec: WorkerSpec) -> dict[str, torch.Tensor] | None:
 
         quiet_transformers()  # no per-file progress bars in the worker's log, as before
         state = load_model(spec.model_dir, spec.value_head, f"models.{spec.role}").state_dict()
+    if spec.adapter_dir is not None:  # LoRA adapters (and the modules they train in full)
+        from rayhf.models.lora import read_adapter
+
+        state |= read_adapter(spec.adapter_dir)
     return state
 
 

