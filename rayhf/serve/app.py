@@ -31,7 +31,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,6 +45,7 @@ from rayhf.serve.engine import (
     SamplingSpec,
     ServingEngineConfig,
     TokenLogprob,
+    check_adapters,
     check_checkpoint,
     load_engine,
     require_vllm,
@@ -98,6 +99,15 @@ class ServeConfig(ServingEngineConfig):
     @property
     def served_model_id(self) -> str:
         return self.model_id or Path(self.checkpoint).name
+
+    @model_validator(mode="after")
+    def _adapters_named_apart(self) -> "ServeConfig":
+        if self.served_model_id in self.adapters:
+            raise ValueError(
+                f"adapters: {self.served_model_id!r} is the checkpoint's model id; name the "
+                "adapter otherwise"
+            )
+        return self
 
     @property
     def max_ongoing_requests(self) -> int:
@@ -354,7 +364,8 @@ class PolicyServer:
     @api.get("/v1/models")
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
-        return ModelList(data=[ModelCard(id=self._model_id)])
+        ids = [self._model_id, *self._cfg.adapters]
+        return ModelList(data=[ModelCard(id=i) for i in ids])
 
     @api.get("/v1/stats")
     async def stats(self, request: Request) -> ServerStats:
@@ -372,11 +383,11 @@ class PolicyServer:
         self._authorize(request)
         body = CompletionRequest.model_validate_json(await request.body())
         outputs = await self._run(body.prompts(), body)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid, model = f"cmpl-{uuid.uuid4().hex}", body.model or self._model_id
         if body.stream:
-            events = completion_events(rid, self._model_id, outputs, body.include_usage())
+            events = completion_events(rid, model, outputs, body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(completion_response(rid, self._model_id, outputs).model_dump())
+        return JSONResponse(completion_response(rid, model, outputs).model_dump())
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -385,11 +396,11 @@ class PolicyServer:
         messages = [m.model_dump() for m in body.messages]
         prompt = self._engine.render_chat(messages) or render_simple_chat(body.messages)
         [outs] = await self._run([prompt], body)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, model = f"chatcmpl-{uuid.uuid4().hex}", body.model or self._model_id
         if body.stream:
-            events = chat_events(rid, self._model_id, outs, body.include_usage())
+            events = chat_events(rid, model, outs, body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream")
-        return JSONResponse(chat_response(rid, self._model_id, outs).model_dump())
+        return JSONResponse(chat_response(rid, model, outs).model_dump())
 
     def _authorize(self, request: Request) -> None:
         check_api_key(self._cfg.api_key, request.headers.get("authorization"))
@@ -397,9 +408,11 @@ class PolicyServer:
     async def _run(self, prompts: list[str], body: GenerationRequest) -> list[list[EngineOutput]]:
         """Check the request whole before queueing any of it, then generate its prompts (per
         prompt its ``n`` samples)."""
-        if body.model is not None and body.model != self._model_id:
+        adapters = self._cfg.adapters
+        if body.model is not None and body.model != self._model_id and body.model not in adapters:
+            served = ", ".join(repr(m) for m in [self._model_id, *adapters])
             raise RequestRejected(
-                f"model {body.model!r} is not served here; use {self._model_id!r}",
+                f"model {body.model!r} is not served here; use one of {served}",
                 code="model_not_found",
                 param="model",
             )
@@ -411,7 +424,8 @@ class PolicyServer:
                 param="prompt" if body.n == 1 else "n",
             )
         sampling = sampling_spec(body, self._cfg)
-        requests = [self._engine.prepare(p, sampling) for p in prompts]
+        adapter = body.model if body.model in adapters else None
+        requests = [self._engine.prepare(p, sampling, adapter) for p in prompts]
         return list(await asyncio.gather(*(self._generate(r) for r in requests)))
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.05)  # set from the config in __init__
@@ -428,6 +442,7 @@ def build_app(args: dict[str, Any]) -> Application:
             raise RayhfError("serve --api-key: the vllm engine (Ray Serve LLM) does not take it")
         return _vllm_app(cfg)
     check_checkpoint(cfg.checkpoint)
+    check_adapters(cfg)
     return PolicyServer.options(  # type: ignore[attr-defined]  # a Deployment, once decorated
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,

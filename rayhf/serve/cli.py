@@ -8,9 +8,12 @@ rather than ``rayhf serve serve CKPT``. Errors are ``RayhfError``s, printed as o
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from rayhf.errors import RayhfError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -41,6 +44,14 @@ def serve(
     engine: Annotated[
         str, typer.Option(help="native (CPU/GPU, this repo) or vllm (Ray Serve LLM, GPUs)")
     ] = "native",
+    adapter: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=DIR: serve the PEFT LoRA adapter in DIR beside the checkpoint; requests "
+            "naming model NAME use it (repeat for more; vLLM's --lora-modules)",
+            show_default=False,
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -56,6 +67,12 @@ def serve(
 
     if engine in IN_PROCESS:
         check_checkpoint(checkpoint)  # before Ray starts: a wrong path is a one-line error
+    adapters = {}
+    for given in adapter or []:
+        name, sep, where = given.partition("=")
+        if not sep or not name or not where:
+            raise RayhfError(f"--adapter {given}: give NAME=DIR (a PEFT adapter directory)")
+        adapters[name] = str(Path(where).resolve())  # the replica may run elsewhere
     typer.echo(f"serving {checkpoint} at http://{host}:{port}/v1 (Ctrl-C stops)")
     serve_checkpoint(
         checkpoint,
@@ -71,4 +88,5 @@ def serve(
         num_cpus=num_cpus,
         engine=engine,
         api_key=api_key,
+        adapters=adapters,
     )

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
 from rayhf.models.files import quiet_transformers
-from rayhf.models.hf import load_model
+from rayhf.models.hf import load_model, model_files
 from rayhf.parallel.decode import DecodeEngine, DecodeOptions
 from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, seed_from
 
@@ -76,6 +76,9 @@ class ServingEngineConfig(BaseModel):
     max_prompt_tokens: int = Field(512, gt=0)  # longer prompts (bos included) are rejected
     max_tokens: int = Field(256, gt=0)  # ceiling on a request's max_tokens
     default_max_tokens: int = Field(16, gt=0)  # when a request gives none (OpenAI's default)
+    # LoRA adapters served beside the checkpoint: the model id a request names -> a PEFT
+    # adapter directory of this checkpoint (vLLM's --lora-modules)
+    adapters: dict[str, str] = Field(default_factory=dict)
 
     @property
     def in_process(self) -> bool:
@@ -86,6 +89,8 @@ class ServingEngineConfig(BaseModel):
     def _check_defaults(self) -> ServingEngineConfig:
         if self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens must be <= max_tokens; lower default_max_tokens")
+        if self.adapters and not self.in_process:
+            raise ValueError(f"adapters: engine {self.engine} does not serve them yet; use native")
         return self
 
 
@@ -108,6 +113,7 @@ class SamplingSpec:
 class EngineRequest:
     prompt_ids: tuple[int, ...]  # bos included
     sampling: SamplingSpec
+    adapter: str | None = None  # the LoRA adapter it is generated with (``adapters``); None: none
 
 
 @dataclass(frozen=True)
@@ -170,8 +176,11 @@ class ServingEngine(ABC):
     def generate(self, requests: list[EngineRequest]) -> list[list[EngineOutput]]:
         """Per request, in order, its ``sampling.n`` outputs."""
 
-    def prepare(self, prompt: str, sampling: SamplingSpec) -> EngineRequest:
-        """Tokenize ``prompt``; raise ``RequestRejected`` if it breaks a limit."""
+    def prepare(
+        self, prompt: str, sampling: SamplingSpec, adapter: str | None = None
+    ) -> EngineRequest:
+        """Tokenize ``prompt`` (for ``adapter``); raise ``RequestRejected`` if it breaks a
+        limit."""
         limit = self.cfg.max_tokens
         if sampling.max_tokens > limit:
             raise RequestRejected(
@@ -197,7 +206,7 @@ class ServingEngine(ABC):
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        return EngineRequest(tuple(ids), sampling)
+        return EngineRequest(tuple(ids), sampling, adapter)
 
 
 class NativeEngine(ServingEngine):
@@ -225,8 +234,13 @@ class NativeEngine(ServingEngine):
         self.eos_id: int = eos
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else eos
-        pipe = RankModel.from_hf(hf, self.tokenizer, False).pipe
-        self.decoder = DecodeEngine(pipe, DecodeOptions(max_rows=max_rows))
+        options = DecodeOptions(max_rows=max_rows)
+        base = RankModel.from_hf(hf, self.tokenizer, False)
+        self.decoder = DecodeEngine(base.pipe, options)
+        self.decoders: dict[str | None, DecodeEngine] = {None: self.decoder}  # and by adapter
+        for name, where in cfg.adapters.items():  # each on the checkpoint's weights, unmerged
+            model = adapter_model(hf, self.tokenizer, where, f"--adapter {name}", base)
+            self.decoders[name] = DecodeEngine(model.pipe, options)
         self._rng = torch.Generator()
         self._rng.seed()  # unseeded requests differ from one server start to the next
         # The server encodes on its event loop while a batch decodes in a worker thread; a
@@ -282,7 +296,8 @@ class NativeEngine(ServingEngine):
             raw_logprobs=bool(asked),
             top_logprobs=max(asked, default=0),
         )
-        out = self.decoder.generate([list(r.prompt_ids) for r in rows], rules, seed)
+        decoder = self.decoders[group[0].adapter]
+        out = decoder.generate([list(r.prompt_ids) for r in rows], rules, seed)
         done = [self._finish(r, out, i) for i, r in enumerate(rows)]
         per_request, start = [], 0
         for r in group:  # rows hold each request's samples together
@@ -340,7 +355,8 @@ class NativeEngine(ServingEngine):
 
 
 def group_requests(requests: list[EngineRequest]) -> dict[Hashable, list[int]]:
-    """Request indices by sampling key (see the module docstring), in first-seen order."""
+    """Request indices by adapter and sampling key (see the module docstring), in first-seen
+    order."""
     groups: dict[Hashable, list[int]] = {}
     for i, r in enumerate(requests):
         s = r.sampling
@@ -351,8 +367,36 @@ def group_requests(requests: list[EngineRequest]) -> dict[Hashable, list[int]]:
             key = ("seeded", i)
         else:
             key = ("sample", s.temperature, s.top_k, s.top_p)
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(key if r.adapter is None else (r.adapter, key), []).append(i)
     return groups
+
+
+def check_adapters(cfg: ServingEngineConfig) -> None:
+    """Each of ``cfg.adapters`` a PEFT adapter that fits the checkpoint, or one line naming it."""
+    if not cfg.adapters:
+        return
+    from rayhf.models.hf import read_model_config
+    from rayhf.models.lora import LoraConfig, lora_of, read_adapter_config
+    from rayhf.models.spec import model_spec
+
+    spec = model_spec(read_model_config(cfg.checkpoint, False, "checkpoint"), False)
+    for name, where in cfg.adapters.items():
+        read_adapter_config(where, f"--adapter {name}")
+        lora_of(LoraConfig(adapter=where), spec, f"--adapter {name}")
+
+
+def adapter_model(hf, tokenizer, where: str, field: str, base: RankModel) -> RankModel:
+    """The checkpoint ``hf`` with the PEFT adapter in ``where`` beside its weights, which it
+    shares with ``base`` (the checkpoint's model): an adapter costs its own tensors."""
+    from rayhf.models.lora import LoraConfig, adapted, lora_of, read_adapter, read_adapter_config
+
+    read_adapter_config(where, field)  # a directory PEFT wrote, or one line naming it
+    files = model_files(hf.config, False)
+    lora = lora_of(LoraConfig(adapter=where), files.spec, field)
+    model = RankModel(adapted(files, lora), hf.state_dict() | read_adapter(where), tokenizer)
+    for name in base.module.shards:
+        model.module.param(name).data = base.module.param(name).data
+    return model
 
 
 def detokenize(

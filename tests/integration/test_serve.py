@@ -63,8 +63,33 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("serve") / "tiny-policy")
 
 
+# two LoRA adapters served beside the checkpoint: (rank, target modules) each
+ADAPTERS = {"digits-r4": (4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj"]), "digits-r2": (2, ["q_proj", "v_proj"])}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def server(checkpoint):
+def adapters(checkpoint) -> dict[str, tuple[Path, Path]]:
+    """Each adapter's PEFT directory (its B drawn at random, so it changes the output) and
+    the checkpoint with it merged into the weights (PEFT's ``merge_and_unload``)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    out = {}
+    for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(i)
+        base = load_model(checkpoint, value_head=False, field="checkpoint")
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                            init_lora_weights=False)  # fmt: skip
+        peft = get_peft_model(base, config)
+        peft.save_pretrained(checkpoint.parent / name)
+        merged = save_model(peft.merge_and_unload(), checkpoint.parent / f"{name}-merged")
+        out[name] = (checkpoint.parent / name, merged)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, adapters):
     """Base URL of the app: Ray (2 CPUs), Serve HTTP on a free port, one replica."""
     import ray
     from ray import serve
@@ -83,6 +108,7 @@ def server(checkpoint):
             "max_tokens": MAX_TOKENS,
             "max_batch_size": 16,
             "batch_wait_timeout_s": 0.05,
+            "adapters": {name: str(where) for name, (where, _) in adapters.items()},
         }
         serve.run(build_app(args), name="policy", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -95,6 +121,11 @@ def server(checkpoint):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """Greedy ``native.generate`` on the checkpoint: prompt text -> (tokens, text, finished)."""
+    return greedy_reference(checkpoint)
+
+
+def greedy_reference(checkpoint: Path):
+    """Greedy ``native.generate`` on ``checkpoint``: prompt text -> (tokens, text, finished)."""
     model = load_model(checkpoint, value_head=False, field="checkpoint")
     tok = build_tokenizer()
 
@@ -133,7 +164,23 @@ def test_models(server, checkpoint):
     assert resp.status_code == 200
     body = resp.json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == [checkpoint.name]
+    assert [m["id"] for m in body["data"]] == [checkpoint.name, *ADAPTERS]
+
+
+def test_each_adapter_generates_the_tokens_of_its_merged_model(server, reference, adapters):
+    prompts = ["1 2 3 =", "9 8 7 6 5 4 =", "4 4 ="]
+    texts = {}
+    for name, (_, merged) in adapters.items():
+        want = greedy_reference(merged)
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "model": name}
+            resp = post(server, "/v1/completions", body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["model"] == name
+            texts[name, prompt] = resp.json()["choices"][0]["text"]
+            assert texts[name, prompt] == want(prompt, 12)[1], (name, prompt)
+    for name in ADAPTERS:  # each adapter changes what is generated
+        assert any(texts[name, p] != reference(p, 12)[1] for p in prompts), name
 
 
 def test_completion_usage_and_finish_reason(server, reference):
@@ -321,8 +368,8 @@ def test_detokenize_pieces_join_to_text_and_stop():
 
 
 def test_group_requests():
-    def req(**kw: Any) -> EngineRequest:
-        return EngineRequest((1,), SamplingSpec(max_tokens=4, **kw))
+    def req(adapter: str | None = None, **kw: Any) -> EngineRequest:
+        return EngineRequest((1,), SamplingSpec(max_tokens=4, **kw), adapter)
 
     reqs = [
         req(greedy=True),
@@ -331,9 +378,11 @@ def test_group_requests():
         req(greedy=True, temperature=0.5),
         req(),
         req(seed=1),
+        req("a", greedy=True),  # an adapter's requests are generated apart
+        req("a", greedy=True),
     ]
     groups = list(group_requests(reqs).values())
-    assert groups == [[0, 3], [1, 4], [2], [5]]
+    assert groups == [[0, 3], [1, 4], [2], [5], [6, 7]]
 
 
 def test_deploy_config_passes_serve_schema():
@@ -362,6 +411,10 @@ def test_bad_args_and_checkpoints_are_one_line_errors(tmp_path, checkpoint, monk
         build_app({"checkpoint": str(tmp_path / "missing")})
     with pytest.raises(RayhfError, match=r"no config\.json"):
         build_app({"checkpoint": str(tmp_path)})
+    with pytest.raises(RayhfError, match=r"^--adapter a: .* has no adapter_config\.json"):
+        build_app({"checkpoint": str(checkpoint), "adapters": {"a": str(tmp_path)}})
+    with pytest.raises(RayhfError, match=r"adapters: 'tiny-policy' is the checkpoint's model id"):
+        build_app({"checkpoint": str(checkpoint), "adapters": {"tiny-policy": str(tmp_path)}})
     real = importlib.util.find_spec  # as if vLLM were not installed
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)

@@ -238,3 +238,18 @@ def test_log_probs_are_the_raw_distribution_s_with_the_likeliest_tokens(native: 
             )
             assert t.top[0][0] == native.token_text(int(row.argmax()))
             assert t.top[0][1] == pytest.approx(float(row.max()), abs=1e-4)
+
+
+def test_an_adapter_is_served_on_the_checkpoint_s_own_weights(native: NativeEngine, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    checkpoint = native.cfg.checkpoint
+    config = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    get_peft_model(load_model(checkpoint, False, "c"), config).save_pretrained(tmp_path)
+    cfg = ServingEngineConfig(checkpoint=checkpoint, adapters={"a": str(tmp_path)})
+    engine = NativeEngine(cfg)
+    base, adapted = (engine.decoders[k].model for k in (None, "a"))
+    names = [n for n in adapted.shards if ".lora_" not in n]
+    assert names and names == list(base.shards)
+    assert all(adapted.param(n).data_ptr() == base.param(n).data_ptr() for n in names)
+    assert sum(".lora_" in n for n in adapted.shards) == 2 * 2  # q_proj's A and B, 2 layers

@@ -42,6 +42,18 @@ def test_the_options_reach_the_server(tmp_path: Path, served):
     assert options["port"] == 8123 and options["max_batch_size"] == 4
     assert options["model_id"] == "policy" and options["engine"] == "native"
     assert options["default_max_tokens"] == 16 and options["num_cpus"] == 1.0
+    assert options["adapters"] == {}
+
+
+def test_adapters_are_name_equals_directory(tmp_path: Path, served):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    args = [str(tmp_path), "--adapter", "a=/x/a", "--adapter", "b=rel/b"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert served[0][1]["adapters"] == {"a": "/x/a", "b": str(Path("rel/b").resolve())}
+    result = CliRunner().invoke(app, [str(tmp_path), "--adapter", "no-directory"])
+    assert isinstance(result.exception, RayhfError)
+    assert str(result.exception).startswith("--adapter no-directory: give NAME=DIR")
 
 
 def test_vllm_checkpoints_are_left_to_ray_serve_llm(tmp_path: Path, served):
