@@ -423,9 +423,12 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     for role in trainable:
         if role not in model_dirs:
             raise RayhfError(f"models.{role}: role '{role}' is trained, so it needs a model")
+    loras = check_lora(cfg, graph, specs, trainable)
+    # a LoRA role's adapters are among its weights wherever they move (reallocation's plans)
+    specs |= {role: dataclasses.replace(specs[role], lora=lora) for role, lora in loras.items()}
     return RunAssets(
         run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, specs,
-        special_ids(tokenizer), trainable, check_lora(cfg, graph, specs, trainable),
+        special_ids(tokenizer), trainable, loras,
     )  # fmt: skip
 
 

@@ -19,6 +19,9 @@ from rayhf.runtime.trainer import run
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LORA = {"models.actor.lora.rank": 4, "models.critic.lora.rank": 2, "cluster.n_devices": 2}
+# the actor generates on a tp = 2 copy: its adapters move there after every train step
+PLAN = {c: {"dp": 2} for c in ("actor_train", "critic_inf", "critic_train", "ref_inf", "rew_inf")}
+PLAN["actor_gen"] = {"tp": 2}
 
 
 def _tensors(model_dir):
@@ -31,7 +34,9 @@ def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    result = run(tiny_config(**LORA))
+    result = run(tiny_config(**LORA, plan=PLAN, **{"algorithm.old_logprobs": "generator"}))
+    # the generator's log-probs are the trainer's before its first update: the same adapters
+    assert max(m["logprob_mismatch"] for m in result.metrics) < 1e-4
     step = result.run_dir / "checkpoints" / "step_000002"
     for role, n_adapted in (("actor", 2 * 7), ("critic", 2 * 7)):
         base, saved = _tensors(result.run_dir / "init" / role), _tensors(step / role)
