@@ -100,9 +100,9 @@ def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
                 f"{field}.targets: '{t}' names no linear layer of this {spec.family} model's "
                 f"decoder layers (they have: {names})"
             )
-    trains = list(config.trains)
-    if spec.value_head and "score" not in trains:
-        trains.append(spec.head_name.removesuffix(".weight"))
+    trains, head = list(config.trains), spec.head_name.removesuffix(".weight")
+    if spec.value_head and head not in trains:
+        trains.append(head)
     modules = {p.name.rsplit(".", 1)[0] for p in param_shards(dataclasses.replace(spec, lora=None))}
     for t in trains:
         if not any(module_named(m, (t,)) for m in modules):

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
 from rayhf.models.files import quiet_transformers
-from rayhf.models.hf import load_model, model_files
+from rayhf.models.hf import load_model
 from rayhf.parallel.decode import DecodeEngine, DecodeOptions
 from rayhf.sampling import DecodeRules, GenerateOutput, GenerationConfig, seed_from
 
@@ -376,24 +376,30 @@ def check_adapters(cfg: ServingEngineConfig) -> None:
     if not cfg.adapters:
         return
     from rayhf.models.hf import read_model_config
-    from rayhf.models.lora import LoraConfig, lora_of, read_adapter_config
     from rayhf.models.spec import model_spec
 
     spec = model_spec(read_model_config(cfg.checkpoint, False, "checkpoint"), False)
     for name, where in cfg.adapters.items():
-        read_adapter_config(where, f"--adapter {name}")
-        lora_of(LoraConfig(adapter=where), spec, f"--adapter {name}")
+        _adapter_lora(spec, where, f"--adapter {name}")
+
+
+def _adapter_lora(spec, where: str, field: str):
+    """The PEFT adapter in ``where`` as a ``Lora`` of the model ``spec``, or one line naming
+    ``field``."""
+    from rayhf.models.lora import LoraConfig, lora_of, read_adapter_config
+
+    read_adapter_config(where, field)  # a directory PEFT wrote, or one line naming it
+    return lora_of(LoraConfig(adapter=where), spec, field)
 
 
 def adapter_model(hf, tokenizer, where: str, field: str, base: RankModel) -> RankModel:
     """The checkpoint ``hf`` with the PEFT adapter in ``where`` beside its weights, which it
     shares with ``base`` (the checkpoint's model): an adapter costs its own tensors."""
-    from rayhf.models.lora import LoraConfig, adapted, lora_of, read_adapter, read_adapter_config
+    from rayhf.models.lora import adapted, read_adapter
 
-    read_adapter_config(where, field)  # a directory PEFT wrote, or one line naming it
-    files = model_files(hf.config, False)
-    lora = lora_of(LoraConfig(adapter=where), files.spec, field)
-    model = RankModel(adapted(files, lora), hf.state_dict() | read_adapter(where), tokenizer)
+    lora = _adapter_lora(base.files.spec, where, field)
+    state = hf.state_dict() | read_adapter(where)
+    model = RankModel(adapted(base.files, lora), state, tokenizer)
     for name in base.module.shards:
         model.module.param(name).data = base.module.param(name).data
     return model
