@@ -178,6 +178,7 @@ def _memory_per_device(cfg, graph, the_plan, specs) -> str:
 
 
 def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
+    from rayhf.models.lora import with_lora
     from rayhf.models.precision import priced
     from rayhf.models.shapes import public_shape
 
@@ -189,7 +190,8 @@ def _with_shapes(specs: dict, cfg, shapes: list[str]) -> dict:
             )
         rc = cfg.models[role]
         shape = public_shape(name, rc.value_head)
-        specs[role] = priced(shape, rc.precision, rc.ema is not None)
+        spec = priced(shape, rc.precision, rc.ema is not None)
+        specs[role] = with_lora(spec, rc.lora, f"models.{role}.lora")
         for copy, other in cfg.models.items():  # a role copied from this one has its shape
             if other.init_from == role and copy not in specs:
                 specs[copy] = priced(shape, other.precision, other.ema is not None)

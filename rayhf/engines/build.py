@@ -14,6 +14,7 @@ from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer
 from rayhf.models.precision import Numerics
+from rayhf.models.spec import Lora
 from rayhf.parallel.groups import ParallelGroups
 
 
@@ -51,14 +52,16 @@ def standalone_engine(
     n_microbatches: int = 1,
     device: str = "cpu",
     precision: str = "fp32",
+    lora: Lora | None = None,
+    checkpointing: bool = False,
 ) -> CallEngine:
     """One rank's engine outside a role group (Ray Train stages, profiling, checks, tests):
     the native generator, and a torch trainer when ``optimizer`` is given (which keeps fp32
-    master weights at a lower ``precision``)."""
+    master weights at a lower ``precision``); ``lora``: fresh adapters, the weights frozen."""
     numerics = Numerics(precision, master=optimizer is not None)
     model = RankModel.from_hf(
-        hf_model, tokenizer, value_head, groups=groups, n_microbatches=n_microbatches,
-        device=device, numerics=numerics,
+        hf_model, tokenizer, value_head, lora, groups=groups, n_microbatches=n_microbatches,
+        device=device, numerics=numerics, checkpointing=checkpointing,
     )  # fmt: skip
     trainer = TorchTrainer(model, optimizer) if optimizer is not None else None
     comm = DataParallel(model.groups.dp_group)

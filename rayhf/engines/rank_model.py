@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from rayhf.models.files import ModelFiles, write_model
+from rayhf.models.lora import adapted
 from rayhf.models.precision import Numerics
 from rayhf.models.sharding import embedding_name, param_shards, take_shard
+from rayhf.models.spec import Lora
 from rayhf.parallel.gather import gather_whole
 from rayhf.parallel.groups import ParallelGroups, single
 from rayhf.parallel.model import ShardedModel
@@ -57,12 +59,15 @@ class RankModel:
         )
 
     @classmethod
-    def from_hf(cls, model: Any, tokenizer: Any, value_head: bool, **kw: Any) -> RankModel:
-        """This rank's shards of a whole Hugging Face model (``kw``: groups, n_microbatches, device,
-        checkpointing, numerics)."""
+    def from_hf(
+        cls, model: Any, tokenizer: Any, value_head: bool, lora: Lora | None = None, **kw: Any
+    ) -> RankModel:
+        """This rank's shards of a whole Hugging Face model, with ``lora``'s adapters (fresh)
+        beside its weights (``kw``: groups, n_microbatches, device, checkpointing, numerics)."""
         from rayhf.models.hf import model_files
 
-        return cls(model_files(model.config, value_head), model.state_dict(), tokenizer, **kw)
+        files = adapted(model_files(model.config, value_head), lora)
+        return cls(files, model.state_dict(), tokenizer, **kw)
 
     @property
     def device(self) -> torch.device:

@@ -70,6 +70,12 @@ def linear_modules(spec: ModelSpec) -> list[str]:
     ]
 
 
+def with_lora(spec: ModelSpec, config: LoraConfig | None, field: str) -> ModelSpec:
+    """``spec`` carrying the adapters ``config`` resolves to (``spec`` itself without one): what
+    the planner prices and reallocation moves."""
+    return spec if config is None else dataclasses.replace(spec, lora=lora_of(config, spec, field))
+
+
 def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
     """``config`` (with its starting adapter's config) as the model's ``Lora``, checked against
     the model: each target and trained module names one of its modules."""

@@ -84,6 +84,7 @@ PUBLIC_SHAPES: dict[str, ModelSpec] = {
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
     "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
+    "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648, 152064, tied=False),
     "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 4, 128, 768),
     "glm-4.5-air": _glm45_air(),
 }

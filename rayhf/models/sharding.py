@@ -466,23 +466,34 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> str | None:
     return None
 
 
-def shard_numel(spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int, ep: int = 1) -> int:
+def shard_numel(
+    spec: ModelSpec, tp: int, pp: int, tp_rank: int, pp_rank: int, ep: int = 1,
+    trained: bool = False,
+) -> int:  # fmt: skip
     """Parameter elements one device holds under ``tp x pp`` and ``ep`` (a tied head's last
-    stage: its own copy of the embedding too)."""
-    held = unit_numels(spec, tp, tp_rank, ep)
+    stage: its own copy of the embedding too); ``trained``: only those an optimizer steps."""
+    held = unit_numels(spec, tp, tp_rank, ep, trained)
     n = sum(held[u] for u in stage_units(spec, pp, pp_rank))
-    if spec.tied and pp > 1 and pp_rank == pp - 1:
+    frozen_embedding = trained and spec.lora is not None and not spec.lora.trains_whole(
+        "model.embed_tokens.weight"
+    )
+    if spec.tied and pp > 1 and pp_rank == pp - 1 and not frozen_embedding:
         lo, hi = chunk_bounds(spec.vocab_size, tp, tp_rank)
         n += (hi - lo) * spec.hidden_size
     return n
 
 
 @functools.lru_cache(maxsize=1024)
-def unit_numels(spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1) -> tuple[int, ...]:
+def unit_numels(
+    spec: ModelSpec, tp: int, tp_rank: int, ep: int = 1, trained: bool = False
+) -> tuple[int, ...]:
     """Parameter elements of each unit (embeddings, layers, head) that tp rank ``tp_rank``
-    holds (with experts split ``ep`` ways: an even share of them)."""
+    holds (with experts split ``ep`` ways: an even share of them); ``trained``: only those an
+    optimizer steps."""
     out = [0] * (spec.n_layers + 2)
     for p in param_shards(spec):
+        if trained and not p.trained:
+            continue
         n = p.numel // ep if p.expert else p.numel
         if p.tp_dim is None:
             out[p.unit] += n

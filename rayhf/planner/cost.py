@@ -163,6 +163,28 @@ def _layout_shard(spec: ModelSpec, layout: Layout) -> int:
     return max_shard_params(spec, layout.tp, layout.pp, layout.ep)
 
 
+@functools.lru_cache(maxsize=4096)
+def max_trained_params(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> int:
+    """Of ``max_shard_params``, those the optimizer steps: all of them, but for a LoRA role
+    (``spec.lora``) only its adapters and the modules it trains in full."""
+    if spec.lora is None:
+        return max_shard_params(spec, tp, pp, ep)
+    return max(shard_numel(spec, tp, pp, 0, s, ep, trained=True) for s in range(pp))
+
+
+def _trained_shard(spec: ModelSpec, layout: Layout) -> int:
+    return max_trained_params(spec, layout.tp, layout.pp, layout.ep)
+
+
+@functools.lru_cache(maxsize=256)
+def frozen_matmul(spec: ModelSpec) -> int:
+    """A LoRA role's frozen matmul parameters (no embedding), whose backward computes the
+    gradient of its input only; 0 for a model that trains in full."""
+    if spec.lora is None:
+        return 0
+    return sum(p.numel for p in param_shards(spec) if not p.trained and p.unit != 0)
+
+
 @functools.lru_cache(maxsize=1024)
 def expert_params(spec: ModelSpec) -> int:
     """The routed experts' parameters, every layer's."""
@@ -283,12 +305,18 @@ class AnalyticCost:
         b = self.dtype_bytes(spec)
         passes = 3 if backward else 1  # backward: gradients of inputs and of weights
         passes += 1 if backward and recompute else 0
-        flops = passes * tokens * (2 * matmul / spec.n_layers + mixing_flops(spec, seq))
+        frozen = frozen_matmul(spec) / spec.n_layers  # a LoRA role's: no weight gradients
+        still = passes - 1 if backward else passes
+        flops = tokens * (
+            2 * (passes * (matmul / spec.n_layers - frozen) + still * frozen)
+            + passes * mixing_flops(spec, seq)
+        )
         # weights read forward, read again and their gradients written backward; activations
         # written forward, read back backward
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
         weights = weights_read(spec, tokens, layout.ep) / spec.n_layers
-        n_bytes = (passes * weights * b + (2 if backward else 1) * acts) / layout.tp
+        weights = passes * (weights - frozen) + still * frozen
+        n_bytes = (weights * b + (2 if backward else 1) * acts) / layout.tp
         gpu = max(flops / layout.tp / self._flops_rate(spec), n_bytes / self._bytes_rate())
         issued = (2 if backward else 1) + (1 if backward and recompute else 0)  # op passes
         host = issued * self.eff.ops_per_layer * self.eff.op_seconds
@@ -421,8 +449,9 @@ class AnalyticCost:
         self, spec: ModelSpec, layout: Layout, zero: int = 0, work: Workload | None = None
     ) -> float:
         """Gradient all-reduce over dp (ZeRO-3: reduce-scattered in the backward) plus one AdamW
-        pass over this device's part of the optimizer state (all of its shard at stage 0)."""
-        shard = _layout_shard(spec, layout)
+        pass over this device's part of the optimizer state (all of its shard at stage 0): of
+        the weights that train (a LoRA role's adapters)."""
+        shard = _trained_shard(spec, layout)
         wb = self.train_bytes(spec, work)
         dp_devices = layout.mesh[:: layout.tp * layout.pp]
         bandwidth, lat = self.cluster.bandwidth(dp_devices), self.cluster.link_latency
@@ -463,14 +492,16 @@ class AnalyticCost:
         # trained weights and gradients at ``wb`` bytes (4: fp32, AdamW's 2 moments beside them;
         # 2: DeepSpeed's bf16, its fp32 master copy in the optimizer too); ZeRO stage ``zero``
         # splits the optimizer state (1), the gradients (2) and the weights (3) over dp, and
-        # ``offload`` keeps the optimizer state in host memory
+        # ``offload`` keeps the optimizer state in host memory; a LoRA role's frozen weights
+        # have neither gradients nor optimizer state (stored as its trained ones, one dtype)
         shard, dp = _layout_shard(spec, layout), layout.dp
         if not trainable:
             return float(shard * self.weight_bytes(spec))
         wb = self.train_bytes(spec, work)
-        optimizer = (8 if wb == 4 else 12) * shard
+        trained = _trained_shard(spec, layout)
+        optimizer = (8 if wb == 4 else 12) * trained
         weights = shard * wb / (dp if zero >= 3 else 1)
-        grads = shard * wb / (dp if zero >= 2 else 1)
+        grads = trained * wb / (dp if zero >= 2 else 1)
         return weights + grads + (0.0 if offload else optimizer / (dp if zero >= 1 else 1))
 
     def train_bytes(self, spec: ModelSpec, work: Workload | None) -> int:

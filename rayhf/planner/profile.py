@@ -31,7 +31,7 @@ import numpy as np
 from rayhf.models.sharding import param_shards
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.cost import AnalyticCost, CallCost, Rows, Workload, max_shard_params
+from rayhf.planner.cost import AnalyticCost, CallCost, Rows, Workload, max_trained_params
 from rayhf.planner.hardware import CPU_ZERO3_PER_TENSOR, ClusterSpec
 
 # (batch, sequence) points for forward and train; (batch, prompt, new tokens) for generation
@@ -163,7 +163,7 @@ class ProfiledCost(AnalyticCost):
         return self.actor.get(min(layout.world_size, max(self.actor)), (0.0, 1.0))
 
     def _profile(self, spec: ModelSpec) -> ModelProfile:
-        return self.profiles[dataclasses.replace(spec, n_layers=0)]
+        return self.profiles[dataclasses.replace(spec, n_layers=0, lora=None)]
 
     def _allreduce(self, n_bytes: float, n: int) -> float:
         if n <= 1:
@@ -209,6 +209,13 @@ class ProfiledCost(AnalyticCost):
             gather = passes * self._allreduce(logits / 2, lay.tp)
         return (mbs + lay.pp - 1) * stage + passes * (lay.pp - 1) * mbs * hop + gather
 
+    def _adapters_share(self, spec: ModelSpec, layout: Layout, rows: Rows) -> float:
+        """A LoRA role's forward and backward over the same role's in full, as the analytic
+        model prices both (the profile times a model that trains in full)."""
+        whole = dataclasses.replace(spec, lora=None)
+        lora = self.forward_seconds(spec, layout, rows, True)
+        return lora / self.forward_seconds(whole, layout, rows, True)
+
     def _generate(self, prof: ModelProfile, spec: ModelSpec, lay: Layout, b: int, w: Workload):
         """Prefill through the pipeline, then every new token walks all stages in turn."""
         fit = prof.generate
@@ -233,7 +240,9 @@ class ProfiledCost(AnalyticCost):
         else:
             per_mb = math.ceil(n_seqs / work.n_minibatches)
             step = self._pipeline(prof.train, spec, layout, Rows(per_mb, seq), True)
-            shard = max_shard_params(spec, layout.tp, layout.pp, layout.ep) * 4
+            if spec.lora is not None:  # profiled in full; frozen weights get no gradients
+                step *= self._adapters_share(spec, layout, Rows(per_mb, seq))
+            shard = max_trained_params(spec, layout.tp, layout.pp, layout.ep) * 4
             sync = self._allreduce(shard, layout.dp)
             if work.zero_stage >= 3:  # beside the gradients' reduction, as at stages 1-2
                 sync += self._zero3_seconds(spec, shard, layout.dp)

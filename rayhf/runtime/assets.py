@@ -29,7 +29,7 @@ from rayhf.metrics.tracker import check_trackers
 from rayhf.models.families import family_traits
 from rayhf.models.files import special_ids
 from rayhf.models.hf import build_model, hf_config, save_model
-from rayhf.models.lora import lora_of
+from rayhf.models.lora import lora_of, with_lora
 from rayhf.models.precision import priced
 from rayhf.models.spec import Lora, ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
@@ -198,9 +198,10 @@ def model_specs(cfg: ExperimentConfig, skip: frozenset[str] = frozenset()) -> di
 
 
 def role_spec(config: Any, cfg: ExperimentConfig, role: str) -> ModelSpec:
-    """A model role's shape, with its precision for the planner."""
+    """A model role's shape, with its precision and its LoRA adapters for the planner."""
     rc = cfg.models[role]
-    return priced(model_spec(config, rc.value_head), rc.precision, rc.ema is not None)
+    spec = priced(model_spec(config, rc.value_head), rc.precision, rc.ema is not None)
+    return with_lora(spec, rc.lora, f"models.{role}.lora")
 
 
 def check_graph_against_config(graph: Graph, cfg: ExperimentConfig) -> None:
@@ -417,8 +418,9 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     check_router_replay(cfg, graph, specs)
     check_staleness(cfg, graph, plan)
     for role, rc in cfg.models.items():
-        if rc.init_from is not None and role in specs:
-            check_compatible(specs[rc.init_from], specs[role], f"models.{role}.init_from")
+        if rc.init_from is not None and role in specs:  # the base weights: adapters stay
+            source = dataclasses.replace(specs[rc.init_from], lora=None)
+            check_compatible(source, specs[role], f"models.{role}.init_from")
     trainable = {c.role for c in graph.calls if c.kind == "train"}
     for role in trainable:
         if role not in model_dirs:

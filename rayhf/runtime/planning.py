@@ -23,6 +23,7 @@ from rayhf.config.registry import INTERFACES
 from rayhf.data.datasets import PromptDataset
 from rayhf.engines.config import EngineConfig
 from rayhf.graph import Graph
+from rayhf.models.lora import with_lora
 from rayhf.models.spec import ModelSpec
 from rayhf.planner.auto import (
     RunDevices,
@@ -168,6 +169,7 @@ def auto_plan(
             specs, profiles, device_name = measured
     elif searches(cfg.cluster):
         specs, profiles = profiles_for(configs, threads)
+    specs = {r: with_lora(s, cfg.models[r].lora, f"models.{r}.lora") for r, s in specs.items()}
     works = planner_workloads(cfg, graph, dataset)
     driver = cfg.driver
     devices = RunDevices(

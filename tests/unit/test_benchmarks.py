@@ -118,6 +118,15 @@ def test_partial_rollouts_measures_generation_after_a_newer_version(monkeypatch)
     assert bench.in_flight(events, k=1, warmup=1)["periods"] == 4
 
 
+def test_lora_demo_reports_each_way_at_its_best_mean_over_the_seeds(monkeypatch):
+    bench = _load(BENCHMARKS_DIR / "lora_demo.py", monkeypatch)
+    # 0.001 has the best single run, 0.002 the best mean: the mean decides
+    grid = {0.001: [0.9, 0.1, 0.2], 0.002: [0.6, 0.6, 0.5], 0.005: [0.4, 0.4, 0.4]}
+    assert bench.chosen_rate(grid) == 0.002
+    rows = [{"task_reward": r, "step": i + 1} for i, r in enumerate([0.0] * 5 + [1.0] * 5)]
+    assert bench.final(rows, 5) == 1.0 and bench.final(rows, 10) == 0.5
+
+
 def _linked(page: Path) -> set[Path]:
     """The files a Markdown page links to, resolved (outside links and anchors dropped)."""
     targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text())

@@ -52,5 +52,6 @@ def test_an_unknown_name_lists_the_known_ones():
         public_shape("llama3-8b")
     assert str(info.value) == (
         "model shape 'llama3-8b' is unknown; use one of llama2-7b, llama2-13b, codellama-34b, "
-        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-30b-a3b, glm-4.5-air"
+        "llama2-70b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-32b, qwen3-30b-a3b, "
+        "glm-4.5-air"
     )

@@ -18,6 +18,7 @@ from rayhf.planner.cost import (
     Workload,
     _sizes,
     max_shard_params,
+    max_trained_params,
 )
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
@@ -250,3 +251,30 @@ def test_a_hybrid_model_s_deltanet_layers_cost_linear_in_length():
         cost.call(s, lay, long).seconds / cost.call(s, lay, short).seconds for s in (hybrid, full)
     )
     assert growth_h < growth_f
+
+
+def test_a_lora_role_steps_and_reduces_only_its_adapters_and_skips_frozen_weight_gradients():
+    """Qwen2.5-7B with rank-16 adapters on every linear layer: 40.4M of 7.6B parameters train.
+    Its train call keeps gradients and AdamW state for those alone, reduces them alone over dp,
+    and its backward computes no frozen weight's gradient (two passes of the frozen matmuls
+    where full fine-tuning runs three); its other calls cost what the base model's do."""
+    from rayhf.models.lora import LoraConfig, with_lora
+
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    full = public_shape("qwen2.5-7b")
+    lora = with_lora(full, LoraConfig(rank=16), "models.actor.lora")
+    lay, work = Layout(tuple(range(8)), 8), Workload("train", 64, 256, 256, checkpointing=True)
+    trained = max_trained_params(lora, 1, 1)
+    assert trained == pytest.approx(40.4e6, rel=0.01)
+    assert max_trained_params(full, 2, 2) == max_shard_params(full, 2, 2)
+    assert max_shard_params(lora, 1, 1) == max_shard_params(full, 1, 1) + trained
+    saved = cost.call(full, lay, work).memory - cost.call(lora, lay, work).memory
+    # the base's fp32 gradients and two moments, less the adapters' weights, grads and moments
+    assert saved == pytest.approx(12 * max_shard_params(full, 1, 1) - 16 * trained, rel=1e-6)
+    a, b = cost.call(full, lay, work).parts, cost.call(lora, lay, work).parts
+    assert b["optimizer"] < a["optimizer"] / 50
+    assert 0.6 < b["forward_backward"] / a["forward_backward"] < 0.85  # (2 + 1) / (3 + 1)
+    gen = Workload("generate", 64, 256, 256)
+    assert cost.call(lora, lay, gen).seconds == pytest.approx(
+        cost.call(full, lay, gen).seconds, rel=0.01
+    )

@@ -1,0 +1,147 @@
+"""A LoRA role's train call against full fine-tuning's: peak memory, step time, what a move carries.
+
+    python benchmarks/lora_train.py [--rank 16] [--repeats 3] [--tokens 256 1024]
+
+A Qwen2-0.5B-shaped model (896 wide, 24 layers, Qwen2.5's vocabulary; random weights) on one
+CPU rank, trained one optimizer step at a time as a train call trains (``TorchTrainer.train``
+of one minibatch, the SFT loss through ``response_forward``, fp32, AdamW), in full and with
+rank-``--rank`` adapters on every linear layer of the decoder layers (``models.<role>.lora:
+{rank: R}``), for each batch of ``--tokens`` tokens (rows of 32 prompt and 224 response
+tokens) with activation checkpointing. Peak: torch's ``MemTracker`` over the second step
+(weights, gradients, AdamW state, activations; the first step creates the state). Time: the
+median of ``--repeats`` steps after one warm-up. Moves: the bytes of the weights a reallocation
+carries today (the whole model, adapters included, in bf16) and of the adapters alone (what a
+move of them alone would carry; not built yet). Writes docs/benchmarks/lora_train.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from _common import git_commit, write_results
+from train_step import SIZES, Tok, model_of
+
+from rayhf.algorithms.lm import response_forward
+from rayhf.algorithms.sft import sft_loss
+from rayhf.data.batch import PackedBatch
+from rayhf.engines.build import standalone_engine
+from rayhf.engines.call import CallEngine
+from rayhf.engines.torch_trainer import OptimizerConfig, TorchTrainer
+from rayhf.models.hf import model_files
+from rayhf.models.lora import LoraConfig, lora_of
+from rayhf.models.sharding import param_shards
+
+SIZE = SIZES["qwen2-0.5B"]
+PROMPT, RESPONSE = 32, 224
+
+
+def batch_of(tokens: int, vocab: int) -> PackedBatch:
+    g = torch.Generator().manual_seed(0)
+    rows = max(1, tokens // (PROMPT + RESPONSE))
+    seqs = torch.randint(3, vocab, (rows, PROMPT + RESPONSE), generator=g)
+    batch = PackedBatch(list(range(rows)))
+    batch.add("seq", seqs.reshape(-1), [PROMPT + RESPONSE] * rows)
+    batch.add("prompt_lens", torch.full((rows,), PROMPT), [1] * rows)
+    return batch
+
+
+def engine_of(rank: int) -> CallEngine:
+    hf = model_of(SIZE)
+    spec = model_files(hf.config, False).spec
+    lora = lora_of(LoraConfig(rank=rank), spec, "lora") if rank else None
+    opt = OptimizerConfig(lr=1e-5)
+    return standalone_engine(hf, Tok(), False, opt, lora=lora, checkpointing=True)
+
+
+def measure(rank: int, tokens: int, repeats: int) -> dict[str, Any]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    engine = engine_of(rank)
+    assert isinstance(engine.trainer, TorchTrainer)
+    batch = batch_of(tokens, SIZE["vocab"])
+
+    def loss_fn(mb: PackedBatch) -> torch.Tensor:
+        logp, _, mask = response_forward(engine, mb)
+        return sft_loss(logp, mask)
+
+    def step() -> None:
+        engine.train([batch], loss_fn)
+
+    step()  # AdamW's state exists from here on
+    tracker = MemTracker()
+    tracker.track_external(engine.model.module, engine.trainer.optimizer)
+    with tracker:
+        step()
+    peak = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - began)
+    spec = engine.model.spec
+    shards = param_shards(spec)
+    return {
+        "rank": rank,
+        "tokens": batch.n_rows * (PROMPT + RESPONSE),
+        "peak_bytes": peak,
+        "step_seconds": statistics.median(times),
+        "trained": sum(p.numel for p in shards if p.trained),
+        "move_bytes": 2 * sum(p.numel for p in shards),
+        "adapter_bytes": 2 * sum(p.numel for p in shards if ".lora_" in p.name),
+    }
+
+
+def report(rows: list[dict], args: str, commit: str) -> str:
+    lines = [
+        "# A LoRA role's train call against full fine-tuning",
+        "",
+        f"`python benchmarks/lora_train.py{args}` on this machine (2 CPU cores), commit {commit}. "
+        + (__doc__ or "").split("\n\n", 2)[1].replace("\n", " "),
+        "",
+        "| tokens | training | trained parameters | peak memory | vs full | step | vs full |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        full = next(x for x in rows if x["tokens"] == r["tokens"] and x["rank"] == 0)
+        name = "full" if r["rank"] == 0 else f"LoRA rank {r['rank']}"
+        lines.append(
+            f"| {r['tokens']} | {name} | {r['trained']:,} | {r['peak_bytes'] / 2**30:.2f} GiB | "
+            f"{full['peak_bytes'] / r['peak_bytes']:.2f}x smaller | {r['step_seconds']:.2f} s | "
+            f"{r['step_seconds'] / full['step_seconds']:.2f}x |"
+        )
+    lora = next(r for r in rows if r["rank"])
+    lines += [
+        "",
+        f"A weight move today carries the whole model, adapters included: "
+        f"{lora['move_bytes'] / 2**20:,.0f} MiB in bf16; the adapters alone are "
+        f"{lora['adapter_bytes'] / 2**20:,.1f} MiB "
+        f"({lora['move_bytes'] / lora['adapter_bytes']:.0f}x fewer bytes), what a move of the "
+        "adapters alone would carry once reallocation sends them so (not built yet).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for tokens in args.tokens:
+        for rank in (0, args.rank):
+            rows.append(measure(rank, tokens, args.repeats))
+            print(rows[-1], flush=True)
+    commit = git_commit()
+    text = report(rows, "".join(f" {a}" for a in __import__("sys").argv[1:]), commit)
+    print(text)
+    write_results("lora_train", text, {"rows": rows}, commit)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The planner on LoRA roles (simulated): GRPO and PPO of Qwen2.5-7B and -32B shapes on one and
+two nodes of 8 H100s, each trained in full and with rank-16 adapters.
+
+    python benchmarks/planner_lora.py [--time-limit 20] [--quick]
+
+For each setup and way of training, the search's plan (``rayhf plan --cluster``'s) is compared
+in estimated iteration time with every baseline's (``rayhf.planner.baselines``; an infeasible,
+over-memory plan never counts as the best). LoRA: ``models.<role>.lora: {rank: 16}`` on every
+linear layer of the decoder layers (the actor's, and PPO's critic's, whose value head trains in
+full), priced as rayhf's torch engine runs it: frozen weights stored as the trained ones (fp32)
+without gradients or AdamW state, the backward computing no frozen weight's gradient, the
+gradient all-reduce and AdamW over the adapters alone; weight moves carry the whole model, as
+reallocation does today (adapters alone is issue 67's open part), and the reference is a copy of
+its own. A batch of ``BATCH`` sequences (64 prompts x 8 samples for GRPO) of ``PROMPT`` prompt and
+``GEN`` new tokens, 4 minibatches, activation checkpointing in every train call. PPO's critic
+and reward model are the actor's shape. Writes docs/benchmarks/planner_lora.{md,json}, every plan
+included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from _common import git_commit, write_results
+from planner_scale import compare, speedup
+
+from rayhf.graph import load_graph
+from rayhf.models.lora import LoraConfig, with_lora
+from rayhf.models.shapes import public_shape
+from rayhf.planner.auto import open_stages
+from rayhf.planner.cost import AnalyticCost, Workload, max_shard_params, max_trained_params
+from rayhf.planner.hardware import parse_cluster
+from rayhf.planner.problem import Problem
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH, PROMPT, GEN, RANK = 512, 512, 1024, 16
+WAYS = ("full", "lora")
+TRAINED = {"grpo": ("actor",), "ppo": ("actor", "critic")}
+
+
+def setups(quick: bool) -> list[tuple[str, str, int]]:
+    """(algorithm, policy shape, devices)."""
+    out = [
+        (algo, shape, devices)
+        for shape, sizes in (("qwen2.5-7b", (8,)), ("qwen2.5-32b", (8, 16)))
+        for algo in ("grpo", "ppo")
+        for devices in sizes
+    ]
+    return out[:1] if quick else out
+
+
+def problem(algo: str, shape: str, devices: int, way: str) -> Problem:
+    graph = load_graph(REPO / "graphs" / f"{algo}.yaml")
+    specs = {"actor": public_shape(shape), "ref": public_shape(shape)}
+    if algo == "ppo":
+        specs |= {"critic": public_shape(shape, True), "reward": public_shape(shape, True)}
+    if way == "lora":
+        for role in TRAINED[algo]:
+            specs[role] = with_lora(specs[role], LoraConfig(rank=RANK), f"models.{role}.lora")
+    works = {
+        c.name: Workload(c.kind, BATCH, PROMPT, GEN, 4 if c.kind == "train" else 1,
+                         checkpointing=c.kind == "train")
+        for c in graph.calls
+    }  # fmt: skip
+    cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
+    return Problem(graph, specs, open_stages(works), cost)
+
+
+def _layout(v: dict | None, call: str) -> str:
+    if v is None:
+        return "-"
+    lay = v["plan"][call]
+    zero = f" ZeRO-{lay['zero']}" if lay.get("zero") else ""
+    return f"{len(lay['mesh'])} dev, dp{lay['dp']} tp{lay['tp']} pp{lay['pp']}{zero}"
+
+
+def _cell(v: dict | None) -> str:
+    return "-" if v is None else f"{v['seconds']:.1f}{'' if v['feasible'] else '*'}"
+
+
+def _up(r: dict) -> float:
+    return speedup(r) if r["best_baseline"] and r["search"]["feasible"] else float("nan")
+
+
+def report(rows: list[dict], commit: str) -> str:
+    names = [k for k, v in rows[0]["full"].items() if (v is None or isinstance(v, dict))]
+    names = [k for k in names if k != "search"]
+    lines = [
+        "# The planner on LoRA roles (simulated, H100 datasheet figures)",
+        "",
+        f"`python benchmarks/planner_lora.py` at {commit}. "
+        + (__doc__ or "").split("\n\n", 2)[2].split("Writes")[0].replace("\n", " ").strip(),
+        "",
+        "Seconds per iteration; `*` = does not fit memory, `-` = the baseline's rules give no "
+        "plan. Every plan, with its stages, is in `planner_lora.json`.",
+        "",
+        "| algorithm | policy | GPUs | training | "
+        + " | ".join(names)
+        + " | search | best baseline | speed-up |",
+        "| --- | --- | ---: | --- | "
+        + " | ".join("---:" for _ in names)
+        + " | ---: | --- | ---: |",
+    ]
+    ups: dict[str, list[float]] = {w: [] for w in WAYS}
+    for r in rows:
+        for way in WAYS:
+            x = r[way]
+            up = _up(x)
+            ups[way].append(up)
+            cells = " | ".join(_cell(x.get(k)) for k in [*names, "search"])
+            lines.append(
+                f"| {r['algo']} | {r['shape']} | {r['devices']} | {way} | {cells} | "
+                f"{x['best_baseline'] or 'none'} | " + ("-" if up != up else f"{up:.2f}x") + " |"
+            )
+    lines.append("")
+    for way in WAYS:
+        finite = [u for u in ups[way] if u == u]
+        if finite:
+            lines.append(
+                f"- {way}: the search over the best feasible baseline, geometric mean "
+                f"{statistics.geometric_mean(finite):.2f}x, median "
+                f"{statistics.median(finite):.2f}x, worst {min(finite):.2f}x, best "
+                f"{max(finite):.2f}x over {len(finite)} setups"
+                + (f" ({len(rows) - len(finite)} with none feasible)." if len(finite) < len(rows)
+                   else ".")
+            )  # fmt: skip
+    lines += [
+        "",
+        "What LoRA changes in the searched plan (devices, dp, tp, pp, ZeRO stage), and the "
+        "search's time with LoRA over its time in full:",
+        "",
+        "| algorithm | policy | GPUs | call | full | LoRA |",
+        "| --- | --- | ---: | --- | --- | --- |",
+    ]
+    for r in rows:
+        for call in r["full"]["search"]["plan"]:
+            a, b = (_layout(r[w]["search"], call) for w in WAYS)
+            lines.append(
+                f"| {r['algo']} | {r['shape']} | {r['devices']} | {call} | {a} | "
+                + (f"**{b}**" if a != b else "same")
+                + " |"
+            )
+    lines += [
+        "",
+        "| algorithm | policy | GPUs | search, full | search, LoRA | LoRA's speed-up |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        f, lo = r["full"]["search"], r["lora"]["search"]
+        up = f["seconds"] / lo["seconds"] if f["feasible"] and lo["feasible"] else float("nan")
+        lines.append(
+            f"| {r['algo']} | {r['shape']} | {r['devices']} | {_cell(f)} | {_cell(lo)} | "
+            + ("-" if up != up else f"{up:.2f}x")
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    parser.add_argument("--quick", action="store_true", help="the first setup only")
+    args = parser.parse_args()
+    rows = []
+    for algo, shape, devices in setups(args.quick):
+        row: dict = {"algo": algo, "shape": shape, "devices": devices}
+        for way in WAYS:
+            row[way] = compare(problem(algo, shape, devices, way), args.time_limit)
+            print(algo, shape, devices, way, row[way]["best_baseline"],
+                  row[way]["search"]["seconds"], flush=True)  # fmt: skip
+        rows.append(row)
+    lora = with_lora(public_shape("qwen2.5-7b"), LoraConfig(rank=RANK), "lora")
+    ratio = max_shard_params(lora, 1, 1) / max_trained_params(lora, 1, 1)
+    commit = git_commit()
+    text = report(rows, commit)
+    text += (
+        f"\nQwen2.5-7B at rank {RANK}: {max_trained_params(lora, 1, 1):,} of "
+        f"{max_shard_params(lora, 1, 1):,} parameters train ({ratio:.0f}x fewer).\n"
+    )
+    print(text)
+    write_results("planner_lora", text, {"rows": rows}, commit)
+
+
+if __name__ == "__main__":
+    main()
