@@ -3,18 +3,18 @@ two nodes of 8 H100s, each trained in full and with rank-16 adapters.
 
     python benchmarks/planner_lora.py [--time-limit 20] [--quick]
 
-For each setup and way of training, the search's plan (``rayhf plan --cluster``'s) is compared
-in estimated iteration time with every baseline's (``rayhf.planner.baselines``; an infeasible,
+For each setup and way of training, the search's plan (``rayhf plan --cluster``'s) is compared in
+estimated iteration time with every baseline's (``rayhf.planner.baselines``; an infeasible,
 over-memory plan never counts as the best). LoRA: ``models.<role>.lora: {rank: 16}`` on every
 linear layer of the decoder layers (the actor's, and PPO's critic's, whose value head trains in
 full), priced as rayhf's torch engine runs it: frozen weights stored as the trained ones (fp32)
-without gradients or AdamW state, the backward computing no frozen weight's gradient, the
-gradient all-reduce and AdamW over the adapters alone; weight moves carry the whole model, as
-reallocation does today (adapters alone is issue 67's open part), and the reference is a copy of
-its own. A batch of ``BATCH`` sequences (64 prompts x 8 samples for GRPO) of ``PROMPT`` prompt and
-``GEN`` new tokens, 4 minibatches, activation checkpointing in every train call. PPO's critic
-and reward model are the actor's shape. Writes docs/benchmarks/planner_lora.{md,json}, every plan
-included.
+without gradients or AdamW state, the backward computing no frozen weight's gradient, the gradient
+all-reduce and AdamW over the adapters alone; the reference computed by the actor on its base
+weights (no copy of its own, as a run does it); weight moves carry the whole model, as reallocation
+does today (adapters alone is issue 67's open part). A batch of ``BATCH`` sequences (64 prompts x 8
+samples for GRPO) of ``PROMPT`` prompt and ``GEN`` new tokens, 4 minibatches, activation
+checkpointing in every train call. PPO's critic and reward model are the actor's shape. Writes
+docs/benchmarks/planner_lora.{md,json}, every plan included.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def problem(algo: str, shape: str, devices: int, way: str) -> Problem:
     specs = {"actor": public_shape(shape), "ref": public_shape(shape)}
     if algo == "ppo":
         specs |= {"critic": public_shape(shape, True), "reward": public_shape(shape, True)}
-    if way == "lora":
+    if way == "lora":  # the reference: the actor's calls on its base weights (base_sources)
         for role in TRAINED[algo]:
             specs[role] = with_lora(specs[role], LoraConfig(rank=RANK), f"models.{role}.lora")
+        graph = graph.on_bases({"ref": "actor"})
+        del specs["ref"]
     works = {
         c.name: Workload(c.kind, BATCH, PROMPT, GEN, 4 if c.kind == "train" else 1,
                          checkpointing=c.kind == "train")

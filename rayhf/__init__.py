@@ -31,9 +31,9 @@ def make_plan(cfg: ExperimentConfig) -> Plan:
     directory and timed on this machine (cached; the first time takes seconds per shape)."""
     from rayhf.planner import make_plan as _make_plan
     from rayhf.planner.auto import searches
+    from rayhf.runtime.assets import run_graph
 
-    graph = load_graph(cfg.graph_path())
-    graph.validate_roles(set(cfg.models))
+    graph, _ = run_graph(cfg)
     if cfg.plan == "auto" and searches(cfg.cluster):
         import tempfile
         from pathlib import Path

@@ -130,12 +130,13 @@ def plan(
     --cluster, search the plan for that cluster and compare it with the baselines."""
     import rayhf
     from rayhf.planner.plan import format_reallocations
-    from rayhf.runtime.assets import model_specs
+    from rayhf.runtime.assets import model_specs, run_graph
 
     cfg = rayhf.load_config(config, overrides or [])
-    graph = rayhf.load_graph(cfg.graph_path())
+    graph, bases = run_graph(cfg)
     shaped = frozenset(item.partition("=")[0] for item in shape or [])
     specs = _with_shapes(model_specs(cfg, shaped), cfg, shape or [])
+    specs = {role: spec for role, spec in specs.items() if role not in bases}
     if cluster is not None:
         _search_plan(cfg, graph, specs, cluster, search_seconds, json_out, gantt)
         return

@@ -7,6 +7,7 @@ role's first call of step i+1 (``Graph.role_order``): the driver enforces it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -33,6 +34,9 @@ class Call(BaseModel):
     input_remap: dict[str, str] = Field(default_factory=dict)  # interface name -> graph key
     output_remap: dict[str, str] = Field(default_factory=dict)  # interface name -> graph key
     args: dict[str, object] = Field(default_factory=dict)  # per-call interface options
+    # runs on its role's base weights, the role's LoRA adapters off (a reference computed by
+    # the LoRA actor it was copied from: ``Graph.on_bases``)
+    base: bool = False
 
     def interface_inputs(self) -> dict[str, str]:
         """Interface key -> graph key for every input."""
@@ -113,6 +117,17 @@ class Graph(BaseModel):
             Graph(name=f"{self.name}:lead", inputs=self.inputs, calls=first),
             Graph(name=f"{self.name}:rest", inputs=made, calls=rest),
         )
+
+    def on_bases(self, sources: Mapping[str, str]) -> Graph:
+        """Each call of a role in ``sources`` run instead by the role it names, on that role's
+        base weights (``Call.base``)."""
+        if not sources:
+            return self
+        calls = [
+            c.model_copy(update={"role": sources[c.role], "base": True}) if c.role in sources else c
+            for c in self.calls
+        ]
+        return Graph(name=self.name, inputs=self.inputs, calls=calls, policy=self.policy)
 
     def validate_roles(self, roles: set[str]) -> None:
         """Every call's role must be a configured model."""

@@ -176,6 +176,7 @@ class ShardedModel(torch.nn.Module):
         self.conv1d_prefix = f"{spec.prefix}.{spec.traits.layers}." if conv1d else None
         # LoRA: each adapted weight's adapters (by the weight's name), applied unmerged
         self.adapters = {} if spec.lora is None else adapters_of(self)
+        self.adapters_on = True  # False: the base weights alone (``base_weights``)
 
     @property
     def device(self) -> torch.device:
@@ -257,10 +258,20 @@ class ShardedModel(torch.nn.Module):
             out = x @ w if bias is None else torch.addmm(bias, x, w)
         else:
             out = F.linear(x, w, bias)
-        pair = self.adapters.get(name) if self.adapters else None
+        pair = self.adapters.get(name) if self.adapters and self.adapters_on else None
         if pair is not None and pair.split != "row":  # (a row-parallel one's: ``_row_linear``)
             out = out + unreduced_term(self, x, pair)
         return out
+
+    @contextlib.contextmanager
+    def base_weights(self) -> Iterator[None]:
+        """Compute with the base weights alone, every LoRA adapter's term left out (a reference
+        model computed by the LoRA role it was copied from)."""
+        self.adapters_on = False
+        try:
+            yield
+        finally:
+            self.adapters_on = True
 
     def weights_fingerprint(self) -> tuple[int, ...]:
         """Changes whenever the weights may have: a new version, new storage, an update in
@@ -551,7 +562,7 @@ class ShardedModel(torch.nn.Module):
         """A row-parallel linear layer: this rank's input columns times its weight rows, summed
         over tp, then the bias (whole on every rank)."""
         out = reduce_from_tp(self.matmul(x, f"{name}.weight"), self.groups.tp_group)
-        pair = self.adapters.get(f"{name}.weight") if self.adapters else None
+        pair = self.adapters.get(f"{name}.weight") if self.adapters and self.adapters_on else None
         if pair is not None and pair.split == "row":
             out = out + reduced_term(self, x, pair)
         bias = self.param_or_none(f"{name}.bias")

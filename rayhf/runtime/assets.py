@@ -388,9 +388,38 @@ def _check_reward_columns(cfg: ExperimentConfig, datasets: list[PromptDataset]) 
             check_columns(fn, rc.function, data.columns, data.config.path)
 
 
-def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
+def base_sources(cfg: ExperimentConfig, graph: Graph) -> dict[str, str]:
+    """Role -> the LoRA role that computes its calls on its base weights, its adapters off:
+    each frozen copy (``init_from``; no moving average, no adapters of its own, the same
+    precision and head) of a LoRA role whose calls all score (the reference for free)."""
+    out = {}
+    for role, rc in cfg.models.items():
+        name = rc.init_from or ""
+        source = cfg.models.get(name)  # (an unknown one is refused by ``prepare_models``)
+        kinds = {c.kind for c in graph.calls if c.role == role}
+        if (
+            source is not None
+            and source.lora is not None
+            and rc.lora is None
+            and rc.ema is None
+            and kinds == {"inference"}
+            and (rc.precision, rc.value_head) == (source.precision, source.value_head)
+        ):
+            out[role] = name
+    return out
+
+
+def run_graph(cfg: ExperimentConfig) -> tuple[Graph, dict[str, str]]:
+    """The graph a run executes (``cfg.graph``, its roles checked against ``models``, the calls
+    of ``base_sources``' roles run by their sources), and ``base_sources``."""
     graph = load_graph(resolve_path(cfg.graph))
     graph.validate_roles(set(cfg.models))
+    bases = base_sources(cfg, graph)
+    return graph.on_bases(bases), bases
+
+
+def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
+    graph, bases = run_graph(cfg)
     check_graph_against_config(graph, cfg)
     if (refill := refill_of(cfg)) is not None:
         refill.check(graph)
@@ -408,6 +437,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     _check_reward_columns(cfg, datasets)
     _check_token_budgets(cfg, datasets)
     model_dirs = prepare_models(cfg, run_dir, tokenizer)
+    model_dirs = {role: d for role, d in model_dirs.items() if role not in bases}
     specs = _model_specs(cfg, model_dirs)
     if plan is None:
         plan = auto_plan(cfg, graph, model_dirs, dataset, run_dir)

@@ -31,6 +31,7 @@ class CallSpec:
     # the class ``interface`` names, resolved from the registry where the spec is made (the
     # driver), so a worker builds what the driver checked; never None after creation
     interface_type: type[Interface] = None  # type: ignore[assignment]
+    base: bool = False  # runs on the role's base weights, its LoRA adapters off (``Call.base``)
 
     def __post_init__(self) -> None:
         if self.engine is None:

@@ -200,6 +200,7 @@ class Session:
                 c.interface_inputs(),
                 c.interface_outputs(),
                 cfg.engine_of(c.name, c.kind),
+                base=c.base,
             )
             for c in assets.graph.calls
             if c.role == role and assets.plan.layouts[c.name] == layout

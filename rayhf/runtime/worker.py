@@ -12,6 +12,7 @@ stats are already all-reduced over the replicas.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -191,7 +192,8 @@ class RoleWorker:
         elif call.kind == "generate":
             batch = interface.generate(engine, req.batch, ctx)
         elif call.kind == "inference":
-            batch = interface.inference(engine, req.batch, ctx)
+            with self._model().module.base_weights() if call.base else contextlib.nullcontext():
+                batch = interface.inference(engine, req.batch, ctx)
         elif req.evaluate:
             stats = interface.evaluate(engine, req.batch, ctx)
         else:

@@ -12,6 +12,7 @@ from conftest import REPO, tiny_overrides
 from safetensors.torch import load_file
 
 import rayhf
+from rayhf.metrics.trace import read_trace
 from rayhf.models.files import ADAPTER_DIR
 from rayhf.models.lora import ADAPTER_CONFIG, ADAPTER_FILE
 from rayhf.runtime.trainer import run
@@ -37,6 +38,9 @@ def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
     result = run(tiny_config(**LORA, plan=PLAN, **{"algorithm.old_logprobs": "generator"}))
     # the generator's log-probs are the trainer's before its first update: the same adapters
     assert max(m["logprob_mismatch"] for m in result.metrics) < 1e-4
+    # the reference for free: the actor computes it on its base weights, no group of its own
+    spans = [e for e in read_trace(result.run_dir / "trace.json") if e.get("name") == "ref_inf"]
+    assert spans and {e["args"]["role"] for e in spans} == {"actor"}
     step = result.run_dir / "checkpoints" / "step_000002"
     for role, n_adapted in (("actor", 2 * 7), ("critic", 2 * 7)):
         base, saved = _tensors(result.run_dir / "init" / role), _tensors(step / role)
@@ -70,6 +74,9 @@ def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
     }
     cfg = rayhf.load_config(REPO / "examples" / "ppo_tiny.yaml")
     again = run(cfg.with_overrides(tiny_overrides(tmp_path / "again", **LORA, **again, steps=1)))
+    # the adapter it starts from moves the actor off its base, the reference's weights: KL > 0
+    # from the first step (a reference computed with the adapters on would give 0)
+    assert again.metrics[0]["kl"] > 1e-4
     first = again.run_dir / "checkpoints" / "step_000001" / "actor" / ADAPTER_DIR / ADAPTER_FILE
     want = load_file(str(step / "actor" / ADAPTER_DIR / ADAPTER_FILE))
     assert load_file(str(first)).keys() == want.keys()

@@ -82,6 +82,23 @@ def test_a_fresh_adapter_changes_nothing():
     assert torch.equal(_logits(fresh, ids, mask), _logits(plain, ids, mask))
 
 
+def test_base_weights_give_a_separate_base_copy_s_logits_with_trained_adapters_on_the_side():
+    """A reference computed by the LoRA actor (``base_weights``) equals a copy of the base."""
+    ids, mask = _batch()
+    base = _model("llama", False).state_dict()
+    model = _rayhf("llama", base, Lora(4, 16, ("q_proj", "o_proj", "down_proj")))
+    with torch.no_grad():
+        for pair in model.module.adapters.values():  # trained adapters: off the base
+            b = model.module.param(pair.b.name)
+            b.copy_(torch.randn_like(b))
+    plain = RankModel(model_files(_model("llama", False).config, False), base, Tok())
+    want = _logits(plain, ids, mask)
+    assert not torch.allclose(_logits(model, ids, mask), want)
+    with model.module.base_weights():
+        assert torch.equal(_logits(model, ids, mask), want)
+    assert not torch.allclose(_logits(model, ids, mask), want)  # on again after it
+
+
 def test_adapters_saved_by_rayhf_load_in_peft_and_peft_s_load_in_rayhf(tmp_path):
     from peft import PeftModel
 

@@ -15,6 +15,7 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.runtime.assets import (
     _check_batch,
+    base_sources,
     check_engines,
     check_graph_against_config,
     check_router_replay,
@@ -55,6 +56,19 @@ def test_a_tiny_ppo_run_gets_its_files_graph_plan_and_dataset(tmp_path: Path):
     assert (run_dir / PLAN_FILE).is_file(), "a resumed run keeps the plan"
     found = existing_dataset(cfg, PPO)
     assert found is not None and len(found) == 512
+
+
+def test_a_lora_actor_computes_its_reference_on_its_base_weights(tmp_path: Path):
+    """The reference for free: ``ref: {init_from: actor}`` of a LoRA actor has no model of its
+    own; its call runs on the actor, adapters off. A copy that computes otherwise keeps one."""
+    lora = "models.actor.lora.rank=4"
+    assets = prepare_run(_cfg(tmp_path, lora), tmp_path / "run")
+    assert [(c.name, c.role) for c in assets.graph.calls if c.base] == [("ref_inf", "actor")]
+    assert set(assets.model_dirs) == set(assets.specs) == {"actor", "critic"}
+    assert "ref" not in assets.plan.role_layouts(assets.graph)  # no group of its own
+    assert base_sources(_cfg(tmp_path), PPO) == {}  # no adapters: the copy is the reference
+    for other in ("models.ref.precision=bf16", "models.ref.lora.rank=2"):
+        assert base_sources(_cfg(tmp_path, lora, other), PPO) == {}, other
 
 
 def test_the_tokenizer_comes_from_an_alphabet_a_path_or_the_policy_s_model(tmp_path: Path):
