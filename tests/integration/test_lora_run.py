@@ -76,7 +76,7 @@ def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
     again = run(cfg.with_overrides(tiny_overrides(tmp_path / "again", **LORA, **again, steps=1)))
     # the adapter it starts from moves the actor off its base, the reference's weights: KL > 0
     # from the first step (a reference computed with the adapters on would give 0)
-    assert again.metrics[0]["kl"] > 1e-4
+    assert abs(again.metrics[0]["kl"]) > 1e-4  # (a sampled estimate: either sign)
     first = again.run_dir / "checkpoints" / "step_000001" / "actor" / ADAPTER_DIR / ADAPTER_FILE
     want = load_file(str(step / "actor" / ADAPTER_DIR / ADAPTER_FILE))
     assert load_file(str(first)).keys() == want.keys()
