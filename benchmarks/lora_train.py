@@ -64,7 +64,7 @@ def measure(rank: int, tokens: int, repeats: int) -> dict[str, Any]:
     assert isinstance(engine.trainer, TorchTrainer)
     batch = batch_of(tokens, SIZE["vocab"])
 
-    def loss_fn(mb: PackedBatch) -> torch.Tensor:
+    def loss_fn(mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp, _, mask = response_forward(engine, mb)
         return sft_loss(logp, mask)
 
@@ -86,7 +86,7 @@ def measure(rank: int, tokens: int, repeats: int) -> dict[str, Any]:
     shards = param_shards(spec)
     return {
         "rank": rank,
-        "tokens": batch.n_rows * (PROMPT + RESPONSE),
+        "tokens": batch.n_samples * (PROMPT + RESPONSE),
         "peak_bytes": peak,
         "step_seconds": statistics.median(times),
         "trained": sum(p.numel for p in shards if p.trained),

@@ -29,13 +29,14 @@ from planner_scale import compare, speedup
 from rayhf.graph import load_graph
 from rayhf.models.lora import LoraConfig, with_lora
 from rayhf.models.shapes import public_shape
-from rayhf.planner.auto import open_stages
+from rayhf.planner.auto import adapter_calls, open_stages
 from rayhf.planner.cost import AnalyticCost, Workload, max_shard_params, max_trained_params
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.problem import Problem
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, PROMPT, GEN, RANK = 512, 512, 1024, 16
+BUDGET = 16384  # tokens a micro-batch of the train call alone (``train_memory``)
 WAYS = ("full", "lora")
 TRAINED = {"grpo": ("actor",), "ppo": ("actor", "critic")}
 
@@ -67,7 +68,8 @@ def problem(algo: str, shape: str, devices: int, way: str) -> Problem:
         for c in graph.calls
     }  # fmt: skip
     cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
-    return Problem(graph, specs, open_stages(works), cost)
+    prob = Problem(graph, specs, works, cost)
+    return prob.with_works(open_stages(works, (), adapter_calls(prob)))  # as `rayhf plan` does
 
 
 def _layout(v: dict | None, call: str) -> str:
@@ -160,6 +162,48 @@ def report(rows: list[dict], commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def train_memory(shape: str, devices: int, tp: int) -> dict:
+    """The actor's train call priced on ``devices`` at ``tp`` (dp the rest), micro-batches of
+    ``BUDGET`` tokens, in full and with adapters: peak bytes per device and seconds; and the
+    bytes of the whole model and of its adapters in bf16 (what a move carries)."""
+    from rayhf.parallel.layout import Layout
+
+    cost = AnalyticCost(parse_cluster(f"{devices // 8}x8xH100"))
+    work = Workload("train", BATCH, PROMPT, GEN, 4, checkpointing=True, token_budget=BUDGET)
+    full = public_shape(shape)
+    lora = with_lora(full, LoraConfig(rank=RANK), "models.actor.lora")
+    out: dict = {"shape": shape, "devices": devices}
+    lay = Layout(tuple(range(devices)), devices // tp, tp)
+    priced = {w: cost.call(s, lay, work) for w, s in (("full", full), ("lora", lora))}
+    out["layout"] = f"dp{lay.dp} tp{lay.tp}"
+    for way, c in priced.items():
+        out[way] = {"memory": c.memory, "seconds": c.seconds}
+    out["model_bytes"] = 2 * max_shard_params(full, 1, 1)
+    out["adapter_bytes"] = 2 * max_trained_params(lora, 1, 1)
+    return out
+
+
+def memory_lines(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        f"The actor's train call alone, priced on every device, micro-batches of {BUDGET:,} "
+        f"tokens, rank {RANK}; and the weights a move carries in bf16:",
+        "",
+        "| policy | GPUs | layout | peak, full | peak, LoRA | smaller by | step, full | step, "
+        "LoRA | model | adapters | fewer bytes |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        f, lo = r["full"], r["lora"]
+        lines.append(
+            f"| {r['shape']} | {r['devices']} | {r['layout']} | {f['memory'] / 1e9:.0f} GB | "
+            f"{lo['memory'] / 1e9:.0f} GB | {f['memory'] / lo['memory']:.2f}x | "
+            f"{f['seconds']:.1f} s | {lo['seconds']:.1f} s | {r['model_bytes'] / 1e9:.1f} GB | "
+            f"{r['adapter_bytes'] / 1e6:.0f} MB | {r['model_bytes'] / r['adapter_bytes']:.0f}x |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=20.0)
@@ -173,16 +217,11 @@ def main() -> None:
             print(algo, shape, devices, way, row[way]["best_baseline"],
                   row[way]["search"]["seconds"], flush=True)  # fmt: skip
         rows.append(row)
-    lora = with_lora(public_shape("qwen2.5-7b"), LoraConfig(rank=RANK), "lora")
-    ratio = max_shard_params(lora, 1, 1) / max_trained_params(lora, 1, 1)
+    memory = [train_memory("qwen2.5-7b", 8, 1), train_memory("qwen2.5-32b", 8, 4)]
     commit = git_commit()
-    text = report(rows, commit)
-    text += (
-        f"\nQwen2.5-7B at rank {RANK}: {max_trained_params(lora, 1, 1):,} of "
-        f"{max_shard_params(lora, 1, 1):,} parameters train ({ratio:.0f}x fewer).\n"
-    )
+    text = report(rows, commit) + "\n".join(memory_lines(memory)) + "\n"
     print(text)
-    write_results("planner_lora", text, {"rows": rows}, commit)
+    write_results("planner_lora", text, {"rows": rows, "train_memory": memory}, commit)
 
 
 if __name__ == "__main__":

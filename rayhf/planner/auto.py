@@ -77,12 +77,12 @@ def workloads(
 
 
 def open_stages(
-    works: Mapping[str, Workload], experts: Collection[str] = ()
+    works: Mapping[str, Workload], experts: Collection[str] = (), adapters: Collection[str] = ()
 ) -> dict[str, Workload]:
     """On a cluster planned for, a train call may take any ZeRO stage its engines offer: 0-1
     on rayhf's torch engine (any layout), 1-3 on DeepSpeed (dp only), and the plan names it;
-    a call in ``experts`` (its role's model is a Mixture-of-Experts one) only the stages whose
-    engine runs such a model."""
+    a call in ``experts`` (its role's model is a Mixture-of-Experts one) or in ``adapters``
+    (its role trains LoRA adapters) only the stages whose engine runs such a model."""
     out = dict(works)
     for name, w in works.items():
         if w.kind == "train" and w.engine.zero_choices:
@@ -91,6 +91,7 @@ def open_stages(
                 for s in w.engine.zero_choices
                 if w.engine.offers_stage(s)
                 and (name not in experts or w.engine.at_zero_stage(s).runs_experts)
+                and (name not in adapters or w.engine.at_zero_stage(s).runs_adapters)
             )
             out[name] = dataclasses.replace(w, zero_choices=stages)
     return out
@@ -102,6 +103,15 @@ def expert_calls(problem: Problem) -> frozenset[str]:
         c.name
         for c in problem.graph.calls
         if (spec := problem.specs.get(c.role)) is not None and spec.moe is not None
+    )
+
+
+def adapter_calls(problem: Problem) -> frozenset[str]:
+    """The calls whose role's model carries LoRA adapters."""
+    return frozenset(
+        c.name
+        for c in problem.graph.calls
+        if (spec := problem.specs.get(c.role)) is not None and spec.lora is not None
     )
 
 
@@ -128,7 +138,8 @@ def auto_plan(problem: Problem, seed: int = 0, time_limit: float = 20.0) -> Auto
     """The searched plan for ``problem`` (its train calls free to take any ZeRO stage their
     engines offer) beside every baseline, all priced by its cost model."""
     began = time.perf_counter()
-    problem = problem.with_works(open_stages(problem.works, expert_calls(problem)))
+    opened = open_stages(problem.works, expert_calls(problem), adapter_calls(problem))
+    problem = problem.with_works(opened)
     check_fits(problem)
     cap = problem.capacity
     built = baselines.build_all(baselines.Setting.priced(problem))
@@ -214,7 +225,8 @@ def step_estimates(
     synced = auto_plan(synced_problem, seed, time_limit) if k else chosen
     plan = synced.chosen.plan
     one_by_one = dataclasses.replace(on_policy, overlap=False)
-    opened = synced_problem.with_works(open_stages(synced_works, expert_calls(problem)))
+    stages = open_stages(synced_works, expert_calls(problem), adapter_calls(problem))
+    opened = synced_problem.with_works(stages)
     barrier = simulate(opened.with_step(one_by_one), plan)
     overlapped = synced.chosen.simulation.iteration_seconds
     rows = [

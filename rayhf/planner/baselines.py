@@ -97,6 +97,11 @@ class Setting:
         """The train calls of roles with a model."""
         return [c.name for c in self.graph.calls if c.kind == "train" and self.spec(c.name)]
 
+    def adapters(self) -> bool:
+        """Whether some train call's role trains LoRA adapters (on rayhf's torch engine only,
+        so at ZeRO stages 0-1: ``open_stages``)."""
+        return any((spec := self.spec(t)) is not None and spec.lora for t in self.trains())
+
     def zero3(self) -> bool:
         """Whether every train call may run ZeRO-3."""
         return all(
@@ -143,23 +148,26 @@ def colocated(s: Setting) -> Plan:
 
 def verl(s: Setting) -> Plan | None:
     """verl's hybrid engine: every call on every device; train calls dp only at ZeRO-3;
-    generation dp x tp; each call tuned in its own layout (None where ZeRO-3 is not open)."""
-    if not s.zero3():
+    generation dp x tp; each call tuned in its own layout (None where ZeRO-3 is not open). With
+    LoRA roles, which verl trains on FSDP and rayhf on its torch engine, the same layouts at the
+    stages rayhf runs adapters at."""
+    if not s.zero3() and not s.adapters():
         return None
     every = tuple(range(s.n_devices))
     options = {c.name: _options(s, c.name, every, True) for c in s.graph.calls}
-    return _tune(s, options, _Rule("verl", zero3=True, engines=True), passes=2)
+    return _tune(s, options, _Rule("verl", zero3=s.zero3(), engines=True), passes=2)
 
 
 def openrlhf(s: Setting) -> Plan | None:
     """OpenRLHF: each role on devices of its own, each generate call on its own too; train calls
-    dp only at ZeRO-3, generation dp x tp (None where ZeRO-3 is not open)."""
-    if not s.zero3():
+    dp only at ZeRO-3, generation dp x tp (None where ZeRO-3 is not open; with LoRA roles, as
+    for ``verl``, at the stages rayhf runs adapters at)."""
+    if not s.zero3() and not s.adapters():
         return None
     groups: dict[str, list[str]] = {}
     for c in s.graph.calls:
         groups.setdefault(c.name if c.kind == "generate" else c.role, []).append(c.name)
-    return _disjoint(s, groups, _Rule("openrlhf", zero3=True, engines=True))
+    return _disjoint(s, groups, _Rule("openrlhf", zero3=s.zero3(), engines=True))
 
 
 def _experts(s: Setting) -> bool:

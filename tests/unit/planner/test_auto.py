@@ -134,6 +134,24 @@ def test_a_mixture_of_experts_role_is_searched_only_on_stages_its_engines_run():
     assert plan.zero.get("actor_train", 0) < 2
 
 
+def test_a_lora_role_is_searched_only_on_stages_its_engines_run():
+    """DeepSpeed runs no adapters yet: a LoRA actor's train call keeps ZeRO 0-1 (torch), and
+    verl's rule keeps its layouts at those stages rather than giving no plan."""
+    from rayhf.models.lora import LoraConfig, with_lora
+
+    lora = with_lora(SPECS["actor"], LoraConfig(rank=16), "models.actor.lora")
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    problem = Problem(GRAPH, {**SPECS, "actor": lora}, WORKS, cost)
+    assert auto.adapter_calls(problem) == {"actor_gen", "actor_train"}
+    opened = open_stages(WORKS, (), auto.adapter_calls(problem))
+    assert opened["actor_train"].zero_choices == (0, 1)
+    assert opened["critic_train"].zero_choices == (0, 1, 2, 3)
+    result = auto.auto_plan(problem.with_works(opened), time_limit=1.0)
+    assert result.chosen.plan.zero.get("actor_train", 0) < 2
+    verl = result.baselines["verl"][0]
+    assert verl.zero.get("actor_train", 0) < 2 and len(verl.layouts["actor_train"].mesh) == 8
+
+
 def test_the_chosen_plan_is_reported_beside_the_baselines():
     sim = Simulation(2.0, peak_memory={0: 3e9, 1: 5e9})
     plan = Plan({}, "search")
