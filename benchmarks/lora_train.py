@@ -57,6 +57,11 @@ def engine_of(rank: int) -> CallEngine:
     return standalone_engine(hf, Tok(), False, opt, lora=lora, checkpointing=True)
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 def measure(rank: int, tokens: int, repeats: int) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -73,6 +78,11 @@ def measure(rank: int, tokens: int, repeats: int) -> dict[str, Any]:
 
     step()  # AdamW's state exists from here on
     tracker = MemTracker()
+    # MemTracker hooks the gradient of every parameter, and a frozen one has none to hook: mark
+    # those as hooked already (torch 2.13 raises otherwise)
+    for p in engine.model.module.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     tracker.track_external(engine.model.module, engine.trainer.optimizer)
     with tracker:
         step()
@@ -100,7 +110,7 @@ def report(rows: list[dict], args: str, commit: str) -> str:
         "# A LoRA role's train call against full fine-tuning",
         "",
         f"`python benchmarks/lora_train.py{args}` on this machine (2 CPU cores), commit {commit}. "
-        + (__doc__ or "").split("\n\n", 2)[1].replace("\n", " "),
+        + (__doc__ or "").split("\n\n", 2)[2].replace("\n", " ").split(" Writes ")[0],
         "",
         "| tokens | training | trained parameters | peak memory | vs full | step | vs full |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
@@ -108,10 +118,11 @@ def report(rows: list[dict], args: str, commit: str) -> str:
     for r in rows:
         full = next(x for x in rows if x["tokens"] == r["tokens"] and x["rank"] == 0)
         name = "full" if r["rank"] == 0 else f"LoRA rank {r['rank']}"
+        smaller = f"{full['peak_bytes'] / r['peak_bytes']:.2f}x smaller" if r["rank"] else "-"
+        time = f"{r['step_seconds'] / full['step_seconds']:.2f}x" if r["rank"] else "-"
         lines.append(
             f"| {r['tokens']} | {name} | {r['trained']:,} | {r['peak_bytes'] / 2**30:.2f} GiB | "
-            f"{full['peak_bytes'] / r['peak_bytes']:.2f}x smaller | {r['step_seconds']:.2f} s | "
-            f"{r['step_seconds'] / full['step_seconds']:.2f}x |"
+            f"{smaller} | {r['step_seconds']:.2f} s | {time} |"
         )
     lora = next(r for r in rows if r["rank"])
     lines += [
