@@ -20,6 +20,12 @@ def git_commit() -> str:
     ).stdout.strip()
 
 
+def described(doc: str | None) -> str:
+    """A script's docstring as its page describes it: the paragraphs after the usage line, on
+    one line, up to the sentence naming the files it writes."""
+    return " ".join((doc or "").split("\n\n", 2)[2].split()).split(" Writes ")[0]
+
+
 def write_results(
     name: str, text: str, data: object, commit: str | None = None, indent: int | None = 2
 ) -> None:

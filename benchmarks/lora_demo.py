@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import ray
-from _common import git_commit, write_results
+from _common import described, git_commit, write_results
 
 import rayhf
 from rayhf.runtime.cluster import connect
@@ -125,7 +125,7 @@ def report(res: dict, commit: str, args: str) -> str:
         "# LoRA ranks 1 and 8 against full fine-tuning on the demo task",
         "",
         f"`python benchmarks/lora_demo.py{args}` on this machine (2 CPU cores), commit {commit}. "
-        + (__doc__ or "").split("\n\n", 2)[2].replace("\n", " ").split(" Writes ")[0],
+        + described(__doc__),
         "",
         f"The SFT policy's reward, the mean over the first step of every run: {res['start']:.3f}.",
         "",

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import torch
-from _common import git_commit, write_results
+from _common import described, git_commit, write_results
 from train_step import SIZES, Tok, model_of
 
 from rayhf.algorithms.lm import response_forward
@@ -110,7 +110,7 @@ def report(rows: list[dict], args: str, commit: str) -> str:
         "# A LoRA role's train call against full fine-tuning",
         "",
         f"`python benchmarks/lora_train.py{args}` on this machine (2 CPU cores), commit {commit}. "
-        + (__doc__ or "").split("\n\n", 2)[2].replace("\n", " ").split(" Writes ")[0],
+        + described(__doc__),
         "",
         "| tokens | training | trained parameters | peak memory | vs full | step | vs full |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",

@@ -23,7 +23,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from _common import git_commit, write_results
+from _common import described, git_commit, write_results
 from planner_scale import compare, speedup
 
 from rayhf.graph import load_graph
@@ -94,8 +94,7 @@ def report(rows: list[dict], commit: str) -> str:
     lines = [
         "# The planner on LoRA roles (simulated, H100 datasheet figures)",
         "",
-        f"`python benchmarks/planner_lora.py` at {commit}. "
-        + (__doc__ or "").split("\n\n", 2)[2].split("Writes")[0].replace("\n", " ").strip(),
+        f"`python benchmarks/planner_lora.py` at {commit}. " + described(__doc__),
         "",
         "Seconds per iteration; `*` = does not fit memory, `-` = the baseline's rules give no "
         "plan. Every plan, with its stages, is in `planner_lora.json`.",
