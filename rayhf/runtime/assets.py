@@ -448,9 +448,9 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     check_router_replay(cfg, graph, specs)
     check_staleness(cfg, graph, plan)
     for role, rc in cfg.models.items():
-        if rc.init_from is not None and role in specs:  # the base weights: adapters stay
-            source = dataclasses.replace(specs[rc.init_from], lora=None)
-            check_compatible(source, specs[role], f"models.{role}.init_from")
+        if rc.init_from is not None and role in specs:  # the base weights: adapters aside
+            source, copy = (dataclasses.replace(specs[r], lora=None) for r in (rc.init_from, role))
+            check_compatible(source, copy, f"models.{role}.init_from")
     trainable = {c.role for c in graph.calls if c.kind == "train"}
     for role in trainable:
         if role not in model_dirs:
