@@ -57,7 +57,10 @@ def _run(cmd: list[str], cwd: Path, log: Path) -> float:
     """Run ``cmd`` in ``cwd`` as CI would (``CI=true``), its output to ``log``; its seconds."""
     start = time.monotonic()
     with log.open("w") as out:
-        env = {**os.environ, "CI": "true"}
+        # CI's clone sits beside ../shared (the KubeRay CRDs); a clone in a temporary
+        # directory finds it through the variable, or its k8s tests error under CI=true
+        shared = os.environ.get("RAYHF_SHARED_DIR", str(REPO.parent / "shared"))
+        env = {**os.environ, "CI": "true", "RAYHF_SHARED_DIR": shared}
         subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
     return time.monotonic() - start
 
