@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import torch
+import train_step
 from _common import described, git_commit, write_results
 from train_step import SIZES, Tok, model_of
 
@@ -40,13 +41,11 @@ PROMPT, RESPONSE = 32, 224
 
 
 def batch_of(tokens: int, vocab: int) -> PackedBatch:
-    g = torch.Generator().manual_seed(0)
+    """Rows of ``PROMPT + RESPONSE`` tokens, as many as ``tokens`` holds (at least one)."""
     rows = max(1, tokens // (PROMPT + RESPONSE))
-    seqs = torch.randint(3, vocab, (rows, PROMPT + RESPONSE), generator=g)
-    batch = PackedBatch(list(range(rows)))
-    batch.add("seq", seqs.reshape(-1), [PROMPT + RESPONSE] * rows)
-    batch.add("prompt_lens", torch.full((rows,), PROMPT), [1] * rows)
-    return batch
+    return train_step.batch_of(
+        {"rows": rows, "prompt": PROMPT, "response": RESPONSE, "vocab": vocab}
+    )
 
 
 def engine_of(rank: int) -> CallEngine:

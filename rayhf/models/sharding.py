@@ -475,9 +475,7 @@ def shard_numel(
     held = unit_numels(spec, tp, tp_rank, ep, trained)
     n = sum(held[u] for u in stage_units(spec, pp, pp_rank))
     frozen_embedding = (
-        trained
-        and spec.lora is not None
-        and not spec.lora.trains_whole("model.embed_tokens.weight")
+        trained and spec.lora is not None and not spec.lora.trains_whole(embedding_name(spec))
     )
     if spec.tied and pp > 1 and pp_rank == pp - 1 and not frozen_embedding:
         lo, hi = chunk_bounds(spec.vocab_size, tp, tp_rank)

@@ -315,8 +315,8 @@ class AnalyticCost:
         # written forward, read back backward
         acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2
         weights = weights_read(spec, tokens, layout.ep) / spec.n_layers
-        weights = passes * (weights - frozen) + still * frozen
-        n_bytes = (weights * b + (2 if backward else 1) * acts) / layout.tp
+        reads = passes * (weights - frozen) + still * frozen  # a frozen one: no gradient
+        n_bytes = (reads * b + (2 if backward else 1) * acts) / layout.tp
         gpu = max(flops / layout.tp / self._flops_rate(spec), n_bytes / self._bytes_rate())
         issued = (2 if backward else 1) + (1 if backward and recompute else 0)  # op passes
         host = issued * self.eff.ops_per_layer * self.eff.op_seconds

@@ -29,7 +29,7 @@ from rayhf.metrics.tracker import check_trackers
 from rayhf.models.families import family_traits
 from rayhf.models.files import special_ids
 from rayhf.models.hf import build_model, hf_config, save_model
-from rayhf.models.lora import lora_of, with_lora
+from rayhf.models.lora import with_lora
 from rayhf.models.precision import priced
 from rayhf.models.spec import Lora, ModelSpec, model_spec
 from rayhf.models.tokenizer import build_char_tokenizer
@@ -456,8 +456,6 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
         if role not in model_dirs:
             raise RayhfError(f"models.{role}: role '{role}' is trained, so it needs a model")
     loras = check_lora(cfg, graph, specs, trainable)
-    # a LoRA role's adapters are among its weights wherever they move (reallocation's plans)
-    specs |= {role: dataclasses.replace(specs[role], lora=lora) for role, lora in loras.items()}
     return RunAssets(
         run_dir, graph, plan, dataset, eval_dataset, tokenizer_dir, model_dirs, specs,
         special_ids(tokenizer), trainable, loras,
@@ -497,5 +495,7 @@ def check_lora(
                     f"models.{other}.ema: it follows '{role}', whose LoRA adapters it does not "
                     "hold; drop ema (a frozen reference) or the lora"
                 )
-        out[role] = lora_of(rc.lora, specs[role], field)
+        lora = specs[role].lora  # resolved with the role's spec (``role_spec``)
+        assert lora is not None
+        out[role] = lora
     return out
