@@ -1,4 +1,4 @@
-"""A LoRA role's train call against full fine-tuning's: peak memory, step time, what a move carries.
+"""A LoRA role's train call against full fine-tuning's: peak memory and step time.
 
     python benchmarks/lora_train.py [--rank 16] [--repeats 3] [--tokens 256 1024]
 
@@ -9,9 +9,7 @@ rank-``--rank`` adapters on every linear layer of the decoder layers (``models.<
 {rank: R}``), for each batch of ``--tokens`` tokens (rows of 32 prompt and 224 response
 tokens) with activation checkpointing. Peak: torch's ``MemTracker`` over the second step
 (weights, gradients, AdamW state, activations; the first step creates the state). Time: the
-median of ``--repeats`` steps after one warm-up. Moves: the bytes of the weights a reallocation
-carries today (the whole model, adapters included, in bf16) and of the adapters alone (what a
-move of them alone would carry; not built yet). Writes docs/benchmarks/lora_train.{md,json}.
+median of ``--repeats`` steps after one warm-up. Writes docs/benchmarks/lora_train.{md,json}.
 """
 
 from __future__ import annotations
@@ -99,8 +97,6 @@ def measure(rank: int, tokens: int, repeats: int) -> dict[str, Any]:
         "peak_bytes": peak,
         "step_seconds": statistics.median(times),
         "trained": sum(p.numel for p in shards if p.trained),
-        "move_bytes": 2 * sum(p.numel for p in shards),
-        "adapter_bytes": 2 * sum(p.numel for p in shards if ".lora_" in p.name),
     }
 
 
@@ -123,15 +119,7 @@ def report(rows: list[dict], args: str, commit: str) -> str:
             f"| {r['tokens']} | {name} | {r['trained']:,} | {r['peak_bytes'] / 2**30:.2f} GiB | "
             f"{smaller} | {r['step_seconds']:.2f} s | {time} |"
         )
-    lora = next(r for r in rows if r["rank"])
-    lines += [
-        "",
-        f"A weight move today carries the whole model, adapters included: "
-        f"{lora['move_bytes'] / 2**20:,.0f} MiB in bf16; the adapters alone are "
-        f"{lora['adapter_bytes'] / 2**20:,.1f} MiB "
-        f"({lora['move_bytes'] / lora['adapter_bytes']:.0f}x fewer bytes), what a move of the "
-        "adapters alone would carry once reallocation sends them so (not built yet).",
-    ]
+    lines += ["", "What a LoRA role's weight moves carry: [lora_moves.md](lora_moves.md)."]
     return "\n".join(lines) + "\n"
 
 

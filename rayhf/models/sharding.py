@@ -44,6 +44,7 @@ class ParamShard:
     blocks: tuple[int, ...] = ()  # sizes along tp_dim that split separately (q|k|v); () = one
     expert: bool = False  # routed experts stacked on dim 0 (a token multiplies top_k of them)
     trained: bool = True  # False: a weight the model reads and never steps (a router's bias)
+    frozen: bool = False  # a LoRA role's base weight: it never changes in a run (moves skip it)
 
     @property
     def numel(self) -> int:
@@ -292,7 +293,7 @@ def _with_adapters(spec: ModelSpec, shards: list[ParamShard]) -> list[ParamShard
     pairs = {pair.weight: pair for pair in adapter_pairs(spec, shards)}
     out = []
     for p in shards:
-        out.append(p if lora.trains_whole(p.name) else replace(p, trained=False))
+        out.append(p if lora.trains_whole(p.name) else replace(p, trained=False, frozen=p.trained))
         if p.name in pairs:
             out += [pairs[p.name].a, pairs[p.name].b]
     return out

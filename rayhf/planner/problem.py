@@ -44,6 +44,11 @@ class Problem:
         """The roles some call trains."""
         return frozenset(c.role for c in self.graph.calls if c.kind == "train")
 
+    @functools.cached_property
+    def adapters(self) -> frozenset[str]:
+        """The roles trained through LoRA adapters."""
+        return frozenset(role for role, spec in self.specs.items() if spec.lora is not None)
+
     def spec(self, call: str) -> ModelSpec | None:
         """The model of ``call``'s role (None: a function, such as a reward function)."""
         return self.specs.get(self.graph.by_name[call].role)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -72,20 +72,30 @@ class _Timeline:
     concurrent: bool = True
 
 
+@dataclass(frozen=True)
+class Carried:
+    """What a weight move reads and carries: from a ZeRO-3 source's flat slices (``flat``);
+    all but a LoRA role's frozen base weights, which its copies keep (``skip_frozen``)."""
+
+    flat: bool = False
+    skip_frozen: bool = False
+
+
 @functools.lru_cache(maxsize=16384)
 def realloc_seconds(
-    cost: AnalyticCost, spec: ModelSpec, src: Layout, dst: Layout, flat: bool = False
+    cost: AnalyticCost, spec: ModelSpec, src: Layout, dst: Layout, carried: Carried = Carried()
 ) -> float:
-    """Moving ``spec`` from ``src`` to ``dst`` as ``rayhf.realloc.plan`` routes it (``flat``: a
-    ZeRO-3 source), in the destination's weight dtype (``rayhf.realloc.mover``: a bf16 copy
-    receives bf16): the busiest device's bytes (what it sends or receives across devices,
-    whichever is more, plus what it copies between its own processes) at the link bandwidth,
-    the relays' pipeline fill (a stream's first message, up to 4 MiB, per hop past the first)
-    and a latency per hop. Within a node whose moves go through shared memory, a move of
-    ``SHM_MIN_BYTES`` or more runs at that copy speed, and relays pass on only headers. GPUs
-    shared by both groups stage the move through host memory at ``shared_gpu_bandwidth``
-    (one GPU with CUDA IPC: ``ipc_bandwidth``)."""
-    load = move_load(spec, src, dst, cost.weight_bytes(spec), flat)
+    """Moving ``spec`` from ``src`` to ``dst`` as ``rayhf.realloc.plan`` routes it (``carried``:
+    from a ZeRO-3 source, or the adapters alone), in the destination's weight dtype
+    (``rayhf.realloc.mover``: a bf16 copy receives bf16): the busiest device's bytes (what it
+    sends or receives across devices, whichever is more, plus what it copies between its own
+    processes) at the link bandwidth, the relays' pipeline fill (a stream's first message, up to
+    4 MiB, per hop past the first) and a latency per hop. Within a node whose moves go through
+    shared memory, a move of ``SHM_MIN_BYTES`` or more runs at that copy speed, and relays pass
+    on only headers. GPUs shared by both groups stage the move through host memory at
+    ``shared_gpu_bandwidth`` (one GPU with CUDA IPC: ``ipc_bandwidth``)."""
+    itemsize = cost.weight_bytes(spec)
+    load = move_load(spec, src, dst, itemsize, carried.flat, carried.skip_frozen)
     devices = tuple(sorted(set(src.mesh) | set(dst.mesh)))
     cluster = cost.cluster
     hops = max(1, load.depth) * cluster.link_latency
@@ -112,7 +122,7 @@ def simulate(
     homes = plan.home_layouts(graph)
     works, stages = staged(problem, plan)
     problem = problem.with_works(works)
-    units = plan_step(graph, plan.layouts, homes, step.followers)
+    units = plan_step(graph, plan.layouts, homes, replace(step, adapters=problem.adapters))
     slots = pipeline(units, leading(graph, units, step.staleness), step.staleness)
     overlap = step.overlap or step.staleness > 0
     if step.staleness:  # the pipeline fills for k periods: price the ones after
@@ -273,8 +283,8 @@ def _price(
             if moved is not None:
                 out[u.name] = moved(u.role, src, dst) + overhead
             else:
-                from_slices = flat.get(u.reads or u.role) == src
-                seconds = realloc_seconds(cost, specs[u.role], src, dst, from_slices)
+                carried = Carried(flat.get(u.reads or u.role) == src, u.skip_frozen)
+                seconds = realloc_seconds(cost, specs[u.role], src, dst, carried)
                 out[u.name] = seconds + overhead
         elif u.role in specs:
             out[u.name] = cost.call(specs[u.role], u.layouts[0], works[u.name]).seconds
@@ -340,6 +350,9 @@ def _memory(problem: Problem, plan: Plan) -> tuple[dict[int, float], list[tuple[
         role, index = graph.by_name[name].role, _index(plan.layouts[name].mesh)
         if role in specs:
             resident[index] += cost.engine_resident(specs[role], works[name])
+    copies = _kept_copies(problem, plan)
+    for (_, layout), weights in copies.items():  # a LoRA role's copies keep their weights
+        resident[_index(layout.mesh)] += weights
     transient = np.zeros(n_devices)
     owner = np.full(n_devices, -1)  # index in graph.order of the call with that transient
     for i, name in enumerate(graph.order):
@@ -353,6 +366,7 @@ def _memory(problem: Problem, plan: Plan) -> tuple[dict[int, float], list[tuple[
             # an inference or generation of a trained role still needs its cache and logits
             kind_train = work.kind == "train"
             need -= cost.resident(specs[role], layout, kind_train, work if kind_train else None)
+        need -= copies.get((role, layout), 0.0)
         index = _index(layout.mesh)
         used[index] = True
         bigger = transient[index] < need
@@ -366,3 +380,14 @@ def _memory(problem: Problem, plan: Plan) -> tuple[dict[int, float], list[tuple[
         for d in np.flatnonzero(used & (peak > capacity)).tolist()
     ]
     return dict(zip(devices.tolist(), peak[devices].tolist(), strict=True)), over
+
+
+def _kept_copies(problem: Problem, plan: Plan) -> dict[tuple[str, Layout], float]:
+    """Bytes per device that each copy of a LoRA role keeps between calls: its weights (the
+    frozen ones never change, so it holds them from the start; moves bring the adapters)."""
+    homes, out = plan.home_layouts(problem.graph), {}
+    for c in problem.graph.calls:
+        layout = plan.layouts[c.name]
+        if c.role in problem.adapters and layout != homes[c.role]:
+            out[c.role, layout] = problem.cost.resident(problem.specs[c.role], layout, False)
+    return out

@@ -47,6 +47,9 @@ class StepOptions:
     # (role, eta) blended toward it after it trains
     overlap: bool = True
     staleness: int = 0  # algorithm.max_staleness: how many steps ahead the generation may run
+    # roles trained through LoRA adapters: their copies keep the frozen base weights from the
+    # start, so a move to one carries only what trains
+    adapters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Unit:
     sources: tuple[str, ...] = ()  # a call: the calls whose outputs it reads, in graph order
     eta: float | None = None  # a blend: dst = eta * src + (1 - eta) * dst
     release: bool = False  # a call on a copy: drop the weights afterwards
+    skip_frozen: bool = False  # a move: only what trains (the copy keeps a LoRA base's weights)
     updates: bool = False  # it changes its role's weights (a train call, a blend)
     reads: str = ""  # a blend: the role whose weights it reads (else its own role)
 
@@ -94,20 +98,25 @@ def plan_step(
     graph: Graph,
     layouts: Mapping[str, Layout],
     homes: Mapping[str, Layout],
-    followers: Mapping[str, list[tuple[str, float]]],
+    step: StepOptions,
     evaluate: bool = False,
 ) -> list[Unit]:
     """The units of one step in a valid order. ``layouts``: call -> its layout; ``homes``:
-    role -> the layout holding its weights; ``followers``: role -> (role, eta) blended toward it
-    after it trains (not when ``evaluate``)."""
+    role -> the layout holding its weights; ``step``: the roles blended toward a role after it
+    trains (not when ``evaluate``), and those trained through adapters (a copy of one keeps its
+    frozen weights: moves to it carry the adapters, and it is never released)."""
     b = _Builder()
     for name in graph.order:
         call = graph.by_name[name]
         layout, home = layouts[name], homes[call.role]
         copy = layout != home
+        adapters = call.role in step.adapters
         if copy:
             keys = (group_key(call.role, home), group_key(call.role, layout))
-            move = Unit(f"realloc:{name}", "realloc", call.role, keys, (home, layout), frozenset())
+            move = Unit(
+                f"realloc:{name}", "realloc", call.role, keys, (home, layout), frozenset(),
+                skip_frozen=adapters,
+            )  # fmt: skip
             b.add(move, role_barrier=False)
         sources = {graph.producers[k] for k in call.inputs if k in graph.producers}
         ordered = tuple(s for s in graph.order if s in sources)
@@ -115,12 +124,12 @@ def plan_step(
         trains = call.kind == "train" and not evaluate
         unit = Unit(
             name, "call", call.role, (group_key(call.role, layout),), (layout,), after, ordered,
-            release=copy, updates=trains,
+            release=copy and not adapters, updates=trains,
         )  # fmt: skip
         b.add(unit, role_barrier=trains)
         if not trains:
             continue
-        for follower, eta in followers.get(call.role, []):
+        for follower, eta in step.followers.get(call.role, []):
             keys = (group_key(call.role, home), group_key(follower, homes[follower]))
             blend = Unit(
                 f"ema:{follower}", "realloc", follower, keys, (home, homes[follower]),

@@ -71,15 +71,21 @@ class TransferGroupMover:
         self, relay: bool = True, wait: Wait = ray_get_all, shm: bool = True, ipc: bool = False
     ) -> None:
         self.relay, self.wait, self.shm, self.ipc = relay, wait, shm, ipc
-        self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int], ReallocPlan] = {}
+        self._plans: dict[tuple[ModelSpec, Layout, Layout, bool, int, bool], ReallocPlan] = {}
         self._groups: dict[tuple[str, ...], dict[str, int]] = {}  # members -> rank offset per group
 
     def plan(
-        self, spec: ModelSpec, src: Layout, dst: Layout, flat: bool = False, itemsize: int = 4
+        self,
+        spec: ModelSpec,
+        src: Layout,
+        dst: Layout,
+        flat: bool = False,
+        itemsize: int = 4,
+        skip_frozen: bool = False,
     ) -> ReallocPlan:
-        key = (spec, src, dst, flat, itemsize)
+        key = (spec, src, dst, flat, itemsize, skip_frozen)
         if key not in self._plans:
-            self._plans[key] = plan_realloc(spec, src, dst, itemsize, flat, self.relay)
+            self._plans[key] = plan_realloc(spec, src, dst, itemsize, flat, self.relay, skip_frozen)
         return self._plans[key]
 
     def _group(self, a: GroupRef, b: GroupRef) -> tuple[str, dict[str, int]]:
@@ -111,13 +117,16 @@ class TransferGroupMover:
             self._groups[members] = offsets
         return name, self._groups[members]
 
-    def routes(self, src: GroupRef, dst: GroupRef, spec: ModelSpec) -> Routes:
+    def routes(
+        self, src: GroupRef, dst: GroupRef, spec: ModelSpec, skip_frozen: bool = False
+    ) -> Routes:
         """Who sends and receives what to move ``spec``'s weights ``src`` -> ``dst`` (joins the
         transfer group the first time the pair meets). The slices travel in the destination's
-        dtype (a bf16 copy of fp32 master weights receives half the bytes)."""
+        dtype (a bf16 copy of fp32 master weights receives half the bytes). ``skip_frozen``: a
+        LoRA role's base weights stay out (``dst`` holds them: only the adapters move)."""
         assert not dst.flat, "a ZeRO-3 role group sends weights, it does not receive them"
         itemsize = DTYPES[dst.dtype].itemsize
-        plan = self.plan(spec, src.layout, dst.layout, src.flat, itemsize)
+        plan = self.plan(spec, src.layout, dst.layout, src.flat, itemsize, skip_frozen)
         name, offset = self._group(src, dst)
         s0, d0 = offset[src.key], offset[dst.key]
         sends = {r: plan.sent_by(r, d0) for r in range(len(src.actors)) if plan.for_src(r)}
@@ -128,12 +137,18 @@ class TransferGroupMover:
         return Routes(name, sends, recvs, dst.dtype, forwards)
 
     def move(
-        self, src: GroupRef, dst: GroupRef, spec: ModelSpec, eta: float | None = None
+        self,
+        src: GroupRef,
+        dst: GroupRef,
+        spec: ModelSpec,
+        eta: float | None = None,
+        skip_frozen: bool = False,
     ) -> ReallocStats:
         """Make ``dst`` hold ``spec``'s weights as ``src`` holds them (``eta``: blend
-        ``dst = eta * src + (1 - eta) * dst`` instead of copying)."""
+        ``dst = eta * src + (1 - eta) * dst`` instead of copying; ``skip_frozen``: all but a
+        LoRA role's base weights, which ``dst`` holds already)."""
         start = time.perf_counter()
-        routes = self.routes(src, dst, spec)
+        routes = self.routes(src, dst, spec, skip_frozen)
         recvs = [
             (dst, r, dst.actors[r].realloc_recv.remote(
                 routes.group, by_peer, eta, routes.forwards.get(r, {})

@@ -106,13 +106,20 @@ def stage_of_unit(spec: ModelSpec, pp: int) -> dict[int, int]:
 
 
 def contents(
-    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool = False
+    spec: ModelSpec,
+    src: Layout,
+    dst: Layout,
+    itemsize: int,
+    src_flat: bool = False,
+    skip_frozen: bool = False,
 ) -> list[Content]:
     """Every slice some destination rank needs, once, with its holders and all its needers
     (a tp-replicated parameter's rows are needed by every tp rank of its stage, a tied
-    embedding's by its first and its last stage). Ranks only: the meshes do not matter."""
+    embedding's by its first and its last stage). Ranks only: the meshes do not matter.
+    ``skip_frozen``: a LoRA role's base weights stay out (the destination holds them already)."""
     assert not src_flat or (src.tp == 1 and src.pp == 1), "a flat source is dp-only"
-    return _contents(spec, _ranks_only(src), _ranks_only(dst), itemsize, src_flat)
+    src, dst = _ranks_only(src), _ranks_only(dst)
+    return _contents(spec, src, dst, itemsize, src_flat, skip_frozen)
 
 
 def _ranks_only(layout: Layout) -> Layout:
@@ -121,10 +128,10 @@ def _ranks_only(layout: Layout) -> Layout:
 
 @functools.lru_cache(maxsize=4096)
 def _contents(
-    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool
+    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool, skip_frozen: bool
 ) -> list[Content]:
     needed: dict[Content, list[int]] = {}  # content (needers not yet known) -> needers
-    for (s_stage, stages), p, names in _classes(spec, src.pp, dst.pp):
+    for (s_stage, stages), p, names in _classes(spec, src.pp, dst.pp, skip_frozen):
         split = p.expert and (src.ep > 1 or dst.ep > 1)  # experts held by some dp ranks only
         for d_stage, tp_rank, q in itertools.product(
             stages, range(dst.tp), range(dst.ep if split else 1)
@@ -147,13 +154,18 @@ def _contents(
 
 
 @functools.lru_cache(maxsize=1024)
-def _classes(spec: ModelSpec, src_pp: int, dst_pp: int) -> list[tuple[tuple, ParamShard, tuple]]:
+def _classes(
+    spec: ModelSpec, src_pp: int, dst_pp: int, skip_frozen: bool = False
+) -> list[tuple[tuple, ParamShard, tuple]]:
     """Parameters that move alike: ((source stage, destination stages), one of them, all their
-    names) per shape, split and stages (a tied embedding is needed by the last stage too)."""
+    names) per shape, split and stages (a tied embedding is needed by the last stage too);
+    ``skip_frozen``: a LoRA role's base weights left out."""
     src_stage, dst_stage = stage_of_unit(spec, src_pp), stage_of_unit(spec, dst_pp)
     tied = embedding_name(spec) if spec.tied else None
     classes: dict[tuple, list[ParamShard]] = {}
     for p in param_shards(spec):
+        if skip_frozen and p.frozen:
+            continue
         stages = (dst_stage[p.unit],) + ((dst_pp - 1,) if p.name == tied and dst_pp > 1 else ())
         classes.setdefault((p.shape, p.tp_dim, p.blocks, src_stage[p.unit], stages), []).append(p)
     return [(key[3:], ps[0], tuple(q.name for q in ps)) for key, ps in classes.items()]

@@ -222,11 +222,14 @@ def plan_realloc(
     itemsize: int = 4,
     src_flat: bool = False,
     relay: bool = True,
+    skip_frozen: bool = False,
 ) -> ReallocPlan:
     """The streams that turn ``spec``'s weights in layout ``src`` into layout ``dst``
     (``src_flat``: the source's dp ranks hold flat slices, ZeRO-3; ``relay``: needers forward
-    to each other, else every needer gets its slices from a holder)."""
-    copies, groups = split_local(contents(spec, src, dst, itemsize, src_flat), src, dst)
+    to each other, else every needer gets its slices from a holder; ``skip_frozen``: only what
+    changes in a run, a LoRA role's base weights left where the destination holds them)."""
+    needed = contents(spec, src, dst, itemsize, src_flat, skip_frozen)
+    copies, groups = split_local(needed, src, dst)
     floor = send_floor(groups, src)
     plan = _plan(src, dst, copies + greedy_routes(groups, src, dst, relay), floor)
     if relay and groups and plan.max_sent > plan.bound:  # the greedy routing missed it
@@ -252,19 +255,26 @@ class MoveLoad:
 
 
 def move_load(
-    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int = 4, src_flat: bool = False
+    spec: ModelSpec,
+    src: Layout,
+    dst: Layout,
+    itemsize: int = 4,
+    src_flat: bool = False,
+    skip_frozen: bool = False,
 ) -> MoveLoad:
     """``plan_realloc``'s load, cached on the pair's shape: renumbering the devices in order
     changes no routing decision (they compare devices only for equality and order)."""
     order = {d: i for i, d in enumerate(sorted(set(src.mesh) | set(dst.mesh)))}
     a = replace(src, mesh=tuple(order[d] for d in src.mesh))
     b = replace(dst, mesh=tuple(order[d] for d in dst.mesh))
-    return _load(spec, a, b, itemsize, src_flat)
+    return _load(spec, a, b, itemsize, src_flat, skip_frozen)
 
 
 @functools.lru_cache(maxsize=65536)
-def _load(spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool) -> MoveLoad:
-    plan = plan_realloc(spec, src, dst, itemsize, src_flat)
+def _load(
+    spec: ModelSpec, src: Layout, dst: Layout, itemsize: int, src_flat: bool, skip_frozen: bool
+) -> MoveLoad:
+    plan = plan_realloc(spec, src, dst, itemsize, src_flat, skip_frozen=skip_frozen)
     devices = set(plan.sent) | set(plan.received) | set(plan.local)
     busiest = max(
         (max(plan.sent.get(d, 0), plan.received.get(d, 0)) + plan.local.get(d, 0) for d in devices),

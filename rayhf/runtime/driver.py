@@ -39,7 +39,7 @@ from rayhf.graph import Graph
 from rayhf.metrics.trace import TraceSpan
 from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
-from rayhf.planner.step import Unit, leading, pipeline, plan_step
+from rayhf.planner.step import StepOptions, Unit, leading, pipeline, plan_step
 from rayhf.realloc.mover import ReallocStats, TransferGroupMover
 from rayhf.runtime.flow import assemble
 from rayhf.runtime.messages import CallNode, CallResult, MoveNode, MoveResult, StepInput
@@ -66,7 +66,7 @@ class Placement:
     homes: dict[str, Layout]  # role -> the layout holding its weights
     specs: dict[str, ModelSpec]  # role -> model shape (reallocation plans)
     mover: TransferGroupMover
-    followers: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # EMA targets
+    step: StepOptions = field(default_factory=StepOptions)  # EMA blends, LoRA roles' copies
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,7 @@ class StepDag:
     ) -> None:
         self.graph, self.placement, self.evaluate = graph, placement, evaluate
         self.staleness = staleness
-        self.units = plan_step(
-            graph, placement.layouts, placement.homes, placement.followers, evaluate
-        )
+        self.units = plan_step(graph, placement.layouts, placement.homes, placement.step, evaluate)
         lead = leading(graph, self.units, 0 if evaluate else staleness)
         self.nodes: list[Node] = []
         of_unit: dict[str, list[int]] = {}
@@ -204,7 +202,8 @@ class StepDag:
                 yield NodeInfo(unit, group, rank), "dag_call", const
             return
         src, dst = groups
-        routes = self.placement.mover.routes(src, dst, self.placement.specs[unit.role])
+        spec = self.placement.specs[unit.role]
+        routes = self.placement.mover.routes(src, dst, spec, unit.skip_frozen)
         for rank, by_peer in routes.sends.items():
             move = MoveNode(unit.name, routes.group, by_peer, dtype=routes.dtype)
             yield NodeInfo(unit, src, rank), "dag_send", move

@@ -58,7 +58,8 @@ def step_options(cfg: ExperimentConfig, device: str | None = None) -> StepOption
             followers.setdefault(rc.init_from, []).append((role, rc.ema))
     device = device or cfg.cluster.device
     overlap = cfg.driver.overlap_steps and not cfg.driver.compiled(device)
-    return StepOptions(followers, overlap, staleness(cfg))
+    adapters = frozenset(role for role, rc in cfg.models.items() if rc.lora is not None)
+    return StepOptions(followers, overlap, staleness(cfg), adapters)
 
 
 def staleness(cfg: ExperimentConfig) -> int:
@@ -71,7 +72,7 @@ def check_staleness(cfg: ExperimentConfig, graph: Graph, plan: Plan) -> None:
     rest of its step under ``plan`` (one RayhfError line naming the call otherwise)."""
     if staleness(cfg):
         homes = plan.home_layouts(graph)
-        units = plan_step(graph, plan.layouts, homes, step_options(cfg).followers)
+        units = plan_step(graph, plan.layouts, homes, step_options(cfg))
         leading(graph, units, staleness(cfg))
 
 

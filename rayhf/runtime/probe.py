@@ -79,7 +79,7 @@ def probe_executor(
     groups = [ProbeGroup(f"r{i}", layouts[f"r{i}_inf"], seconds) for i in range(len(meshes))]
     homes = {g.role: g.layout for g in groups}
     by_key: dict[str, Any] = {g.key: g for g in groups}
-    placement = Placement(by_key, layouts, homes, {}, None, {})  # type: ignore[arg-type]
+    placement = Placement(by_key, layouts, homes, {}, None)  # type: ignore[arg-type]
     return DagExecutor(graph, placement, compiled, timeout_s=600), groups
 
 

@@ -107,7 +107,7 @@ class Session:
             {role: g.layout for role, g in self.groups.items()},
             self.assets.specs,
             self.mover,
-            dict(step_options(self.cfg).followers),
+            step_options(self.cfg),
         )
 
     def close(self, graceful: bool = True) -> None:

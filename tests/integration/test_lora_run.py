@@ -39,9 +39,17 @@ def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
     # the generator's log-probs are the trainer's before its first update: the same adapters
     assert max(m["logprob_mismatch"] for m in result.metrics) < 1e-4
     # the reference for free: the actor computes it on its base weights, no group of its own
-    spans = [e for e in read_trace(result.run_dir / "trace.json") if e.get("name") == "ref_inf"]
+    trace = read_trace(result.run_dir / "trace.json")
+    spans = [e for e in trace if e.get("name") == "ref_inf"]
     assert spans and {e["args"]["role"] for e in spans} == {"actor"}
     step = result.run_dir / "checkpoints" / "step_000002"
+    # the adapters move alone: the copy keeps its frozen weights, so each move to it carries
+    # each tp rank's share of the adapters (an A or a B whole on both ranks, the other split)
+    n = 4 * sum(
+        t.numel() for t in load_file(str(step / "actor" / ADAPTER_DIR / ADAPTER_FILE)).values()
+    )
+    moves = [e["args"]["bytes"] for e in trace if e.get("name") == "realloc:actor_gen"]
+    assert len(moves) == 2 and all(n < b < 2 * n for b in moves), (moves, n)
     for role, n_adapted in (("actor", 2 * 7), ("critic", 2 * 7)):
         base, saved = _tensors(result.run_dir / "init" / role), _tensors(step / role)
         moved = {k for k in base if not torch.equal(base[k], saved[k])}

@@ -18,7 +18,7 @@ from rayhf.planner.hardware import cpu_cluster, parse_cluster
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
 from rayhf.planner.search import energy
-from rayhf.planner.simulate import realloc_seconds, simulate
+from rayhf.planner.simulate import Carried, realloc_seconds, simulate
 from rayhf.planner.step import StepOptions
 from rayhf.realloc.plan import CHUNK_BYTES, plan_realloc
 
@@ -79,7 +79,7 @@ def test_a_move_is_priced_as_the_plan_routes_it():
                   for d in range(8))  # fmt: skip
     fill = max(_hops_before_last(s) * min(CHUNK_BYTES, s.nbytes) for s in plan.streams)
     want = (busiest + fill) / bw + max(1, plan.depth) * hop
-    assert realloc_seconds(cost, spec, eight, tp2, True) == pytest.approx(want)
+    assert realloc_seconds(cost, spec, eight, tp2, Carried(flat=True)) == pytest.approx(want)
 
 
 def test_a_small_relayed_stream_fills_the_pipeline_with_itself_not_a_whole_message():
@@ -170,6 +170,36 @@ def test_a_plan_over_memory_is_infeasible():
     sim = simulate(Problem(GRAPH, SPECS, WORKS, cost), crammed)
     assert not sim.feasible and sim.over_memory[0][1] == 0
     assert energy(sim, 80e9) > 10 * sim.iteration_seconds
+
+
+def test_a_lora_actor_s_copy_keeps_its_weights_and_receives_only_its_adapters():
+    """Generation on a copy of a LoRA actor: the move before it is priced at the adapters' bytes
+    (the copy keeps the frozen weights), and those weights count on its devices all the time."""
+    from rayhf.models.lora import LoraConfig, with_lora
+
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    lora = with_lora(SPECS["actor"], LoraConfig(rank=16), "models.actor.lora")
+    full, adapted = Problem(GRAPH, SPECS, WORKS, cost), Problem(GRAPH, {**SPECS, "actor": lora},
+                                                                 WORKS, cost)  # fmt: skip
+    assert adapted.adapters == {"actor"} and not full.adapters
+    home, copy = Layout((0, 1, 2, 3), 1, 4), Layout((4, 5, 6, 7), 4)
+    plan = _plan(lambda c: copy if c.name == "actor_gen" else home)
+    moved = {}
+    for name, problem in (("full", full), ("lora", adapted)):
+        sim = simulate(problem, plan, n_iterations=2)
+        (move,) = [s for s in sim.spans if s.name == "realloc:actor_gen" and s.iteration == 1]
+        moved[name] = move.end - move.start
+        gen = cost.memory(problem.specs["actor"], copy, WORKS["actor_gen"])
+        assert sim.peak_memory[4] == pytest.approx(gen), "the copy's devices hold the call alone"
+    adapters = realloc_seconds(cost, lora, home, copy, Carried(skip_frozen=True))
+    assert moved["lora"] == pytest.approx(adapters)
+    assert moved["lora"] < moved["full"] / 20
+    # the copy is never released: on devices a later call shares, its weights are still there
+    shared = _plan(lambda c: copy if c.name in ("actor_gen", "critic_inf") else home)
+    with_copy, without = (simulate(p, shared).peak_memory[4] for p in (adapted, full))
+    kept = cost.resident(lora, copy, False)
+    critic = cost.memory(SPECS["critic"], copy, WORKS["critic_inf"])
+    assert with_copy >= kept + critic - 1 and without < kept + critic
 
 
 def test_a_call_at_home_of_a_trained_role_still_counts_its_cache():

@@ -10,7 +10,15 @@ from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 from rayhf.parallel.layout import Layout
 from rayhf.planner.plan import Plan
-from rayhf.planner.step import Unit, carried, group_key, leading, pipeline, plan_step
+from rayhf.planner.step import (
+    StepOptions,
+    Unit,
+    carried,
+    group_key,
+    leading,
+    pipeline,
+    plan_step,
+)
 
 ALL = Layout((0, 1, 2, 3), 4)
 
@@ -40,7 +48,7 @@ def test_calls_on_disjoint_meshes_share_a_wave_and_shared_devices_run_in_graph_o
         actor_gen=Layout((0, 1), 2), actor_train=Layout((0, 1), 2), ref_inf=Layout((2,), 1),
         critic_inf=Layout((3,), 1), critic_train=Layout((3,), 1), rew_inf=Layout((2,), 1),
     )  # fmt: skip
-    units = {u.name: u for u in plan_step(PPO, layouts, _homes(layouts), {})}
+    units = {u.name: u for u in plan_step(PPO, layouts, _homes(layouts), StepOptions())}
     assert "critic_inf" not in units["ref_inf"].after and "ref_inf" not in units["critic_inf"].after
     assert "rew_inf" in units["ref_inf"].after or "ref_inf" in units["rew_inf"].after  # device 2
     grouped = waves(list(units.values()))
@@ -49,8 +57,21 @@ def test_calls_on_disjoint_meshes_share_a_wave_and_shared_devices_run_in_graph_o
     # actor_train (devices 0-1) and critic_train (device 3) both wait for the data, not each other
     assert "critic_train" not in units["actor_train"].after
     assert "actor_train" not in units["critic_train"].after
-    colocated = plan_step(PPO, _ppo(), _homes(_ppo()), {})
+    colocated = plan_step(PPO, _ppo(), _homes(_ppo()), StepOptions())
     assert [len(w) for w in waves(colocated)] == [1] * len(PPO.calls), "one call at a time"
+
+
+def test_a_lora_role_s_copies_receive_only_what_trains_and_keep_their_weights():
+    gen = Layout((0, 1, 2, 3), 1, 4)
+    layouts = _ppo(actor_gen=gen, critic_inf=gen)
+    for adapters in (frozenset(), frozenset({"actor"})):
+        by = {
+            u.name: u
+            for u in plan_step(PPO, layouts, _homes(layouts), StepOptions({}, adapters=adapters))
+        }
+        assert by["realloc:actor_gen"].skip_frozen == bool(adapters)
+        assert by["actor_gen"].release != bool(adapters)
+        assert not by["realloc:critic_inf"].skip_frozen and by["critic_inf"].release
 
 
 def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role():
@@ -58,7 +79,7 @@ def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role()
     layouts = _ppo(actor_gen=gen)
     homes = _homes(layouts)
     assert homes["actor"] == ALL
-    units = plan_step(PPO, layouts, homes, {"actor": [("ref", 0.1)]})
+    units = plan_step(PPO, layouts, homes, StepOptions({"actor": [("ref", 0.1)]}))
     names = [u.name for u in units]
     by = {u.name: u for u in units}
     assert names.index("realloc:actor_gen") == names.index("actor_gen") - 1
@@ -69,7 +90,9 @@ def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role()
     # it was read (ref_inf) and after the actor trained
     assert {"realloc:actor_gen", "actor_gen"} <= by["actor_train"].after
     assert {"actor_train", "ref_inf"} <= by["ema:ref"].after and by["ema:ref"].eta == 0.1
-    assert "ema:ref" not in [u.name for u in plan_step(PPO, layouts, homes, {}, evaluate=True)]
+    assert "ema:ref" not in [
+        u.name for u in plan_step(PPO, layouts, homes, StepOptions(), evaluate=True)
+    ]
 
 
 def test_between_steps_a_unit_waits_for_its_devices_and_its_role_s_last_update_only():
@@ -78,7 +101,7 @@ def test_between_steps_a_unit_waits_for_its_devices_and_its_role_s_last_update_o
         actor_gen=actor, actor_train=actor, ref_inf=actor, rew_inf=actor, critic_inf=critic,
         critic_train=critic,
     )  # fmt: skip
-    units = plan_step(PPO, layouts, _homes(layouts), {"actor": [("ref", 0.1)]})
+    units = plan_step(PPO, layouts, _homes(layouts), StepOptions({"actor": [("ref", 0.1)]}))
     before = carried(units)
     # the actor generates again once it trained and its devices' last unit (the blend) is done;
     # the critic may still be training
@@ -89,7 +112,7 @@ def test_between_steps_a_unit_waits_for_its_devices_and_its_role_s_last_update_o
     assert "ema:ref" in before["ref_inf"]
     # a role nobody trains or blends is no barrier: the reward waits for its devices only
     assert all(not u.startswith(("critic", "actor_train")) for u in before["rew_inf"])
-    frozen = plan_step(PPO, layouts, _homes(layouts), {})
+    frozen = plan_step(PPO, layouts, _homes(layouts), StepOptions())
     assert not any(u.updates for u in frozen if u.role in ("ref", "reward"))
 
 
@@ -101,7 +124,7 @@ def _disjoint() -> dict[str, Layout]:
 
 def test_without_staleness_the_pipeline_is_the_step_and_its_carried_units():
     layouts = _disjoint()
-    units = plan_step(PPO, layouts, _homes(layouts), {"actor": [("ref", 0.1)]})
+    units = plan_step(PPO, layouts, _homes(layouts), StepOptions({"actor": [("ref", 0.1)]}))
     assert leading(PPO, units, 0) == frozenset()
     slots = pipeline(units, frozenset(), 0)
     before = carried(units)
@@ -114,7 +137,7 @@ def test_without_staleness_the_pipeline_is_the_step_and_its_carried_units():
 
 def test_with_staleness_the_generation_of_step_i_plus_k_runs_before_the_training_of_step_i():
     layouts = _disjoint()
-    units = plan_step(PPO, layouts, _homes(layouts), {})
+    units = plan_step(PPO, layouts, _homes(layouts), StepOptions())
     lead = leading(PPO, units, 1)
     assert lead == {"realloc:actor_gen", "actor_gen"}
     slots = {s.unit.name: s for s in pipeline(units, lead, 1)}
@@ -136,7 +159,7 @@ def test_frozen_roles_on_the_generation_devices_run_ahead_with_the_generation():
     gen, train = Layout((0,), 1), Layout((1,), 1)
     beside = {"actor_gen": gen, "ref_inf": gen, "rew_inf": gen}
     layouts = {c.name: beside.get(c.name, train) for c in PPO.calls}
-    units = plan_step(PPO, layouts, _homes(layouts), {})
+    units = plan_step(PPO, layouts, _homes(layouts), StepOptions())
     lead = leading(PPO, units, 1)
     assert lead == {"realloc:actor_gen", "actor_gen", "ref_inf", "rew_inf"}
     slots = {s.unit.name: s for s in pipeline(units, lead, 1)}
@@ -148,9 +171,11 @@ def test_frozen_roles_on_the_generation_devices_run_ahead_with_the_generation():
     # a role that trains (the critic) stays in its step even on the generation's device; a
     # frozen role that shares a device with training does too (it would wait for step p+1)
     layouts["critic_inf"] = gen
-    assert "critic_inf" not in leading(PPO, plan_step(PPO, layouts, _homes(layouts), {}), 1)
+    assert "critic_inf" not in leading(
+        PPO, plan_step(PPO, layouts, _homes(layouts), StepOptions()), 1
+    )
     layouts["ref_inf"] = Layout((0, 1), 2)
-    assert leading(PPO, plan_step(PPO, layouts, _homes(layouts), {}), 1) == {
+    assert leading(PPO, plan_step(PPO, layouts, _homes(layouts), StepOptions()), 1) == {
         "realloc:actor_gen", "actor_gen", "rew_inf"
     }  # fmt: skip
 
@@ -158,6 +183,6 @@ def test_frozen_roles_on_the_generation_devices_run_ahead_with_the_generation():
 def test_a_graph_that_generates_nothing_it_trains_cannot_run_ahead():
     dpo = load_graph(REPO / "graphs" / "dpo.yaml")
     layouts = {c.name: Layout((0,), 1) for c in dpo.calls}
-    units = plan_step(dpo, layouts, Plan(layouts, "manual").home_layouts(dpo), {})
+    units = plan_step(dpo, layouts, Plan(layouts, "manual").home_layouts(dpo), StepOptions())
     with pytest.raises(RayhfError, match="max_staleness: 1: graph 'dpo' generates nothing"):
         leading(dpo, units, 1)

@@ -133,6 +133,25 @@ def test_a_move_reports_the_bytes_that_arrived(log):
     assert {e[3] for e in log if e[0] == "send"} == {"fp32"}
 
 
+def test_a_lora_move_may_carry_the_adapters_alone(log):
+    from rayhf.models.lora import LoraConfig, with_lora
+    from rayhf.models.sharding import param_shards
+
+    src, dst = _groups(log)
+    spec = with_lora(_spec(), LoraConfig(rank=2), "models.actor.lora")
+    m = TransferGroupMover()
+    sent = {}
+    for skip in (False, True):
+        log.clear()
+        stats = m.move(src, dst, spec, skip_frozen=skip)
+        assert stats.bytes == m.plan(spec, src.layout, dst.layout, skip_frozen=skip).total_bytes
+        names = {t.name for e in log if e[0] == "send" for ts in e[2].values() for t in ts}
+        sent[skip] = (stats.bytes, names)
+    adapters = {p.name: p.numel for p in param_shards(spec) if ".lora_" in p.name}
+    assert sent[True][1] == set(adapters) < sent[False][1]
+    assert 0 < sent[True][0] <= 2 * 4 * sum(adapters.values()) < sent[False][0] / 3
+
+
 def test_slices_travel_in_the_destination_s_dtype(log):
     """fp32 master weights moving to a bf16 copy: sent as bf16, half the bytes."""
     src, dst = _groups(log)

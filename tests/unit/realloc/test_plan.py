@@ -68,6 +68,37 @@ def test_every_layout_pair_rebuilds_the_destination_shards_exactly(family, relay
         assert sum(a.ep != b.ep for a, b in itertools.product(layouts, layouts)) > 700
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2-tied"])
+def test_a_lora_move_carries_exactly_the_adapters_and_leaves_the_frozen_weights(family):
+    from rayhf.models.lora import LoraConfig, with_lora
+
+    base = _spec(family.removesuffix("-tied"), tied=family.endswith("-tied"))
+    trains = ["wte"] if base.tied else []  # a tied embedding trained in full moves too
+    spec = with_lora(base, LoraConfig(rank=2, trains=trains), "models.actor.lora")
+    moving = {p.name for p in param_shards(spec) if not p.frozen}
+    frozen = sum(p.numel for p in param_shards(spec) if p.frozen)
+    assert any(".lora_A." in n for n in moving)
+    assert sum(p.numel for p in param_shards(spec) if p.name in moving) < frozen / 3
+    full = {p.name: torch.randn(p.shape) for p in param_shards(spec)}
+    layouts = [lay for lay in all_layouts() if check_layout(spec, lay.tp, lay.pp) is None]
+    sources = {lay: _shards(spec, full, lay) for lay in layouts}
+    pairs = list(itertools.product(layouts, layouts))[::5]  # the full moves test every pair
+    assert {mesh_relation(a, b) for a, b in pairs} == {"equal", "overlapping", "disjoint"}
+    for src, dst in pairs:
+        plan = plan_realloc(spec, src, dst, skip_frozen=True)
+        assert {t.name for t in plan.transfers} <= moving
+        got = _apply(plan, sources[src], sources[dst])
+        for r, shards in sources[dst].items():
+            for k, want in shards.items():
+                if k in moving:
+                    assert torch.equal(got[r][k], want), (src, dst, r, k)
+                else:  # never written: still the NaN _apply filled it with
+                    assert got[r][k].isnan().all(), (src, dst, r, k)
+            c = coords_of(r, dst.pp, dst.tp)
+            held = 4 * shard_numel(spec, dst.tp, dst.pp, c.tp_rank, c.pp_rank, trained=True)
+            assert sum(t.nbytes for t in plan.for_dst(r)) == held, (src, dst, r)
+
+
 def _contiguous_layouts(spec, n_devices: int) -> list[Layout]:
     """Every valid layout on every contiguous mesh of 1..n_devices devices."""
     out = []

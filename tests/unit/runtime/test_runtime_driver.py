@@ -12,7 +12,7 @@ from runtime_support import PPO, _homes
 
 from rayhf.data.batch import PackedBatch
 from rayhf.parallel.layout import Layout
-from rayhf.planner.step import group_key
+from rayhf.planner.step import StepOptions, group_key
 from rayhf.realloc.mover import Routes
 from rayhf.realloc.plan import Transfer
 from rayhf.runtime.driver import DagExecutor, Placement, StepDag
@@ -46,7 +46,7 @@ class FakeGroup:
 class FakeMover:
     """Every source rank sends one slice to the destination rank with its index."""
 
-    def routes(self, src, dst, spec) -> Routes:
+    def routes(self, src, dst, spec, skip_frozen=False) -> Routes:
         t = Transfer("w", 0, 0, 1, 0, 0, 0, 0, 4)  # contents do not matter to the DAG's shape
         n = len(dst.actors)
         sends = {r: {n + r: [t]} for r in range(min(len(src.actors), n))}
@@ -62,7 +62,7 @@ def test_dag_nodes_take_their_sources_head_ranks_and_keep_each_actor_in_order():
         g.key: g
         for g in (FakeGroup(c.role, layouts[c.name]) for c in PPO.calls)  # one per role/layout
     }
-    placement = Placement(groups, layouts, homes, {}, FakeMover(), {})  # type: ignore[arg-type]
+    placement = Placement(groups, layouts, homes, {}, FakeMover())  # type: ignore[arg-type]
     dag = StepDag(PPO, placement, evaluate=False)
     assert len(dag.nodes) == 2 * len(PPO.calls), "one node per rank of every call"
     index = {(n.info.unit.name, n.info.rank): i for i, n in enumerate(dag.nodes)}
@@ -86,7 +86,8 @@ def _placement(followers=None) -> Placement:
     homes = _homes(layouts)
     groups = {g.key: g for g in (FakeGroup(c.role, layouts[c.name]) for c in PPO.calls)}
     specs = dict.fromkeys(homes)  # FakeMover does not read the shapes
-    return Placement(groups, layouts, homes, specs, FakeMover(), followers or {})  # type: ignore[arg-type]
+    step = StepOptions(followers or {})
+    return Placement(groups, layouts, homes, specs, FakeMover(), step)  # type: ignore[arg-type]
 
 
 def _results(dag: StepDag, seq: PackedBatch) -> list:

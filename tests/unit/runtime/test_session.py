@@ -121,8 +121,10 @@ def test_the_placement_names_groups_homes_and_moving_average_followers(tmp_path:
     keys = {f"{r}.{lay.name}" for r, lay in homes.items()} | {"actor.d0-1.dp1tp2pp1"}
     assert set(placement.groups) == keys and len(keys) == 5
     assert placement.layouts == LAYOUTS and placement.homes == homes
-    assert placement.followers == {"actor": [("ref", 0.1)]} and placement.mover is session.mover
-    assert _session(tmp_path).placement().followers == {}
+    assert (
+        placement.step.followers == {"actor": [("ref", 0.1)]} and placement.mover is session.mover
+    )
+    assert _session(tmp_path).placement().step.followers == {}
 
 
 def test_ctrl_c_during_teardown_waits_for_it_then_interrupts():
