@@ -10,8 +10,8 @@ linear layer of the decoder layers (the actor's, and PPO's critic's, whose value
 full), priced as rayhf's torch engine runs it: frozen weights stored as the trained ones (fp32)
 without gradients or AdamW state, the backward computing no frozen weight's gradient, the gradient
 all-reduce and AdamW over the adapters alone; the reference computed by the actor on its base
-weights (no copy of its own, as a run does it); weight moves carry the whole model, as reallocation
-does today (adapters alone is issue 67's open part). A batch of ``BATCH`` sequences (64 prompts x 8
+weights (no copy of its own, as a run does it); a move to a copy of a LoRA role carries its
+adapters alone, the copy keeping its frozen weights on its devices all run (as a run does). A batch of ``BATCH`` sequences (64 prompts x 8
 samples for GRPO) of ``PROMPT`` prompt and ``GEN`` new tokens, 4 minibatches, activation
 checkpointing in every train call. PPO's critic and reward model are the actor's shape. Writes
 docs/benchmarks/planner_lora.{md,json}, every plan included.
