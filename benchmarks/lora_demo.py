@@ -12,7 +12,10 @@ the decoder layers at alpha 32 for both ranks, as "LoRA without regret" does, so
 suits both ranks; a fourth way trains the LM head in full beside rank-8 adapters (``lora.trains:
 [lm_head]``, PEFT's ``modules_to_save``), because with the head frozen both ranks level off after
 about 25 steps (at 24343ad's 120-step run) while full fine-tuning keeps rising, and a head trained
-in full lifts that level on this tiny model. Reported: each rate's final reward (mean over seeds),
+in full lifts that level on this tiny model; a fifth trains every linear layer of the decoder in
+full and freezes the rest as LoRA does (the embeddings, the norms, the head; a rank-1 adapter of
+``q_proj`` beside it, as a LoRA config needs one), to tell what the adapters' rank costs from what
+the frozen modules cost. Reported: each rate's final reward (mean over seeds),
 the chosen rate's per seed, the trained parameters and seconds per step; the curves (the chosen
 rates, mean over the seeds) in docs/benchmarks/lora_demo.png. Writes
 docs/benchmarks/lora_demo.{md,json}.
@@ -39,6 +42,7 @@ EXAMPLE = REPO / "examples" / "grpo_tiny.yaml"
 SFT = REPO / "examples" / "sft_tiny.yaml"
 QUIET = {"metrics.console": False, "metrics.plot": False, "metrics.ray_metrics": False}
 ALPHA = 32.0
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WAYS: dict[str, tuple[dict, tuple[float, ...]]] = {  # overrides, learning-rate grid
     "full fine-tuning": ({}, (5e-4, 1e-3, 2e-3)),
     "LoRA rank 8": ({"models.actor.lora.rank": 8, "models.actor.lora.alpha": ALPHA},
@@ -48,6 +52,11 @@ WAYS: dict[str, tuple[dict, tuple[float, ...]]] = {  # overrides, learning-rate 
     "LoRA rank 8, head in full": ({"models.actor.lora.rank": 8, "models.actor.lora.alpha": ALPHA,
                                    "models.actor.lora.trains": ["lm_head"]},
                                   (1e-3, 2e-3, 5e-3)),
+    # no adapter to speak of: what full fine-tuning does with the head, norms and embeddings frozen
+    "linear layers in full, the rest frozen": ({"models.actor.lora.rank": 1,
+                                                "models.actor.lora.targets": ["q_proj"],
+                                                "models.actor.lora.trains": list(LINEAR)},
+                                               (5e-4, 1e-3, 2e-3)),
 }  # fmt: skip
 WARMUP = 2  # steps left out of the time per step
 
