@@ -134,7 +134,9 @@ def run_setup(actor: str, critic: str, devices: int, gen: int, limit: float, eve
             "feasible": sim.feasible,
             "simulated": tried,
             "wall_seconds": time.perf_counter() - began,
-            "plan": json.loads(Plan(layouts, "placements", sim.stages).to_json()),
+            "plan": json.loads(
+                Plan(layouts, "placements", sim.stages, released=sim.released).to_json()
+            ),
         }
     return row
 

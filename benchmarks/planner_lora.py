@@ -11,10 +11,11 @@ full), priced as rayhf's torch engine runs it: frozen weights stored as the trai
 without gradients or AdamW state, the backward computing no frozen weight's gradient, the gradient
 all-reduce and AdamW over the adapters alone; the reference computed by the actor on its base
 weights (no copy of its own, as a run does it); a move to a copy of a LoRA role carries its
-adapters alone, the copy keeping its frozen weights on its devices all run (as a run does). A batch of ``BATCH`` sequences (64 prompts x 8
-samples for GRPO) of ``PROMPT`` prompt and ``GEN`` new tokens, 4 minibatches, activation
-checkpointing in every train call. PPO's critic and reward model are the actor's shape. Writes
-docs/benchmarks/planner_lora.{md,json}, every plan included.
+adapters alone, the copy keeping its frozen weights on its devices all run, unless its devices
+overflow: then the plan releases it and its moves carry the whole model (as a run does). A batch
+of ``BATCH`` sequences (64 prompts x 8 samples for GRPO) of ``PROMPT`` prompt and ``GEN`` new
+tokens, 4 minibatches, activation checkpointing in every train call. PPO's critic and reward
+model are the actor's shape. Writes docs/benchmarks/planner_lora.{md,json}, every plan included.
 """
 
 from __future__ import annotations

@@ -129,7 +129,9 @@ def compare(problem: Problem, time_limit: float) -> dict:
         row[name] = {
             "seconds": sim.iteration_seconds,
             "feasible": sim.feasible,
-            "plan": json.loads(Plan(plan.layouts, plan.source, sim.stages).to_json()),
+            "plan": json.loads(
+                Plan(plan.layouts, plan.source, sim.stages, released=sim.released).to_json()
+            ),
         }
     row["search_seconds"] = found.seconds
     row["iterations"] = found.iterations

@@ -328,4 +328,4 @@ def plan_for_run(problem: Problem, seed: int = 0) -> Plan:
         "auto": found.simulation.iteration_seconds,
         "colocated": simulate(problem, colocated).iteration_seconds,
     }
-    return Plan(found.plan.layouts, "auto", estimates=estimates)
+    return Plan(found.plan.layouts, "auto", estimates=estimates, released=found.plan.released)

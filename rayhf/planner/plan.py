@@ -31,6 +31,9 @@ class Plan:
     layouts: dict[str, Layout]
     source: str  # "colocated", "auto" or "manual"
     zero: dict[str, int] = field(default_factory=dict)  # train call -> the ZeRO stage it gets
+    # calls on a copy of a LoRA role that drops its weights after the call, so the move before
+    # it carries the whole model (else the copy keeps its frozen weights: the adapters move)
+    released: frozenset[str] = frozenset()
     # a searched plan's estimated seconds per step, and the colocated plan's ("auto",
     # "colocated"), under the cost the search used; not saved with the plan
     estimates: dict[str, float] = field(default_factory=dict)
@@ -73,6 +76,7 @@ class Plan:
                     "n_microbatches": lay.n_microbatches,
                     **({"ep": lay.ep} if lay.ep > 1 else {}),
                     **({"zero": self.zero[name]} if name in self.zero else {}),
+                    **({"release": True} if name in self.released else {}),
                 }
                 for name, lay in self.layouts.items()
             },
@@ -88,7 +92,9 @@ def plan_from_json(text: str, source: str) -> Plan:
         name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], _microbatches(v), v.get("ep", 1))
         for name, v in raw.items()
     }
-    return Plan(layouts, source, {name: v["zero"] for name, v in raw.items() if "zero" in v})
+    zero = {name: v["zero"] for name, v in raw.items() if "zero" in v}
+    released = frozenset(name for name, v in raw.items() if v.get("release"))
+    return Plan(layouts, source, zero, released=released)
 
 
 def _microbatches(entry: dict) -> int:
@@ -157,6 +163,7 @@ def format_plan(plan: Plan, graph: Graph) -> str:
             f"{lay.pp:>4}{lay.n_microbatches:>5}"
             + (f"{lay.ep:>4}" if experts else "")
             + (f"{plan.zero.get(name, '-'):>6}" if plan.zero else "")
+            + ("  (its copy released: the whole model moves)" if name in plan.released else "")
         )
     return "\n".join(rows)
 
@@ -168,7 +175,9 @@ def format_reallocations(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) 
         return "  reallocations per step: none (every call runs in its role's home layout)"
     rows = ["  reallocations per step (role's home layout -> call's layout, before the call):"]
     for name, home, lay in moves:
-        moved = plan_realloc(specs[graph.by_name[name].role], home, lay)
+        spec = specs[graph.by_name[name].role]
+        kept = spec.lora is not None and name not in plan.released  # the adapters move alone
+        moved = plan_realloc(spec, home, lay, skip_frozen=kept)
         relays = f", relayed {moved.depth} hops deep" if moved.depth > 1 else ""
         rows.append(
             f"    {name:<14}{home.name} -> {lay.name}: {moved.total_bytes / 2**20:.2f} MiB in "

@@ -367,7 +367,7 @@ def search(
         score.deadline = began + time_limit
         best, best_e = improve(found, short, graph, score)
     sim = simulate(problem, Plan(best, ""))
-    plan = Plan(best, "search", dict(sim.stages))
+    plan = Plan(best, "search", dict(sim.stages), released=sim.released)
     return SearchResult(plan, sim, it + score.evaluations, time.perf_counter() - began)
 
 

@@ -18,7 +18,10 @@ memory is infeasible.
 
 A train call runs at the ZeRO stage the plan gives it; where the plan is silent and the workload
 leaves a choice (``Workload.zero_choices``), at the fastest stage that fits, raised stage by stage
-while its devices overflow (``staged``): the same rule for the search and every baseline.
+while its devices overflow (``staged``): the same rule for the search and every baseline. So is
+the rule for a LoRA role's copies: each keeps its frozen weights, its moves carrying the adapters
+alone, unless its devices overflow; then the plan releases it (``released``) and its moves carry
+the whole model.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Simulation:
     over_memory: list[tuple[str, int, float]] = field(default_factory=list)  # (what, device, B)
     refused: list[str] = field(default_factory=list)  # calls whose engine cannot take the layout
     stages: dict[str, int] = field(default_factory=dict)  # train call -> ZeRO stage, where chosen
+    released: frozenset[str] = frozenset()  # calls whose LoRA copy is released (``Plan``)
 
     @property
     def feasible(self) -> bool:
@@ -118,11 +122,13 @@ def simulate(
     blends and whether step i+1 starts while step i runs as ``problem`` gives them. With
     ``problem.concurrent`` false every unit waits for the one before it (a driver that runs one
     unit at a time). ``moved``: a weight move's seconds, instead of the cost model's."""
-    graph, step = problem.graph, problem.step
+    graph = problem.graph
     homes = plan.home_layouts(graph)
+    plan = released(problem, plan)
     works, stages = staged(problem, plan)
     problem = problem.with_works(works)
-    units = plan_step(graph, plan.layouts, homes, replace(step, adapters=problem.adapters))
+    step = replace(problem.step, adapters=problem.adapters, released=plan.released)
+    units = plan_step(graph, plan.layouts, homes, step)
     slots = pipeline(units, leading(graph, units, step.staleness), step.staleness)
     overlap = step.overlap or step.staleness > 0
     if step.staleness:  # the pipeline fills for k periods: price the ones after
@@ -136,7 +142,8 @@ def simulate(
         spans = _shared_cores(slots, seconds, procs, cores, run)
     else:
         spans = _one_by_one(slots, seconds, run)
-    sim = Simulation(_period(spans, n_iterations, step.staleness), spans, stages=stages)
+    period = _period(spans, n_iterations, step.staleness)
+    sim = Simulation(period, spans, stages=stages, released=plan.released)
     sim.refused = _refused(graph, plan, works)
     sim.peak_memory, sim.over_memory = _memory(problem, plan)
     return sim
@@ -383,11 +390,29 @@ def _memory(problem: Problem, plan: Plan) -> tuple[dict[int, float], list[tuple[
 
 
 def _kept_copies(problem: Problem, plan: Plan) -> dict[tuple[str, Layout], float]:
-    """Bytes per device that each copy of a LoRA role keeps between calls: its weights (the
-    frozen ones never change, so it holds them from the start; moves bring the adapters)."""
-    homes, out = plan.home_layouts(problem.graph), {}
-    for c in problem.graph.calls:
-        layout = plan.layouts[c.name]
-        if c.role in problem.adapters and layout != homes[c.role]:
-            out[c.role, layout] = problem.cost.resident(problem.specs[c.role], layout, False)
+    """Bytes per device that each copy of a LoRA role keeps between calls, but those the plan
+    releases: its weights (the frozen ones never change, so it holds them from the start;
+    moves bring the adapters)."""
+    graph, homes, out = problem.graph, plan.home_layouts(problem.graph), {}
+    dropped = {(graph.by_name[c].role, plan.layouts[c]) for c in plan.released}
+    for c in graph.calls:
+        copy = (c.role, plan.layouts[c.name])
+        if c.role in problem.adapters and copy[1] != homes[c.role] and copy not in dropped:
+            out[copy] = problem.cost.resident(problem.specs[c.role], copy[1], False)
     return out
+
+
+def released(problem: Problem, plan: Plan) -> Plan:
+    """``plan`` with the copies of LoRA roles on devices it overflows released (each drops its
+    weights after its call, and the move before the call carries the whole model); the others
+    keep their frozen weights. The same rule for the search and every baseline."""
+    copies = _kept_copies(problem, plan)
+    if not copies:
+        return plan
+    full = {d for _, d, _ in _memory(problem, plan)[1]}
+    drop = frozenset(
+        c.name
+        for c in problem.graph.calls
+        if (c.role, plan.layouts[c.name]) in copies and full & set(plan.layouts[c.name].mesh)
+    )
+    return replace(plan, released=plan.released | drop) if drop else plan

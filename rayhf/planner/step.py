@@ -48,8 +48,10 @@ class StepOptions:
     overlap: bool = True
     staleness: int = 0  # algorithm.max_staleness: how many steps ahead the generation may run
     # roles trained through LoRA adapters: their copies keep the frozen base weights from the
-    # start, so a move to one carries only what trains
+    # start, so a move to one carries only what trains; but those of the calls ``released``
+    # names (``Plan.released``), which drop their weights after the call as other copies do
     adapters: frozenset[str] = frozenset()
+    released: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -104,15 +106,18 @@ def plan_step(
     """The units of one step in a valid order. ``layouts``: call -> its layout; ``homes``:
     role -> the layout holding its weights; ``step``: the roles blended toward a role after it
     trains (not when ``evaluate``), and those trained through adapters (a copy of one keeps its
-    frozen weights: moves to it carry the adapters, and it is never released)."""
+    frozen weights: moves to it carry the adapters, and it is never released; unless one of its
+    calls is among ``step.released``)."""
+    released = {group_key(graph.by_name[c].role, layouts[c]) for c in step.released}
     b = _Builder()
     for name in graph.order:
         call = graph.by_name[name]
         layout, home = layouts[name], homes[call.role]
         copy = layout != home
-        adapters = call.role in step.adapters
+        key = group_key(call.role, layout)
+        adapters = call.role in step.adapters and key not in released
         if copy:
-            keys = (group_key(call.role, home), group_key(call.role, layout))
+            keys = (group_key(call.role, home), key)
             move = Unit(
                 f"realloc:{name}", "realloc", call.role, keys, (home, layout), frozenset(),
                 skip_frozen=adapters,
@@ -123,7 +128,7 @@ def plan_step(
         after = frozenset(ordered) | ({f"realloc:{name}"} if copy else set())
         trains = call.kind == "train" and not evaluate
         unit = Unit(
-            name, "call", call.role, (group_key(call.role, layout),), (layout,), after, ordered,
+            name, "call", call.role, (key,), (layout,), after, ordered,
             release=copy and not adapters, updates=trains,
         )  # fmt: skip
         b.add(unit, role_barrier=trains)

@@ -7,6 +7,7 @@ the actors, removes the placement group and stops an embedded Ray cluster.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import signal
 import threading
@@ -107,7 +108,7 @@ class Session:
             {role: g.layout for role, g in self.groups.items()},
             self.assets.specs,
             self.mover,
-            step_options(self.cfg),
+            dataclasses.replace(step_options(self.cfg), released=plan.released),
         )
 
     def close(self, graceful: bool = True) -> None:

@@ -74,6 +74,8 @@ def test_home_and_role_layouts_and_the_moves_they_imply():
 def test_plans_round_trip_through_json():
     plan = Plan({"a": Layout((2, 0), 1, 1, 2, 4), "b": Layout((0, 1, 2, 3), 2, 2)}, "auto")
     assert plan_from_json(plan.to_json(), "auto") == plan
+    released = Plan(plan.layouts, "auto", {"a": 1}, released=frozenset({"b"}))
+    assert plan_from_json(released.to_json(), "auto") == released != plan
 
 
 def test_manual_plans_name_exactly_the_graph_s_calls():

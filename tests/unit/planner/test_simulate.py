@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 from planner_support import GRAPH, SPECS, WORKS
@@ -200,6 +201,33 @@ def test_a_lora_actor_s_copy_keeps_its_weights_and_receives_only_its_adapters():
     kept = cost.resident(lora, copy, False)
     critic = cost.memory(SPECS["critic"], copy, WORKS["critic_inf"])
     assert with_copy >= kept + critic - 1 and without < kept + critic
+
+
+def test_a_lora_copy_on_devices_it_would_overflow_is_released_and_refilled_whole():
+    """Kept, the copy's weights would overflow its devices: the plan releases it, it fits,
+    and the move before it is priced as the whole model's."""
+    from rayhf.models.lora import LoraConfig, with_lora
+    from rayhf.planner.simulate import _memory, released
+
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    lora = with_lora(SPECS["actor"], LoraConfig(rank=16), "models.actor.lora")
+    problem = Problem(GRAPH, {**SPECS, "actor": lora}, WORKS, cost)
+    for home, copy, drop in (
+        (Layout((0, 1, 2, 3), 1, 4), Layout((0, 1, 2, 3), 4), {"actor_gen"}),
+        (Layout(tuple(range(8)), 2, 4), Layout(tuple(range(8)), 8), set()),  # room to keep it
+    ):
+        plan = _plan(lambda c, h=home, g=copy: g if c.name == "actor_gen" else h)
+        assert bool(_memory(problem, plan)[1]) == bool(drop), "kept, it would overflow"
+        assert released(problem, plan).released == drop
+        sim = simulate(problem, plan, n_iterations=2)
+        assert sim.feasible and sim.released == drop
+        (move,) = [s for s in sim.spans if s.name == "realloc:actor_gen" and s.iteration == 1]
+        whole = realloc_seconds(cost, lora, home, copy)
+        alone = realloc_seconds(cost, lora, home, copy, Carried(skip_frozen=True))
+        assert move.end - move.start == pytest.approx(whole if drop else alone)
+    assert json.loads(dataclasses.replace(plan, released=frozenset({"actor_gen"})).to_json())[
+        "actor_gen"
+    ]["release"]
 
 
 def test_a_call_at_home_of_a_trained_role_still_counts_its_cache():

@@ -72,6 +72,10 @@ def test_a_lora_role_s_copies_receive_only_what_trains_and_keep_their_weights():
         assert by["realloc:actor_gen"].skip_frozen == bool(adapters)
         assert by["actor_gen"].release != bool(adapters)
         assert not by["realloc:critic_inf"].skip_frozen and by["critic_inf"].release
+    # a copy the plan releases drops its weights and is refilled whole, as any other copy
+    step = StepOptions({}, adapters=frozenset({"actor"}), released=frozenset({"actor_gen"}))
+    by = {u.name: u for u in plan_step(PPO, layouts, _homes(layouts), step)}
+    assert not by["realloc:actor_gen"].skip_frozen and by["actor_gen"].release
 
 
 def test_copies_get_weights_before_their_call_and_ema_follows_the_trained_role():
