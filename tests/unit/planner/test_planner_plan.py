@@ -3,6 +3,8 @@ from the config, the JSON a run keeps, and the tables ``rayhf plan`` prints."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from planner_support import GRAPH, REPO
 
@@ -45,6 +47,16 @@ def test_plan_lists_the_reallocations_it_implies():
     assert "actor_gen" in text and f"{moved.total_bytes / 2**20:.2f} MiB in" in text
     assert f"sends {moved.max_sent / 2**20:.2f} MiB" in text
     assert f"receives {moved.max_received / 2**20:.2f} MiB" in text
+    # a LoRA actor's kept copy receives its adapters alone; a released one the whole model
+    from rayhf.models.lora import LoraConfig, with_lora
+
+    lora = {**specs, "actor": with_lora(specs["actor"], LoraConfig(rank=2), "lora")}
+    alone = plan_realloc(lora["actor"], moves[0][1], moves[0][2], skip_frozen=True)
+    assert f"{alone.total_bytes / 2**20:.2f} MiB in" in format_reallocations(plan, graph, lora)
+    released = dataclasses.replace(plan, released=frozenset({"actor_gen"}))
+    whole = plan_realloc(lora["actor"], moves[0][1], moves[0][2])
+    assert f"{whole.total_bytes / 2**20:.2f} MiB in" in format_reallocations(released, graph, lora)
+    assert "its copy released" in format_plan(released, graph).splitlines()[2]
 
 
 def test_a_saved_plan_is_accepted_back_as_a_manual_plan(tmp_path):
