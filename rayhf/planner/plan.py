@@ -19,6 +19,7 @@ from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 from rayhf.planner.cluster import ClusterConfig
 from rayhf.planner.layout import LayoutSpec, layout_from_spec
+from rayhf.planner.step import StepOptions, plan_step
 from rayhf.realloc.plan import plan_realloc
 
 PlanConfig = Literal["auto", "colocated"] | dict[str, LayoutSpec]
@@ -174,10 +175,11 @@ def format_reallocations(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) 
     if not moves:
         return "  reallocations per step: none (every call runs in its role's home layout)"
     rows = ["  reallocations per step (role's home layout -> call's layout, before the call):"]
+    step = StepOptions().with_lora(specs, plan.released)  # a LoRA copy kept: adapters alone
+    units = plan_step(graph, plan.layouts, plan.home_layouts(graph), step)
+    skip = {u.name.removeprefix("realloc:"): u.skip_frozen for u in units if u.kind == "realloc"}
     for name, home, lay in moves:
-        spec = specs[graph.by_name[name].role]
-        kept = spec.lora is not None and name not in plan.released  # the adapters move alone
-        moved = plan_realloc(spec, home, lay, skip_frozen=kept)
+        moved = plan_realloc(specs[graph.by_name[name].role], home, lay, skip_frozen=skip[name])
         relays = f", relayed {moved.depth} hops deep" if moved.depth > 1 else ""
         rows.append(
             f"    {name:<14}{home.name} -> {lay.name}: {moved.total_bytes / 2**20:.2f} MiB in "

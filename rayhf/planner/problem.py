@@ -15,7 +15,7 @@ from rayhf.graph import Graph
 from rayhf.models.spec import ModelSpec
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.hardware import ClusterSpec
-from rayhf.planner.step import StepOptions
+from rayhf.planner.step import StepOptions, lora_roles
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,7 +47,7 @@ class Problem:
     @functools.cached_property
     def adapters(self) -> frozenset[str]:
         """The roles trained through LoRA adapters."""
-        return frozenset(role for role, spec in self.specs.items() if spec.lora is not None)
+        return lora_roles(self.specs)
 
     def spec(self, call: str) -> ModelSpec | None:
         """The model of ``call``'s role (None: a function, such as a reward function)."""

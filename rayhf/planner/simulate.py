@@ -127,7 +127,7 @@ def simulate(
     plan = released(problem, plan)
     works, stages = staged(problem, plan)
     problem = problem.with_works(works)
-    step = replace(problem.step, adapters=problem.adapters, released=plan.released)
+    step = problem.step.with_lora(problem.specs, plan.released)
     units = plan_step(graph, plan.layouts, homes, step)
     slots = pipeline(units, leading(graph, units, step.staleness), step.staleness)
     overlap = step.overlap or step.staleness > 0

@@ -30,6 +30,7 @@ from typing import Literal
 
 from rayhf.errors import RayhfError
 from rayhf.graph import Graph
+from rayhf.models.spec import ModelSpec
 from rayhf.parallel.layout import Layout
 
 
@@ -52,6 +53,16 @@ class StepOptions:
     # names (``Plan.released``), which drop their weights after the call as other copies do
     adapters: frozenset[str] = frozenset()
     released: frozenset[str] = frozenset()
+
+    def with_lora(self, specs: Mapping[str, ModelSpec], released: frozenset[str]) -> StepOptions:
+        """These options with the LoRA roles of ``specs`` and the calls whose copies a plan
+        releases (``Plan.released``): the step a run of that plan takes."""
+        return replace(self, adapters=lora_roles(specs), released=released)
+
+
+def lora_roles(specs: Mapping[str, ModelSpec]) -> frozenset[str]:
+    """The roles of ``specs`` trained through LoRA adapters."""
+    return frozenset(role for role, spec in specs.items() if spec.lora is not None)
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,7 @@ def step_options(cfg: ExperimentConfig, device: str | None = None) -> StepOption
             followers.setdefault(rc.init_from, []).append((role, rc.ema))
     device = device or cfg.cluster.device
     overlap = cfg.driver.overlap_steps and not cfg.driver.compiled(device)
-    adapters = frozenset(role for role, rc in cfg.models.items() if rc.lora is not None)
-    return StepOptions(followers, overlap, staleness(cfg), adapters)
+    return StepOptions(followers, overlap, staleness(cfg))
 
 
 def staleness(cfg: ExperimentConfig) -> int:

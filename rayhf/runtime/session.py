@@ -7,7 +7,6 @@ the actors, removes the placement group and stops an embedded Ray cluster.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import signal
 import threading
@@ -108,7 +107,7 @@ class Session:
             {role: g.layout for role, g in self.groups.items()},
             self.assets.specs,
             self.mover,
-            dataclasses.replace(step_options(self.cfg), released=plan.released),
+            step_options(self.cfg).with_lora(self.assets.specs, plan.released),
         )
 
     def close(self, graceful: bool = True) -> None:
