@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import described, git_commit, write_results
+from realloc_throughput import role_groups
 from train_step import SIZES
 
 SIZE = SIZES["qwen2-0.5B"]
@@ -42,63 +43,25 @@ PRICED = [  # (policy, cluster, train layout, generate layout): the searched LoR
 ]
 
 
-def _lora_files(tmp: Path, rank: int):
-    from rayhf.models.files import special_ids
-    from rayhf.models.hf import ModelInit, hf_config, model_files
-    from rayhf.models.lora import LoraConfig, adapted, lora_of
-    from rayhf.models.tokenizer import build_char_tokenizer
-
-    tok = build_char_tokenizer("0123456789abcdef", tmp / "tok")
-    init = ModelInit(**{"family": "llama", **SIZE["init"]})
-    ids = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    files = model_files(hf_config(init, SIZE["vocab"], *ids), False)
-    lora = lora_of(LoraConfig(rank=rank), files.spec, "lora")
-    return adapted(files, lora), special_ids(tok)
-
-
 def measured(rank: int, reps: int) -> list[dict[str, Any]]:
-    import ray
-
-    from rayhf.algorithms import InterfaceSettings
-    from rayhf.algorithms.ppo import PPOConfig
-    from rayhf.parallel.layout import Layout
-    from rayhf.planner import ClusterConfig
+    from rayhf.models.hf import ModelInit
+    from rayhf.models.lora import LoraConfig
     from rayhf.realloc.mover import TransferGroupMover
-    from rayhf.runtime.cluster import connect, reserve_devices
-    from rayhf.runtime.messages import WorkerSpec
-    from rayhf.runtime.role_group import RoleGroup
-    from rayhf.sampling import GenerationConfig
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        files, ids = _lora_files(Path(tmp), rank)
-        settings = InterfaceSettings(PPOConfig(), GenerationConfig())
-        cluster = ClusterConfig(n_devices=4)
-        devices = reserve_devices(cluster, connect(cluster))
-
-        def group(name: str, lay: tuple) -> RoleGroup:
-            layout = Layout(*lay)
-
-            def spec(r: int) -> WorkerSpec:
-                return WorkerSpec(
-                    name, layout.name, r, layout.dp, layout.tp, layout.pp, 1, (), settings,
-                    str(Path(tmp) / "tok"), ids, files, None, False, None, 0, 1,
-                )  # fmt: skip
-
-            g = RoleGroup(name, layout, spec, devices, 0.25, "rayhf-bench")
-            g.setup()
-            return g
-
+        init = ModelInit(**{"family": "llama", **SIZE["init"]})
+        ray, devices, group, spec = role_groups(
+            Path(tmp), init, SIZE["vocab"], LoraConfig(rank=rank)
+        )
         mover = TransferGroupMover()
         try:
             for i, (what, a, b) in enumerate(CPU_PAIRS):
                 src, dst = group(f"train{i}", a), group(f"gen{i}", b)
                 row: dict[str, Any] = {"pair": what}
                 for way, skip in (("whole", False), ("adapters", True)):
-                    mover.move(src, dst, files.spec, skip_frozen=skip)  # warm-up
-                    stats = [
-                        mover.move(src, dst, files.spec, skip_frozen=skip) for _ in range(reps)
-                    ]
+                    mover.move(src, dst, spec, skip_frozen=skip)  # warm-up
+                    stats = [mover.move(src, dst, spec, skip_frozen=skip) for _ in range(reps)]
                     row[f"{way}_bytes"] = stats[0].bytes
                     row[f"{way}_s"] = statistics.median(s.seconds for s in stats)
                 rows.append(row)

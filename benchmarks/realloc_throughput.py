@@ -40,13 +40,17 @@ PAIRS = [  # (name, source layout, destination layout) as (mesh, dp, tp, pp)
 ]
 
 
-def _groups(tmp: Path, layers: int):
+def role_groups(tmp: Path, init, vocab: int, lora=None):
+    """Ray on 4 emulated devices, a maker of role groups of real actors holding the model of
+    ``init`` (a ``ModelInit``; with ``lora``, a ``LoraConfig``'s adapters on it) with no weights
+    read (zeros until a move fills them), and the model's spec."""
     import ray
 
     from rayhf.algorithms import InterfaceSettings
     from rayhf.algorithms.ppo import PPOConfig
     from rayhf.models.files import special_ids
-    from rayhf.models.hf import ModelInit, hf_config, model_files
+    from rayhf.models.hf import hf_config, model_files
+    from rayhf.models.lora import adapted, lora_of
     from rayhf.models.tokenizer import build_char_tokenizer
     from rayhf.parallel.layout import Layout
     from rayhf.planner import ClusterConfig
@@ -58,10 +62,10 @@ def _groups(tmp: Path, layers: int):
     cluster = ClusterConfig(n_devices=4)
     devices = reserve_devices(cluster, connect(cluster))
     tok = build_char_tokenizer("0123456789abcdef", tmp / "tok")
-    init = ModelInit(family="llama", hidden_size=768, n_layers=layers, n_heads=12)
-    config = hf_config(init, 8192, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    config.save_pretrained(tmp / "model")
+    config = hf_config(init, vocab, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
     files = model_files(config, False)
+    if lora is not None:
+        files = adapted(files, lora_of(lora, files.spec, "lora"))
     settings = InterfaceSettings(PPOConfig(), GenerationConfig())
 
     def group(name: str, lay: tuple) -> RoleGroup:
@@ -77,7 +81,7 @@ def _groups(tmp: Path, layers: int):
         g.setup()
         return g
 
-    return ray, devices, group
+    return ray, devices, group, files.spec
 
 
 def _memcpy_seconds(n_bytes: int, reps: int) -> float:
@@ -97,17 +101,15 @@ def _moves(mover, src, dst, spec, reps: int) -> float:
 
 
 def bench(layers: int, reps: int) -> dict:
-    from transformers import AutoConfig
-
+    from rayhf.models.hf import ModelInit
     from rayhf.models.sharding import param_shards
-    from rayhf.models.spec import model_spec
     from rayhf.realloc.mover import ObjectStoreCopy, TransferGroupMover
 
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ray, devices, group = _groups(Path(tmp), layers)
-        spec = model_spec(AutoConfig.from_pretrained(Path(tmp) / "model"), value_head=False)
+        init = ModelInit(family="llama", hidden_size=768, n_layers=layers, n_heads=12)
+        ray, devices, group, spec = role_groups(Path(tmp), init, 8192)
         params = sum(p.numel for p in param_shards(spec))
         relayed, sockets, direct, naive = (
             TransferGroupMover(),
