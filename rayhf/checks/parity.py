@@ -102,7 +102,8 @@ def layouts(world: int) -> list[tuple[int, int, int]]:
 # sharded step), then tp and pp together (each rank a shard of a stage).
 BASE_LAYOUTS = ((2, 1, 1), (1, 2, 2))
 
-Check = tuple[str, str, tuple[int, int, int]]  # (precision, case, (dp, tp, pp))
+Size = tuple[int, ...]  # (dp, tp, pp), or (dp, tp, pp, cp) with sequences split
+Check = tuple[str, str, Size]  # (precision, case, size)
 PRECISIONS = ("fp32", "bf16")  # in this order: ``covering`` rotates the layouts by it
 
 
@@ -110,20 +111,29 @@ PRECISIONS = ("fp32", "bf16")  # in this order: ``covering`` rotates the layouts
 # experts split over 4 replicas (``expert_split``), and ep beside tp and beside pp.
 EXPERT_LAYOUTS = ((4, 1, 1), (2, 2, 1), (2, 1, 2))
 
+# With ``context``, every case whose family can split its sequences also runs one of these
+# (dp, tp, pp, cp), rotating: cp alone (one group of 2 and of 4), beside tp, beside pp, and two
+# groups of 2 (``rayhf.parallel.context``).
+CONTEXT_LAYOUTS = ((2, 1, 1, 2), (4, 1, 1, 4), (2, 2, 1, 2), (2, 1, 2, 2), (4, 1, 1, 2))
 
-def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> list[Check]:
+
+def covering(
+    world: int, cases: Sequence[str], precisions: Sequence[str], context: bool = False
+) -> list[Check]:
     """The checks of a run: not every case on every layout, but every case on ``BASE_LAYOUTS``
     and on one more layout, which rotates over the cases so that in each precision every
     layout of ``world`` is checked for some case (with fewer cases than layouts: every case on
     every layout); a Mixture-of-Experts case on two of ``EXPERT_LAYOUTS`` more, rotating over
-    those cases so that each precision runs all of them (with two such cases or more)."""
+    those cases so that each precision runs all of them (with two such cases or more); with
+    ``context``, a case whose family has no linear-attention layer on one of
+    ``CONTEXT_LAYOUTS`` more, rotating likewise."""
     every = layouts(world)
     base = [s for s in BASE_LAYOUTS if s in every]
     rest = [s for s in every if s not in base]
     if len(cases) < len(rest):
         return [(p, c, s) for p in precisions for c in cases for s in every]
     moe = [c for c in cases if FAMILIES[CASES[c].family].moe is not None]
-    out = []
+    out: list[Check] = []
     for j, p in enumerate(precisions):
         for i, c in enumerate(cases):
             sizes = [*base, rest[(i + j) % len(rest)]]
@@ -135,6 +145,9 @@ def covering(world: int, cases: Sequence[str], precisions: Sequence[str]) -> lis
                 ]
                 sizes += [x for x in turn if x not in sizes and x in every][:2]  # two new ones
             out += [(p, c, s) for s in dict.fromkeys(sizes) if s in every]
+            fits = [s for s in CONTEXT_LAYOUTS if s[0] * s[1] * s[2] <= world]
+            if context and fits and FAMILIES[CASES[c].family].delta_net is None:
+                out.append((p, c, fits[(i + j) % len(fits)]))
     return out
 
 
@@ -332,19 +345,21 @@ def expert_split(case: str, dp: int, precision: str) -> int:
 
 
 def _check(
-    case: str, dp: int, tp: int, pp: int, rank: int, precision: str = "fp32", device: str = "cpu"
+    case: str, size: Size, rank: int, precision: str = "fp32", device: str = "cpu"
 ) -> dict[str, Any] | None:
     from rayhf.algorithms.lm import scores_from_logits
     from rayhf.engines.build import standalone_engine as engine_of
     from rayhf.engines.torch_trainer import OptimizerConfig
     from rayhf.parallel.groups import build_groups
 
-    ep = expert_split(case, dp, precision)
-    groups = build_groups(dp, tp, pp, rank, ep=ep)
+    dp, tp, pp, cp = (*size, 1)[:4]
+    ep = expert_split(case, dp, precision) if cp == 1 else 1
+    groups = build_groups(dp, tp, pp, rank, ep=ep, cp=cp)
     if groups.coords.dp_rank < 0:
         return None
     ids, mask = (t.to(device) for t in _batch())
-    bounds = (groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
+    shares, share = dp // cp, groups.batch_rank  # a cp group's ranks split its rows' tokens
+    bounds = (share * 4 // shares, (share + 1) * 4 // shares)
     rows = slice(*bounds)
     my_ids, my_mask, keep = ids[rows], mask[rows], mask[rows].bool()
     opt = OptimizerConfig()  # lr 1e-4, AdamW, clip at norm 1
@@ -368,7 +383,7 @@ def _check(
     prompts = PROMPTS[rows]
     # with experts split over the replicas they decode in step; the last has no prompts of its
     # own and serves the others' exchanges (pp = 1 only: the decode engine refuses more)
-    decodes = ep == 1 or pp == 1
+    decodes = (ep == 1 or pp == 1) and cp == 1  # (the decode engine splits no row)
     mine = [] if ep > 1 and groups.coords.dp_rank == dp - 1 else prompts
     same_tokens = None
     if decodes:
@@ -412,6 +427,7 @@ def _check(
         "tp": tp,
         "pp": pp,
         "ep": ep,
+        "cp": cp,
         "rank": rank,
         "logits": logit_err,
         "scores": score_err,
@@ -541,8 +557,8 @@ def _worker(
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=join_store(address), rank=rank, world_size=world)
     rows_out = []
-    for precision, case, (dp, tp, pp) in checks:
-        row = _check(case, dp, tp, pp, rank, precision, device)
+    for precision, case, size in checks:
+        row = _check(case, size, rank, precision, device)
         if row is not None:
             rows_out.append(row)
         dist.barrier()
@@ -569,7 +585,7 @@ def run(
     cases = CASES if cases is None else cases
     rows = {c.family: FAMILIES[c.family] for c in cases.values()}
     if sizes is None:
-        checks = covering(world, list(cases), precisions)
+        checks = covering(world, list(cases), precisions, context=True)
     else:
         checks = [(p, c, s) for p in precisions for c in cases for s in sizes]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -77,10 +77,10 @@ def check_deepspeed(
             f"models.{role}.precision: fp16 training scales the loss on engine 'torch' only, "
             f"and {call} runs on DeepSpeed; use bf16, or engine torch for {call}"
         )
-    if layout.tp > 1 or layout.pp > 1:
+    if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
         raise RayhfError(
-            f"{field}.engine: DeepSpeed ZeRO shards over data-parallel ranks only (tp=1, pp=1) "
-            f"but the plan gives {call} {layout.name}; set plan.{call} to a dp-only layout"
+            f"{field}.engine: DeepSpeed ZeRO shards over data-parallel ranks only (tp=1, pp=1, "
+            f"cp=1) but the plan gives {call} {layout.name}; set plan.{call} to a dp-only layout"
         )
     if zero1:
         raise RayhfError(

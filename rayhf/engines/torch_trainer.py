@@ -70,19 +70,25 @@ def micro_batches(
 
 
 def global_scales(
-    comm: DataParallel, minibatches: Sequence[PackedBatch], weight: Weight
+    comm: DataParallel, minibatches: Sequence[PackedBatch], weight: Weight, cp: int = 1
 ) -> list[float]:
     """Per minibatch, what this rank's loss (a mean over its own ``weight``) is multiplied by so
     that, once the replicas' gradients are averaged, the gradient is that of the mean over every
     rank's ``weight``: ``dp * mine / total``. A rank with an empty minibatch adds nothing and
-    scales no one else's down; with one replica it is 1."""
+    scales no one else's down; with one replica it is 1.
+
+    With context parallelism (``cp`` > 1) the ``cp`` ranks of a group share their rows, so the
+    total counts each row ``cp`` times, while the group's gradient is the sum of its ranks'
+    (each carries its own tokens'): each rank's scale is ``cp`` times the share's."""
     if comm.size == 1:
         return [1.0] * len(minibatches)
     mine = torch.tensor(
         [weight(mb) if mb.n_samples else 0.0 for mb in minibatches], dtype=torch.float64
     )
     total = comm.all_reduce_sum(mine)
-    return [float(comm.size * m / t) if t > 0 else 0.0 for m, t in zip(mine, total, strict=True)]
+    return [
+        float(cp * comm.size * m / t) if t > 0 else 0.0 for m, t in zip(mine, total, strict=True)
+    ]
 
 
 class NonFiniteGradients(RayhfError):
@@ -237,7 +243,7 @@ class TorchTrainer:
         pipe.record = True
         totals = Totals(len(minibatches))
         reducer = self._reducer()
-        scales = global_scales(self.comm, minibatches, weight)
+        scales = global_scales(self.comm, minibatches, weight, self.groups.cp)
         # with experts split over ep ranks, a rank's passes may be fewer than its group's others
         # (``Turns``): buckets wait for the drain, which adds to the experts' gradients
         overlap = self.groups.pp == 1 and self.groups.ep == 1
@@ -259,8 +265,8 @@ class TorchTrainer:
                     if module.balancing:  # an MoE model's load-balancing losses
                         balance, values = module.take_balance_losses(
                             self.cfg.router_aux_loss, self.cfg.router_z_loss
-                        )
-                        loss, stats = loss + balance, {**stats, **values}
+                        )  # over this rank's tokens: a cp group's mean of them
+                        loss, stats = loss + balance / self.groups.cp, {**stats, **values}
                     self.model.turns.take(BACKWARD)
                     self._backward(loss * (share * scale))
                     pipe.backward_pending()

@@ -441,9 +441,9 @@ def stage_units(spec: ModelSpec, pp: int, pp_rank: int) -> set[int]:
     return units
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> str | None:
-    """Why ``tp x pp`` (with the experts split ``ep`` ways) cannot hold this model, or None if
-    it can."""
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, cp: int = 1) -> str | None:
+    """Why ``tp x pp`` (with the experts split ``ep`` ways, each sequence ``cp`` ways) cannot
+    hold this model, or None if it can."""
     if ep > 1 and spec.moe is None:
         return f"ep={ep} splits experts, and the model has none (a dense {spec.family})"
     if spec.moe is not None and spec.moe.n_experts % ep:
@@ -464,6 +464,18 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> str | None:
         return f"tp={tp} is larger than an expert's width ({spec.moe.expert_size})"
     if pp > spec.n_layers:
         return f"pp={pp} is more pipeline stages than the model's {spec.n_layers} layers"
+    return _check_context(spec, tp, cp)
+
+
+def _check_context(spec: ModelSpec, tp: int, cp: int) -> str | None:
+    """Why ``cp`` ranks cannot split this model's sequences (``rayhf.parallel.context``)."""
+    if cp > 1 and spec.delta_layers:
+        return (
+            f"cp={cp} splits each sequence, and a {spec.family} model's linear-attention layers "
+            f"carry a state along it, which rayhf does not split; set cp to 1"
+        )
+    if (spec.n_heads // tp) % cp:
+        return f"cp={cp} does not divide the {spec.n_heads // tp} attention heads of a tp rank"
     return None
 
 

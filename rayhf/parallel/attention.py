@@ -40,13 +40,20 @@ class TokenLayout:
     # every row starts at position 0 (a query's slot is its key's): a causal mask is the rows'
     from_start: bool = False
     square: bool = False  # from_start, and every row as long: the tokens are the rows, in order
+    # context parallelism: the tokens this rank holds (the layers see these; attention sees
+    # every token, after ``rayhf.parallel.context.to_heads``); None: all of them
+    local: slice | None = None
 
     @staticmethod
     def packed(
-        lengths: list[int], start: list[int] | None = None, cache_rows: list[int] | None = None
+        lengths: list[int],
+        start: list[int] | None = None,
+        cache_rows: list[int] | None = None,
+        local: slice | None = None,
     ) -> TokenLayout:
         """Rows of ``lengths`` tokens whose first token is at position ``start`` (default 0),
-        kept in cache rows ``cache_rows`` (default: row i in cache row i)."""
+        kept in cache rows ``cache_rows`` (default: row i in cache row i), this rank holding
+        the ``local`` ones (context parallelism; default: all)."""
         start = start or [0] * len(lengths)
         rows = torch.repeat_interleave(
             torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long)
@@ -59,7 +66,7 @@ class TokenLayout:
         square = from_start and len(set(lengths)) == 1
         return TokenLayout(
             rows, positions, slots, len(lengths), max(lengths, default=0), n_keys, cache,
-            from_start=from_start, square=square,
+            from_start=from_start, square=square, local=local,
         )  # fmt: skip
 
     @staticmethod
@@ -77,6 +84,11 @@ class TokenLayout:
         write_at = (head_rows * cache.capacity + positions[:, None]).flatten()
         return TokenLayout(rows, positions, rows, n, 1, n_keys, None, True, bias, write_at)
 
+    @property
+    def local_positions(self) -> torch.Tensor:
+        """The positions of the tokens this rank holds."""
+        return self.positions if self.local is None else self.positions[self.local]
+
     def to(self, device: torch.device) -> TokenLayout:
         if self.rows.device == device:
             return self
@@ -85,7 +97,7 @@ class TokenLayout:
         assert not self.decode, "a decode step's layout is made on its device"
         return TokenLayout(
             rows, positions, slots, self.n_rows, self.n_slots, self.n_keys, cache_rows,
-            from_start=self.from_start, square=self.square,
+            from_start=self.from_start, square=self.square, local=self.local,
         )  # fmt: skip
 
 

@@ -47,6 +47,10 @@ class ParallelGroups:
     ep: int = 1
     ep_group: dist.ProcessGroup | None = None
     expert_dp_group: dist.ProcessGroup | None = None
+    # context parallelism (``Layout.cp``): ``cp`` neighbouring dp ranks share a share of the
+    # batch and split each of its sequences (``cp_group``: attention's exchange)
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -62,9 +66,19 @@ class ParallelGroups:
         return self.coords.dp_rank % self.ep
 
     @property
+    def cp_rank(self) -> int:
+        """Which ``1/cp`` slice of each sequence this rank holds."""
+        return self.coords.dp_rank % self.cp
+
+    @property
+    def batch_rank(self) -> int:
+        """Which share of the batch this rank's cp group takes (``dp / cp`` shares)."""
+        return self.coords.dp_rank // self.cp
+
+    @property
     def is_head(self) -> bool:
-        """The rank that reports its replica's results (tp 0, stage 0)."""
-        return self.coords.pp_rank == 0 and self.coords.tp_rank == 0
+        """The rank that reports its replica's results (tp 0, stage 0, its cp group's first)."""
+        return self.coords.pp_rank == 0 and self.coords.tp_rank == 0 and self.cp_rank == 0
 
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -109,12 +123,12 @@ def single() -> ParallelGroups:
 
 
 def build_groups(
-    dp: int, tp: int, pp: int, rank: int, base: int = 0, ep: int = 1
+    dp: int, tp: int, pp: int, rank: int, base: int = 0, ep: int = 1, cp: int = 1
 ) -> ParallelGroups:
     """Create the groups of a layout whose ranks are ``base .. base+dp*tp*pp-1``, one per line
     of ranks along each axis of size > 1: ``dp``, ``pp``, ``tp``, ``ep`` (``ep`` neighbouring
-    dp ranks), ``expert_dp`` (dp ranks ``ep`` apart), and ``ends`` (a pipeline's first and last
-    stage).
+    dp ranks), ``expert_dp`` (dp ranks ``ep`` apart), ``cp`` (``cp`` neighbouring dp ranks),
+    and ``ends`` (a pipeline's first and last stage).
 
     ``rank`` is this process's global rank; it need not belong to the layout (it must still call,
     since group creation is collective); then the returned groups are all None.
@@ -126,7 +140,7 @@ def build_groups(
     member = 0 <= local < size
     coords = coords_of(local, pp, tp) if member else Coords(-1, -1, -1)
     mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
-        ("dp", "pp", "tp", "ends", "ep", "expert_dp")
+        ("dp", "pp", "tp", "ends", "ep", "expert_dp", "cp")
     )
     pp_ranks: tuple[int, ...] = (rank,)
     dp_lines = _lines(dp, pp, tp, "dp")
@@ -136,6 +150,7 @@ def build_groups(
         ("tp", tp, _lines(dp, pp, tp, "tp")),
         ("ep", ep, [line[i : i + ep] for line in dp_lines for i in range(0, dp, ep)]),
         ("expert_dp", dp // ep, [line[i::ep] for line in dp_lines for i in range(ep)]),
+        ("cp", cp, [line[i : i + cp] for line in dp_lines for i in range(0, dp, cp)]),
     ):
         if n == 1:
             continue
@@ -154,7 +169,7 @@ def build_groups(
                 mine["ends"] = group
     return ParallelGroups(
         dp, pp, tp, coords, mine["dp"], mine["pp"], mine["tp"], pp_ranks if member else (),
-        mine["ends"], ep, mine["ep"], mine["expert_dp"],
+        mine["ends"], ep, mine["ep"], mine["expert_dp"], cp, mine["cp"],
     )  # fmt: skip
 
 

@@ -4,7 +4,12 @@ A layout is a mesh (ordered device indices) plus ``dp x tp x pp`` whose product 
 size, a micro-batch count, and ``ep``: how many of the data-parallel ranks split a
 Mixture-of-Experts model's experts between them (expert parallelism, carved out of dp: groups of
 ``ep`` neighbouring dp ranks each hold ``1/ep`` of every layer's experts and send each other
-their tokens). ``Layout`` checks its arithmetic once, here; everything
+their tokens), and ``cp``: how many of the data-parallel ranks split each sequence of the rows
+they share between them (context parallelism, carved out of dp the same way: groups of ``cp``
+neighbouring dp ranks take one share of the batch, each rank a ``1/cp`` slice of its tokens, and
+attention gathers the sequence back per head: ``rayhf.parallel.context``). Since both are carved
+out of dp, the weights a rank holds depend on dp, tp and pp alone. ``Layout`` checks its
+arithmetic once, here; everything
 downstream (process groups, sharding, reallocation, the planner) trusts it.
 """
 
@@ -23,17 +28,20 @@ class Layout:
     pp: int = 1
     n_microbatches: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         assert self.dp * self.tp * self.pp == len(self.mesh), f"bad layout {self}"
         assert self.dp % self.ep == 0, f"ep={self.ep} does not divide dp={self.dp}"
+        assert self.dp % self.cp == 0, f"cp={self.cp} does not divide dp={self.dp}"
+        assert self.ep == 1 or self.cp == 1, f"ep={self.ep} with cp={self.cp}"
         assert len(set(self.mesh)) == len(self.mesh), f"repeated device in {self.mesh}"
 
     def __hash__(self) -> int:  # memoized: the planner's search hashes layouts millions of times
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash(
-                (self.mesh, self.dp, self.tp, self.pp, self.n_microbatches, self.ep)
+                (self.mesh, self.dp, self.tp, self.pp, self.n_microbatches, self.ep, self.cp)
             )  # ints: the same
             object.__setattr__(self, "_hash", cached)  # in every process
         return cached
@@ -41,10 +49,17 @@ class Layout:
     @property
     def name(self) -> str:
         """Short stable name, used in actor names: ``d0-1.dp2tp1pp1`` (``...ep2`` with experts
-        split)."""
+        split, ``...cp2`` with sequences split)."""
         devices = _ranges(self.mesh)
         experts = f"ep{self.ep}" if self.ep > 1 else ""
-        return f"d{devices}.dp{self.dp}tp{self.tp}pp{self.pp}{experts}"
+        context = f"cp{self.cp}" if self.cp > 1 else ""
+        return f"d{devices}.dp{self.dp}tp{self.tp}pp{self.pp}{experts}{context}"
+
+    @property
+    def batch_groups(self) -> int:
+        """How many shares the batch splits into: the dp ranks over the cp ranks that share
+        one."""
+        return self.dp // self.cp
 
     @property
     def world_size(self) -> int:

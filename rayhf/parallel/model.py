@@ -26,6 +26,7 @@ from rayhf.models.lora import initial
 from rayhf.models.precision import Numerics
 from rayhf.models.sharding import (
     ParamShard,
+    check_layout,
     chunk_bounds,
     embedding_name,
     final_norm_name,
@@ -48,6 +49,7 @@ from rayhf.parallel.attention import (
     rotary,
 )
 from rayhf.parallel.buckets import LOGIT_CHUNK
+from rayhf.parallel.context import attention_heads, to_tokens
 from rayhf.parallel.delta_net import (
     causal_conv,
     conv_step,
@@ -118,6 +120,8 @@ class ShardedModel(torch.nn.Module):
         lacks start as PEFT's do (``spec.lora``: ``rayhf.parallel.lora``)."""
         super().__init__()
         self.spec, self.groups = spec, groups
+        if groups.cp > 1 and (refused := check_layout(spec, groups.tp, 1, cp=groups.cp)):
+            raise RayhfError(refused)
         self.numerics = numerics or Numerics()
         dtype = self.numerics.storage
         tp, c = groups.tp, groups.coords
@@ -395,10 +399,11 @@ class ShardedModel(torch.nn.Module):
         temperature: float = 1.0,
         routes: Routes | None = None,
     ) -> torch.Tensor:
+        positions = where.local_positions
         if self.groups.is_first_stage:
-            x = self.embed(x, where.positions)
+            x = self.embed(x, positions)
         recompute = self.checkpointing and self.training and torch.is_grad_enabled()
-        rot = self.rotary_tables(where.positions)
+        rot = self.rotary_tables(positions)
         for i in self.layers:
             if recompute and cache is None:
                 x = checkpoint(self.layer, x, i, where, None, rot, routes, use_reentrant=False)
@@ -596,12 +601,38 @@ class ShardedModel(torch.nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(-1, self.n_kv_heads, d)
         sinks = self.param_or_none(f"{p}.sinks")  # this rank's heads' (gpt-oss)
-        out = attention(
-            q, k, v, where, window, cache, i, spec.attn_scale, spec.attn_softcap, sinks
-        ).flatten(1)
+        out = self._attend(q, k, v, where, window, cache, i, sinks).flatten(1)
         if gated:
             out = out * torch.sigmoid(gate.reshape(out.shape))
         return self._row_linear(out, f"{p}.o_proj")
+
+    def _attend(
+        self,
+        q,
+        k,
+        v,
+        where: TokenLayout,
+        window: int | None,
+        cache: KVCache | None,
+        i: int,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``attention`` of this rank's tokens ``[n, heads, d]``; with context parallelism, of
+        every token of the cp group for ``1/cp`` of the heads, and back
+        (``rayhf.parallel.context``)."""
+        cp, group = self.groups.cp, self.groups.cp_group
+        if where.local is None or group is None:
+            return attention(
+                q, k, v, where, window, cache, i, self.spec.attn_scale, self.spec.attn_softcap,
+                sinks,
+            )  # fmt: skip
+        q, k, v = attention_heads(q, k, v, cp, group)
+        if sinks is not None:
+            sinks = sinks.chunk(cp)[self.groups.cp_rank]
+        out = attention(
+            q, k, v, where, window, None, i, self.spec.attn_scale, self.spec.attn_softcap, sinks
+        )
+        return to_tokens(out, cp, group)
 
     def _delta_net(
         self, h: torch.Tensor, i: int, where: TokenLayout, cache: KVCache | None
@@ -817,7 +848,7 @@ class ShardedModel(torch.nn.Module):
         h = copy_to_tp(h, self.groups.tp_group)
         qkv = self.matmul(h, f"{p}.c_attn.weight", self.param(f"{p}.c_attn.bias"))
         q, k, v = (t.reshape(-1, self.n_heads, d) for t in qkv.chunk(3, dim=-1))
-        out = attention(q, k, v, where, None, cache, i).flatten(1)
+        out = self._attend(q, k, v, where, None, cache, i, None).flatten(1)
         return self._row_linear(out, f"{p}.c_proj")
 
     def _conv1d_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:

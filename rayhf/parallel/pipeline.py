@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from rayhf.parallel.attention import KVCache, TokenLayout
+from rayhf.parallel.context import gather_tokens, local_slice, padding
 from rayhf.parallel.groups import ParallelGroups
 from rayhf.parallel.model import ShardedModel
 from rayhf.parallel.moe import Routes
@@ -86,10 +88,7 @@ class Pipeline:
             return Routes(given=given_routes[lo:hi], replay=replay)
 
         if self.groups.pp == 1:
-            where = TokenLayout.packed(lengths)
-            return self.model(
-                ids, where, targets=targets, temperature=temperature, routes=routes(0, len(ids))
-            )
+            return self._run(ids, lengths, targets, temperature, routes(0, len(ids)))[0]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
@@ -98,15 +97,11 @@ class Pipeline:
         exact = self.groups.ep > 1  # every rank of the ep group: as many micro-batches
         for tag, rows in enumerate(split_rows(len(lengths), self.n_microbatches, exact)):
             lo, hi = offsets[rows.start], offsets[rows.stop]
-            where = TokenLayout.packed(lengths[rows.start : rows.stop])
-            if self.prev is None:
-                x = ids[lo:hi]
-            else:
-                x = self._recv((hi - lo, self._hidden), self.prev, tag, self._hidden_dtype)
-            if keep and self.prev is not None:
-                x.requires_grad_(True)
             part = None if targets is None else targets[lo:hi]
-            y = self.model(x, where, targets=part, temperature=temperature, routes=routes(lo, hi))
+            y, x = self._run(
+                ids[lo:hi], lengths[rows.start : rows.stop], part, temperature, routes(lo, hi),
+                tag, keep,
+            )  # fmt: skip
             if self.next is not None:
                 sends.append(self._isend(y.detach(), self.next, tag))
             inputs.append(x)
@@ -124,6 +119,44 @@ class Pipeline:
             out.requires_grad_(True)
             self.pending.append(_Pending(inputs, outputs, bounds, out))
         return out
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        lengths: list[int],
+        targets: torch.Tensor | None,
+        temperature: float,
+        routes: Routes | None,
+        tag: int | None = None,
+        keep: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch through this stage (``tag``: its number in a pipeline, whose first
+        stage reads ``ids`` and the others receive hidden states; None: the only stage).
+        With context parallelism this rank runs its slice of the tokens (``rayhf.parallel.
+        context``) and the last stage gathers the group's outputs. Returns the output and the
+        stage's input."""
+        cp, group = self.groups.cp, self.groups.cp_group
+        where = TokenLayout.packed(lengths)
+        if group is not None and len(ids):
+            pad = padding(len(ids), cp)
+            local = local_slice(len(ids) + pad, cp, self.groups.cp_rank)
+            where = TokenLayout.packed([*lengths, pad] if pad else lengths, local=local)
+            ids = F.pad(ids, (0, pad))[local]
+            if targets is not None:
+                targets = F.pad(targets, (0, pad), value=-1)[local]
+            if routes is not None and routes.given is not None:
+                given = F.pad(routes.given, (0, 0, 0, 0, 0, pad), value=-1)[local]
+                routes = routes._replace(given=given)
+        if tag is None or self.prev is None:
+            x = ids
+        else:
+            x = self._recv((len(ids), self._hidden), self.prev, tag, self._hidden_dtype)
+            if keep:
+                x.requires_grad_(True)
+        y = self.model(x, where, targets=targets, temperature=temperature, routes=routes)
+        if group is not None and where.local is not None and self.next is None:
+            y = gather_tokens(y, cp, self.groups.cp_rank, group)[: sum(lengths)]
+        return y, x
 
     def backward_pending(self) -> None:
         """Carry the loss gradient of every recorded forward back through the stages."""

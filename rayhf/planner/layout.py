@@ -28,6 +28,10 @@ class LayoutSpec(BaseModel):
     ep: int = Field(1, gt=0)
     """Expert parallelism: groups of ep data-parallel ranks split a Mixture-of-Experts model's
     experts and send each other their tokens (ep must divide dp)."""
+    cp: int = Field(1, gt=0)
+    """Context parallelism: groups of cp data-parallel ranks take one share of the batch and
+    split each of its sequences, attention exchanging heads for tokens (cp must divide dp; an
+    inference or train call's, not with ep)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -50,4 +54,8 @@ def layout_from_spec(spec: LayoutSpec, n_devices: int, where: str) -> Layout:
         raise RayhfError(f"{where}: dp*tp*pp = {dp}*{spec.tp}*{spec.pp} != mesh size {len(mesh)}")
     if dp % spec.ep:
         raise RayhfError(f"{where}.ep: {spec.ep} does not divide dp = {dp}")
-    return Layout(mesh, dp, spec.tp, spec.pp, spec.n_microbatches, spec.ep)
+    if dp % spec.cp:
+        raise RayhfError(f"{where}.cp: {spec.cp} does not divide dp = {dp}")
+    if spec.ep > 1 and spec.cp > 1:
+        raise RayhfError(f"{where}: ep and cp both split dp, and rayhf splits by one; set one to 1")
+    return Layout(mesh, dp, spec.tp, spec.pp, spec.n_microbatches, spec.ep, spec.cp)

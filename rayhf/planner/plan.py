@@ -76,6 +76,7 @@ class Plan:
                     "pp": lay.pp,
                     "n_microbatches": lay.n_microbatches,
                     **({"ep": lay.ep} if lay.ep > 1 else {}),
+                    **({"cp": lay.cp} if lay.cp > 1 else {}),
                     **({"zero": self.zero[name]} if name in self.zero else {}),
                     **({"release": True} if name in self.released else {}),
                 }
@@ -90,7 +91,15 @@ def plan_from_json(text: str, source: str) -> Plan:
     (``n_mbs``) loads too, so a resumed run keeps its plan."""
     raw = json.loads(text)
     layouts = {
-        name: Layout(tuple(v["mesh"]), v["dp"], v["tp"], v["pp"], _microbatches(v), v.get("ep", 1))
+        name: Layout(
+            tuple(v["mesh"]),
+            v["dp"],
+            v["tp"],
+            v["pp"],
+            _microbatches(v),
+            v.get("ep", 1),
+            v.get("cp", 1),
+        )
         for name, v in raw.items()
     }
     zero = {name: v["zero"] for name, v in raw.items() if "zero" in v}
@@ -136,9 +145,14 @@ def check_plan_fits(plan: Plan, graph: Graph, specs: dict[str, ModelSpec]) -> No
         call = graph.by_name[name]
         role, lay = call.role, plan.layouts[name]
         if role in specs:
-            reason = check_layout(specs[role], lay.tp, lay.pp, lay.ep)
+            reason = check_layout(specs[role], lay.tp, lay.pp, lay.ep, lay.cp)
             if reason is not None:
                 raise RayhfError(f"plan.{name}: {reason} (role '{role}')")
+        if lay.cp > 1 and call.kind == "generate":
+            raise RayhfError(
+                f"plan.{name}.cp: a generate call decodes each row on one rank, and cp splits "
+                f"rows; set cp to 1"
+            )
         if lay.ep > 1 and lay.pp > 1 and call.kind == "generate":
             raise RayhfError(
                 f"plan.{name}.ep: the decode engine splits experts over replicas with pp = 1 "
@@ -151,9 +165,11 @@ def format_plan(plan: Plan, graph: Graph) -> str:
     plan names it: 2-3 run on DeepSpeed)."""
     rows = [f"plan ({plan.source}) for graph '{graph.name}':"]
     experts = any(lay.ep > 1 for lay in plan.layouts.values())  # an ep column where one splits
+    context = any(lay.cp > 1 for lay in plan.layouts.values())  # a cp column likewise
     rows.append(
         f"  {'call':<14}{'role':<10}{'kind':<11}{'mesh':<14}{'dp':>4}{'tp':>4}{'pp':>4}{'mbs':>5}"
         + ("  ep" if experts else "")
+        + ("  cp" if context else "")
         + ("  zero" if plan.zero else "")
     )
     for name in graph.order:
@@ -163,6 +179,7 @@ def format_plan(plan: Plan, graph: Graph) -> str:
             f"  {name:<14}{c.role:<10}{c.kind:<11}{mesh:<14}{lay.dp:>4}{lay.tp:>4}"
             f"{lay.pp:>4}{lay.n_microbatches:>5}"
             + (f"{lay.ep:>4}" if experts else "")
+            + (f"{lay.cp:>4}" if context else "")
             + (f"{plan.zero.get(name, '-'):>6}" if plan.zero else "")
             + ("  (its copy released: the whole model moves)" if name in plan.released else "")
         )

@@ -91,7 +91,8 @@ class NodeInfo:
 
     @property
     def is_head(self) -> bool:
-        return self.rank % self.group.ranks_per_replica == 0
+        """The rank that reports its replica's results (``ParallelGroups.is_head``)."""
+        return self.rank % (self.group.ranks_per_replica * self.group.layout.cp) == 0
 
     @property
     def doing(self) -> str:

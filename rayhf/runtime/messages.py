@@ -68,6 +68,7 @@ class WorkerSpec:
     fault: FaultInjection | None = None  # this rank dies where the fault fires (drills, tests)
     version: int = 0  # the step whose update made the weights it starts with (a resume's)
     ep_size: int = 1  # dp ranks that split a Mixture-of-Experts model's experts (Layout.ep)
+    cp_size: int = 1  # dp ranks that split each sequence of the rows they share (Layout.cp)
     adapter_dir: str | None = None  # LoRA adapters to start from (PEFT's); None: fresh ones
 
 

@@ -218,6 +218,7 @@ class Session:
             tp_size=layout.tp,
             pp_size=layout.pp,
             ep_size=layout.ep,
+            cp_size=layout.cp,
             n_microbatches=layout.n_microbatches,
             calls=calls,
             settings=InterfaceSettings(

@@ -150,8 +150,9 @@ class RoleWorker:
                 backend, store=self._store(address), rank=spec.rank, world_size=world
             )
             self.groups = build_groups(
-                spec.dp_size, spec.tp_size, spec.pp_size, spec.rank, ep=spec.ep_size
-            )
+                spec.dp_size, spec.tp_size, spec.pp_size, spec.rank, ep=spec.ep_size,
+                cp=spec.cp_size,
+            )  # fmt: skip
         weights, self._weights = self._weights, None
         if spec.model is None:
             return  # a function-valued role
@@ -178,8 +179,9 @@ class RoleWorker:
     def run(self, req: CallRequest) -> CallResult:
         call = self.calls[req.call]
         interface = self.interfaces[call.interface]
-        dp_rank = self.groups.coords.dp_rank
-        ctx = CallContext(req.step, dp_rank, self.spec.dp_size, self.spec.seed, call.args)
+        # a cp group's ranks share their rows: to the algorithm, one replica
+        shares, share = self.spec.dp_size // self.groups.cp, self.groups.batch_rank
+        ctx = CallContext(req.step, share, shares, self.spec.seed, call.args)
         engine = self._engine_for(req.call)
         site = "eval" if req.evaluate else "call"
         if call.kind == "generate" and getattr(engine.generator, "stale", False):
@@ -240,7 +242,8 @@ class RoleWorker:
         )
         view = call_inputs(batch, call.inputs, call.name)
         keys = self.interfaces[call.interface].balance_keys
-        part = replica_share(view, self.spec.dp_size, self.groups.coords.dp_rank, keys)
+        shares = self.spec.dp_size // self.groups.cp  # a cp group's ranks share their rows
+        part = replica_share(view, shares, self.groups.batch_rank, keys)
         result = self.run(CallRequest(node.call, step.step, part, node.evaluate))
         if result.batch is not None:
             keep = self.groups.is_head

@@ -21,7 +21,7 @@ import sys
 import pytest
 from parity_support import TOLERANCES
 
-from rayhf.checks.parity import CASES, PRECISIONS, _model, covering, layouts
+from rayhf.checks.parity import CASES, CONTEXT_LAYOUTS, PRECISIONS, _model, covering, layouts
 from rayhf.models.families import FAMILIES
 from rayhf.models.sharding import param_shards, stage_layers
 from rayhf.models.spec import model_spec
@@ -50,7 +50,9 @@ def rows(tmp_path_factory):
 def _assert_matches(r: dict, precision: str) -> None:
     """One rank's row within the bounds of its precision."""
     tol = TOLERANCES[precision]
-    where = f"{precision} {r['family']} dp{r['dp']}tp{r['tp']}pp{r['pp']} rank {r['rank']}"
+    where = (
+        f"{precision} {r['family']} dp{r['dp']}tp{r['tp']}pp{r['pp']}cp{r['cp']} rank {r['rank']}"
+    )
     assert r["logits"] < tol.logits, f"{where}: logits off by {r['logits']:.2e}"
     assert r["scores"] < tol.logits, f"{where}: scores off by {r['scores']:.2e}"
     case = CASES.get(r["family"])  # (a registered row's is not among them)
@@ -83,12 +85,14 @@ def _assert_tokens_agree(rows: list[dict], precision: str, case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_covering_layout_matches_hugging_face(rows, case, precision):
     mine = [r for r in rows if r["family"] == case and r["precision"] == precision]
-    checked = [s for p, c, s in covering(4, list(CASES), PRECISIONS) if (p, c) == (precision, case)]
-    expected = {(d, t, p): d * t * p for d, t, p in checked}
-    assert len(expected) == 3 + (2 if FAMILIES[CASES[case].family].moe is not None else 0)
-    for (d, t, p), n_ranks in expected.items():
-        ranks = [r for r in mine if (r["dp"], r["tp"], r["pp"]) == (d, t, p)]
-        assert len(ranks) == n_ranks, f"{case} dp{d}tp{t}pp{p}: {len(ranks)} ranks reported"
+    checks = covering(4, list(CASES), PRECISIONS, context=True)
+    checked = [(*s, 1)[:4] for p, c, s in checks if (p, c) == (precision, case)]
+    family = FAMILIES[CASES[case].family]
+    splits = 1 if family.delta_net is None else 0  # a sequence split, where the family can
+    assert len(checked) == 3 + (2 if family.moe is not None else 0) + splits
+    for d, t, p, c in checked:
+        ranks = [r for r in mine if (r["dp"], r["tp"], r["pp"], r["cp"]) == (d, t, p, c)]
+        assert len(ranks) == d * t * p, f"{case} dp{d}tp{t}pp{p}cp{c}: {len(ranks)} reported"
         for r in ranks:
             _assert_matches(r, precision)
     _assert_tokens_agree(mine, precision, case)
@@ -104,12 +108,17 @@ def test_frozen_bf16_copies_hold_half_the_bytes(rows):
 def test_the_covering_set_runs_every_layout_in_each_precision_and_every_axis_for_each_case():
     """Not every product: each layout of 4 ranks for some case, each case split over dp, tp and
     pp, in each precision."""
-    checks = covering(4, list(CASES), PRECISIONS)
-    per_case = [5 if FAMILIES[c.family].moe is not None else 3 for c in CASES.values()]
-    assert len(checks) == len(TOLERANCES) * sum(per_case)  # 3 a case, 5 with experts
+    checks = covering(4, list(CASES), PRECISIONS, context=True)
+    per_case = [
+        (5 if FAMILIES[c.family].moe is not None else 3)
+        + (FAMILIES[c.family].delta_net is None)  # and one with sequences split
+        for c in CASES.values()
+    ]
+    assert len(checks) == len(TOLERANCES) * sum(per_case)  # 3 a case, 5 with experts, +1 cp
     assert len(checks) < len(CASES) * len(TOLERANCES) * len(layouts(4)) / 2
     for precision in TOLERANCES:
-        assert {s for p, _, s in checks if p == precision} == set(layouts(4)), precision
+        assert {s for p, _, s in checks if p == precision and len(s) == 3} == set(layouts(4))
+        assert {s for p, _, s in checks if p == precision and len(s) == 4} == set(CONTEXT_LAYOUTS)
         for case in CASES:
             sizes = [s for p, c, s in checks if (p, c) == (precision, case)]
             assert all(any(s[axis] > 1 for s in sizes) for axis in range(3)), (precision, case)

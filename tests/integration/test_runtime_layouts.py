@@ -108,15 +108,23 @@ def test_ppo_with_a_tp2_actor_and_a_pp2_critic(ray_cluster, tiny_config):
 def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
     ray_cluster, tiny_config
 ):
+    """The actor trains at tp = 2 and generates on a dp = 2 copy; the reference and the critic
+    split each sequence over their 2 ranks (cp = 2), the reference following the actor by EMA
+    into that layout."""
     import json
 
     import ray
 
     plan = {c: {"dp": 2} for c in PLAN}
     plan["actor_train"] = {"tp": 2}
+    for call in ("ref_inf", "critic_inf", "critic_train"):
+        plan[call] = {"dp": 2, "cp": 2}
     cfg = tiny_config(steps=1, plan=plan, **{"cluster.n_devices": 2, "models.ref.ema": 0.25})
     assets = prepare_run(cfg, cfg.resolved_run_dir())
     with Session(cfg, assets, resume=None) as session:
+        assert {"ref.d0-1.dp2tp1pp1cp2[1]", "critic.d0-1.dp2tp1pp1cp2[1]"} <= alive_actors()
+        critic = session.groups["critic"]
+        critic_before = ray.get(critic.actors[0].weights_summary.remote()).digest
         home, ref = session.groups["actor"], session.groups["ref"]
         copy = session.copies["actor.d0-1.dp2tp1pp1"]
         assert home.layout.tp == 2 and copy.layout.dp == 2
@@ -126,14 +134,21 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
         RunLoop(cfg, assets, session).loop(0)
         actor_after = ray.get([a.get_weights.remote() for a in home.actors])[0]
         ref_after = ray.get(ref.actors[0].get_weights.remote())
+        critic_after = {
+            w.digest for w in ray.get([a.weights_summary.remote() for a in critic.actors])
+        }
         copy_bytes = [w.bytes for w in ray.get([a.weights_summary.remote() for a in copy.actors])]
     assert not _same(actor_before, actor_after)
+    # the critic's two ranks each saw half of every sequence and summed their gradients
+    assert len(critic_after) == 1 and critic_before not in critic_after
     expected = {
         k: v.clone().mul_(0.75).add_(actor_after[k], alpha=0.25) for k, v in ref_before.items()
     }
     assert _same(ref_after, expected), "ref = 0.25 * actor + 0.75 * ref, exactly"
     assert copy_bytes == [0, 0], "the generation copy is dropped after its call"
     row = json.loads((Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()[0])
+    # the reference scores the samples at the weights that drew them, each sequence split
+    assert row["step"] == 1 and abs(row["kl"]) < 1e-5, row["kl"]
     moved = session.mover.plan(assets.specs["actor"], home.layout, copy.layout).total_bytes
     assert row["realloc_bytes/actor_gen"] == moved
     assert row["realloc_seconds/actor_gen"] > 0

@@ -365,6 +365,17 @@ def test_a_token_mean_is_over_every_dp_ranks_tokens_and_an_empty_rank_scales_not
     assert scales == pytest.approx([2 * 3 / 12, 2.0, 0.0])
 
 
+def test_the_ranks_of_a_cp_group_count_their_shared_rows_once():
+    """Two ranks of one cp group hold the same 3 tokens: each counts them, so the total is 6,
+    and each rank's gradient is its own tokens' share of the group's. Scaled by 2 * 3 / 6 * 2,
+    the two ranks' average is the mean over the 3 tokens, as one rank holding them all."""
+    batch = PackedBatch([0])
+    batch.add("seq", torch.arange(3, 7), [4])
+    batch.add("prompt_lens", torch.tensor([1]), [1])
+    scales = global_scales(_TwoRanks([3.0]), [batch], response_tokens, cp=2)  # type: ignore[arg-type]
+    assert scales == pytest.approx([2.0])
+
+
 def _nonfinite(trainer: TorchTrainer, poison: list[bool]):
     inner = _loss_fn(trainer.model)
     calls = iter(poison)

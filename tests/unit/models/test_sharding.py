@@ -114,6 +114,14 @@ def test_impossible_layouts_say_why():
     hybrid = _spec("qwen3_5_text", n_kv_heads=4, config=heads)  # attention takes tp 4
     assert "the model's 2 DeltaNet key heads" in (check_layout(hybrid, 4, 1) or "")
     assert check_layout(hybrid, 2, 1) is None
+    # a sequence split: over each tp rank's heads, never across a linear-attention state
+    assert check_layout(spec, 2, 1, cp=2) is None
+    assert "cp=4 does not divide the 2 attention heads of a tp rank" in (
+        check_layout(spec, 2, 1, cp=4) or ""
+    )
+    assert "qwen3_5_text model's linear-attention layers carry a state" in (
+        check_layout(hybrid, 1, 1, cp=2) or ""
+    )
     with pytest.raises(RayhfError, match=r"^linear_num_value_heads=3 is not a multiple of"):
         _spec("qwen3_5_text", config={**heads, "linear_num_value_heads": 3})
     with pytest.raises(RayhfError, match="pp=5"):

@@ -20,6 +20,16 @@ def test_a_layout_splits_its_mesh_exactly():
         Layout((0, 0), dp=2)
 
 
+def test_cp_is_carved_out_of_dp_and_shares_the_batch_between_its_ranks():
+    lay = Layout((0, 1, 2, 3), dp=4, cp=2)
+    assert (lay.batch_groups, lay.name) == (2, "d0-3.dp4tp1pp1cp2")
+    assert Layout((0, 1, 2, 3), dp=4).batch_groups == 4
+    with pytest.raises(AssertionError, match="cp=3 does not divide dp=4"):
+        Layout((0, 1, 2, 3), dp=4, cp=3)
+    with pytest.raises(AssertionError, match="ep=2 with cp=2"):
+        Layout((0, 1, 2, 3), dp=4, ep=2, cp=2)
+
+
 @pytest.mark.parametrize(
     ("layout", "name"),
     [
@@ -47,6 +57,7 @@ def test_layouts_are_values():
         Layout((0, 1), dp=1, tp=2),
         Layout((0, 1), dp=1, pp=2),
         Layout((0, 2), dp=2),
+        Layout((0, 1), dp=2, cp=2),
     ]
     assert all(a != o and o not in plans for o in others)
     assert len({hash(x) for x in [a, *others]}) == 1 + len(others), "each field counts"

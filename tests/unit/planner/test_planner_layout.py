@@ -15,6 +15,7 @@ def test_the_mesh_defaults_to_every_device_and_dp_to_what_is_left():
     assert layout_from_spec(LayoutSpec(tp=2), 4, "plan.x") == Layout((0, 1, 2, 3), 2, 2)
     spec = LayoutSpec(mesh=[3, 1], pp=2, n_microbatches=4)
     assert layout_from_spec(spec, 4, "plan.x") == Layout((3, 1), 1, 1, 2, 4)
+    assert layout_from_spec(LayoutSpec(cp=2), 4, "plan.x") == Layout((0, 1, 2, 3), 4, cp=2)
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,8 @@ def test_the_mesh_defaults_to_every_device_and_dp_to_what_is_left():
         (LayoutSpec(mesh=[]), r"plan\.x\.mesh: \[\] must be distinct"),
         (LayoutSpec(tp=3), r"plan\.x: dp\*tp\*pp = 1\*3\*1 != mesh size 4"),
         (LayoutSpec(dp=4, tp=2), r"plan\.x: dp\*tp\*pp = 4\*2\*1 != mesh size 4"),
+        (LayoutSpec(tp=2, cp=4), r"plan\.x\.cp: 4 does not divide dp = 2$"),
+        (LayoutSpec(ep=2, cp=2), r"plan\.x: ep and cp both split dp, .* set one to 1$"),
     ],
 )  # fmt: skip
 def test_a_layout_that_does_not_fit_the_devices_names_its_entry(spec, message):

@@ -84,7 +84,7 @@ def test_home_and_role_layouts_and_the_moves_they_imply():
 
 
 def test_plans_round_trip_through_json():
-    plan = Plan({"a": Layout((2, 0), 1, 1, 2, 4), "b": Layout((0, 1, 2, 3), 2, 2)}, "auto")
+    plan = Plan({"a": Layout((2, 0), 1, 1, 2, 4), "b": Layout((0, 1, 2, 3), 2, 2, cp=2)}, "auto")
     assert plan_from_json(plan.to_json(), "auto") == plan
     released = Plan(plan.layouts, "auto", {"a": 1}, released=frozenset({"b"}))
     assert plan_from_json(released.to_json(), "auto") == released != plan
@@ -107,6 +107,16 @@ def test_a_layout_the_model_cannot_take_is_refused():
     bad = Plan({**plan.layouts, "critic_inf": Layout(tuple(range(8)), 1, 8)}, "manual")
     with pytest.raises(RayhfError, match=r"^plan\.critic_inf: .* \(role 'critic'\)$"):
         check_plan_fits(bad, GRAPH, specs)
+    split = Plan({**plan.layouts, "critic_inf": Layout(tuple(range(8)), 8, cp=8)}, "manual")
+    with pytest.raises(RayhfError, match=r"cp=8 does not divide the 4 attention heads of a tp"):
+        check_plan_fits(split, GRAPH, specs)
+    four = Layout(tuple(range(8)), 8, cp=4)  # 4 heads a rank: 1 each (kv heads repeated)
+    check_plan_fits(
+        dataclasses.replace(split, layouts={**split.layouts, "critic_inf": four}), GRAPH, specs
+    )
+    decode = Plan({**plan.layouts, "actor_gen": Layout(tuple(range(8)), 8, cp=2)}, "manual")
+    with pytest.raises(RayhfError, match=r"^plan\.actor_gen\.cp: a generate call decodes each"):
+        check_plan_fits(decode, GRAPH, specs)
 
 
 def test_the_plan_table():
