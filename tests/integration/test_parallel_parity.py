@@ -161,8 +161,11 @@ def test_parameter_bytes_per_device_shrink_with_tp_pp_and_ep(rows, family):
 def test_mixture_of_experts_cases_split_their_experts_over_the_replicas(rows):
     """Each MoE case runs its dp layouts with the experts spread over the replicas, whose
     tokens travel to the experts' ranks: over every replica (ep = dp: 2 and 4) and over pairs
-    of 4 (the expert gradients then summed over 2 ranks)."""
+    of 4 (the expert gradients then summed over 2 ranks); with sequences split (cp > 1), every
+    rank holds every expert."""
     moe = [r for r in rows if FAMILIES[CASES[r["family"]].family].moe is not None]
+    assert all(r["ep"] == 1 for r in moe if r["cp"] > 1)
+    moe = [r for r in moe if r["cp"] == 1]
     assert {r["family"] for r in moe} >= {"qwen3_moe", "mixtral"}
     assert all(r["ep"] > 1 for r in moe if r["dp"] > 1)
     assert {(r["dp"], r["ep"]) for r in moe if r["dp"] > 1} >= {(2, 2), (4, 4), (4, 2)}
