@@ -18,8 +18,8 @@ exchange is an autograd function whose backward is the opposite exchange.
 With tensor parallelism, ``cp`` splits each tp rank's heads again: the query heads of a tp rank
 must be a multiple of ``cp``; where its key/value heads are not, they are repeated to one per
 query head before the exchange (grouped-query attention then costs the bytes of full attention
-in the exchange, not in the weights). Why Ulysses and not ring attention:
-``docs/decisions.md``.
+in the exchange, not in the weights). Why Ulysses and not ring attention, and why cp is carved
+out of dp: ``docs/decisions/0099-context-parallelism-is-ulysses-carved-out-of-dp.md``.
 """
 
 from __future__ import annotations

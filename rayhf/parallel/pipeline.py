@@ -1,10 +1,11 @@
 """Pipeline-parallel execution of a ``ShardedModel`` stage: forward, backward, one decode step.
 
 Forward (GPipe over micro-batches): the rows of a batch are cut into ``n_microbatches``
-micro-batches; stage 0 embeds each and sends its hidden states on (asynchronously, so it starts
-the next micro-batch while stage 1 works), middle stages receive, compute and send, the last stage
-computes logits or values. The last stage then broadcasts the whole output to its pipeline, so
-every rank returns the same tensor and the algorithm code above runs unchanged on every rank.
+micro-batches of consecutive rows, near equal in tokens (``split_tokens``); stage 0 embeds each
+and sends its hidden states on (asynchronously, so it starts the next micro-batch while stage 1
+works), middle stages receive, compute and send, the last stage computes logits or values. The
+last stage then broadcasts the whole output to its pipeline, so every rank returns the same
+tensor and the algorithm code above runs unchanged on every rank.
 
 Backward: when training with pp > 1, the broadcast output is a fresh leaf on every rank; the loss
 (computed identically everywhere) fills its gradient, and ``backward_pending`` walks the
@@ -14,6 +15,7 @@ gradient of its input to the stage before, which back-propagates it, and so on t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,24 @@ def split_rows(n_rows: int, n_microbatches: int, exact: bool = False) -> list[ra
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def split_tokens(lengths: list[int], n_microbatches: int, exact: bool = False) -> list[range]:
+    """Contiguous row ranges of (at most) ``n_microbatches`` non-empty micro-batches of rows of
+    ``lengths`` tokens, near equal in tokens: micro-batch ``i`` ends at the row boundary whose
+    running total of tokens is closest to ``i / n`` of them; with ``exact``,
+    ``n_microbatches`` of them, empty ones too (as ``split_rows``)."""
+    n_rows = len(lengths)
+    n = n_microbatches if exact else max(1, min(n_microbatches, n_rows))
+    before = [0, *itertools.accumulate(lengths)]  # tokens before each row boundary
+    cuts = [0]
+    for i in range(1, n):
+        target = before[-1] * i / n
+        lo = cuts[-1] + (0 if exact else 1)  # after the last cut, leaving a row for each to come
+        hi = n_rows if exact else n_rows - (n - i)
+        cuts.append(min(range(lo, hi + 1), key=lambda c: (abs(before[c] - target), c)))
+    cuts.append(n_rows)
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 class Pipeline:
@@ -95,7 +115,7 @@ class Pipeline:
         inputs, outputs, bounds, sends = [], [], [], []
         keep = self.record and torch.is_grad_enabled()
         exact = self.groups.ep > 1  # every rank of the ep group: as many micro-batches
-        for tag, rows in enumerate(split_rows(len(lengths), self.n_microbatches, exact)):
+        for tag, rows in enumerate(split_tokens(lengths, self.n_microbatches, exact)):
             lo, hi = offsets[rows.start], offsets[rows.stop]
             part = None if targets is None else targets[lo:hi]
             y, x = self._run(

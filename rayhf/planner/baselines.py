@@ -34,10 +34,19 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
-from rayhf.planner.search import MICRO_BATCHES, energy, layouts_on
+from rayhf.planner.search import (
+    LONG_SEQUENCE,
+    MICRO_BATCHES,
+    context_splits,
+    energy,
+    layouts_on,
+)
 from rayhf.planner.simulate import simulate
 
 Score = Callable[[Plan], float]
+# verl's long-response recipes split sequences over 4 Ulysses ranks: DAPO with Qwen2.5-7B at 8k
+# response tokens and with Qwen3-30B-A3B at 20k (``sp_size=4`` in its ``recipe/dapo`` scripts)
+RECIPE_ULYSSES = 4
 SHORTLIST = 4  # layouts per call tried while the disjoint baselines move devices
 
 
@@ -109,19 +118,27 @@ class Setting:
         )
 
 
-def _options(
-    s: Setting, name: str, mesh: tuple[int, ...], engines: bool, megatron: bool = False
-) -> list[Layout]:
-    """Layouts call ``name`` may take on ``mesh``; with ``engines`` (verl's and OpenRLHF's
-    rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines); with
-    ``megatron`` (verl's Megatron backend, slime) any layout but generation dp x tp (vLLM's or
-    SGLang's engines)."""
+def _options(s: Setting, name: str, mesh: tuple[int, ...], rule: _Rule) -> list[Layout]:
+    """Layouts call ``name`` may take on ``mesh`` under ``rule``: with ``engines`` (verl's and
+    OpenRLHF's rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines);
+    with ``megatron`` (verl's Megatron backend, slime) any layout but generation dp x tp
+    (vLLM's or SGLang's engines); with ``context`` a long call's sequences split as the search
+    may split them (``context_splits``: verl's Ulysses, OpenRLHF's ring attention, Megatron's
+    context parallelism), or with ``ulysses`` over that many ranks only (a recipe's degree)."""
     kind = s.graph.by_name[name].kind
-    out = layouts_on(mesh, s.spec(name), s.per_node)
-    if engines and kind == "train":
+    spec = s.spec(name)
+    out = layouts_on(mesh, spec, s.per_node)
+    if rule.engines and kind == "train":
         out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
-    if (engines or megatron) and kind == "generate":
-        out = [lay for lay in out if lay.pp == 1 and (lay.ep == 1 or not megatron)]
+    if (rule.engines or rule.megatron) and kind == "generate":
+        out = [lay for lay in out if lay.pp == 1 and (lay.ep == 1 or not rule.megatron)]
+    if rule.context:
+        split = context_splits(spec, s.works[name], out)
+        if rule.ulysses and split:  # the recipe's degree where it fits, else the most it can
+            fixed = [lay for lay in split if lay.cp == rule.ulysses]
+            most = max(lay.cp for lay in split)
+            return fixed or [lay for lay in split if lay.cp == most]
+        out += split
     return out
 
 
@@ -146,16 +163,20 @@ def colocated(s: Setting) -> Plan:
     return min(plans, key=s.score)
 
 
-def verl(s: Setting) -> Plan | None:
+def verl(s: Setting, ulysses: int = 0) -> Plan | None:
     """verl's hybrid engine: every call on every device; train calls dp only at ZeRO-3;
-    generation dp x tp; each call tuned in its own layout (None where ZeRO-3 is not open). With
-    LoRA roles, which verl trains on FSDP and rayhf on its torch engine, the same layouts at the
-    stages rayhf runs adapters at."""
+    generation dp x tp; each call tuned in its own layout, long sequences split over Ulysses
+    ranks as the search may split them, or with ``ulysses`` over that many (a recipe's
+    ``ulysses_sequence_parallel_size``) (None where ZeRO-3 is not open). With LoRA roles, which
+    verl trains on FSDP and rayhf on its torch engine, the same layouts at the stages rayhf
+    runs adapters at."""
     if not s.zero3() and not s.adapters():
         return None
     every = tuple(range(s.n_devices))
-    options = {c.name: _options(s, c.name, every, True) for c in s.graph.calls}
-    return _tune(s, options, _Rule("verl", zero3=s.zero3(), engines=True), passes=2)
+    source = f"verl_sp{ulysses}" if ulysses else "verl"
+    rule = _Rule(source, zero3=s.zero3(), engines=True, ulysses=ulysses)
+    options = {c.name: _options(s, c.name, every, rule) for c in s.graph.calls}
+    return _tune(s, options, rule, passes=2)
 
 
 def openrlhf(s: Setting) -> Plan | None:
@@ -183,8 +204,8 @@ def verl_megatron(s: Setting) -> Plan | None:
     if not _experts(s):
         return None
     every = tuple(range(s.n_devices))
-    options = {c.name: _options(s, c.name, every, False, True) for c in s.graph.calls}
     rule = _Rule("verl_megatron", zero3=False, engines=False, megatron=True)
+    options = {c.name: _options(s, c.name, every, rule) for c in s.graph.calls}
     return _tune(s, options, rule, passes=2)
 
 
@@ -223,12 +244,15 @@ def _least_memory(s: Setting, name: str, options: list[Layout]) -> Layout:
 class _Rule:
     """What a baseline's rule fixes: the plan's source, whether train calls run ZeRO-3
     wherever they have data-parallel ranks to shard over, and whether its engines' layouts
-    apply (``_options``: dp-only training, dp x tp generation)."""
+    apply (``_options``: dp-only training, dp x tp generation), and how it may split long
+    sequences (``context``: as the search does; ``ulysses``: over that many ranks)."""
 
     source: str
     zero3: bool
     engines: bool
     megatron: bool = False
+    context: bool = True
+    ulysses: int = 0
 
 
 def _tune(s: Setting, options: dict[str, list[Layout]], rule: _Rule, passes: int) -> Plan:
@@ -332,11 +356,7 @@ def _on_blocks(
     options: dict[str, list[Layout]] = {}
     for g, calls in groups.items():
         for name in calls:
-            opts = (
-                _options(s, name, meshes[g], rule.engines, rule.megatron)
-                if g in meshes
-                else [Layout((0,), 1)]
-            )
+            opts = _options(s, name, meshes[g], rule) if g in meshes else [Layout((0,), 1)]
             options[name] = _shortlist(s, name, opts) if quick else opts
     return _tune(s, options, rule, passes=1 if quick else 2)
 
@@ -407,4 +427,7 @@ def build_all(s: Setting) -> dict[str, Plan | None]:
     }
     if _experts(s):  # the peers' MoE recipes' rules
         out |= {"verl_megatron": verl_megatron(s), "slime": slime(s)}
+    long = [w for w in s.works.values() if w.prompt_len + w.gen_len >= LONG_SEQUENCE]
+    if any(w.kind != "generate" for w in long):  # verl at its long-response recipes' degree
+        out["verl_sp4"] = verl(s, RECIPE_ULYSSES)
     return out

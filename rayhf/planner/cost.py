@@ -90,11 +90,12 @@ class Workload:
         return max(1, min(n_seqs, math.ceil(n_seqs * seq / self.token_budget)))
 
     def choices_on(self, layout: Layout) -> tuple[int, ...]:
-        """The ``zero_choices`` ``layout`` allows, in order (2-3 run on DeepSpeed: dp only;
-        with experts split over ep ranks, none: each rank's experts are its own)."""
+        """The ``zero_choices`` ``layout`` allows, in order (2-3 run on DeepSpeed: dp only, no
+        sequence split; with experts split over ep ranks, none: each rank's experts are its
+        own)."""
         if layout.ep > 1:
             return (0,)
-        dp_only = layout.tp == 1 and layout.pp == 1
+        dp_only = layout.tp == 1 and layout.pp == 1 and layout.cp == 1
         return tuple(sorted(s for s in self.zero_choices if s < 2 or dp_only))
 
     def with_stage(self, stage: int) -> Workload:
@@ -325,7 +326,8 @@ class AnalyticCost:
             self.cluster.link_latency,
         )  # fmt: skip
         exchange = self.exchange_seconds(spec, layout, tokens, backward)
-        return max(gpu, host) + (4 if backward else 2) * reduce + exchange
+        context = self.context_seconds(spec, layout, tokens, backward)
+        return max(gpu, host) + (4 if backward else 2) * reduce + exchange + context
 
     def exchange_seconds(
         self, spec: ModelSpec, layout: Layout, tokens: float, backward: bool
@@ -344,14 +346,33 @@ class AnalyticCost:
         per_layer += self.cluster.link_latency  # the counts' exchange
         return per_layer * len(spec.moe_layers) / spec.n_layers
 
+    def context_seconds(
+        self, spec: ModelSpec, layout: Layout, tokens: float, backward: bool
+    ) -> float:
+        """An average layer's share of the attention layers' exchanges over ``layout.cp`` ranks
+        (``rayhf.parallel.context``): a device's ``tokens`` (its slice) send their queries, keys,
+        values and outputs, ``(cp - 1) / cp`` of each to other ranks, one all-to-all each
+        forward and again backward; key/value heads ``cp`` does not divide go repeated."""
+        cp = layout.cp
+        if cp == 1:
+            return 0.0
+        stride = layout.tp * layout.pp  # the cp group: neighbouring dp ranks
+        bandwidth = self.cluster.bandwidth(layout.mesh[: stride * cp : stride])
+        heads, kv = spec.n_heads // layout.tp, spec.n_kv_heads // layout.tp
+        kv = kv if kv % cp == 0 else heads
+        elements = (2 * heads + 2 * kv) * spec.head_dim * tokens * (cp - 1) / cp
+        one = elements * self.dtype_bytes(spec) / bandwidth + 4 * self.cluster.link_latency
+        return (2 if backward else 1) * one * attention_layers(spec) / spec.n_layers
+
     def _pass_seconds(
         self, spec: ModelSpec, layout: Layout, rows: Rows, n_microbatches: int, how: PassKind
     ) -> float:
         """A pipelined pass over ``rows`` in ``n_microbatches`` micro-batches, plus the output's
-        tp gather and pp broadcast (``how.full_output``: every token's logits or values)."""
+        tp gather, cp gather and pp broadcast (``how.full_output``: every token's logits or
+        values); with ``layout.cp`` > 1 a device holds ``1/cp`` of each micro-batch's tokens."""
         n_seqs, seq, backward = rows.n_seqs, rows.seq, how.backward
-        mbs = max(1, min(n_microbatches, n_seqs))  # ``split_rows`` makes no empty micro-batch
-        tokens = n_seqs * seq / mbs
+        mbs = max(1, min(n_microbatches, n_seqs))  # ``split_tokens`` makes no empty micro-batch
+        tokens = n_seqs * seq / mbs / layout.cp
         b = self.dtype_bytes(spec)
         stage = math.ceil(spec.n_layers / layout.pp) * self._layer_seconds(
             spec, layout, tokens, seq, how
@@ -369,9 +390,14 @@ class AnalyticCost:
             gathered = tokens_out * spec.vocab_size * b
             seconds += (layout.tp - 1) / layout.tp * gathered / self._tp_bandwidth(layout)
             seconds += self.cluster.link_latency
-        if layout.pp > 1:  # the last stage broadcasts values, or log-probs and entropies (fp32)
-            per_token = 1 if spec.value_head else 2
+        per_token = 1 if spec.value_head else 2  # values, or log-probs and entropies (fp32)
+        if layout.pp > 1:  # the last stage broadcasts them
             seconds += tokens_out * per_token * 4 / self._pp_bandwidth(layout)
+            seconds += self.cluster.link_latency
+        if layout.cp > 1:  # the last stage gathers them over the cp group, a slice a rank
+            stride = layout.tp * layout.pp
+            group = self.cluster.bandwidth(layout.mesh[: stride * layout.cp : stride])
+            seconds += (layout.cp - 1) / layout.cp * tokens_out * per_token * 4 / group
             seconds += self.cluster.link_latency
         return seconds
 
@@ -420,7 +446,7 @@ class AnalyticCost:
         return self._calls[key]
 
     def _call(self, spec: ModelSpec, layout: Layout, work: Workload) -> CallCost:
-        n_seqs = math.ceil(work.n_seqs / layout.dp)
+        n_seqs = math.ceil(work.n_seqs / layout.batch_groups)  # a cp group's ranks share theirs
         seq = work.prompt_len + work.gen_len
         parts: dict[str, float] = {}
         if work.kind == "generate":
@@ -541,7 +567,7 @@ class AnalyticCost:
 
     def _memory(self, spec: ModelSpec, layout: Layout, work: Workload) -> float:
         b = self.dtype_bytes(spec)
-        n_seqs = math.ceil(work.n_seqs / layout.dp)
+        n_seqs = math.ceil(work.n_seqs / layout.batch_groups)  # a cp group's ranks share theirs
         seq = work.prompt_len + work.gen_len
         layers = math.ceil(spec.n_layers / layout.pp)
         if work.kind == "generate":
@@ -553,11 +579,11 @@ class AnalyticCost:
             return self.resident(spec, layout, False) + transient
         if work.kind == "inference":  # a token budget's micro-batches run one after another
             k = work.micro_batches(n_seqs, seq)
-            tokens = n_seqs * seq / k / layout.n_microbatches
+            tokens = n_seqs * seq / k / layout.n_microbatches / layout.cp
             acts = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
             return self.resident(spec, layout, False) + acts + scoring_bytes(spec, tokens)
         k = work.micro_batches(math.ceil(n_seqs / work.n_minibatches), seq)
-        tokens = n_seqs * seq / work.n_minibatches / k
+        tokens = n_seqs * seq / work.n_minibatches / k / layout.cp
         layer = tokens * spec.hidden_size * ACTIVATION_BYTES_PER_HIDDEN * b / 2 / layout.tp
         if work.checkpointing:  # each layer's (fp32) input, and one layer's activations
             acts = tokens * spec.hidden_size * 4 * layers + layer

@@ -183,14 +183,16 @@ class ProfiledCost(AnalyticCost):
     def _stage_pass(self, fit: OpFit, spec: ModelSpec, lay: Layout, mb: Rows, train: bool) -> float:
         """One micro-batch ``mb`` through one stage: its layers' token work split over tp, their
         per-layer fixed cost not, two all-reduces per layer forward (four with backward), the
-        rest of the model (embedding, head) on the whole replica."""
+        rest of the model (embedding, head) on the whole replica; with ``lay.cp`` > 1, on this
+        device's ``1/cp`` of the tokens, attention's exchanges added."""
         seq = mb.seq
-        tokens = mb.n_seqs * seq
+        tokens = mb.n_seqs * seq / lay.cp
         feats = [1.0, tokens, tokens * seq]
         layers = math.ceil(spec.n_layers / lay.pp)
         work = fit.layer[0] + _dot(fit.layer[1:], feats[1:]) / lay.tp
         comm = (4 if train else 2) * self._allreduce(tokens * spec.hidden_size * 4, lay.tp)
         comm += self.exchange_seconds(spec, lay, tokens, train)
+        comm += self.context_seconds(spec, lay, tokens, train)
         return layers * (work + comm) + _dot(fit.base, feats) / lay.pp
 
     def _pipeline(self, fit: OpFit, spec: ModelSpec, lay: Layout, rows: Rows, train: bool) -> float:
@@ -199,7 +201,7 @@ class ProfiledCost(AnalyticCost):
         n_seqs, seq = rows.n_seqs, rows.seq
         mbs = min(lay.n_microbatches, max(1, n_seqs))
         stage = self._stage_pass(fit, spec, lay, Rows(n_seqs / mbs, seq), train)
-        hop = self.cluster.link_latency + n_seqs / mbs * seq * spec.hidden_size * 4 / (
+        hop = self.cluster.link_latency + n_seqs / mbs * seq / lay.cp * spec.hidden_size * 4 / (
             self.cluster.intra_node_bandwidth
         )
         passes = 2 if train else 1
@@ -230,7 +232,7 @@ class ProfiledCost(AnalyticCost):
 
     def call(self, spec: ModelSpec, layout: Layout, work: Workload):
         prof = self._profile(spec)
-        n_seqs = math.ceil(work.n_seqs / layout.dp)
+        n_seqs = math.ceil(work.n_seqs / layout.batch_groups)  # a cp group's ranks share theirs
         seq = work.prompt_len + work.gen_len
         parts: dict[str, float] = {}
         if work.kind == "generate":

@@ -61,17 +61,39 @@ def candidates(spec: ModelSpec | None, n_devices: int, per_node: int) -> list[La
     return [lay for mesh in blocks(n_devices, per_node) for lay in layouts_on(mesh, spec, per_node)]
 
 
+# A call whose sequences reach this many tokens may also split them over cp ranks.
+LONG_SEQUENCE = 4096
+
+
 def call_layouts(
     spec: ModelSpec | None, work: Workload, n_devices: int, per_node: int
 ) -> list[Layout]:
     """``candidates`` a call may take: dp-only ones on vLLM and DeepSpeed (whole-model ranks),
-    ep = 1 for a generate call (the decode engine's replicas do not step together)."""
+    ep = 1 for a generate call (the decode engine's replicas do not step together), and on
+    rayhf's own engine ``context_splits`` of them (``rayhf.parallel.context``)."""
     out = candidates(spec, n_devices, per_node)
     if work.whole_model_ranks:
         out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
     if work.kind == "generate":
-        out = [lay for lay in out if lay.ep == 1]
-    return out
+        return [lay for lay in out if lay.ep == 1]
+    if work.whole_model_ranks:  # DeepSpeed splits no sequence
+        return out
+    return out + context_splits(spec, work, out)
+
+
+def context_splits(spec: ModelSpec | None, work: Workload, layouts: list[Layout]) -> list[Layout]:
+    """For an inference or train call of ``LONG_SEQUENCE`` tokens or more, each of ``layouts``
+    with ep = 1 again with its sequences split over each power of two of its dp ranks that the
+    model's heads allow (none otherwise)."""
+    if spec is None or work.kind == "generate" or work.prompt_len + work.gen_len < LONG_SEQUENCE:
+        return []
+    return [
+        replace(lay, cp=cp)
+        for lay in layouts
+        if lay.ep == 1 and lay.cp == 1
+        for cp in _powers(lay.dp)[1:]
+        if lay.dp % cp == 0 and check_layout(spec, lay.tp, lay.pp, cp=cp) is None
+    ]
 
 
 def layouts_on(mesh: tuple[int, ...], spec: ModelSpec | None, per_node: int) -> list[Layout]:

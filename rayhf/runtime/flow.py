@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from rayhf.data.batch import PackedBatch
+from rayhf.parallel.pipeline import split_rows
 
 
 def balance_key(batch: PackedBatch, preferred: Sequence[str]) -> str | None:
@@ -76,6 +77,22 @@ def rename_outputs(out: PackedBatch, outputs: Mapping[str, str], call: str) -> P
             raise RuntimeError(f"call '{call}' did not produce '{iface_key}'")
         renamed.add(graph_key, out.tensors[iface_key], out.seqlens[iface_key])
     return renamed
+
+
+def share_balance(
+    batch: PackedBatch, n_shares: int, balance_keys: Sequence[str]
+) -> dict[str, float]:
+    """The largest share's tokens over the mean share's (1.0: even): ``tokens`` for the
+    token-balanced split ``replica_share`` takes, ``by_rows`` for equal counts of consecutive
+    rows (what a split by rows would give); empty with one share or no tokens."""
+    key = balance_key(batch, balance_keys)
+    if n_shares == 1 or key is None or not sum(batch.seqlens[key]):
+        return {}
+    lengths = batch.seqlens[key]
+    mean = sum(lengths) / n_shares
+    balanced = [p.n_tokens(key) for p in batch.split(n_shares, by_key=key)]
+    by_rows = [sum(lengths[r.start : r.stop]) for r in split_rows(len(lengths), n_shares, True)]
+    return {"tokens": max(balanced) / mean, "by_rows": max(by_rows) / mean}
 
 
 def replica_share(

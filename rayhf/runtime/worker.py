@@ -44,7 +44,13 @@ from rayhf.realloc.transport import (
     receive_into,
     send_from,
 )
-from rayhf.runtime.flow import assemble, call_inputs, rename_outputs, replica_share
+from rayhf.runtime.flow import (
+    assemble,
+    call_inputs,
+    rename_outputs,
+    replica_share,
+    share_balance,
+)
 from rayhf.runtime.messages import (
     CallNode,
     CallRequest,
@@ -245,6 +251,11 @@ class RoleWorker:
         shares = self.spec.dp_size // self.groups.cp  # a cp group's ranks share their rows
         part = replica_share(view, shares, self.groups.batch_rank, keys)
         result = self.run(CallRequest(node.call, step.step, part, node.evaluate))
+        balance = share_balance(view, shares, keys) if self.spec.rank == 0 else {}
+        if node.evaluate:
+            balance = {}
+        for name, value in balance.items():  # rank 0 reports the call's stats
+            result.stats[f"dp_{name}_max_over_mean/{node.call}"] = value
         if result.batch is not None:
             keep = self.groups.is_head
             result.batch = rename_outputs(result.batch, call.outputs, call.name) if keep else None

@@ -149,6 +149,10 @@ def test_actor_generates_on_a_reallocated_copy_and_the_reference_follows_by_ema(
     row = json.loads((Path(cfg.resolved_run_dir()) / "metrics.jsonl").read_text().splitlines()[0])
     # the reference scores the samples at the weights that drew them, each sequence split
     assert row["step"] == 1 and abs(row["kl"]) < 1e-5, row["kl"]
+    # the two replicas' shares balance tokens, against what equal counts of rows would give;
+    # the reference's cp group takes the whole batch: no split to report
+    balanced, by_rows = (row[f"dp_{k}_max_over_mean/rew_inf"] for k in ("tokens", "by_rows"))
+    assert 1.0 <= balanced <= by_rows and "dp_tokens_max_over_mean/ref_inf" not in row
     moved = session.mover.plan(assets.specs["actor"], home.layout, copy.layout).total_bytes
     assert row["realloc_bytes/actor_gen"] == moved
     assert row["realloc_seconds/actor_gen"] > 0

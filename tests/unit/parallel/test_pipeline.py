@@ -11,7 +11,7 @@ from rayhf.models.spec import model_spec
 from rayhf.parallel.attention import TokenLayout
 from rayhf.parallel.groups import single
 from rayhf.parallel.model import ShardedModel
-from rayhf.parallel.pipeline import Pipeline, split_rows
+from rayhf.parallel.pipeline import Pipeline, split_rows, split_tokens
 
 
 @pytest.mark.parametrize(
@@ -28,6 +28,24 @@ def test_split_rows_is_contiguous_and_balanced(n_rows, n_microbatches, sizes):
     parts = split_rows(n_rows, n_microbatches)
     assert [len(p) for p in parts] == sizes
     assert [r for p in parts for r in p] == list(range(n_rows))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "n_microbatches", "sizes"),
+    [
+        ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2, [1, 8]),  # a long row alone: 8 tokens each
+        ([1, 1, 1, 1, 12], 2, [4, 1]),  # never an empty micro-batch, however long the last
+        ([3] * 6, 3, [2, 2, 2]),
+        ([2, 2], 4, [1, 1]),
+        ([], 2, [0]),
+    ],
+)
+def test_split_tokens_is_contiguous_and_balances_tokens(lengths, n_microbatches, sizes):
+    parts = split_tokens(lengths, n_microbatches)
+    assert [len(p) for p in parts] == sizes
+    assert [r for p in parts for r in p] == list(range(len(lengths)))
+    exact = split_tokens(lengths[:1], 3, exact=True)  # an ep group's ranks: as many, some empty
+    assert len(exact) == 3 and [r for p in exact for r in p] == list(range(len(lengths[:1])))
 
 
 def _pipe(value_head: bool = False, n_microbatches: int = 2) -> Pipeline:

@@ -19,6 +19,7 @@ from rayhf.planner.cost import (
     _sizes,
     max_shard_params,
     max_trained_params,
+    scoring_bytes,
 )
 from rayhf.planner.hardware import parse_cluster
 from rayhf.planner.plan import Plan
@@ -216,6 +217,26 @@ def test_experts_split_over_ep_ranks_cost_exchanges_and_save_memory():
     within = ep8.parts["forward_backward"] - plain.parts["forward_backward"]
     assert across > 4 * within, "an ep group across nodes exchanges over the slower links"
     assert cost.exchange_seconds(SPECS["actor"], Layout(mesh, 16), 1000.0, True) == 0.0
+
+
+def test_sequences_split_over_cp_ranks_cost_exchanges_and_save_activation_memory():
+    """Qwen2.5-7B's train call at 16k tokens a sequence on 8 H100s, micro-batches cut at two
+    sequences' tokens: cp = 4 over dp = 8 takes 2 shares of the batch, so each device computes
+    the tokens of a quarter of a share, as dp = 8 does an eighth of the batch, plus attention's
+    exchanges; a device holds a quarter of each micro-batch's activations."""
+    cost = AnalyticCost(parse_cluster("1x8xH100"))
+    spec, mesh = public_shape("qwen2.5-7b"), tuple(range(8))
+    train = Workload("train", 16, 1024, 16384, 1, checkpointing=True, token_budget=2 * 17408)
+    plain, cp2, cp4 = (cost.call(spec, Layout(mesh, 8, cp=cp), train) for cp in (1, 2, 4))
+    exchanges = cost.context_seconds(spec, Layout(mesh, 8, cp=4), 4 * 17408, True)
+    assert exchanges > 0 and cost.context_seconds(spec, Layout(mesh, 8), 1000.0, True) == 0.0
+    assert cp4.parts["forward_backward"] > plain.parts["forward_backward"]  # the exchanges
+    assert cp4.parts["forward_backward"] < 1.2 * plain.parts["forward_backward"]
+    # beside the weights, one LM-head slice's logits (the same at every cp)
+    resident = cost.resident(spec, Layout(mesh, 8), True, train) + scoring_bytes(spec, 1e9)
+    acts = [c.memory - resident for c in (plain, cp2, cp4)]
+    assert acts[1] == pytest.approx(acts[0] / 2, rel=0.02)
+    assert acts[2] == pytest.approx(acts[0] / 4, rel=0.02)
 
 
 def _hybrid_spec(hybrid: bool):

@@ -40,6 +40,24 @@ def test_an_moe_model_s_calls_may_split_experts_except_the_generate_call():
     assert {lay.ep for lay in call_layouts(moe, WORKS["actor_train"], 16, 8)} > {1}
 
 
+def test_long_inference_and_train_calls_may_split_their_sequences():
+    """A call of 4,096 tokens or more a sequence may take cp over any power of two of its dp
+    ranks that divides the heads (Qwen2.5-7B's 28: 2 and 4); a generate call, a shorter call and
+    a DeepSpeed one (which splits no sequence) none."""
+    spec = public_shape("qwen2.5-7b")
+    long_train = Workload("train", 64, 1024, 8192, 4)
+    splits = {lay.cp for lay in call_layouts(spec, long_train, 8, 8)}
+    assert splits == {1, 2, 4}
+    for lay in call_layouts(spec, long_train, 8, 8):
+        assert lay.dp % lay.cp == 0 and (spec.n_heads // lay.tp) % lay.cp == 0
+    assert {
+        lay.cp for lay in call_layouts(spec, dataclasses.replace(long_train, kind="generate"), 8, 8)
+    } == {1}
+    assert {lay.cp for lay in call_layouts(spec, WORKS["actor_train"], 8, 8)} == {1}
+    deepspeed = long_train.with_stage(3)
+    assert {lay.cp for lay in call_layouts(spec, deepspeed, 8, 8)} == {1}
+
+
 def test_a_pipelined_expert_split_is_offered_in_megatron_s_rank_order_too():
     """At tp x pp = 8 on 8-GPU nodes an ep group of dp-outer ranks spans nodes; the same layout
     with its mesh in ``stage_major`` order keeps it in one, and the cost model prices that."""

@@ -14,6 +14,7 @@ from rayhf.runtime.flow import (
     join_replicas,
     rename_outputs,
     replica_share,
+    share_balance,
 )
 
 
@@ -81,6 +82,14 @@ def test_every_replica_takes_its_own_token_balanced_share():
     by_prompts = [replica_share(batch, 2, r, ("prompts",)) for r in range(2)]
     assert [s.n_samples for s in by_prompts] == [3, 3]
     assert replica_share(batch, 1, 0, ("seq",)).sample_ids == list(range(6))
+
+
+def test_the_balance_of_the_shares_against_a_split_by_rows():
+    batch = _batch([0, 1, 2, 3, 4, 5], seq=[5, 1, 1, 1, 1, 1])  # 10 tokens: 5 a share
+    assert share_balance(batch, 2, ("seq",)) == {"tokens": 1.0, "by_rows": 7 / 5}
+    assert share_balance(batch, 1, ("seq",)) == {}
+    long_tail = _batch([0, 1, 2], seq=[9, 1, 2])  # one row over the mean: no split evens it
+    assert share_balance(long_tail, 2, ("seq",)) == {"tokens": 9 / 6, "by_rows": 10 / 6}
 
 
 def test_row_extras_follow_their_samples_through_every_call():
