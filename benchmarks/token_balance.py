@@ -9,9 +9,9 @@ equal counts of consecutive rows (what a split by rows gives) and ``PackedBatch.
 partition by tokens, which every replica of a call takes (``rayhf.runtime.flow.replica_share``),
 and the largest share's tokens over the mean share's is reported (geometric mean, median and
 worst over the batches; the goal in issue 68: at most 1.1). Then a train call on 2 gloo ranks
-(dp = 2, one process and one thread each): a Llama-shaped model (128 wide, 2 layers, fp32,
+(dp = 2, one process and one thread each): a Llama-shaped model (256 wide, 4 layers, fp32,
 AdamW) trains one step on each rank's share of one 32-row batch of that distribution, scaled
-to 4,096 tokens; the step's time is the slower rank's, the median of ``--repeats`` steps after
+to 16,384 tokens; the step's time is the slower rank's, the median of ``--repeats`` steps after
 one warm-up, for each split. Writes docs/benchmarks/token_balance.{md,json}.
 """
 
@@ -84,7 +84,7 @@ def splits(n_batches: int) -> list[dict[str, Any]]:
     return rows
 
 
-WIDTH, LAYERS, VOCAB, STEP_ROWS, STEP_TOKENS = 128, 2, 512, 32, 4096
+WIDTH, LAYERS, VOCAB, STEP_ROWS, STEP_TOKENS = 256, 4, 512, 32, 16384
 
 
 def step_lengths() -> list[int]:
