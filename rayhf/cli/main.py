@@ -129,7 +129,7 @@ def plan(
     """Print the plan (per call: mesh and dp/tp/pp, and the reallocations it implies); with
     --cluster, search the plan for that cluster and compare it with the baselines."""
     import rayhf
-    from rayhf.planner.plan import format_reallocations
+    from rayhf.planner.plan import check_plan_fits, format_reallocations
     from rayhf.runtime.assets import model_specs, run_graph
 
     cfg = rayhf.load_config(config, overrides or [])
@@ -141,6 +141,7 @@ def plan(
         _search_plan(cfg, graph, specs, cluster, search_seconds, json_out, gantt)
         return
     the_plan = rayhf.make_plan(cfg)
+    check_plan_fits(the_plan, graph, specs)  # what `rayhf run` refuses, refused here too
     if json_out:
         typer.echo(the_plan.to_json())
     else:

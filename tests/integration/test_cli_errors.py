@@ -170,6 +170,8 @@ def _plan_file(workdir: Path, n_devices: int, **roles: dict) -> str:
         (8, {"actor": {"tp": 8}}, ("plan.actor_gen", "tp=8", "4 attention heads")),
         (4, {"critic": {"pp": 4}}, ("plan.critic_inf", "pp=4", "2 layers")),
         (2, {"critic": {"mesh": [0, 1], "dp": 1}}, ("plan.critic_inf", "!= mesh size 2")),
+        (2, {"actor": {"dp": 2, "cp": 2}}, ("plan.actor_gen.cp", "a generate call", "cp to 1")),
+        (8, {"critic": {"dp": 8, "cp": 8}}, ("plan.critic_inf", "cp=8", "4 attention heads")),
     ],
 )
 def test_impossible_layouts_are_refused_before_any_actor_starts(workdir, n_devices, roles, needles):
