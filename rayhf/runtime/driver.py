@@ -266,6 +266,9 @@ class StepDag:
         group = self.placement.groups[unit.groups[0]]
         out.stats.update(results[0].stats)
         out.compute_seconds[unit.name] = max(r.seconds for r in results)
+        peak = max(r.peak_bytes for r in results)  # the fullest device's (0: not measured)
+        if peak:
+            out.stats[f"peak_memory_gb/{unit.name}"] = peak / 2**30
         out.wall_seconds[unit.name] = ended - began
         engine = {"engine": results[0].engine}  # the backend every rank of the call ran
         out.spans.append(

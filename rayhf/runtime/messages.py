@@ -94,6 +94,7 @@ class CallResult:
     ended: float = 0.0
     step: int = 0  # the step it belongs to (a node may also wait on the previous step's)
     version: int = 0  # the step whose update made this rank's weights when the call began
+    peak_bytes: int = 0  # the device's peak memory during the call (``rayhf.metrics.memory``)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from rayhf.engines.collectives import DataParallel
 from rayhf.engines.rank_model import RankModel
 from rayhf.engines.schedule import step_to
 from rayhf.engines.torch_trainer import LossFn, Weight, response_tokens
+from rayhf.metrics.memory import peak_bytes, reset_peak
 from rayhf.models.files import TokenizerDir, quiet_transformers, read_weights
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
@@ -193,6 +194,8 @@ class RoleWorker:
         if call.kind == "generate" and getattr(engine.generator, "stale", False):
             site = "sync"  # its generator loads new weights before it samples
         self._fault(site, req.step)
+        if self.model is not None:
+            reset_peak(self.model.device)
         start = time.perf_counter()
         batch, stats = None, {}
         if call.kind != "train" and req.batch.n_samples == 0:
@@ -208,12 +211,15 @@ class RoleWorker:
             stats = self._train(interface, engine, req, ctx)
         if self.model is not None and call.kind != "generate":
             self.model.ep_drain()  # the passes of its ep group's others, if they have more
+        peak = peak_bytes(self.model.device) if self.model is not None else 0
         if self.model is not None and self.model.device.type == "cuda":
             # role groups colocated on a GPU are separate processes, each with its own caching
             # allocator: a call hands back what it cached, for the next call in another process
             torch.cuda.empty_cache()
         seconds = time.perf_counter() - start
-        return CallResult(req.call, self.spec.rank, batch, stats, seconds, engine.name)
+        result = CallResult(req.call, self.spec.rank, batch, stats, seconds, engine.name)
+        result.peak_bytes = peak
+        return result
 
     def _train(
         self, interface: Interface, engine: CallEngine, req: CallRequest, ctx: CallContext
