@@ -188,12 +188,13 @@ def report(rows: list[dict], commit: str, time_limit: float) -> str:
         "model a split saves no time (each device computes as many tokens at any cp, the "
         "attention heads split instead of the rows) and costs its exchanges, about 1% of a "
         "train call here; it pays only where it makes a call fit a device's memory that "
-        "would not fit otherwise.",
+        "nothing cheaper makes fit.",
         "- With DeepSpeed at hand, ZeRO-3 fits Qwen2.5-7B's train call at 32k without a split "
         "and is as fast, so the search and verl at its recipes' degree (sp 4) price within 1% "
-        "of each other. On rayhf's torch engine alone (`+torch`: ZeRO-0 and -1, which keep "
-        "every weight and gradient on each device) the same call does not fit at 32k unless "
-        "its sequences are split.",
+        "of each other. On rayhf's torch engine alone (`+torch`: with the optimizer in host "
+        "memory, every weight and gradient stays on each device) the call at 32k does not fit "
+        "at dp 8 and cp 1 (96 GB a device), and does at cp 2 (79 GB); the search shards the "
+        "weights with tp 4 instead, which saves that memory and more.",
         "- Generation, the decode of the long responses, is most of every iteration; no "
         "layout of the train and inference calls changes it.",
     ]
