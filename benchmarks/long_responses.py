@@ -1,16 +1,18 @@
 """Long responses on this machine: a GRPO run whose policy samples thousands of tokens, its
 train and reference calls with each sequence whole and split over cp ranks.
 
-    python benchmarks/long_responses.py [--steps 2] [--tokens 2048] [--cp 1 2]
+    python benchmarks/long_responses.py [--steps 2] [--tokens 4096] [--cp 1 2]
 
 ``examples/grpo_tiny.yaml`` with a wider policy (256 wide, 4 layers, 8 heads), on 4 emulated
-devices: 8 prompts x 4 samples a step, each response between ``--tokens`` / 2 and ``--tokens``
-new tokens (``generation.min_new_tokens`` and ``max_new_tokens``; an untrained policy's end of
-sequence is drawn at random in between), generation data parallel over the 4 devices, and the
+devices: 8 prompts x 4 samples a step trained in one minibatch, each response between
+``--tokens`` / 2 and ``--tokens`` new tokens (``generation.min_new_tokens`` and
+``max_new_tokens``; an untrained policy's end of sequence is drawn at random in between),
+generation data parallel over the 4 devices, and the
 actor's train call and the reference's inference call on ``dp = 4`` with ``cp`` from ``--cp``
 (cp = 2: two shares of the batch, each sequence over 2 ranks). Per run, from its
 ``metrics.jsonl`` after the first step: each call's peak memory on its fullest device (a
-process's peak resident set: interpreter, libraries and weights included), its seconds, the
+process's peak resident set: interpreter, libraries, weights and whatever the process's
+allocator kept from its earlier calls included), its seconds, the
 mean response length, and the balance of its data-parallel shares (the largest share's tokens
 over the mean, as split and as equal counts of rows would split). Not learning. Writes
 docs/benchmarks/long_responses.{md,json}.
@@ -44,6 +46,7 @@ def one_run(tmp: str, cp: int, steps: int, tokens: int) -> list[dict]:
             "steps": steps,
             "save_every": 0,
             "batch_size": 8,
+            "algorithm.n_minibatches": 1,  # a share's whole batch in one pass
             "cluster.n_devices": 4,
             "models.actor.init": POLICY,
             "generation.min_new_tokens": tokens // 2,
@@ -106,7 +109,7 @@ def report(rows: list[dict], args: str, commit: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     rows = []
