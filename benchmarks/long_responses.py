@@ -4,18 +4,18 @@ train and reference calls with each sequence whole and split over cp ranks.
     python benchmarks/long_responses.py [--steps 2] [--tokens 4096] [--cp 1 2]
 
 ``examples/grpo_tiny.yaml`` with a wider policy (256 wide, 4 layers, 8 heads), on 4 emulated
-devices: 8 prompts x 4 samples a step trained in one minibatch, each response between
-``--tokens`` / 2 and ``--tokens`` new tokens (``generation.min_new_tokens`` and
-``max_new_tokens``; an untrained policy's end of sequence is drawn at random in between),
-generation data parallel over the 4 devices, and the
-actor's train call and the reference's inference call on ``dp = 4`` with ``cp`` from ``--cp``
-(cp = 2: two shares of the batch, each sequence over 2 ranks). Per run, from its
-``metrics.jsonl`` after the first step: each call's peak memory on its fullest device (a
-process's peak resident set: interpreter, libraries, weights and whatever the process's
-allocator kept from its earlier calls included), its seconds, the
-mean response length, and the balance of its data-parallel shares (the largest share's tokens
-over the mean, as split and as equal counts of rows would split). Not learning. Writes
-docs/benchmarks/long_responses.{md,json}.
+devices: 8 prompts x 4 samples a step, each response between ``--tokens`` / 2 and ``--tokens``
+new tokens (``generation.min_new_tokens`` and ``max_new_tokens``; an untrained policy's end of
+sequence is drawn at random in between), trained in one minibatch cut into micro-batches of at
+most twice the longest sample's tokens (``max_tokens_per_microbatch``). Generation runs data
+parallel over the 4 devices, the actor's train call and the reference's inference call on
+``dp = 4`` with ``cp`` from ``--cp`` (cp = 2: two shares of the batch, each sequence over 2
+ranks, so a device holds half of each micro-batch). Per run, from its ``metrics.jsonl`` after
+the first step: each call's peak memory on its fullest device (a process's peak resident set:
+interpreter, libraries, weights and whatever the process's allocator kept from its earlier calls
+included), its seconds, the mean response length, and the balance of its data-parallel shares
+(the largest share's tokens over the mean, as split and as equal counts of rows would split).
+Not learning. Writes docs/benchmarks/long_responses.{md,json}.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 QUIET = {"metrics.console": False, "metrics.plot": False, "metrics.ray_metrics": False}
 POLICY = {"family": "llama", "hidden_size": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4}
 CALLS = ("actor_gen", "ref_inf", "actor_train")
+PROMPT = 24  # grpo_tiny.yaml's dataset.max_prompt_len
 
 
 def one_run(tmp: str, cp: int, steps: int, tokens: int) -> list[dict]:
     split = {"dp": 4, "cp": cp}
+    # micro-batches of two of the longest samples' tokens: a device holds 1/cp of each
+    budget = {"engine": "torch", "max_tokens_per_microbatch": 2 * (tokens + PROMPT)}
     cfg = rayhf.load_config(REPO / "examples" / "grpo_tiny.yaml").with_overrides(
         {
             **QUIET,
@@ -46,7 +49,8 @@ def one_run(tmp: str, cp: int, steps: int, tokens: int) -> list[dict]:
             "steps": steps,
             "save_every": 0,
             "batch_size": 8,
-            "algorithm.n_minibatches": 1,  # a share's whole batch in one pass
+            "algorithm.n_minibatches": 1,
+            "engines": {"actor_train": budget, "ref_inf": budget},
             "cluster.n_devices": 4,
             "models.actor.init": POLICY,
             "generation.min_new_tokens": tokens // 2,
