@@ -69,3 +69,21 @@ def hf_decode(model: Any, prompts: list[list[int]], new: int) -> Callable[[], No
                            max_new_tokens=new, min_new_tokens=new, pad_token_id=0)  # fmt: skip
 
     return decode
+
+
+def spawned(fn: Callable[..., None], nprocs: int, *args: Any) -> list[Any]:
+    """Each of ``nprocs`` spawned ranks' result, in rank order: ``fn(rank, address, out,
+    *args)`` runs in each (one thread; ``address``: a torch.distributed store hosted here) and
+    puts its result in ``out[rank]``."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from rayhf.parallel.groups import host_store
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _store, address = host_store()  # open here while the ranks meet through it
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(fn, args=(address, out, *args), nprocs=nprocs, join=True)
+        return [out[r] for r in range(nprocs)]

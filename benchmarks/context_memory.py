@@ -17,15 +17,13 @@ per device falls as 1/cp within 15%. Writes docs/benchmarks/context_memory.{md,j
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import described, git_commit, write_results
+from _common import described, git_commit, spawned, write_results
 
 WIDTH, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 4, 8, 4, 512
 
@@ -49,7 +47,7 @@ def _engine(groups: Any) -> Any:
     return standalone_engine(hf, Tok(), False, OptimizerConfig(lr=1e-5), groups)
 
 
-def _rank(rank: int, cp: int, tokens: int, address: str, out: Any) -> None:
+def _rank(rank: int, address: str, out: Any, cp: int, tokens: int) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from rayhf.data.batch import PackedBatch
@@ -86,14 +84,7 @@ def _rank(rank: int, cp: int, tokens: int, address: str, out: Any) -> None:
 
 
 def measure(tokens: int, cp: int) -> dict[str, Any]:
-    from rayhf.parallel.groups import host_store
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _store, address = host_store()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(cp, tokens, address, out), nprocs=cp, join=True)
-        ranks = [out[r] for r in range(cp)]
+    ranks = spawned(_rank, cp, cp, tokens)
     return {
         "tokens": tokens,
         "cp": cp,

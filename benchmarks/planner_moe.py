@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 
 from _common import git_commit, write_results
-from planner_scale import compare, speedup
+from planner_scale import compare, seconds_table, speedup
 
 from rayhf.engines.config import TorchEngineConfig
 from rayhf.graph import load_graph
@@ -111,30 +111,8 @@ def report(rows: list[dict], commit: str) -> str:
         + " | search | best baseline | speed-up |",
         "| --- | --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: | --- | ---: |",
     ]
-    ups = []
-    for r in rows:
-        cells = []
-        for k in [*COLUMNS, "search"]:
-            v = r.get(k)
-            cells.append("-" if v is None else f"{v['seconds']:.1f}{'' if v['feasible'] else '*'}")
-        up = speedup(r) if r["best_baseline"] and r["search_feasible"] else float("nan")
-        ups.append(up)
-        lines.append(
-            f"| {r['algo']} | {r['shape']} | {r['devices']} | {' | '.join(cells)} "
-            f"| {COLUMNS.get(r['best_baseline'] or '', 'none')} | "
-            + ("-" if up != up else f"{up:.2f}x")
-            + " |"
-        )
-    finite = [u for u in ups if u == u]
-    none = len(rows) - len(finite)
-    lines += [""]
-    if finite:
-        lines.append(
-            f"Speed-up of the search over the best feasible baseline: geometric mean "
-            f"{statistics.geometric_mean(finite):.2f}x, median {statistics.median(finite):.2f}x, "
-            f"worst {min(finite):.2f}x, best {max(finite):.2f}x over {len(finite)} setups"
-            + (f"; {none} setups have no feasible plan to compare." if none else ".")
-        )
+    lines += seconds_table(rows, COLUMNS, ("algo", "shape", "devices"))
+    finite = [speedup(r) for r in rows if r["best_baseline"] and r["search_feasible"]]
     lines += [
         "",
         "The search's train and generate layouts (devices, dp, tp, pp, ep):",

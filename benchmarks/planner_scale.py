@@ -151,6 +151,41 @@ def speedup(row: dict) -> float:
     return best_seconds(row) / row["search"]["seconds"]
 
 
+def seconds_table(
+    rows: list[dict], columns: dict[str, str], labels: tuple[str, ...], digits: int = 1
+) -> list[str]:
+    """A table row per setup: its ``labels`` (keys of the row), each of ``columns``' seconds
+    and the search's (``*``: over memory, ``-``: no plan), the best feasible baseline and the
+    search's speed-up over it; then a line of the speed-ups' geometric mean, median, worst and
+    best."""
+    lines, ups = [], []
+    for r in rows:
+        cells = []
+        for k in [*columns, "search"]:
+            v = r.get(k)
+            mark = "" if v is None or v["feasible"] else "*"
+            cells.append("-" if v is None else f"{v['seconds']:.{digits}f}{mark}")
+        up = speedup(r) if r["best_baseline"] and r["search_feasible"] else float("nan")
+        ups.append(up)
+        lines.append(
+            "| " + " | ".join(str(r[k]) for k in labels) + f" | {' | '.join(cells)} "
+            f"| {columns.get(r['best_baseline'] or '', 'none')} | "
+            + ("-" if up != up else f"{up:.2f}x")
+            + " |"
+        )
+    finite = [u for u in ups if u == u]
+    none = len(rows) - len(finite)
+    lines += [""]
+    if finite:
+        lines.append(
+            f"Speed-up of the search over the best feasible baseline: geometric mean "
+            f"{statistics.geometric_mean(finite):.2f}x, median {statistics.median(finite):.2f}x, "
+            f"worst {min(finite):.2f}x, best {max(finite):.2f}x over {len(finite)} setups"
+            + (f"; {none} setups have no feasible plan to compare." if none else ".")
+        )
+    return lines
+
+
 def report(rows: list[dict], commit: str) -> str:
     lines = [
         "# Planner at scale (simulated, analytic cost model, H100 datasheet figures)",

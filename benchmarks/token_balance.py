@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import time
@@ -27,8 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import described, git_commit, write_results
+from _common import described, git_commit, spawned, write_results
 
 from rayhf.data.batch import PackedBatch, balanced_partition
 from rayhf.parallel.pipeline import split_rows
@@ -94,7 +92,7 @@ def step_lengths() -> list[int]:
     return [max(8, round(n * scale)) for n in lengths]
 
 
-def _rank(rank: int, address: str, split: str, repeats: int, out: Any) -> None:
+def _rank(rank: int, address: str, out: Any, split: str, repeats: int) -> None:
     from rayhf.checks.common import Tok
     from rayhf.engines.build import standalone_engine
     from rayhf.engines.torch_trainer import OptimizerConfig
@@ -134,14 +132,7 @@ def _rank(rank: int, address: str, split: str, repeats: int, out: Any) -> None:
 
 
 def step(split: str, repeats: int) -> dict[str, Any]:
-    from rayhf.parallel.groups import host_store
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _store, address = host_store()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(address, split, repeats, out), nprocs=2, join=True)
-        ranks = [out[r] for r in range(2)]
+    ranks = spawned(_rank, 2, split, repeats)
     tokens = [r["tokens"] for r in ranks]
     return {
         "split": split,
