@@ -52,6 +52,7 @@ class StepOutcome:
     batch: PackedBatch
     stats: dict[str, float] = field(default_factory=dict)
     compute_seconds: dict[str, float] = field(default_factory=dict)  # slowest rank, per call
+    peak_bytes: dict[str, int] = field(default_factory=dict)  # fullest device, per call
     wall_seconds: dict[str, float] = field(default_factory=dict)  # first start to last end
     reallocs: dict[str, ReallocStats] = field(default_factory=dict)  # by what they served
     spans: list[TraceSpan] = field(default_factory=list)  # every call and move, for the trace
@@ -268,7 +269,7 @@ class StepDag:
         out.compute_seconds[unit.name] = max(r.seconds for r in results)
         peak = max(r.peak_bytes for r in results)  # the fullest device's (0: not measured)
         if peak:
-            out.stats[f"peak_memory_gb/{unit.name}"] = peak / 2**30
+            out.peak_bytes[unit.name] = peak
         out.wall_seconds[unit.name] = ended - began
         engine = {"engine": results[0].engine}  # the backend every rank of the call ran
         out.spans.append(

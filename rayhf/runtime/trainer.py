@@ -97,11 +97,13 @@ def sequence_keys(graph: Graph) -> set[str]:
 def step_metrics(
     outcome: StepOutcome, seconds: float, token_keys: Collection[str]
 ) -> dict[str, float]:
-    """The train stats plus timing: per call, the step, and the driver/Ray overhead;
-    ``token_keys``: the sequences tokens/s counts."""
+    """The train stats plus timing (per call, the step, and the driver/Ray overhead) and each
+    call's peak memory; ``token_keys``: the sequences tokens/s counts."""
     metrics = dict(outcome.stats)
     for name, s in outcome.compute_seconds.items():
         metrics[f"seconds/{name}"] = s
+    for name, peak in outcome.peak_bytes.items():
+        metrics[f"peak_memory_gb/{name}"] = peak / 2**30
     compute = sum(outcome.compute_seconds.values())
     for name, moved in outcome.reallocs.items():
         metrics[f"realloc_seconds/{name}"] = moved.seconds

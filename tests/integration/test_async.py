@@ -27,7 +27,7 @@ CALLS = {"ppo": PPO_CALLS, "grpo": ("actor_gen", "rew_inf", "ref_inf", "actor_tr
 # significant digits but value_clip_frac, which counts ties (values equal to the old ones up to
 # rounding) that rounding breaks
 BEFORE = Path(__file__).with_name("on_policy_numbers.json")
-TIMING = ("seconds", "per_s")
+TIMING = ("seconds", "per_s", "peak_memory")  # what the machine measures, not the step
 # the actor generates on device 0 beside the frozen models (reference, reward), which then run
 # a step ahead with it; the actor and the critic train on device 1
 BESIDE = {c: {"mesh": [0] if c in ("actor_gen", "ref_inf", "rew_inf") else [1]} for c in PPO_CALLS}

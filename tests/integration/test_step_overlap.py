@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.alone]  # step 2 starts within a crit
 ACTOR_SIDE = ("actor_gen", "actor_train", "ref_inf")
 # the actor's calls on device 0, the critic's and the reward's on device 1
 SPLIT = {c: {"mesh": [0] if c in ACTOR_SIDE else [1]} for c in PPO_CALLS}
-TIMING = ("seconds", "per_s")
+TIMING = ("seconds", "per_s", "peak_memory")  # what the machine measures, not the step
 
 
 def _numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
