@@ -87,3 +87,38 @@ def spawned(fn: Callable[..., None], nprocs: int, *args: Any) -> list[Any]:
         out = manager.dict()
         mp.spawn(fn, args=(address, out, *args), nprocs=nprocs, join=True)
         return [out[r] for r in range(nprocs)]
+
+
+def llama_trainer(groups: Any, vocab: int, **shape: int) -> Any:
+    """One rank's engine (``standalone_engine``, AdamW at lr 1e-5, fp32) over a seeded Llama of
+    ``shape`` (``ModelInit`` fields: hidden_size, n_layers, n_heads, ...) and ``vocab`` tokens,
+    on ``groups``."""
+    from rayhf.checks.common import Tok
+    from rayhf.engines.build import standalone_engine
+    from rayhf.engines.torch_trainer import OptimizerConfig
+    from rayhf.models.hf import build_model, hf_config
+    from rayhf.models.init import ModelInit
+
+    hf = build_model(hf_config(ModelInit(family="llama", **shape), vocab, 0, 1, 2), False, seed=0)
+    return standalone_engine(hf, Tok(), False, OptimizerConfig(lr=1e-5), groups)
+
+
+def next_token_step(engine: Any, lengths: list[int], vocab: int, gen: Any) -> Callable[[], None]:
+    """One optimizer step of ``engine`` on random rows of ``lengths`` tokens (ids drawn by the
+    torch generator ``gen``), the loss the mean next-token log-prob through ``score``, as a
+    train call's ``TorchTrainer.train`` runs it."""
+    import torch
+
+    from rayhf.data.batch import PackedBatch
+
+    ids = torch.randint(3, vocab, (len(lengths), max(lengths)), generator=gen)
+    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
+    targets = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)
+    targets = torch.cat([targets, torch.full((len(lengths), 1), -1)], dim=1)
+    rows = PackedBatch(list(range(len(lengths))))
+
+    def loss_fn(_: PackedBatch) -> tuple[Any, dict[str, float]]:
+        scored = engine.score(ids, mask, targets)[..., 0]
+        return -scored.sum() / (targets >= 0).sum(), {}
+
+    return lambda: engine.train([rows], loss_fn)

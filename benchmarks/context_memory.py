@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import described, git_commit, spawned, write_results
+from _common import described, git_commit, llama_trainer, next_token_step, spawned, write_results
 
 WIDTH, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 4, 8, 4, 512
 
@@ -33,48 +33,24 @@ def lengths_of(tokens: int) -> list[int]:
     return [tokens // 2, tokens // 4, tokens // 8, tokens - tokens // 2 - tokens // 4 - tokens // 8]
 
 
-def _engine(groups: Any) -> Any:
-    from rayhf.checks.common import Tok
-    from rayhf.engines.build import standalone_engine
-    from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.models.hf import build_model, hf_config
-    from rayhf.models.init import ModelInit
-
-    init = ModelInit(
-        family="llama", hidden_size=WIDTH, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS
-    )
-    hf = build_model(hf_config(init, VOCAB, 0, 1, 2), False, seed=0)
-    return standalone_engine(hf, Tok(), False, OptimizerConfig(lr=1e-5), groups)
-
-
 def _rank(rank: int, address: str, out: Any, cp: int, tokens: int) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from rayhf.data.batch import PackedBatch
     from rayhf.parallel.groups import build_groups, join_store, leave_spawned, single
 
     torch.set_num_threads(1)
     if cp > 1:
         dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=cp)
     groups = build_groups(cp, 1, 1, rank, cp=cp) if cp > 1 else single()
-    engine = _engine(groups)
-    lengths = lengths_of(tokens)
-    ids = torch.randint(3, VOCAB, (len(lengths), max(lengths)), generator=torch.Generator())
-    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
-    targets = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)
-    targets = torch.cat([targets, torch.full((len(lengths), 1), -1)], dim=1)
-    rows = PackedBatch(list(range(len(lengths))))
-
-    def loss_fn(_: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        scored = engine.score(ids, mask, targets)[..., 0]
-        return -scored.sum() / (targets >= 0).sum(), {}
-
-    engine.train([rows], loss_fn)  # AdamW's state exists from here on
+    shape = {"hidden_size": WIDTH, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": KV_HEADS}
+    engine = llama_trainer(groups, VOCAB, **shape)
+    step = next_token_step(engine, lengths_of(tokens), VOCAB, torch.Generator())
+    step()  # AdamW's state exists from here on
     tracker = MemTracker()
     tracker.track_external(engine.model.module, engine.trainer.optimizer)
     began = time.perf_counter()
     with tracker:
-        engine.train([rows], loss_fn)
+        step()
     seconds = time.perf_counter() - began
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     act = sum(int(v) for k, v in peak.items() if str(k).endswith("ACT"))

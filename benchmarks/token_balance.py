@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import described, git_commit, spawned, write_results
+from _common import described, git_commit, llama_trainer, next_token_step, spawned, write_results
 
-from rayhf.data.batch import PackedBatch, balanced_partition
+from rayhf.data.batch import balanced_partition
 from rayhf.parallel.pipeline import split_rows
 
 PROMPT, MEDIAN, SIGMA, SHORTEST, LONGEST = 256, 1024, 1.0, 64, 16384
@@ -93,39 +93,21 @@ def step_lengths() -> list[int]:
 
 
 def _rank(rank: int, address: str, out: Any, split: str, repeats: int) -> None:
-    from rayhf.checks.common import Tok
-    from rayhf.engines.build import standalone_engine
-    from rayhf.engines.torch_trainer import OptimizerConfig
-    from rayhf.models.hf import build_model, hf_config
-    from rayhf.models.init import ModelInit
     from rayhf.parallel.groups import build_groups, join_store, leave_spawned
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=join_store(address), rank=rank, world_size=2)
-    init = ModelInit(family="llama", hidden_size=WIDTH, n_layers=LAYERS, n_heads=4)
-    hf = build_model(hf_config(init, VOCAB, 0, 1, 2), False, seed=0)
-    engine = standalone_engine(
-        hf, Tok(), False, OptimizerConfig(lr=1e-5), build_groups(2, 1, 1, rank)
-    )
+    shape = {"hidden_size": WIDTH, "n_layers": LAYERS, "n_heads": 4}
+    engine = llama_trainer(build_groups(2, 1, 1, rank), VOCAB, **shape)
     all_lengths = step_lengths()
     parts = by_rows(all_lengths, 2) if split == "by_rows" else by_tokens(all_lengths, 2)
     lengths = [all_lengths[i] for i in parts[rank]]
-    gen = torch.Generator().manual_seed(rank)
-    ids = torch.randint(3, VOCAB, (len(lengths), max(lengths)), generator=gen)
-    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
-    targets = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)
-    targets = torch.cat([targets, torch.full((len(lengths), 1), -1)], dim=1)
-    rows = PackedBatch(list(range(len(lengths))))
-
-    def loss_fn(_: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        scored = engine.score(ids, mask, targets)[..., 0]
-        return -scored.sum() / (targets >= 0).sum(), {}
-
+    step = next_token_step(engine, lengths, VOCAB, torch.Generator().manual_seed(rank))
     times = []
     for _ in range(repeats + 1):
         dist.barrier()
         began = time.perf_counter()
-        engine.train([rows], loss_fn)  # its gradient all-reduce waits for the other rank
+        step()  # its gradient all-reduce waits for the other rank
         times.append(time.perf_counter() - began)
     out[rank] = {"tokens": sum(lengths), "seconds": statistics.median(times[1:])}
     leave_spawned()

@@ -71,8 +71,14 @@ class ParallelGroups:
         return self.coords.dp_rank % self.cp
 
     @property
+    def batch_groups(self) -> int:
+        """How many shares the batch splits into (``Layout.batch_groups``): the dp ranks over
+        the cp ranks that share one."""
+        return self.dp // self.cp
+
+    @property
     def batch_rank(self) -> int:
-        """Which share of the batch this rank's cp group takes (``dp / cp`` shares)."""
+        """Which of the ``batch_groups`` shares this rank's cp group takes."""
         return self.coords.dp_rank // self.cp
 
     @property

@@ -35,11 +35,11 @@ from rayhf.planner.cost import AnalyticCost, Workload
 from rayhf.planner.plan import Plan
 from rayhf.planner.problem import Problem
 from rayhf.planner.search import (
-    LONG_SEQUENCE,
     MICRO_BATCHES,
     context_splits,
     energy,
     layouts_on,
+    splits_sequences,
 )
 from rayhf.planner.simulate import simulate
 
@@ -122,9 +122,9 @@ def _options(s: Setting, name: str, mesh: tuple[int, ...], rule: _Rule) -> list[
     """Layouts call ``name`` may take on ``mesh`` under ``rule``: with ``engines`` (verl's and
     OpenRLHF's rules) a train call dp only (ZeRO-3) and generation dp x tp (vLLM's engines);
     with ``megatron`` (verl's Megatron backend, slime) any layout but generation dp x tp
-    (vLLM's or SGLang's engines); with ``context`` a long call's sequences split as the search
-    may split them (``context_splits``: verl's Ulysses, OpenRLHF's ring attention, Megatron's
-    context parallelism), or with ``ulysses`` over that many ranks only (a recipe's degree)."""
+    (vLLM's or SGLang's engines); a long call's sequences split as the search may split them
+    (``context_splits``: verl's Ulysses, OpenRLHF's ring attention, Megatron's context
+    parallelism), or with ``ulysses`` over that many ranks only (a recipe's degree)."""
     kind = s.graph.by_name[name].kind
     spec = s.spec(name)
     out = layouts_on(mesh, spec, s.per_node)
@@ -132,14 +132,12 @@ def _options(s: Setting, name: str, mesh: tuple[int, ...], rule: _Rule) -> list[
         out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
     if (rule.engines or rule.megatron) and kind == "generate":
         out = [lay for lay in out if lay.pp == 1 and (lay.ep == 1 or not rule.megatron)]
-    if rule.context:
-        split = context_splits(spec, s.works[name], out)
-        if rule.ulysses and split:  # the recipe's degree where it fits, else the most it can
-            fixed = [lay for lay in split if lay.cp == rule.ulysses]
-            most = max(lay.cp for lay in split)
-            return fixed or [lay for lay in split if lay.cp == most]
-        out += split
-    return out
+    split = context_splits(spec, s.works[name], out)
+    if rule.ulysses and split:  # the recipe's degree where it fits, else the most it can
+        fixed = [lay for lay in split if lay.cp == rule.ulysses]
+        most = max(lay.cp for lay in split)
+        return fixed or [lay for lay in split if lay.cp == most]
+    return out + split
 
 
 def _model_takes(plan: Plan, graph: Graph, specs: Mapping[str, ModelSpec]) -> bool:
@@ -244,14 +242,13 @@ def _least_memory(s: Setting, name: str, options: list[Layout]) -> Layout:
 class _Rule:
     """What a baseline's rule fixes: the plan's source, whether train calls run ZeRO-3
     wherever they have data-parallel ranks to shard over, and whether its engines' layouts
-    apply (``_options``: dp-only training, dp x tp generation), and how it may split long
-    sequences (``context``: as the search does; ``ulysses``: over that many ranks)."""
+    apply (``_options``: dp-only training, dp x tp generation), and how it splits long
+    sequences (as the search may; with ``ulysses``, over that many ranks only)."""
 
     source: str
     zero3: bool
     engines: bool
     megatron: bool = False
-    context: bool = True
     ulysses: int = 0
 
 
@@ -427,7 +424,6 @@ def build_all(s: Setting) -> dict[str, Plan | None]:
     }
     if _experts(s):  # the peers' MoE recipes' rules
         out |= {"verl_megatron": verl_megatron(s), "slime": slime(s)}
-    long = [w for w in s.works.values() if w.prompt_len + w.gen_len >= LONG_SEQUENCE]
-    if any(w.kind != "generate" for w in long):  # verl at its long-response recipes' degree
+    if any(map(splits_sequences, s.works.values())):  # verl at its recipes' Ulysses degree
         out["verl_sp4"] = verl(s, RECIPE_ULYSSES)
     return out

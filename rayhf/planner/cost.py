@@ -292,6 +292,12 @@ class AnalyticCost:
     def _tp_bandwidth(self, layout: Layout) -> float:
         return self.cluster.bandwidth(layout.mesh[: layout.tp])
 
+    def _dp_bandwidth(self, layout: Layout, n: int) -> float:
+        """The slowest link among ``n`` neighbouring dp ranks (an ep or cp group, or all of
+        them; their ranks are ``tp x pp`` devices apart)."""
+        stride = layout.tp * layout.pp
+        return self.cluster.bandwidth(layout.mesh[: stride * n : stride])
+
     def _pp_bandwidth(self, layout: Layout) -> float:
         """The slowest link of one pipeline (its stages are ``tp`` devices apart)."""
         return self.cluster.bandwidth(layout.mesh[: layout.tp * layout.pp : layout.tp])
@@ -338,8 +344,7 @@ class AnalyticCost:
         other ranks, and the row counts first (a host read)."""
         if spec.moe is None or layout.ep == 1:
             return 0.0
-        stride = layout.tp * layout.pp  # the ep group: neighbouring dp ranks
-        bandwidth = self.cluster.bandwidth(layout.mesh[: stride * layout.ep : stride])
+        bandwidth = self._dp_bandwidth(layout, layout.ep)
         rows = tokens * spec.moe.top_k * (layout.ep - 1) / layout.ep / layout.tp
         one = rows * spec.hidden_size * self.dtype_bytes(spec) / bandwidth
         per_layer = (4 if backward else 2) * (one + self.cluster.link_latency)
@@ -356,8 +361,7 @@ class AnalyticCost:
         cp = layout.cp
         if cp == 1:
             return 0.0
-        stride = layout.tp * layout.pp  # the cp group: neighbouring dp ranks
-        bandwidth = self.cluster.bandwidth(layout.mesh[: stride * cp : stride])
+        bandwidth = self._dp_bandwidth(layout, cp)
         heads, kv = spec.n_heads // layout.tp, spec.n_kv_heads // layout.tp
         kv = kv if kv % cp == 0 else heads
         elements = (2 * heads + 2 * kv) * spec.head_dim * tokens * (cp - 1) / cp
@@ -395,8 +399,7 @@ class AnalyticCost:
             seconds += tokens_out * per_token * 4 / self._pp_bandwidth(layout)
             seconds += self.cluster.link_latency
         if layout.cp > 1:  # the last stage gathers them over the cp group, a slice a rank
-            stride = layout.tp * layout.pp
-            group = self.cluster.bandwidth(layout.mesh[: stride * layout.cp : stride])
+            group = self._dp_bandwidth(layout, layout.cp)
             seconds += (layout.cp - 1) / layout.cp * tokens_out * per_token * 4 / group
             seconds += self.cluster.link_latency
         return seconds
@@ -479,8 +482,7 @@ class AnalyticCost:
         the weights that train (a LoRA role's adapters)."""
         shard = _trained_shard(spec, layout)
         wb = self.train_bytes(spec, work)
-        dp_devices = layout.mesh[:: layout.tp * layout.pp]
-        bandwidth, lat = self.cluster.bandwidth(dp_devices), self.cluster.link_latency
+        bandwidth, lat = self._dp_bandwidth(layout, layout.dp), self.cluster.link_latency
         # experts split over ep ranks reduce over the dp / ep ranks that hold the same ones
         experts = expert_params(spec) / (layout.ep * layout.tp * layout.pp) if layout.ep > 1 else 0
         reduce = _allreduce((shard - experts) * wb, layout.dp, bandwidth, lat)
@@ -506,7 +508,7 @@ class AnalyticCost:
         layer by layer."""
         shard = _layout_shard(spec, layout) * self.train_bytes(spec, work)
         dp = layout.dp
-        bandwidth = self.cluster.bandwidth(layout.mesh[:: layout.tp * layout.pp])
+        bandwidth = self._dp_bandwidth(layout, layout.dp)
         return (dp - 1) / dp * shard / bandwidth + spec.n_layers * self.cluster.link_latency
 
     def resident(

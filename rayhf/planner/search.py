@@ -76,16 +76,21 @@ def call_layouts(
         out = [lay for lay in out if lay.tp == 1 and lay.pp == 1]
     if work.kind == "generate":
         return [lay for lay in out if lay.ep == 1]
-    if work.whole_model_ranks:  # DeepSpeed splits no sequence
-        return out
-    return out + context_splits(spec, work, out)
+    # DeepSpeed splits no sequence
+    return out if work.whole_model_ranks else out + context_splits(spec, work, out)
+
+
+def splits_sequences(work: Workload) -> bool:
+    """Whether a call may split its sequences over cp ranks: an inference or train call of
+    ``LONG_SEQUENCE`` tokens or more."""
+    return work.kind != "generate" and work.prompt_len + work.gen_len >= LONG_SEQUENCE
 
 
 def context_splits(spec: ModelSpec | None, work: Workload, layouts: list[Layout]) -> list[Layout]:
-    """For an inference or train call of ``LONG_SEQUENCE`` tokens or more, each of ``layouts``
-    with ep = 1 again with its sequences split over each power of two of its dp ranks that the
-    model's heads allow (none otherwise)."""
-    if spec is None or work.kind == "generate" or work.prompt_len + work.gen_len < LONG_SEQUENCE:
+    """For a call that ``splits_sequences``, each of ``layouts`` with ep = 1 again with its
+    sequences split over each power of two of its dp ranks that the model's heads allow (none
+    otherwise)."""
+    if spec is None or not splits_sequences(work):
         return []
     return [
         replace(lay, cp=cp)

@@ -187,8 +187,10 @@ class RoleWorker:
         call = self.calls[req.call]
         interface = self.interfaces[call.interface]
         # a cp group's ranks share their rows: to the algorithm, one replica
-        shares, share = self.spec.dp_size // self.groups.cp, self.groups.batch_rank
-        ctx = CallContext(req.step, share, shares, self.spec.seed, call.args)
+        groups = self.groups
+        ctx = CallContext(
+            req.step, groups.batch_rank, groups.batch_groups, self.spec.seed, call.args
+        )
         engine = self._engine_for(req.call)
         site = "eval" if req.evaluate else "call"
         if call.kind == "generate" and getattr(engine.generator, "stale", False):
@@ -254,7 +256,7 @@ class RoleWorker:
         )
         view = call_inputs(batch, call.inputs, call.name)
         keys = self.interfaces[call.interface].balance_keys
-        shares = self.spec.dp_size // self.groups.cp  # a cp group's ranks share their rows
+        shares = self.groups.batch_groups  # a cp group's ranks share their rows
         part = replica_share(view, shares, self.groups.batch_rank, keys)
         result = self.run(CallRequest(node.call, step.step, part, node.evaluate))
         balance = share_balance(view, shares, keys) if self.spec.rank == 0 else {}
