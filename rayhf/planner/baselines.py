@@ -10,14 +10,17 @@
 - ``realhf``: ReaLHF's PPO heuristic, as its public code writes it
   (``realhf/experiments/common/ppo_exp.py`` in github.com/openpsi-project/ReaLHF): the rules are
   in ``realhf`` and ``_realhf_plan`` below.
+- ``verl_sp4``, where some call's sequences are long: ``verl`` with them split over 4 Ulysses
+  ranks, its long-response recipes' degree.
 
 Their ZeRO-3 covers train calls with data-parallel ranks; a one-rank group has nothing to shard,
 and its stage is left to the rule that picks every other call's.
 
 Each gets the tuning the search gets: among the layouts its rule allows (tp a power of two
 within a node, pp any divisor of what tp leaves, micro-batches, the ZeRO stage where its rule
-leaves it open: ``simulate.staged``), the one with the lowest simulated time is kept, call by
-call; the disjoint ones also move devices between their groups while that helps.
+leaves it open: ``simulate.staged``; a long call's sequence splits: ``search.context_splits``),
+the one with the lowest simulated time is kept, call by call; the disjoint ones also move
+devices between their groups while that helps.
 """
 
 from __future__ import annotations
