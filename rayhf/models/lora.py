@@ -52,7 +52,9 @@ class LoraConfig(BaseModel):
     """Modules that train in full beside the adapters (PEFT's modules_to_save); a value head
     (score) always does."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on an adapter's input in training: only 0 is built."""
+    """Dropout on an adapter's input in train calls (PEFT's lora_dropout; never in inference or
+    generation, and a starting adapter's own is not read): the train call's log-probs then differ
+    from the inference call's, so RL usually keeps 0."""
     adapter: str | None = None
     """A PEFT adapter directory to start from: its rank, alpha, targets, rslora and trains stand
     where these fields are not given, and must equal those that are."""
@@ -89,8 +91,6 @@ def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
                     f"{saved[key]!r}; drop it or make it equal"
                 )
         config = config.model_copy(update={k: v for k, v in saved.items() if k not in given})
-    if config.dropout > 0:
-        raise RayhfError(f"{field}.dropout: adapter dropout is not built yet; set it to 0")
     if spec.moe is not None:
         raise RayhfError(
             f"{field}: LoRA on a Mixture-of-Experts model ({spec.family}) is not built yet"
@@ -113,7 +113,9 @@ def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
     for t in trains:
         if not any(module_named(m, (t,)) for m in modules):
             raise RayhfError(f"{field}.trains: '{t}' names no module of this {spec.family} model")
-    return Lora(config.rank, config.alpha, tuple(targets), config.rslora, tuple(trains))
+    return Lora(
+        config.rank, config.alpha, tuple(targets), config.rslora, tuple(trains), config.dropout
+    )
 
 
 def _norm(value):
@@ -177,7 +179,7 @@ def peft_config(lora: Lora, base: str | None = None, conv1d: bool = False):
         r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # (a float works)
         target_modules=list(lora.targets),
         use_rslora=lora.rslora, modules_to_save=list(lora.trains) or None,
-        base_model_name_or_path=base, lora_dropout=0.0, fan_in_fan_out=conv1d,
+        base_model_name_or_path=base, lora_dropout=lora.dropout, fan_in_fan_out=conv1d,
     )  # fmt: skip
 
 

@@ -56,13 +56,15 @@ class Lora:
     """LoRA adapters (``rayhf.models.lora``) of rank ``rank`` on the linear layers of the decoder
     layers whose module names are ``targets`` or end with ``.{target}`` (PEFT's
     ``target_modules`` as a list); every other weight frozen but the modules named by
-    ``trains`` (PEFT's ``modules_to_save``: a critic's value head)."""
+    ``trains`` (PEFT's ``modules_to_save``: a critic's value head); ``dropout``: of an
+    adapter's input, in training only (PEFT's ``lora_dropout``)."""
 
     rank: int
     alpha: float
     targets: tuple[str, ...]
     rslora: bool = False
     trains: tuple[str, ...] = ()
+    dropout: float = 0.0
 
     @property
     def scale(self) -> float:

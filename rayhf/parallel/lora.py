@@ -7,10 +7,19 @@ applied unmerged, with the autograd rules of the split they follow.
 - row-parallel: ``z = reduce_from_tp(x_local A_local^T)`` (the rank's columns' share of
   ``x A^T``, summed), then ``z B^T`` added after the weight's own sum: every rank computes the
   same ``z`` and the same gradient of B, and gets the gradient of its own columns of A.
+
+With ``Lora.dropout`` p, in training the adapter reads ``x`` with each element kept with
+probability 1 - p and scaled by 1 / (1 - p), as PEFT's ``lora_dropout``. The mask is drawn from
+torch's generator for the whole input, ``[tokens, in]``, and a row-parallel rank keeps its
+columns of it: the ranks of a tp group, seeded alike for a train call (``dropout_seeded``), draw the
+same mask, the one a tp = 1 rank draws, and activation checkpointing's recomputation, which
+restores the generator, draws it again.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,16 +40,47 @@ def unreduced_term(model: ShardedModel, x: torch.Tensor, pair: AdapterPair) -> t
     """A column-parallel or whole weight's adapter term of ``x``: this rank's output columns."""
     group = model.groups.tp_group if pair.split == "column" else None
     a = copy_to_tp(model.param(pair.a.name), group)
-    return (x @ a.T) @ model.param(pair.b.name).T * _scale(model)
+    return (_dropped(model, x, 1, 0) @ a.T) @ model.param(pair.b.name).T * _scale(model)
 
 
 def reduced_term(model: ShardedModel, x: torch.Tensor, pair: AdapterPair) -> torch.Tensor:
     """A row-parallel weight's adapter term of this rank's input columns ``x``: the whole
     output, the same on every rank (added after the weight's partial sums are summed)."""
+    tp = model.groups.tp
+    x = _dropped(model, x, tp, model.groups.coords.tp_rank)
     z = reduce_from_tp(x @ model.param(pair.a.name).T, model.groups.tp_group)
     return z @ model.param(pair.b.name).T * _scale(model)
+
+
+def _dropped(model: ShardedModel, x: torch.Tensor, parts: int, part: int) -> torch.Tensor:
+    """``x`` as the adapter reads it: in a train pass with dropout, its ``part`` of ``parts``
+    column blocks of a mask drawn for the whole input, kept elements scaled up."""
+    assert model.spec.lora is not None
+    p = model.spec.lora.dropout
+    if p == 0 or not (model.training and torch.is_grad_enabled()):
+        return x
+    n = x.shape[-1]
+    keep = torch.rand(*x.shape[:-1], n * parts, device=x.device) >= p
+    return x * keep[..., part * n : (part + 1) * n] / (1 - p)
 
 
 def _scale(model: ShardedModel) -> float:
     assert model.spec.lora is not None
     return model.spec.lora.scale
+
+
+@contextlib.contextmanager
+def dropout_seeded(
+    model: ShardedModel | None, seed: int, step: int, replica: int
+) -> Iterator[None]:
+    """For a train call of ``model`` with adapter dropout: torch's generator seeded by the run's
+    ``seed``, the ``step`` and the ``replica`` (the ranks of a tp group draw the same masks, a
+    run draws the same ones again), then restored. Without dropout, the generator untouched."""
+    lora = model.spec.lora if model is not None else None
+    if model is None or lora is None or lora.dropout == 0:
+        yield
+        return
+    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    with torch.random.fork_rng(devices=list(devices)):
+        torch.manual_seed(hash((seed, step, replica)) % 2**63)
+        yield

@@ -36,6 +36,7 @@ from rayhf.metrics.memory import peak_bytes, reset_peak
 from rayhf.models.files import TokenizerDir, quiet_transformers, read_weights
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.groups import ParallelGroups, build_groups, host_store, join_store, single
+from rayhf.parallel.lora import dropout_seeded
 from rayhf.realloc.plan import Transfer
 from rayhf.realloc.transport import (
     ShardSource,
@@ -234,7 +235,10 @@ class RoleWorker:
         fault = self.spec.fault
         if fault is not None and fault.site == "nonfinite" and req.step >= fault.step:
             engine = NonFiniteDrill(**{f.name: getattr(engine, f.name) for f in fields(engine)})
-        return {**interface.train_step(engine, req.batch, ctx), f"lr/{self.spec.role}": lr}
+        module = self.model.module if self.model is not None else None
+        with dropout_seeded(module, self.spec.seed, req.step, self.groups.batch_rank):
+            stats = interface.train_step(engine, req.batch, ctx)
+        return {**stats, f"lr/{self.spec.role}": lr}
 
     def dag_call(self, step: StepInput, node: CallNode, *upstream: Any) -> CallResult:
         """A call as a node of the step's DAG: assemble the batch from the step input and the

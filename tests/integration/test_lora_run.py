@@ -20,6 +20,7 @@ from rayhf.runtime.trainer import run
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LORA = {"models.actor.lora.rank": 4, "models.critic.lora.rank": 2, "cluster.n_devices": 2}
+LORA["models.critic.lora.dropout"] = 0.1  # in its train calls, recorded in its PEFT config
 # the actor generates on a tp = 2 copy: its adapters move there after every train step
 PLAN = {c: {"dp": 2} for c in ("actor_train", "critic_inf", "critic_train", "ref_inf", "rew_inf")}
 PLAN["actor_gen"] = {"tp": 2}
@@ -60,7 +61,10 @@ def test_lora_roles_train_their_adapters_alone_and_a_peft_adapter_starts_a_run(
         state = torch.load(step / "optim" / f"{role}.rank0.pt", weights_only=False)
         held = len(state["optimizer"]["state"])  # AdamW's moments: adapters (and head) only
         assert held == 2 * n_adapted + (role == "critic"), role
+    critic = json.loads((step / "critic" / ADAPTER_DIR / ADAPTER_CONFIG).read_text())
+    assert critic["lora_dropout"] == 0.1
     config = json.loads((step / "actor" / ADAPTER_DIR / ADAPTER_CONFIG).read_text())
+    assert config["lora_dropout"] == 0.0
     assert sorted(config["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

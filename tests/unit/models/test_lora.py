@@ -139,3 +139,126 @@ def test_a_config_resolves_against_the_model_and_its_starting_adapter(tmp_path):
     assert (started.rank, started.alpha, started.targets) == (4, 8.0, ("q_proj", "v_proj"))
     with pytest.raises(RayhfError, match=r"^f\.rank: 2 differs from adapter .*'s 4"):
         lora_of(LoraConfig(rank=2, adapter=str(tmp_path)), spec, "f")
+
+
+DROPOUT = 0.3
+
+
+class _SameDraw(torch.nn.Module):
+    """PEFT's ``lora_dropout`` drawing its mask as rayhf does: ``torch.rand`` over the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape) >= DROPOUT) / (1 - DROPOUT)
+
+
+def _full_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows without padding (packed, rayhf's tokens are PEFT's in the same order), and their
+    next-token targets."""
+    from rayhf.checks.parity import VOCAB, _targets
+
+    ids = torch.randint(3, VOCAB, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    return ids, mask, _targets(ids, mask)
+
+
+def _dropout_grads(model: RankModel, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean target log-prob and its adapters' gradients, in a train pass seeded ``seed``."""
+    ids, mask, targets = _full_rows()
+    model.module.train(True)
+    torch.manual_seed(seed)
+    scored = model.score(ids, mask, targets)[:, :-1, 0]
+    scored.mean().backward()
+    model.module.train(False)
+    module = model.module
+    grads = {n: module.param(n).grad for n in module.shards if ".lora_" in n}
+    return scored.detach(), {n: g.clone() for n, g in grads.items() if g is not None}
+
+
+def test_adapter_dropout_draws_peft_s_masks_in_training_and_none_in_inference():
+    ids, mask, _ = _full_rows()
+    ref = peft_model("llama")
+    for m in ref.modules():
+        if hasattr(m, "lora_dropout"):
+            m.lora_dropout["default"] = _SameDraw()
+    lora = Lora(RANK, ALPHA, targets("llama"), dropout=DROPOUT)
+    model = _rayhf("llama", from_peft(ref.state_dict()), lora)
+    torch.manual_seed(5)
+    logp = ref(input_ids=ids, attention_mask=mask).logits[:, :-1].log_softmax(-1)
+    logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp.mean().backward()
+    want = from_peft({n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
+    got, grads = _dropout_grads(model, 5)
+    torch.testing.assert_close(got, logp.detach(), rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want.keys() and len(grads) == 2 * len(model.module.adapters)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    again, _ = _dropout_grads(model, 6)
+    assert not torch.allclose(again, got), "another seed, other masks"
+
+    plain = _rayhf("llama", from_peft(ref.state_dict()), replace(lora, dropout=0.0))
+    assert torch.equal(_logits(model, ids, mask), _logits(plain, ids, mask)), "not in inference"
+
+
+def _tp_rank(rank: int, path: str, full: dict, out: dict) -> None:
+    import torch.distributed as dist
+
+    from rayhf.parallel.groups import build_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        config = _model("llama", False).config
+        files = adapted(
+            model_files(config, False), Lora(RANK, ALPHA, targets("llama"), dropout=DROPOUT)
+        )
+        model = RankModel(files, full, Tok(), groups=build_groups(1, 2, 1, rank))
+        out[rank] = _dropout_grads(model, 5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_ranks_draw_the_masks_one_rank_draws_and_keep_their_columns(tmp_path):
+    """Column-parallel adapters read the whole input, row-parallel ones their columns of it:
+    with dropout, tp = 2 gives tp = 1's log-probs and adapter gradients."""
+    import torch.multiprocessing as mp
+
+    from rayhf.models.sharding import take_shard
+
+    full = from_peft(peft_model("llama").state_dict())
+    lora = Lora(RANK, ALPHA, targets("llama"), dropout=DROPOUT)
+    one = _rayhf("llama", full, lora)
+    want, grads = _dropout_grads(one, 5)
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_tp_rank, args=(str(tmp_path / "store"), full, out), nprocs=2)
+        got = dict(out)
+    rows = {p.name: p for p in param_shards(one.spec)}
+    for rank in (0, 1):
+        logp, mine = got[rank]
+        torch.testing.assert_close(logp, want, rtol=1e-5, atol=1e-5)
+        assert mine.keys() == grads.keys()
+        for name, g in mine.items():
+            shard = take_shard(grads[name], rows[name], 2, rank)
+            torch.testing.assert_close(g, shard, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_train_call_with_dropout_seeds_the_generator_by_step_and_replica_then_restores_it():
+    from rayhf.parallel.lora import dropout_seeded
+
+    full = from_peft(peft_model("llama").state_dict())
+    module = _rayhf("llama", full, Lora(RANK, ALPHA, targets("llama"), dropout=DROPOUT)).module
+
+    def drawn(step: int, replica: int) -> torch.Tensor:
+        with dropout_seeded(module, 1, step, replica):
+            return torch.rand(4)
+
+    torch.manual_seed(0)
+    first = drawn(3, 0)
+    after = torch.rand(4)
+    assert torch.equal(drawn(3, 0), first), "a call's ranks and a rerun draw the same"
+    assert not torch.equal(drawn(4, 0), first) and not torch.equal(drawn(3, 1), first)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(4), after), "the generator as if nothing was drawn"
+    plain = _rayhf("llama", full, Lora(RANK, ALPHA, targets("llama"))).module
+    torch.manual_seed(0)
+    with dropout_seeded(plain, 1, 3, 0):
+        assert torch.equal(torch.rand(4), after), "without dropout, left as it was"
