@@ -1,6 +1,7 @@
 """LoRA ranks 1 and 8 against full fine-tuning on the demo task, each at its own tuned rate.
 
     python benchmarks/lora_demo.py [--sft-steps 100] [--steps 120] [--seeds 1 2 3] [--window 10]
+        [--hidden 64] [--layers 2] [--ways NAME ...]
 
 GRPO on "echo the digits" (examples/grpo_tiny.yaml: Llama, hidden 64, 2 layers; 16 prompts x 4
 samples a step) from the policy that ``--sft-steps`` of examples/sft_tiny.yaml make, as RL starts
@@ -17,8 +18,10 @@ full and freezes the rest as LoRA does (the embeddings, the norms, the head; a r
 ``q_proj`` beside it, as a LoRA config needs one), to tell what the adapters' rank costs from what
 the frozen modules cost. Reported: each rate's final reward (mean over seeds),
 the chosen rate's per seed, the trained parameters and seconds per step; the curves (the chosen
-rates, mean over the seeds) in docs/benchmarks/lora_demo.png. Writes
-docs/benchmarks/lora_demo.{md,json}.
+rates, mean over the seeds) in docs/benchmarks/lora_demo.png. ``--hidden`` and ``--layers`` give
+the policy (SFT and GRPO alike) another width and depth, to see whether what freezing costs
+shrinks when the decoder has more to adapt; the page is then ``lora_demo_h<hidden>_l<layers>``.
+Writes docs/benchmarks/lora_demo.{md,json}.
 """
 
 from __future__ import annotations
@@ -61,11 +64,17 @@ WAYS: dict[str, tuple[dict, tuple[float, ...]]] = {  # overrides, learning-rate 
 WARMUP = 2  # steps left out of the time per step
 
 
-def sft_base(tmp: str, steps: int) -> str:
+def shape(hidden: int, layers: int) -> dict:
+    """The policy's width and depth as overrides of both examples' ``models.actor.init``."""
+    return {"models.actor.init.hidden_size": hidden, "models.actor.init.n_layers": layers}
+
+
+def sft_base(tmp: str, steps: int, sized: dict) -> str:
     """Run examples/sft_tiny.yaml for ``steps`` and return its last checkpoint's actor."""
     cfg = rayhf.load_config(SFT).with_overrides(
         {
             **QUIET,
+            **sized,
             "dataset.path": f"{tmp}/sft.parquet",
             "dataset.eval_path": f"{tmp}/sft_eval.parquet",
             "run_dir": f"{tmp}/sft",
@@ -105,7 +114,7 @@ def seconds_per_step(rows: list[dict]) -> float:
     return statistics.fmean(r["step_seconds"] for r in rows if r["step"] > WARMUP)
 
 
-def trained_params(way: str) -> int:
+def trained_params(way: str, sized: dict) -> int:
     """The actor's trained parameters: every one, or its adapters'."""
     from rayhf.models.hf import hf_config
     from rayhf.models.lora import lora_of
@@ -113,7 +122,7 @@ def trained_params(way: str) -> int:
     from rayhf.models.spec import model_spec
     from rayhf.tasks.demo import build_tokenizer  # the example's alphabet
 
-    role = rayhf.load_config(EXAMPLE).with_overrides(WAYS[way][0]).models["actor"]
+    role = rayhf.load_config(EXAMPLE).with_overrides({**sized, **WAYS[way][0]}).models["actor"]
     tok = build_tokenizer()
     assert role.init is not None
     ids = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
@@ -130,8 +139,10 @@ def chosen_rate(grid: dict[float, list[float]]) -> float:
 
 def report(res: dict, commit: str, args: str) -> str:
     w, seeds = res["window"], res["seeds"]
+    sized = "" if res["shape"] == [64, 2] else " (the policy: hidden {}, {} layers)"
     lines = [
-        "# LoRA ranks 1 and 8 against full fine-tuning on the demo task",
+        "# LoRA ranks 1 and 8 against full fine-tuning on the demo task"
+        + sized.format(*res["shape"]),
         "",
         f"`python benchmarks/lora_demo.py{args}` on this machine (2 CPU cores), commit {commit}. "
         + described(__doc__),
@@ -158,7 +169,7 @@ def report(res: dict, commit: str, args: str) -> str:
         + "; ".join(f"{n} {m - full:+.3f}" for n, m in means.items() if n != "full fine-tuning")
         + ". The goal for rank 8 is to come within 0.05.",
         "",
-        "![reward per step, the chosen rates, mean over the seeds](lora_demo.png)",
+        f"![reward per step, the chosen rates, mean over the seeds]({res['name']}.png)",
     ]
     return "\n".join(lines) + "\n"
 
@@ -188,41 +199,48 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS))
     args = ap.parse_args()
     commit = git_commit()
+    sized = shape(args.hidden, args.layers)
+    name = "lora_demo" if (args.hidden, args.layers) == (64, 2) else "lora_demo_h{}_l{}"
     res: dict = {"steps": args.steps, "seeds": args.seeds, "window": args.window, "ways": {}}
-    res["sft_steps"] = args.sft_steps
+    res |= {"sft_steps": args.sft_steps, "shape": [args.hidden, args.layers]}
+    res["name"] = name.format(args.hidden, args.layers)
     firsts: list[float] = []
     started = connect(rayhf.load_config(EXAMPLE).cluster)  # one Ray for every run
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            base = sft_base(tmp, args.sft_steps)
-            for name, (_, rates) in WAYS.items():
+            base = sft_base(tmp, args.sft_steps, sized)
+            for way in args.ways:
+                rates = WAYS[way][1]
                 began = time.perf_counter()
                 runs = {
-                    lr: [one_run(tmp, base, name, lr, s, args.steps) for s in args.seeds]
+                    lr: [one_run(tmp, base, way, lr, s, args.steps) for s in args.seeds]
                     for lr in rates
                 }
                 firsts += [rows[0]["task_reward"] for each in runs.values() for rows in each]
                 grid = {lr: [final(r, args.window) for r in each] for lr, each in runs.items()}
                 lr = chosen_rate(grid)
-                res["ways"][name] = {
+                res["ways"][way] = {
                     "grid": grid,
                     "lr": lr,
                     "curves": [[r["task_reward"] for r in rows] for rows in runs[lr]],
                     "step_seconds": statistics.fmean(seconds_per_step(r) for r in runs[lr]),
-                    "trained": trained_params(name),
+                    "trained": trained_params(way, sized),
                     "run_seconds": time.perf_counter() - began,
                 }
-                print(name, {k: v for k, v in res["ways"][name].items() if k != "curves"})
+                print(way, {k: v for k, v in res["ways"][way].items() if k != "curves"})
     finally:
         if started:
             ray.shutdown()
     res["start"] = statistics.fmean(firsts)
     text = report(res, commit, "".join(f" {a}" for a in sys.argv[1:]))
     print(text)
-    write_results("lora_demo", text, res, commit)
-    plot(res, REPO / "docs" / "benchmarks" / "lora_demo.png")
+    write_results(res["name"], text, res, commit)
+    plot(res, REPO / "docs" / "benchmarks" / f"{res['name']}.png")
 
 
 if __name__ == "__main__":
