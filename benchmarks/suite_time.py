@@ -3,6 +3,8 @@
     python benchmarks/suite_time.py                 # clone HEAD, run scripts/test.sh there
     python benchmarks/suite_time.py --from-log LOG --wall 3900 --commit abc1234
                                                     # read a run already made
+        [--beside LOG2 --beside-commit def5678 --beside-when "..."]
+                                                    # and another commit's run the same day
 
 The run is ``bash scripts/test.sh --durations=0`` on a fresh ``git clone`` of HEAD, as CI runs
 it: set-up from nothing, lint, type check, then pytest three times (the quick tests on both cores;
@@ -10,7 +12,8 @@ the slow ones on both cores, a file to a worker; the slow ones marked ``alone`` 
 log of an older scripts/test.sh holds one or two pytest runs). pytest's own ``--durations=0``
 lines give each test's set-up, call and tear-down; this script sums them per test and per file
 (a test's own seconds: where two ran at once, their sum exceeds the run's) and writes
-``docs/benchmarks/suite_time.{md,json}``. The goal (issue 64):
+``docs/benchmarks/suite_time.{md,json}``. How fast the machine was that day shows in a run of
+another commit beside it (``--beside``), e.g. the one issue 64 measured. The goal (issue 64):
 pytest in at most 25 minutes on a good day of the 2-core machine, and ``pytest -m "not slow"``
 under 8.
 """
@@ -123,12 +126,39 @@ def report(log: str, wall: float | None, commit: str) -> tuple[str, dict]:
     return "\n".join(lines) + f"\n\nMeasured on commit {commit}.\n", data
 
 
+def beside(
+    log: str, commit: str, when: str, pytest_s: float | None, then_min: float | None = None
+) -> tuple[str, dict]:
+    """A paragraph on another commit's run of its own test command the same day: its pytest
+    seconds, this run's over them, and (``then_min``: that commit's minutes on another day) this
+    run scaled to that day."""
+    _, runs = parse(log)
+    theirs = sum(s for _, s in runs)
+    outcome = "; ".join(o for o, _ in runs)
+    text = (
+        f"\nThe same day ({when}), a clean clone of {commit} ran its own `scripts/test.sh`: "
+        f"pytest {theirs:.0f} s ({theirs / 60:.1f} min; {outcome})."
+    )
+    if pytest_s:
+        text += f" This run's pytest over it: {pytest_s / theirs:.2f}x."
+        if then_min:
+            text += (
+                f" On a day when {commit}'s took {then_min:g} min, this suite would take about "
+                f"{pytest_s / theirs * then_min:.1f}."
+            )
+    return text + "\n", {"commit": commit, "when": when, "pytest_s": theirs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--from-log", type=Path, help="a `scripts/test.sh --durations=0` log to read")
     ap.add_argument("--wall", type=float, help="the whole command's seconds, with --from-log")
     ap.add_argument("--commit", help="the commit the log measured (default: HEAD)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--beside", type=Path, help="another commit's log from the same day")
+    ap.add_argument("--beside-commit", default="?", help="the commit --beside measured")
+    ap.add_argument("--beside-when", default="the same day", help="when it ran, in words")
+    ap.add_argument("--beside-then", type=float, help="--beside's minutes on a reference day")
     args = ap.parse_args()
     commit = args.commit or git_commit()
     if args.from_log:
@@ -137,6 +167,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="rayhf-suite-") as work:
             wall, log = measure(Path(work))
         text, data = report(log, wall, commit)
+    if args.beside:
+        more, data["beside"] = beside(
+            args.beside.read_text(), args.beside_commit, args.beside_when, data["pytest_s"],
+            args.beside_then,
+        )  # fmt: skip
+        text = text.replace("\n\nPer file,", f"\n{more}\nPer file,", 1)
     print(text)
     if not args.no_write:
         write_results("suite_time", text, data, commit=commit)
