@@ -165,7 +165,7 @@ class VllmEngineConfig(BaseEngineConfig):
     server_resident = True
     shared_per_rank = True
     runs_experts = False
-    runs_adapters = False
+    runs_adapters = True  # merged into the weights at each sync (VllmGenerator.sync)
 
     @property
     def checks_sync(self) -> bool:

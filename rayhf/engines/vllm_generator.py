@@ -39,6 +39,7 @@ from rayhf.engines.vllm_sync_check import (
 )
 from rayhf.errors import RayhfError
 from rayhf.models.files import ModelFiles
+from rayhf.models.lora import merged
 from rayhf.models.precision import DTYPES
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerateOutput, GenerationConfig
@@ -194,6 +195,9 @@ class VllmGenerator:
             return 0.0
         began = time.perf_counter()
         weights = self.model.full_state()
+        lora = self.model.spec.lora
+        if lora is not None:  # vLLM gets the adapters merged into the weights they adapt
+            weights = merged(weights, lora, self.model.spec.traits.block == "conv1d")
         if self.checked_by:
             self._load_and_check(weights)
         else:

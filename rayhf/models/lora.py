@@ -131,6 +131,23 @@ def _saved_config(path: str, field: str) -> dict:
     }  # fmt: skip
 
 
+def merged(
+    state: Mapping[str, torch.Tensor], lora: Lora, conv1d: bool = False
+) -> dict[str, torch.Tensor]:
+    """``state`` (a whole model's, by rayhf's names) with each adapted weight merged, ``W + s B A``
+    as PEFT's ``merge_and_unload`` (``conv1d``: the weights are GPT-2's ``[in, out]``), and no
+    adapter tensors: the model an engine that runs no adapters (vLLM) samples with."""
+    out = {k: v for k, v in state.items() if ".lora_" not in k}
+    for key, a in state.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removesuffix(".lora_A.weight")
+        delta = state[f"{module}.lora_B.weight"].float() @ a.float() * lora.scale
+        w = out[f"{module}.weight"]
+        out[f"{module}.weight"] = (w.float() + (delta.T if conv1d else delta)).to(w.dtype)
+    return out
+
+
 def adapted(files: ModelFiles, lora: Lora | None, config_text: str | None = None) -> ModelFiles:
     """``files`` whose model carries ``lora``'s adapters (None: none), saved with PEFT's
     ``config_text``."""

@@ -63,6 +63,32 @@ def test_vllm_greedy_tokens_match_the_native_engine(tmp_path, vllm_here):
 
 
 @needs_vllm
+def test_a_lora_model_s_vllm_samples_with_its_adapters_merged(tmp_path, vllm_here):
+    """vLLM runs no adapters here: each sync merges them into their weights, so its greedy
+    tokens are the native engine's, which applies them unmerged."""
+    from rayhf.engines.vllm_generator import VllmGenerator
+    from rayhf.models.spec import Lora
+
+    tok = build_char_tokenizer("0123456789abc", tmp_path / "tok")
+    init = ModelInit(hidden_size=64, n_layers=2, n_heads=2)
+    config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    lora = Lora(4, 8.0, ("q_proj", "v_proj", "down_proj"))
+    model = RankModel.from_hf(build_model(config, value_head=False, seed=3), tok, False, lora)
+    native = NativeGenerator(model)
+    base = native.generate(PROMPTS, GREEDY, seed=0).tokens
+    with torch.no_grad():  # trained adapters: B away from zero
+        for pair in model.module.adapters.values():
+            b = model.module.param(pair.b.name)
+            b.copy_(torch.randn_like(b))
+    model.changed()
+    want = native.generate(PROMPTS, GREEDY, seed=0)
+    assert want.tokens != base, "the adapters change the answers"
+    vllm = VllmGenerator(model, seed=0, sleeps=False, checked_by=("actor_gen",))
+    got = vllm.generate(PROMPTS, GREEDY, seed=0)  # its sync checked: vLLM holds the merge
+    assert got.tokens == want.tokens
+
+
+@needs_vllm
 def test_a_good_sync_passes_its_check_which_covers_every_vllm_parameter(tmp_path, vllm_here):
     from rayhf.engines.vllm_generator import VllmGenerator
     from rayhf.engines.vllm_sync_check import verify

@@ -262,3 +262,17 @@ def test_a_train_call_with_dropout_seeds_the_generator_by_step_and_replica_then_
     torch.manual_seed(0)
     with dropout_seeded(plain, 1, 3, 0):
         assert torch.equal(torch.rand(4), after), "without dropout, left as it was"
+
+
+@pytest.mark.parametrize("case", ["llama", "gpt2"])  # gpt2: Conv1D weights kept [in, out]
+def test_merged_weights_are_peft_s_merge_and_unload(case):
+    from rayhf.models.lora import merged
+
+    ref = peft_model(case)
+    lora = Lora(RANK, ALPHA, targets(case))
+    state = merged(from_peft(ref.state_dict()), lora, conv1d=case == "gpt2")
+    want = ref.merge_and_unload().state_dict()
+    assert state.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(state[name], w, rtol=1e-6, atol=1e-6, msg=name)
+    assert any(not torch.equal(state[n], _model(case, False).state_dict()[n]) for n in state)
