@@ -139,7 +139,7 @@ def chosen_rate(grid: dict[float, list[float]]) -> float:
 
 def report(res: dict, commit: str, args: str) -> str:
     w, seeds = res["window"], res["seeds"]
-    sized = "" if res["shape"] == [64, 2] else " (the policy: hidden {}, {} layers)"
+    sized = "" if res["name"] == "lora_demo" else " (the policy: hidden {}, {} layers)"
     lines = [
         "# LoRA ranks 1 and 8 against full fine-tuning on the demo task"
         + sized.format(*res["shape"]),

@@ -70,17 +70,14 @@ def _scale(model: ShardedModel) -> float:
 
 
 @contextlib.contextmanager
-def dropout_seeded(
-    model: ShardedModel | None, seed: int, step: int, replica: int
-) -> Iterator[None]:
+def dropout_seeded(model: ShardedModel, seed: int, step: int, replica: int) -> Iterator[None]:
     """For a train call of ``model`` with adapter dropout: torch's generator seeded by the run's
     ``seed``, the ``step`` and the ``replica`` (the ranks of a tp group draw the same masks, a
     run draws the same ones again), then restored. Without dropout, the generator untouched."""
-    lora = model.spec.lora if model is not None else None
-    if model is None or lora is None or lora.dropout == 0:
+    if model.spec.lora is None or model.spec.lora.dropout == 0:
         yield
         return
-    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
-    with torch.random.fork_rng(devices=list(devices)):
+    device = model.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(hash((seed, step, replica)) % 2**63)
         yield

@@ -235,7 +235,7 @@ class RoleWorker:
         fault = self.spec.fault
         if fault is not None and fault.site == "nonfinite" and req.step >= fault.step:
             engine = NonFiniteDrill(**{f.name: getattr(engine, f.name) for f in fields(engine)})
-        module = self.model.module if self.model is not None else None
+        module = self._model().module
         with dropout_seeded(module, self.spec.seed, req.step, self.groups.batch_rank):
             stats = interface.train_step(engine, req.batch, ctx)
         return {**stats, f"lr/{self.spec.role}": lr}

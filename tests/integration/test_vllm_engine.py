@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from rayhf.engines.native import NativeGenerator
 from rayhf.engines.rank_model import RankModel
 from rayhf.models.hf import ModelInit, build_model, hf_config
+from rayhf.models.spec import Lora
 from rayhf.models.tokenizer import build_char_tokenizer
 from rayhf.sampling import GenerationConfig
 
@@ -22,11 +23,11 @@ GREEDY = GenerationConfig(greedy=True, max_new_tokens=12)
 PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 4, 3, 2, 8, 8, 6]]
 
 
-def _tiny_model(tmp_path: Path) -> RankModel:
+def _tiny_model(tmp_path: Path, lora: Lora | None = None) -> RankModel:
     tok = build_char_tokenizer("0123456789abc", tmp_path / "tok")
     init = ModelInit(hidden_size=64, n_layers=2, n_heads=2)  # vLLM's CPU attention: head_dim 32+
     config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    return RankModel.from_hf(build_model(config, value_head=False, seed=3), tok, False)
+    return RankModel.from_hf(build_model(config, value_head=False, seed=3), tok, False, lora)
 
 
 @pytest.fixture
@@ -67,13 +68,8 @@ def test_a_lora_model_s_vllm_samples_with_its_adapters_merged(tmp_path, vllm_her
     """vLLM runs no adapters here: each sync merges them into their weights, so its greedy
     tokens are the native engine's, which applies them unmerged."""
     from rayhf.engines.vllm_generator import VllmGenerator
-    from rayhf.models.spec import Lora
 
-    tok = build_char_tokenizer("0123456789abc", tmp_path / "tok")
-    init = ModelInit(hidden_size=64, n_layers=2, n_heads=2)
-    config = hf_config(init, len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    lora = Lora(4, 8.0, ("q_proj", "v_proj", "down_proj"))
-    model = RankModel.from_hf(build_model(config, value_head=False, seed=3), tok, False, lora)
+    model = _tiny_model(tmp_path, Lora(4, 8.0, ("q_proj", "v_proj", "down_proj")))
     native = NativeGenerator(model)
     base = native.generate(PROMPTS, GREEDY, seed=0).tokens
     with torch.no_grad():  # trained adapters: B away from zero

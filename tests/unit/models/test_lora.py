@@ -48,9 +48,9 @@ def test_fused_and_conv1d_weights_split_their_adapters_by_the_same_blocks():
     assert gpt2["c_proj"].split == "row"
 
 
-def _rayhf(case: str, full, lora: Lora) -> RankModel:
+def _rayhf(case: str, full, lora: Lora, **kw) -> RankModel:
     config = _model(case, False).config
-    return RankModel(adapted(model_files(config, False), lora), full, Tok())
+    return RankModel(adapted(model_files(config, False), lora), full, Tok(), **kw)
 
 
 def _logits(model, ids, mask) -> torch.Tensor:
@@ -206,11 +206,8 @@ def _tp_rank(rank: int, path: str, full: dict, out: dict) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
-        config = _model("llama", False).config
-        files = adapted(
-            model_files(config, False), Lora(RANK, ALPHA, targets("llama"), dropout=DROPOUT)
-        )
-        model = RankModel(files, full, Tok(), groups=build_groups(1, 2, 1, rank))
+        lora = Lora(RANK, ALPHA, targets("llama"), dropout=DROPOUT)
+        model = _rayhf("llama", full, lora, groups=build_groups(1, 2, 1, rank))
         out[rank] = _dropout_grads(model, 5)
     finally:
         dist.destroy_process_group()
