@@ -152,6 +152,9 @@ class CallCost:
     seconds: float
     memory: float  # peak bytes on the busiest device of the mesh during the call
     parts: dict[str, float] = field(default_factory=dict)  # seconds by component
+    # of ``seconds``, those its processes spend blocked on the links (a collective's latency,
+    # ZeRO-3's fetch of each weight tensor): on emulated devices they hold no core
+    waits: float = 0.0
 
 
 @functools.lru_cache(maxsize=4096)

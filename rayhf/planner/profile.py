@@ -150,11 +150,14 @@ class ProfiledCost(AnalyticCost):
         profiles: dict[ModelSpec, ModelProfile],
         call_overhead: float = 0.0,
         actor: dict[int, tuple[float, float]] | None = None,
+        zero3_per_tensor: float = CPU_ZERO3_PER_TENSOR,
     ) -> None:
         super().__init__(cluster)
         self.profiles = profiles
         self.call_overhead = call_overhead
         self.actor = actor or {}
+        self.zero3_per_tensor = zero3_per_tensor
+        self._still: ProfiledCost | None = None  # the same with links that answer at once
 
     def runtime(self, layout: Layout) -> tuple[float, float]:
         """(fixed seconds, scale) of a call on ``layout`` inside the actors."""
@@ -178,7 +181,7 @@ class ProfiledCost(AnalyticCost):
         if dp <= 1:
             return 0.0
         volume = (dp - 1) / dp * shard / self.cluster.intra_node_bandwidth
-        return volume + _n_tensors(spec) * CPU_ZERO3_PER_TENSOR
+        return volume + _n_tensors(spec) * self.zero3_per_tensor
 
     def _stage_pass(self, fit: OpFit, spec: ModelSpec, lay: Layout, mb: Rows, train: bool) -> float:
         """One micro-batch ``mb`` through one stage: its layers' token work split over tp, their
@@ -230,7 +233,24 @@ class ProfiledCost(AnalyticCost):
         prefill += spec.n_layers * (fit.layer[0] + fit.layer[1] * b * w.prompt_len / lay.tp)
         return prefill + w.gen_len * decode
 
-    def call(self, spec: ModelSpec, layout: Layout, work: Workload):
+    def _call(self, spec: ModelSpec, layout: Layout, work: Workload) -> CallCost:
+        """The call's profiled parts under the runtime's constants; its ``waits``, what the
+        links' latency and ZeRO-3's per-tensor fetches add (the parts priced without them)."""
+        seconds, parts = self._parts(spec, layout, work)
+        if self._still is None:
+            instant = dataclasses.replace(self.cluster, link_latency=0.0)
+            self._still = ProfiledCost(instant, self.profiles, zero3_per_tensor=0.0)
+        fixed, scale = self.runtime(layout)
+        waits = (seconds - self._still._parts(spec, layout, work)[0]) * scale
+        parts = {k: v * scale for k, v in parts.items()}
+        parts["actor"] = fixed
+        parts["driver"] = self.call_overhead
+        return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts, waits)
+
+    def _parts(
+        self, spec: ModelSpec, layout: Layout, work: Workload
+    ) -> tuple[float, dict[str, float]]:
+        """The profiled seconds of a call (before the runtime's constants), by part."""
         prof = self._profile(spec)
         n_seqs = math.ceil(work.n_seqs / layout.batch_groups)  # a cp group's ranks share theirs
         seq = work.prompt_len + work.gen_len
@@ -253,11 +273,7 @@ class ProfiledCost(AnalyticCost):
                 share = math.ceil(n_seqs * work.forward_share)
                 share_rows = Rows(share, seq)
                 parts["forward"] = self._pipeline(prof.forward, spec, layout, share_rows, False)
-        fixed, scale = self.runtime(layout)
-        parts = {k: v * scale for k, v in parts.items()}
-        parts["actor"] = fixed
-        parts["driver"] = self.call_overhead
-        return CallCost(sum(parts.values()), self.memory(spec, layout, work), parts)
+        return sum(parts.values()), parts
 
 
 @functools.lru_cache(maxsize=256)

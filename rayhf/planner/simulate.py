@@ -9,7 +9,8 @@
               without: every unit of the previous iteration (one step at a time)
 
 On emulated devices that share fewer cores than there are devices (``ClusterSpec.host_cores``),
-units that run together share the cores: each device process gets an equal share, at most one.
+units that run together share the cores: each device process gets an equal share, at most one,
+but for the seconds it waits on the links (``CallCost.waits``), which take as long as ever.
 
 It returns the steady iteration time (how far apart the last iterations finish), every span,
 and the peak memory per device: what every role keeps on its home devices, plus the largest
@@ -134,12 +135,12 @@ def simulate(
     if step.staleness:  # the pipeline fills for k periods: price the ones after
         n_iterations = max(n_iterations, 2 * step.staleness + 3)
     flat = {c.role for c in graph.calls if c.kind == "train" and works[c.name].zero_stage == 3}
-    seconds = _price(problem, units, moved, {r: homes[r] for r in flat})
+    seconds, waits = _price(problem, units, moved, {r: homes[r] for r in flat})
     cores = problem.cluster.host_cores
     run = _Timeline(n_iterations, overlap, problem.concurrent)
     if problem.concurrent and 0 < cores < _n_devices(plan, problem.cost):
         procs = {u.name: len(u.devices) if u.role in problem.specs else 0 for u in units}
-        spans = _shared_cores(slots, seconds, procs, cores, run)
+        spans = _shared_cores(slots, Work(seconds, waits, procs), cores, run)
     else:
         spans = _one_by_one(slots, seconds, run)
     period = _period(spans, n_iterations, step.staleness)
@@ -172,16 +173,29 @@ def _one_by_one(slots: list[Slot], seconds: dict[str, float], run: _Timeline) ->
     return spans
 
 
-def _shared_cores(
-    slots: list[Slot],
-    seconds: dict[str, float],
-    procs: dict[str, int],
-    cores: float,
-    run: _Timeline,
-) -> list[SimSpan]:
+@dataclass(frozen=True)
+class Work:
+    """Each unit's seconds, those of them its processes wait on the links, and its device
+    processes (none for a function the driver runs)."""
+
+    seconds: dict[str, float]
+    waits: dict[str, float]
+    procs: dict[str, int]
+
+    def rate(self, name: str, share: float) -> float:
+        """How fast ``name`` runs while its processes get ``share`` of a core each: its
+        waits take as long as ever, the rest ``1 / share`` times as long."""
+        total, wait = self.seconds[name], self.waits.get(name, 0.0)
+        if share >= 1.0 or total <= wait:
+            return 1.0
+        return total / ((total - wait) / share + wait)
+
+
+def _shared_cores(slots: list[Slot], work: Work, cores: float, run: _Timeline) -> list[SimSpan]:
     """As ``_one_by_one``, on emulated devices that share ``cores`` cores: while units run
-    together, each of their ``procs`` (device processes; none for a function the driver runs)
-    gets an equal share of the cores, at most one (processor sharing)."""
+    together, each of their device processes gets an equal share of the cores, at most one
+    (processor sharing), for all but the seconds it waits on the links."""
+    seconds, procs = work.seconds, work.procs
     n_iterations, overlap = run.n_iterations, run.overlap
     deps: dict[tuple[int, str], list[tuple[int, str]]] = {}
     for it in range(n_iterations):
@@ -203,11 +217,12 @@ def _shared_cores(
             start[k] = now
             running.append(k)
         busy = sum(procs[k[1]] for k in running)
-        rate = min(1.0, cores / busy) if busy else 1.0
-        step = min(left[k] for k in running) / rate
+        share = min(1.0, cores / busy) if busy else 1.0
+        rate = {k: work.rate(k[1], share) for k in running}
+        step = min(left[k] / rate[k] for k in running)
         now += step
         for k in list(running):
-            left[k] -= step * rate
+            left[k] -= step * rate[k]
             if left[k] <= 1e-12:
                 running.remove(k)
                 end[k] = now
@@ -276,14 +291,15 @@ def _price(
     units: list[Unit],
     moved: Callable[[str, Layout, Layout], float] | None,
     flat: dict[str, Layout],
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of each unit: a call's cost on its layout (a function-valued role, such as a
     reward function, costs only the driver's overhead), a move's transfer (from a ZeRO-3
     group's slices where ``flat`` names the role's home), each plus the driver's cost of a
-    unit."""
+    unit; and of each call, the seconds it waits on the links."""
     specs, works, cost = problem.specs, problem.works, problem.cost
     overhead = getattr(cost, "call_overhead", 0.0)  # the driver's cost of a call (profiled)
     out: dict[str, float] = {}
+    waits: dict[str, float] = {}
     for u in units:
         if u.kind == "realloc":
             src, dst = u.layouts
@@ -294,10 +310,11 @@ def _price(
                 seconds = realloc_seconds(cost, specs[u.role], src, dst, carried)
                 out[u.name] = seconds + overhead
         elif u.role in specs:
-            out[u.name] = cost.call(specs[u.role], u.layouts[0], works[u.name]).seconds
+            priced = cost.call(specs[u.role], u.layouts[0], works[u.name])
+            out[u.name], waits[u.name] = priced.seconds, priced.waits
         else:
             out[u.name] = overhead
-    return out
+    return out, waits
 
 
 def _refused(graph: Graph, plan: Plan, works: dict[str, Workload]) -> list[str]:

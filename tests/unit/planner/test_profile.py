@@ -15,7 +15,7 @@ from rayhf.parallel.layout import Layout
 from rayhf.planner.auto import StepBatch, workloads
 from rayhf.planner.cost import max_shard_params
 from rayhf.planner.hardware import CPU_LINK_BANDWIDTH, CPU_ZERO3_PER_TENSOR, cpu_cluster
-from rayhf.planner.plan import colocated_plan
+from rayhf.planner.plan import Plan, colocated_plan
 from rayhf.planner.problem import Problem
 from rayhf.planner.profile import (
     MeasuredRun,
@@ -97,8 +97,6 @@ def test_sequential_driver_adds_up_what_the_concurrent_one_overlaps():
     cost, specs = synthetic_cost(call_overhead=0.0)
     works = workloads(GRAPH, StepBatch(32, 16, 8, 4))
     apart = {n: Layout((0,) if GRAPH.by_name[n].role != "critic" else (1,), 1) for n in GRAPH.order}
-    from rayhf.planner.plan import Plan
-
     plan = Plan(apart, "test")
     together = simulate(Problem(GRAPH, specs, works, cost, concurrent=True), plan).iteration_seconds
     in_turn = simulate(Problem(GRAPH, specs, works, cost, concurrent=False), plan).iteration_seconds
@@ -133,3 +131,45 @@ def test_a_profiled_train_call_pays_for_its_epochs_and_its_forward_without_gradi
     forward = cost.call(specs["ref"], lay, infer).parts["forward"]  # the same 8 sequences
     assert whole.parts["forward"] == pytest.approx(forward) and forward > 0
     assert whole.seconds == pytest.approx(one.seconds + forward)
+
+
+def test_a_call_waits_on_the_links_for_its_collectives_latency_and_zero3_fetches():
+    cost, specs = synthetic_cost(actor={1: (0.0, 1.0), 2: (0.01, 1.5)})
+    spec, lat = specs["actor"], cost.cluster.link_latency
+    work = workloads(GRAPH, StepBatch(32, 16, 8, 4))
+    one, tp2, dp2 = Layout((0,), 1), Layout((0, 1), 1, 2), Layout((0, 1), 2)
+    assert cost.call(spec, one, work["actor_gen"]).waits == 0.0
+    gen = cost.call(spec, tp2, work["actor_gen"])
+    # two all-reduces per layer for every new token, scaled as the rest of the call
+    assert gen.waits == pytest.approx(1.5 * 8 * spec.n_layers * 2 * lat)
+    assert gen.waits < gen.seconds
+    train = work["actor_train"]
+    z2, z3 = (cost.call(spec, dp2, train.with_stage(s)).waits for s in (2, 3))
+    assert z2 == pytest.approx(1.5 * train.n_minibatches * lat)  # the gradients' all-reduce
+    fetches = train.n_minibatches * len(param_shards(spec)) * CPU_ZERO3_PER_TENSOR
+    assert z3 - z2 == pytest.approx(1.5 * fetches)
+
+
+def test_on_shared_cores_a_call_s_waits_are_not_stretched():
+    """4 emulated devices on 2 cores: a call on all 4 takes twice its compute, but its waits on
+    the links once."""
+    _, spec = tiny()
+    _, critic = tiny(value_head=True)
+    profiles = {dataclasses.replace(s, n_layers=0): synthetic_profile() for s in (spec, critic)}
+    specs = {"actor": spec, "ref": spec, "critic": critic}
+    works = workloads(GRAPH, StepBatch(32, 16, 8, 4))
+    every = Plan({n: Layout((0, 1, 2, 3), 2, 2) for n in GRAPH.order}, "test")
+
+    def priced(cores: float) -> tuple[float, ProfiledCost]:
+        cost = ProfiledCost(cpu_cluster(4, 4.0, cores), profiles)
+        return simulate(Problem(GRAPH, specs, works, cost), every).iteration_seconds, cost
+
+    own, cost = priced(0.0)
+    shared, _ = priced(2.0)
+    waits = sum(
+        cost.call(specs[GRAPH.by_name[n].role], every.layouts[n], works[n]).waits
+        for n in GRAPH.order
+        if GRAPH.by_name[n].role in specs
+    )
+    assert waits > 0
+    assert shared == pytest.approx(2 * own - waits)
