@@ -43,7 +43,7 @@ from rayhf.checks.parity import (
 )
 from rayhf.models.families import FAMILIES
 from rayhf.models.lora import adapted, from_peft
-from rayhf.models.spec import Lora
+from rayhf.models.spec import Lora, model_spec
 from rayhf.parallel.groups import host_store, join_store, leave_spawned
 
 RANK, ALPHA = 4, 8
@@ -65,8 +65,10 @@ def targets(case: str) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def peft_model(case: str):
-    """The case's model wrapped by PEFT, its adapters drawn the same on every rank."""
+def peft_model(case: str, precision: str = "fp32"):
+    """The case's model wrapped by PEFT, its adapters drawn the same on every rank. Below fp32
+    it attends as rayhf does: with torch's fused kernel (Hugging Face's default), or in the
+    eager form where scores are soft-capped (Gemma 2), as rayhf does then; in fp32 eagerly."""
     from peft import LoraConfig, get_peft_model
 
     conv1d = FAMILIES[CASES[case].family].block == "conv1d"  # GPT-2's weights are [in, out]
@@ -74,6 +76,8 @@ def peft_model(case: str):
         r=RANK, lora_alpha=ALPHA, target_modules=list(targets(case)), fan_in_fan_out=conv1d
     )
     base = _model(case, False)  # (its first build seeds torch's generator: then draw)
+    if precision != "fp32" and model_spec(base.config, False).attn_softcap is None:
+        base.set_attn_implementation("sdpa")
     torch.manual_seed(11)
     wrapped = get_peft_model(base, config)
     with torch.no_grad():
@@ -89,7 +93,7 @@ def _peft_step(case: str, precision: str, rows: slice) -> tuple[torch.Tensor, di
     from rayhf.engines.torch_trainer import OptimizerConfig
 
     ids, mask = _batch()
-    ref, opt = peft_model(case), OptimizerConfig()
+    ref, opt = peft_model(case, precision), OptimizerConfig()
     with torch.no_grad(), _autocast(precision, "cpu"):
         want = ref(input_ids=ids[rows], attention_mask=mask[rows]).logits.float()
     trained = [p for p in ref.parameters() if p.requires_grad]

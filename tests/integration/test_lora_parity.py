@@ -5,7 +5,7 @@ on the parity harness's covering set of layouts (dp alone, tp with pp, and one m
 rotates over the families, so that each layout runs in each precision): PEFT's model wrapped
 around the family's tiny Hugging Face model, rank 4 on every linear layer of its decoder
 layers; these tests read its rows: fp32 held to the parity harness's bounds, bf16 to how far
-PEFT's own bf16 rounds from fp32.
+PEFT's own bf16 (with rayhf's attention kernel) rounds from fp32.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def test_every_layout_gives_peft_s_logits_and_adapter_gradients_in_fp32(rows):
         assert r["grads"] < tol.grads, f"{_where(r)}: adapter gradients off by {r['grads']:.2e}"
 
 
-# bf16 rounds differently in any two implementations: each is held to how far PEFT's own bf16
-# lands from its fp32 (measured, the largest over layouts: 2.1x for logits, Gemma 2; 1.6x for
-# gradients, GPT-2; Qwen3's adapter gradients 6.4x, below)
+# bf16 rounds differently in any two implementations: each is held to how far PEFT's own bf16,
+# attending with the kernel rayhf uses, lands from its fp32 (measured, the largest over layouts:
+# 2.1x for logits, Gemma 2; 1.9x for adapter gradients, Qwen3 at tp 2)
 BF16_FACTOR = 2.5
 
 
@@ -69,13 +69,6 @@ def _bf16_bounded(r: dict, what: str) -> bool:
 def test_bf16_rounds_no_further_from_fp32_than_peft_s_bf16_does(rows):
     for r in (r for r in rows if r["precision"] == "bf16"):
         assert _bf16_bounded(r, "logits"), f"{_where(r)}: {r['logits_fp32']:.2e} from fp32"
-        if r["family"] != "qwen3":
-            assert _bf16_bounded(r, "grads"), f"{_where(r)}: {r['grads_fp32']:.2e} from fp32"
-
-
-@pytest.mark.xfail(strict=True, reason="Qwen3's bf16 adapter gradients: open in issue 67")
-def test_qwen3_s_bf16_adapter_gradients_round_no_further_than_peft_s(rows):
-    for r in (r for r in rows if (r["precision"], r["family"]) == ("bf16", "qwen3")):
         assert _bf16_bounded(r, "grads"), f"{_where(r)}: {r['grads_fp32']:.2e} from fp32"
 
 
