@@ -74,7 +74,11 @@ class BaseEngineConfig(BaseModel):
     # runs Mixture-of-Experts models (vLLM and DeepSpeed not yet: rayhf's weight sync into
     # vLLM and DeepSpeed's flat ZeRO buffers hold no stacked experts)
     runs_experts: ClassVar[bool] = True
-    runs_adapters: ClassVar[bool] = True  # a role's LoRA adapters (models.<role>.lora)
+
+    @property
+    def runs_adapters(self) -> bool:
+        """Whether it runs a role's LoRA adapters (``models.<role>.lora``) as configured."""
+        return True
 
     @property
     def token_budget(self) -> int | None:
@@ -164,8 +168,7 @@ class VllmEngineConfig(BaseEngineConfig):
     whole_model_ranks = True
     server_resident = True
     shared_per_rank = True
-    runs_experts = False
-    runs_adapters = True  # merged into the weights at each sync (VllmGenerator.sync)
+    runs_experts = False  # (a LoRA role's adapters: merged into the weights at each sync)
 
     @property
     def checks_sync(self) -> bool:
@@ -264,7 +267,12 @@ class DeepSpeedEngineConfig(BaseEngineConfig):
     trains_in_compute_dtype = True
     zero_choices = (1, 2, 3)
     runs_experts = False
-    runs_adapters = False
+
+    @property
+    def runs_adapters(self) -> bool:
+        """At ZeRO-1 and 2 (every rank holds the whole model, frozen weights and adapters); not
+        at ZeRO-3, whose flat slices would mix frozen weights into what moves."""
+        return self.zero_stage < 3
 
     @property
     def offloads_optimizer(self) -> bool:

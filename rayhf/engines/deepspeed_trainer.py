@@ -153,7 +153,7 @@ class DeepSpeedTrainer:
         _join_world(model.device.type == "cpu", model.groups.dp)
         bf16 = model.numerics.compute == torch.bfloat16
         config = ds_config(cfg, engine.zero_stage, engine.offload, bf16)
-        params = list(model.module.parameters())
+        params = [p for p in model.module.parameters() if p.requires_grad]  # (LoRA: adapters)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model.module, model_parameters=params, config=config
         )

@@ -424,6 +424,7 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     if (refill := refill_of(cfg)) is not None:
         refill.check(graph)
     check_trackers(cfg.metrics)
+    check_lora_engines(cfg, graph)
     plan = make_plan(graph, cfg.plan, cfg.cluster) if cfg.plan != "auto" else None
     if plan is not None:
         _check_batch(cfg, plan)
@@ -462,11 +463,24 @@ def prepare_run(cfg: ExperimentConfig, run_dir: Path) -> RunAssets:
     )  # fmt: skip
 
 
+def check_lora_engines(cfg: ExperimentConfig, graph: Graph) -> None:
+    """Every call of a role with ``models.<role>.lora`` on an engine that runs adapters as
+    configured (before planning: the planner prices only such engines for it)."""
+    for c in graph.calls:
+        ec, lora = cfg.engine_of(c.name, c.kind), cfg.models[c.role].lora
+        if lora is not None and not ec.runs_adapters:
+            lower = ", or a lower zero_stage" if ec.zero_choices else ""
+            raise RayhfError(
+                f"engines.{c.name}: engine '{ec.engine}' as configured does not run LoRA "
+                f"adapters (models.{c.role}.lora); use engine '{engines_for(c.kind)[0]}'{lower}"
+            )
+
+
 def check_lora(
     cfg: ExperimentConfig, graph: Graph, specs: dict[str, ModelSpec], trainable: set[str]
 ) -> dict[str, Lora]:
     """Each ``models.<role>.lora`` as its model's ``Lora``: on a trained role with a model of
-    its own, whose calls' engines run adapters, and no moving average following it."""
+    its own, and no moving average following it (the engines: ``check_lora_engines``)."""
     out = {}
     for role, rc in cfg.models.items():
         if rc.lora is None:
@@ -482,13 +496,6 @@ def check_lora(
                 f"{field}: adapters on a role whose weights come from another's (init_from) are "
                 "not built yet; give it a path or init"
             )
-        for c in graph.calls:
-            ec = cfg.engine_of(c.name, c.kind)
-            if c.role == role and not ec.runs_adapters:
-                raise RayhfError(
-                    f"engines.{c.name}: engine '{ec.engine}' does not run LoRA adapters yet "
-                    f"({field}); use engine '{engines_for(c.kind)[0]}'"
-                )
         for other, oc in cfg.models.items():
             if oc.init_from == role and oc.ema is not None:
                 raise RayhfError(

@@ -212,7 +212,12 @@ def test_a_run_offering_the_code_tool_refuses_to_start_without_its_sandbox(workd
         ("models.actor.lora.rank=0", ("models.actor.lora.rank", "greater than 0")),
         ("models.actor.lora.targets=[qproj]", ("models.actor.lora.targets", "'qproj'", "q_proj")),
         ("models.ref.lora.rank=4", ("models.ref.lora", "no train call")),
+        (
+            ("models.actor.lora.rank=4", "engines.actor_train={engine: deepspeed, zero_stage: 3}"),
+            ("engines.actor_train", "models.actor.lora", "a lower zero_stage"),
+        ),
     ],
 )
 def test_bad_lora_configs_are_refused_naming_the_field(workdir, override, needles):
-    _assert_user_error(_run(workdir, override), *needles)
+    overrides = (override,) if isinstance(override, str) else override
+    _assert_user_error(_run(workdir, *overrides), *needles)

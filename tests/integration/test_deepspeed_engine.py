@@ -70,6 +70,40 @@ def test_zero_stages_train_as_the_torch_engine_does_and_resume(ray_cluster, tmp_
 
 @needs_deepspeed
 @pytest.mark.ray
+def test_lora_adapters_train_on_zero1_and_2_as_on_the_torch_engine(ray_cluster, tmp_path):
+    """The frozen weights stay where they are, DeepSpeed's optimizer holds the adapters alone,
+    and they step as the torch engine steps them."""
+    from rayhf.runtime.trainer import run
+
+    lora = {"models.actor.lora.rank": 4}
+    torch_run = run(_sft(tmp_path, "lora_torch", **lora))
+    init = _weights(torch_run.run_dir / "init" / "actor")
+    ref = _adapter(torch_run.policy_checkpoint)
+    for stage in (1, 2):
+        engines = {"actor_train": {"engine": "deepspeed", "zero_stage": stage}}
+        result = run(_sft(tmp_path, f"lora_zero{stage}", engines=engines, **lora))
+        for mine, theirs in zip(result.metrics, torch_run.metrics, strict=True):
+            assert mine["nll"] == pytest.approx(theirs["nll"], abs=1e-5), (stage, mine["step"])
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        got = _adapter(result.policy_checkpoint)
+        assert got.keys() == ref.keys() and len(got) == 2 * 7 * 2  # A and B, 7 linears, 2 layers
+        assert max(float((got[k] - ref[k]).abs().max()) for k in ref) < 1e-5, stage
+        assert any(float(got[k].abs().max()) > 0 for k in got if ".lora_B." in k)  # trained
+        base = _weights(result.policy_checkpoint)
+        assert all(torch.equal(base[k], init[k]) for k in init), stage  # frozen
+
+
+def _adapter(checkpoint) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from rayhf.models.files import ADAPTER_DIR
+    from rayhf.models.lora import ADAPTER_FILE
+
+    return load_file(str(checkpoint / ADAPTER_DIR / ADAPTER_FILE))
+
+
+@needs_deepspeed
+@pytest.mark.ray
 def test_zero3_slices_move_bit_exactly_into_a_tp2_layout(ray_cluster, tiny_config):
     import ray
 
