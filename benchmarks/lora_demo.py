@@ -20,7 +20,8 @@ the frozen modules cost. Reported: each rate's final reward (mean over seeds),
 the chosen rate's per seed, the trained parameters and seconds per step; the curves (the chosen
 rates, mean over the seeds) in docs/benchmarks/lora_demo.png. ``--hidden`` and ``--layers`` give
 the policy (SFT and GRPO alike) another width and depth, to see whether what freezing costs
-shrinks when the decoder has more to adapt; the page is then ``lora_demo_h<hidden>_l<layers>``.
+shrinks when the decoder has more to adapt; the page is then ``lora_demo_h<hidden>_l<layers>``
+(and ``_sft<steps>`` after it, for another ``--sft-steps``).
 Writes docs/benchmarks/lora_demo.{md,json}.
 """
 
@@ -62,6 +63,7 @@ WAYS: dict[str, tuple[dict, tuple[float, ...]]] = {  # overrides, learning-rate 
                                                (5e-4, 1e-3, 2e-3)),
 }  # fmt: skip
 WARMUP = 2  # steps left out of the time per step
+SFT_STEPS = 100  # the starting policy's; another count names the page after it
 
 
 def shape(hidden: int, layers: int) -> dict:
@@ -195,7 +197,7 @@ def plot(res: dict, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sft-steps", type=int, default=100)
+    ap.add_argument("--sft-steps", type=int, default=SFT_STEPS)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--window", type=int, default=10)
@@ -209,6 +211,8 @@ def main() -> None:
     res: dict = {"steps": args.steps, "seeds": args.seeds, "window": args.window, "ways": {}}
     res |= {"sft_steps": args.sft_steps, "shape": [args.hidden, args.layers]}
     res["name"] = name.format(args.hidden, args.layers)
+    if args.sft_steps != SFT_STEPS:
+        res["name"] += f"_sft{args.sft_steps}"
     firsts: list[float] = []
     started = connect(rayhf.load_config(EXAMPLE).cluster)  # one Ray for every run
     try:
