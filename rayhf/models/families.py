@@ -453,6 +453,35 @@ FAMILIES: dict[str, FamilyTraits] = {
             },
         },
     ),
+    # Qwen3.5's layers, every feed-forward layer a Mixture of Experts (the top k renormalized)
+    # beside a shared expert gated by the token
+    "qwen3_5_moe_text": FamilyTraits(
+        "Qwen3_5MoeTextConfig",
+        norm_adds_one=True,
+        qk_norm=True,
+        attn_output_gate=True,
+        delta_net=DeltaNetTraits(),
+        moe=MoETraits(
+            shared_experts=True,
+            shared_module="shared_expert",
+            shared_width="shared_expert_intermediate_size",
+            shared_gate=True,
+            n_experts="num_experts",
+        ),
+        value_head_class=False,  # (transformers has no sequence-classification class of it)
+        released_as="qwen3_5_moe",
+        check_randomized=("norm.weight", "dt_bias"),
+        check_shape={
+            **HYBRID_CHECK,
+            "config": {
+                **HYBRID_CHECK["config"],
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48,
+            },
+        },
+    ),
 }
 """Every supported family by Hugging Face model type, in the order messages list them."""
 

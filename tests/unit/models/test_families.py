@@ -35,7 +35,8 @@ def test_an_unknown_family_is_refused_in_one_line():
         ModelInit(family="bert")
     assert info.value.errors()[0]["msg"] == (
         "Input should be 'llama', 'qwen2', 'qwen3', 'mistral', 'phi3', 'gemma2', 'gemma3_text', "
-        "'gpt2', 'qwen3_moe', 'glm4_moe', 'gpt_oss', 'mixtral', 'qwen3_5_text' or 'qwen3_next'"
+        "'gpt2', 'qwen3_moe', 'glm4_moe', 'gpt_oss', 'mixtral', 'qwen3_5_text', 'qwen3_next' or "
+        "'qwen3_5_moe_text'"
     )
 
 

@@ -147,12 +147,18 @@ def test_experts_saved_one_by_one_are_read_back_stacked_without_building_the_mod
     assert all(torch.equal(state[k], v) for k, v in hf.state_dict().items())
 
 
-def _released(out: Path) -> Path:
+RELEASED = {  # the released model type -> its multimodal class, and the text tower's family
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "qwen3_5_text"),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text"),
+}
+
+
+def _released(out: Path, model_type: str = "qwen3_5") -> Path:
     """A released Qwen3.5 checkpoint in miniature: the multimodal class's layout (the text
     tower under ``model.language_model``, a vision tower) and MTP heads in bf16, as Qwen's
     files hold them."""
+    import transformers
     from safetensors.torch import save_file
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = {
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
@@ -161,13 +167,17 @@ def _released(out: Path) -> Path:
         "linear_value_head_dim": 4, "layer_types": ["linear_attention", "full_attention"] * 2,
         "pad_token_id": PAD,
     }  # fmt: skip
+    if model_type == "qwen3_5_moe":
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                 "shared_expert_intermediate_size": 24}  # fmt: skip
     vision = {
         "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
         "out_hidden_size": 32, "num_position_embeddings": 16, "patch_size": 4,
     }  # fmt: skip
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    cls = getattr(transformers, RELEASED[model_type][0])
+    config = cls.config_class(text_config=text, vision_config=vision, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config)
+    model = cls(config)
     for name, p in model.named_parameters():  # (1 + w) norms and zero biases start equal
         if name.endswith(("norm.weight", "dt_bias")):
             p.data.normal_(0, 0.1)
@@ -179,27 +189,30 @@ def _released(out: Path) -> Path:
     return out
 
 
+@pytest.mark.parametrize("model_type", list(RELEASED))
 def test_a_released_multimodal_checkpoint_trains_its_text_tower_and_saves_the_rest_back(
-    tmp_path,
+    tmp_path, model_type
 ):
-    """Qwen3.5 as released: rayhf reads the text tower under ``model.language_model``, gives the
-    full model's logits, and saves the tower back there with the vision tower, the MTP heads and
-    config.json as they were; a critic from it is the text tower with a head."""
-    from transformers import Qwen3_5ForConditionalGeneration
+    """Qwen3.5 and Qwen3.5-MoE as released: rayhf reads the text tower under
+    ``model.language_model``, gives the full model's logits, and saves the tower back there with
+    the vision tower, the MTP heads and config.json as they were; a critic from it (where
+    transformers has a head for it) is the text tower with a head."""
+    import transformers
 
     from rayhf.checks.common import Tok
     from rayhf.engines.rank_model import RankModel
     from rayhf.models.hf import load_weights
     from rayhf.models.spec import model_spec
 
-    src = _released(tmp_path / "released")
+    cls, family = getattr(transformers, RELEASED[model_type][0]), RELEASED[model_type][1]
+    src = _released(tmp_path / "released", model_type)
     config, state = load_weights(src, False, "models.actor")
     files = model_files(config, False, str(src))
-    assert files.spec.family == "qwen3_5_text" and files.released == str(src)
+    assert files.spec.family == family and files.released == str(src)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
-    hf = Qwen3_5ForConditionalGeneration.from_pretrained(src).eval()
+    hf = cls.from_pretrained(src).eval()
     with torch.no_grad():
         want = hf(ids, attention_mask=mask).logits
         got = RankModel(files, state, Tok()).forward(ids, mask)
@@ -220,8 +233,10 @@ def test_a_released_multimodal_checkpoint_trains_its_text_tower_and_saves_the_re
     assert torch.equal(after[tower + "norm.weight"], before[tower + "norm.weight"] + 1.0)
     saved_config = json.loads((tmp_path / "saved/config.json").read_text())
     assert saved_config == json.loads((src / "config.json").read_text())
-    reloaded = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "saved")
+    reloaded = cls.from_pretrained(tmp_path / "saved")
     assert torch.equal(reloaded.model.language_model.norm.weight, after[tower + "norm.weight"])
+    if model_type == "qwen3_5_moe":  # (no sequence-classification class of it)
+        return
 
     critic = read_model_config(src, True, "models.critic")
     assert critic.model_type == "qwen3_5_text" and model_spec(critic, True).value_head

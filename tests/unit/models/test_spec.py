@@ -113,7 +113,8 @@ def test_an_unsupported_family_is_refused():
         model_spec(SimpleNamespace(model_type="bert"), value_head=False)
     assert str(info.value) == (
         "model type 'bert' is not supported; use one of llama, qwen2, qwen3, mistral, phi3, "
-        "gemma2, gemma3_text, gpt2, qwen3_moe, glm4_moe, gpt_oss, mixtral, qwen3_5_text, qwen3_next"
+        "gemma2, gemma3_text, gpt2, qwen3_moe, glm4_moe, gpt_oss, mixtral, qwen3_5_text, "
+        "qwen3_next, qwen3_5_moe_text"
     )
 
 
