@@ -156,7 +156,8 @@ class NativeEngineConfig(BaseEngineConfig):
 
 class VllmEngineConfig(BaseEngineConfig):
     """vLLM samples a generate call (one whole model per rank), the rank's model scores; the
-    rank's calls on vLLM share one vLLM engine."""
+    rank's calls on vLLM share one vLLM engine. A LoRA role's adapters reach it merged into the
+    weights they adapt, at each sync."""
 
     engine: Literal["vllm"] = "vllm"
     """Sampling on vLLM."""
@@ -168,7 +169,7 @@ class VllmEngineConfig(BaseEngineConfig):
     whole_model_ranks = True
     server_resident = True
     shared_per_rank = True
-    runs_experts = False  # (a LoRA role's adapters: merged into the weights at each sync)
+    runs_experts = False
 
     @property
     def checks_sync(self) -> bool:

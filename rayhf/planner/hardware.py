@@ -108,10 +108,9 @@ class ClusterSpec:
 
 # This machine's emulated CPU devices (one core each), measured here: fp32 matmul 1024^3 on one
 # thread 62 GFLOP/s; copy 15 GB/s; gloo all-reduce between two processes over TCP loopback
-# 2.0-2.4 ms for messages up to 256 KB and 25 ms for 16 MB (0.7 GB/s): ``python
-# benchmarks/planner_calibration.py`` re-measures the links and prints them beside these. The
-# latency stands for what a collective waits inside a run: on 2026-12-05 a quiet pair of
-# processes took 0.32 ms while the runs' tp calls waited 1.2-1.5 ms (decision 0100).
+# 2.0-2.4 ms for messages up to 256 KB and 25 ms for 16 MB (0.7 GB/s). The latency stands for
+# what a collective waits inside a run: on 2026-12-05 a quiet pair of processes took 0.32 ms
+# while the runs' tp calls waited 1.2-1.5 ms (decision 0100).
 CPU_LINK_BANDWIDTH = 0.7e9
 CPU_LINK_LATENCY = 2e-3
 # A weight move through shared memory, one process to another: 397 MB in 0.087-0.091 s

@@ -153,15 +153,12 @@ def test_a_call_waits_on_the_links_for_its_collectives_latency_and_zero3_fetches
 def test_on_shared_cores_a_call_s_waits_are_not_stretched():
     """4 emulated devices on 2 cores: a call on all 4 takes twice its compute, but its waits on
     the links once."""
-    _, spec = tiny()
-    _, critic = tiny(value_head=True)
-    profiles = {dataclasses.replace(s, n_layers=0): synthetic_profile() for s in (spec, critic)}
-    specs = {"actor": spec, "ref": spec, "critic": critic}
+    two_devices, specs = synthetic_cost()  # its profiles, on 4 devices below
     works = workloads(GRAPH, StepBatch(32, 16, 8, 4))
     every = Plan({n: Layout((0, 1, 2, 3), 2, 2) for n in GRAPH.order}, "test")
 
     def priced(cores: float) -> tuple[float, ProfiledCost]:
-        cost = ProfiledCost(cpu_cluster(4, 4.0, cores), profiles)
+        cost = ProfiledCost(cpu_cluster(4, 4.0, cores), two_devices.profiles)
         return simulate(Problem(GRAPH, specs, works, cost), every).iteration_seconds, cost
 
     own, cost = priced(0.0)
