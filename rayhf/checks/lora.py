@@ -40,6 +40,7 @@ from rayhf.checks.parity import (
     _score_loss,
     _targets,
     covering,
+    expert_split,
 )
 from rayhf.models.families import FAMILIES
 from rayhf.models.lora import adapted, from_peft
@@ -49,26 +50,30 @@ from rayhf.parallel.groups import host_store, join_store, leave_spawned
 RANK, ALPHA = 4, 8
 
 
-def dense_cases() -> list[str]:
-    """The parity harness's cases without routed experts (LoRA on experts is not built)."""
-    return [c for c, case in CASES.items() if FAMILIES[case.family].moe is None]
+def lora_cases() -> list[str]:
+    """The parity harness's cases (on a Mixture-of-Experts one, every linear layer is adapted:
+    attention, shared experts, dense layers; routed experts and routers have none)."""
+    return list(CASES)
 
 
 def targets(case: str) -> tuple[str, ...]:
-    """The last names of every linear layer in the case's decoder layers."""
+    """The last names of every linear layer in the case's decoder layers, but those PEFT reads
+    as the routed experts (``MoETraits.peft_fused``)."""
+    moe = FAMILIES[CASES[case].family].moe
     names = {
         name.rsplit(".", 1)[-1]
         for name, m in _model(case, False).named_modules()
         if ".layers." in name or ".h." in name
         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
     }
-    return tuple(sorted(names))
+    return tuple(sorted(names - set(moe.peft_fused if moe else ())))
 
 
 def peft_model(case: str, precision: str = "fp32"):
     """The case's model wrapped by PEFT, its adapters drawn the same on every rank. Below fp32
     it attends as rayhf does: with torch's fused kernel (Hugging Face's default), or in the
-    eager form where scores are soft-capped (Gemma 2), as rayhf does then; in fp32 eagerly."""
+    eager form where scores are soft-capped (Gemma 2) or sinks join them (gpt-oss, which
+    Hugging Face runs only so), as rayhf does then; in fp32 eagerly."""
     from peft import LoraConfig, get_peft_model
 
     conv1d = FAMILIES[CASES[case].family].block == "conv1d"  # GPT-2's weights are [in, out]
@@ -76,7 +81,8 @@ def peft_model(case: str, precision: str = "fp32"):
         r=RANK, lora_alpha=ALPHA, target_modules=list(targets(case)), fan_in_fan_out=conv1d
     )
     base = _model(case, False)  # (its first build seeds torch's generator: then draw)
-    if precision != "fp32" and model_spec(base.config, False).attn_softcap is None:
+    eager = model_spec(base.config, False).attn_softcap is not None or not base._supports_sdpa
+    if precision != "fp32" and not eager:
         base.set_attn_implementation("sdpa")
     torch.manual_seed(11)
     wrapped = get_peft_model(base, config)
@@ -120,7 +126,7 @@ def _check(case: str, dp: int, tp: int, pp: int, rank: int, precision: str) -> d
     from rayhf.models.sharding import take_shard
     from rayhf.parallel.groups import build_groups
 
-    groups = build_groups(dp, tp, pp, rank)
+    groups = build_groups(dp, tp, pp, rank, ep=expert_split(case, dp, precision))
     if groups.coords.dp_rank < 0:
         return None
     ids, mask = _batch()
@@ -211,9 +217,9 @@ def _worker(rank: int, world: int, address: str, out: str, checks: list) -> None
 
 
 def run(out: str, world: int = 4, cases: list[str] | None = None) -> None:
-    """Check ``cases`` (default: ``dense_cases``) on their covering layouts, both precisions,
+    """Check ``cases`` (default: ``lora_cases``) on their covering layouts, both precisions,
     with ``world`` spawned ranks; the rows go to ``out``."""
-    checks = covering(world, cases or dense_cases(), PRECISIONS)
+    checks = covering(world, cases or lora_cases(), PRECISIONS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _store, address = host_store()
     mp.spawn(_worker, args=(world, address, out, checks), nprocs=world, join=True)
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--case", nargs="*", default=None, help="default: every dense case")
+    parser.add_argument("--case", nargs="*", default=None, help="default: every case")
     args = parser.parse_args(argv)
     run(args.out, args.world, args.case)
 

@@ -120,6 +120,10 @@ class MoETraits:
     form: ExpertForm = "gated"
     router_module: str = "gate"
     """The router's module under the layer's ``mlp`` (gpt-oss: ``router``, with a bias)."""
+    peft_fused: tuple[str, ...] = ()
+    """The module names PEFT reads, on this family, as its routed experts and router (their
+    names before transformers 5 fused the experts): a LoRA target of one of these names adapts
+    the experts in PEFT, so rayhf, which adapts no routed expert, refuses them."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +277,8 @@ _QWEN3_5 = FamilyTraits(
     check_randomized=("norm.weight", "dt_bias"),  # (1 + w) norms start at 0
     check_shape=HYBRID_CHECK,
 )
+# PEFT's names for the experts and router of the families transformers converts as Qwen2-MoE
+_QWEN2_MOE_PEFT = ("gate_proj", "up_proj", "down_proj", "gate")
 # routed experts beside a shared expert whose output is gated by the token (Qwen3-Next's and
 # Qwen3.5-MoE's)
 _GATED_SHARED = MoETraits(
@@ -350,7 +356,9 @@ FAMILIES: dict[str, FamilyTraits] = {
         _LLAMA,
         hf_config_class="Qwen3MoeConfig",
         qk_norm=True,
-        moe=MoETraits(renormalize="norm_topk_prob", dense_layers="sparse_step"),
+        moe=MoETraits(
+            renormalize="norm_topk_prob", dense_layers="sparse_step", peft_fused=_QWEN2_MOE_PEFT
+        ),
         check_shape={
             "n_heads": 8,
             "n_kv_heads": 4,
@@ -372,6 +380,7 @@ FAMILIES: dict[str, FamilyTraits] = {
             renormalize="norm_topk_prob",
             dense_layers="first_k",
             shared_experts=True,
+            peft_fused=_QWEN2_MOE_PEFT,
         ),
         qk_norm_flag="use_qk_norm",
         o_bias=False,
@@ -429,7 +438,12 @@ FAMILIES: dict[str, FamilyTraits] = {
     "mixtral": FamilyTraits(
         "MixtralConfig",
         always_windowed=True,
-        moe=MoETraits(expert_size="intermediate_size", weights_fp32=True, files="mixtral"),
+        moe=MoETraits(
+            expert_size="intermediate_size",
+            weights_fp32=True,
+            files="mixtral",
+            peft_fused=("w1", "w2", "w3", "gate"),
+        ),
         check_shape={
             "n_heads": 8,
             "n_kv_heads": 4,
@@ -445,7 +459,12 @@ FAMILIES: dict[str, FamilyTraits] = {
         _QWEN3_5,
         hf_config_class="Qwen3NextConfig",
         delta_net=DeltaNetTraits(fused=True),
-        moe=replace(_GATED_SHARED, renormalize="norm_topk_prob", dense_layers="sparse_step"),
+        moe=replace(
+            _GATED_SHARED,
+            renormalize="norm_topk_prob",
+            dense_layers="sparse_step",
+            peft_fused=_QWEN2_MOE_PEFT,
+        ),
         released_as=None,
         check_shape={
             **HYBRID_CHECK,

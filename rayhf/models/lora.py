@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayhf.errors import RayhfError
-from rayhf.models.sharding import ParamShard, param_shards
+from rayhf.models.sharding import ParamShard, adaptable, param_shards
 from rayhf.models.spec import Lora, ModelSpec, module_named
 
 if TYPE_CHECKING:
@@ -45,7 +45,9 @@ class LoraConfig(BaseModel):
     """An adapter's term is scaled by alpha / rank (alpha / sqrt(rank) with rslora)."""
     targets: list[str] = Field(default_factory=lambda: [ALL_LINEAR], min_length=1)
     """The linear layers adapted, by module name or its last parts (PEFT's target_modules), or
-    "all-linear": every linear layer of the decoder layers."""
+    "all-linear": every linear layer of the decoder layers. On a Mixture-of-Experts model never
+    its routed experts or routers, nor a layer whose name PEFT reads as them (Qwen3-MoE's and
+    GLM-4.5's gate_proj, up_proj, down_proj; Mixtral's w1, w2, w3)."""
     rslora: bool = False
     """Scale by alpha / sqrt(rank) (rank-stabilized LoRA)."""
     trains: list[str] = Field(default_factory=list)
@@ -61,14 +63,13 @@ class LoraConfig(BaseModel):
 
 
 def linear_modules(spec: ModelSpec) -> list[str]:
-    """The modules LoRA can adapt: every 2-D weight's of the decoder layers (routed experts
-    are not)."""
+    """The modules LoRA can adapt: every 2-D weight's of the decoder layers (not a routed
+    expert's nor a router's: ``adaptable``)."""
     base = dataclasses.replace(spec, lora=None)
     return [
         p.name.removesuffix(".weight")
         for p in param_shards(base)
-        if 1 <= p.unit <= spec.n_layers and len(p.shape) == 2 and not p.expert
-        if p.name.endswith(".weight") and "." in p.name.removesuffix(".weight")
+        if p.name.endswith(".weight") and adaptable(spec, p)
     ]
 
 
@@ -91,10 +92,6 @@ def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
                     f"{saved[key]!r}; drop it or make it equal"
                 )
         config = config.model_copy(update={k: v for k, v in saved.items() if k not in given})
-    if spec.moe is not None:
-        raise RayhfError(
-            f"{field}: LoRA on a Mixture-of-Experts model ({spec.family}) is not built yet"
-        )
     linear = linear_modules(spec)
     targets = config.targets
     if targets == [ALL_LINEAR]:
@@ -102,6 +99,12 @@ def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
     for t in targets:
         if not any(module_named(m, (t,)) for m in linear):
             names = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in linear}))
+            moe = spec.traits.moe
+            if moe is not None and t in moe.peft_fused:
+                raise RayhfError(
+                    f"{field}.targets: '{t}' is, to PEFT, this {spec.family} model's routed "
+                    f"experts or router, and rayhf adapts neither; target among: {names}"
+                )
             raise RayhfError(
                 f"{field}.targets: '{t}' names no linear layer of this {spec.family} model's "
                 f"decoder layers (they have: {names})"

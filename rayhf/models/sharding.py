@@ -259,15 +259,15 @@ class AdapterPair:
 
 def adapter_pairs(spec: ModelSpec, weights: Iterable[ParamShard]) -> list[AdapterPair]:
     """The pairs of those of ``weights`` that ``spec.lora`` adapts: 2-D weights of the decoder
-    layers, never routed experts. A column-parallel weight's B splits its rows as the weight
-    does (blocks too), a row-parallel one's A its columns; a weight held whole keeps both whole."""
+    layers, never routed experts or a router (Hugging Face's routers are no linear layers, so
+    PEFT adapts neither). A column-parallel weight's B splits its rows as the weight does
+    (blocks too), a row-parallel one's A its columns; a weight held whole keeps both whole."""
     lora, pairs = spec.lora, []
     assert lora is not None
     kept_in_out = spec.traits.block == "conv1d"  # GPT-2's Conv1D weights are [in, out]
     for p in weights:
         module = p.name.removesuffix(".weight")
-        inside = 1 <= p.unit <= spec.n_layers and module != p.name and len(p.shape) == 2
-        if not inside or p.expert or ".lora_" in module or not lora.adapts(module):
+        if not adaptable(spec, p) or ".lora_" in module or not lora.adapts(module):
             continue
         out_dim = 1 if kept_in_out else 0
         n_out, n_in = p.shape[out_dim], p.shape[1 - out_dim]
@@ -283,6 +283,20 @@ def adapter_pairs(spec: ModelSpec, weights: Iterable[ParamShard]) -> list[Adapte
         )  # fmt: skip
         pairs.append(AdapterPair(p.name, a, b, split))
     return pairs
+
+
+def adaptable(spec: ModelSpec, p: ParamShard) -> bool:
+    """Whether LoRA can adapt weight ``p``: a 2-D weight of the decoder layers, not a routed
+    expert's nor a router's, nor one whose name PEFT reads as the experts' (``peft_fused``)."""
+    module = p.name.removesuffix(".weight")
+    if not (1 <= p.unit <= spec.n_layers and module != p.name and len(p.shape) == 2):
+        return False
+    moe = spec.traits.moe
+    if moe is None:
+        return not p.expert
+    leaf = module.rsplit(".", 1)[-1]
+    router = module.endswith(f".mlp.{moe.router_module}")
+    return not (p.expert or router or leaf in moe.peft_fused)
 
 
 def _with_adapters(spec: ModelSpec, shards: list[ParamShard]) -> list[ParamShard]:

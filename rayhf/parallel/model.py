@@ -772,8 +772,12 @@ class ShardedModel(torch.nn.Module):
         if spec.moe.shared_size:
             shared = self._gated_mlp(h, f"{m}.{traits.shared_module}")
             if traits.shared_gate:  # whole on every rank, as the shared output is after tp's sum
-                gate = self.param(f"{m}.shared_expert_gate.weight")
-                shared = torch.sigmoid(torch.nn.functional.linear(h, gate.to(h.dtype))) * shared
+                name = f"{m}.shared_expert_gate.weight"
+                gate = F.linear(h, self.param(name).to(h.dtype))
+                pair = self.adapters.get(name) if self.adapters and self.adapters_on else None
+                if pair is not None:  # whole, as the gate
+                    gate = gate + unreduced_term(self, h, pair)
+                shared = torch.sigmoid(gate) * shared
             out = out + shared
         return out
 

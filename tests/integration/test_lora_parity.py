@@ -1,11 +1,12 @@
 """LoRA adapters on dp x tp x pp layouts against PEFT, on 4 emulated CPU devices, fp32 and bf16.
 
-One subprocess (``python -m rayhf.checks.lora``) runs 4 gloo ranks through every dense family
-on the parity harness's covering set of layouts (dp alone, tp with pp, and one more that
-rotates over the families, so that each layout runs in each precision): PEFT's model wrapped
-around the family's tiny Hugging Face model, rank 4 on every linear layer of its decoder
-layers; these tests read its rows: fp32 held to the parity harness's bounds, bf16 to how far
-PEFT's own bf16 (with rayhf's attention kernel) rounds from fp32.
+One subprocess (``python -m rayhf.checks.lora``) runs 4 gloo ranks through every family on the
+parity harness's covering set of layouts (dp alone, tp with pp, and one more that rotates over
+the families, so that each layout runs in each precision; a Mixture-of-Experts family on two
+expert-parallel layouts more): PEFT's model wrapped around the family's tiny Hugging Face model,
+rank 4 on every linear layer of its decoder layers (on an MoE family, but the experts, routers
+and the names PEFT reads as them); these tests read its rows: fp32 held to the parity harness's
+bounds, bf16 to how far PEFT's own bf16 (with rayhf's attention kernel) rounds from fp32.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import sys
 import pytest
 from parity_support import TOLERANCES
 
-from rayhf.checks.lora import dense_cases
+from rayhf.checks.lora import lora_cases
 from rayhf.checks.parity import PRECISIONS, covering, layouts
 
 pytestmark = pytest.mark.timeout(900)
 
-CASES = [c for c in dense_cases() if c != "llama3"]  # (Llama's RoPE scaling adapts the same)
+CASES = [c for c in lora_cases() if c != "llama3"]  # (Llama's RoPE scaling adapts the same)
 LR = 1e-4  # the check's AdamW learning rate
 
 

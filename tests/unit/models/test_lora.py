@@ -99,16 +99,22 @@ def test_base_weights_give_a_separate_base_copy_s_logits_with_trained_adapters_o
     assert not torch.allclose(_logits(model, ids, mask), want)  # on again after it
 
 
-def test_adapters_saved_by_rayhf_load_in_peft_and_peft_s_load_in_rayhf(tmp_path):
+# qwen3_moe: attention alone (PEFT reads its MLP names as the experts); qwen3_next: the
+# shared expert's gate too, and transformers' converted MoE config on PEFT's side
+@pytest.mark.parametrize("case", ["qwen2", "qwen3_moe", "qwen3_next"])
+def test_adapters_saved_by_rayhf_load_in_peft_and_peft_s_load_in_rayhf(tmp_path, case):
     from peft import PeftModel
 
     ids, mask = _batch()
     keep = mask.bool()
-    ref = peft_model("qwen2")
-    lora = Lora(RANK, ALPHA, targets("qwen2"))
-    model = _rayhf("qwen2", from_peft(ref.state_dict()), lora)
+    ref = peft_model(case)
+    lora = Lora(RANK, ALPHA, targets(case))
+    model = _rayhf(case, from_peft(ref.state_dict()), lora)
     save_adapter(model.full_state(), lora, tmp_path / "ours")
-    theirs = PeftModel.from_pretrained(_model("qwen2", False), str(tmp_path / "ours"))
+    theirs = PeftModel.from_pretrained(_model(case, False), str(tmp_path / "ours"))
+    assert {n for n, _ in theirs.named_parameters() if "lora_" in n} == {
+        n for n, _ in ref.named_parameters() if "lora_" in n
+    }  # PEFT adapts no expert of it beside them
     assert torch.allclose(
         _logits(theirs, ids, mask)[keep], _logits(model, ids, mask)[keep], atol=1e-5
     )
@@ -116,8 +122,8 @@ def test_adapters_saved_by_rayhf_load_in_peft_and_peft_s_load_in_rayhf(tmp_path)
     ref.save_pretrained(str(tmp_path / "peft"))
     loaded, tensors = load_adapter(tmp_path / "peft")
     assert loaded == lora
-    base = {k: v for k, v in _model("qwen2", False).state_dict().items()}
-    again = _rayhf("qwen2", base | tensors, loaded)
+    base = {k: v for k, v in _model(case, False).state_dict().items()}
+    again = _rayhf(case, base | tensors, loaded)
     want = _logits(ref, ids, mask)[keep]
     assert (_logits(again, ids, mask)[keep] - want).abs().max() < 1e-5 * want.abs().max()
 
@@ -139,6 +145,26 @@ def test_a_config_resolves_against_the_model_and_its_starting_adapter(tmp_path):
     assert (started.rank, started.alpha, started.targets) == (4, 8.0, ("q_proj", "v_proj"))
     with pytest.raises(RayhfError, match=r"^f\.rank: 2 differs from adapter .*'s 4"):
         lora_of(LoraConfig(rank=2, adapter=str(tmp_path)), spec, "f")
+
+
+def test_on_a_mixture_of_experts_model_the_experts_and_router_are_never_adapted():
+    """All-linear on Qwen3-MoE is its attention: PEFT reads the MLP names as the routed experts
+    (transformers 5 fused them), which rayhf does not adapt, and a target of one is refused."""
+    from peft.utils import transformers_weight_conversion as peft_moe
+
+    from rayhf.models.families import FAMILIES
+    from rayhf.models.lora import LoraConfig, lora_of
+
+    for family, traits in FAMILIES.items():  # each row names what PEFT maps to its experts
+        pattern = peft_moe._MODEL_TO_CONVERSION_PATTERN.get(family, "")
+        want = peft_moe._MOE_TARGET_MODULE_MAPPING.get(pattern, {})
+        assert set(traits.moe.peft_fused if traits.moe else ()) == set(want), family
+    spec = model_spec(_model("qwen3_moe", False).config, value_head=False)
+    lora = lora_of(LoraConfig(rank=2), spec, "models.actor.lora")
+    assert lora.targets == ("k_proj", "o_proj", "q_proj", "v_proj") == targets("qwen3_moe")
+    with pytest.raises(RayhfError, match=r"^m\.targets: 'down_proj' is, to PEFT, .* experts") as e:
+        lora_of(LoraConfig(targets=["down_proj"]), spec, "m")
+    assert "\n" not in str(e.value)
 
 
 DROPOUT = 0.3
