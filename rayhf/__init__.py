@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rayhf import startup  # first: the collector paused while the imports below load
 from rayhf.config import ExperimentConfig, load_config
 from rayhf.errors import RayhfError
 from rayhf.graph import load_graph
 from rayhf.planner import Plan, format_plan
+
+startup.imported()
 
 if TYPE_CHECKING:
     from rayhf.runtime.trainer import RunResult

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # bottom first; names in one tuple share a layer
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",),
+    ("errors", "startup"),
     ("metrics",),
     ("graph",),
     ("models",),
