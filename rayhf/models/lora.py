@@ -251,6 +251,12 @@ def read_adapter_config(path: str | Path, field: str = "adapter") -> Lora:
             f"{field}: {where / ADAPTER_CONFIG} gives target_modules as a regex, rank_pattern or "
             "alpha_pattern, which are not read; name the target modules as a list"
         )
+    if cfg.target_parameters:
+        params = ", ".join(sorted(cfg.target_parameters))
+        raise RayhfError(
+            f"{field}: {where / ADAPTER_CONFIG} adapts parameters ({params}), a "
+            "Mixture-of-Experts model's routed experts, which rayhf does not adapt"
+        )
     targets = tuple(sorted(cfg.target_modules or ()))
     trains = tuple(cfg.modules_to_save or ())
     return Lora(cfg.r, float(cfg.lora_alpha), targets, bool(cfg.use_rslora), trains)

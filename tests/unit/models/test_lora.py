@@ -14,7 +14,7 @@ from rayhf.checks.parity import _batch, _model
 from rayhf.engines.rank_model import RankModel
 from rayhf.errors import RayhfError
 from rayhf.models.hf import model_files
-from rayhf.models.lora import adapted, from_peft, load_adapter, save_adapter
+from rayhf.models.lora import adapted, from_peft, load_adapter, read_adapter_config, save_adapter
 from rayhf.models.sharding import adapter_pairs, param_shards
 from rayhf.models.spec import Lora, model_spec
 
@@ -165,6 +165,18 @@ def test_on_a_mixture_of_experts_model_the_experts_and_router_are_never_adapted(
     with pytest.raises(RayhfError, match=r"^m\.targets: 'down_proj' is, to PEFT, .* experts") as e:
         lora_of(LoraConfig(targets=["down_proj"]), spec, "m")
     assert "\n" not in str(e.value)
+
+
+def test_a_peft_adapter_of_routed_experts_is_refused_in_one_line(tmp_path):
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = PeftLora(r=2, target_modules=["q_proj"], target_parameters=experts)
+    get_peft_model(_model("qwen3_moe", False), config).save_pretrained(str(tmp_path))
+    with pytest.raises(RayhfError, match=r"^f: .* adapts parameters .* routed experts") as err:
+        read_adapter_config(tmp_path, "f")
+    assert "\n" not in str(err.value)
 
 
 DROPOUT = 0.3
