@@ -50,12 +50,6 @@ from rayhf.parallel.groups import host_store, join_store, leave_spawned
 RANK, ALPHA = 4, 8
 
 
-def lora_cases() -> list[str]:
-    """The parity harness's cases (on a Mixture-of-Experts one, every linear layer is adapted:
-    attention, shared experts, dense layers; routed experts and routers have none)."""
-    return list(CASES)
-
-
 def targets(case: str) -> tuple[str, ...]:
     """The last names of every linear layer in the case's decoder layers, but those PEFT reads
     as the routed experts (``MoETraits.peft_fused``)."""
@@ -217,9 +211,9 @@ def _worker(rank: int, world: int, address: str, out: str, checks: list) -> None
 
 
 def run(out: str, world: int = 4, cases: list[str] | None = None) -> None:
-    """Check ``cases`` (default: ``lora_cases``) on their covering layouts, both precisions,
-    with ``world`` spawned ranks; the rows go to ``out``."""
-    checks = covering(world, cases or lora_cases(), PRECISIONS)
+    """Check ``cases`` (default: every case of the parity harness) on their covering layouts,
+    both precisions, with ``world`` spawned ranks; the rows go to ``out``."""
+    checks = covering(world, cases or list(CASES), PRECISIONS)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _store, address = host_store()
     mp.spawn(_worker, args=(world, address, out, checks), nprocs=world, join=True)

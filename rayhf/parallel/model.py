@@ -25,6 +25,7 @@ from rayhf.errors import RayhfError
 from rayhf.models.lora import initial
 from rayhf.models.precision import Numerics
 from rayhf.models.sharding import (
+    AdapterPair,
     ParamShard,
     check_layout,
     chunk_bounds,
@@ -262,10 +263,15 @@ class ShardedModel(torch.nn.Module):
             out = x @ w if bias is None else torch.addmm(bias, x, w)
         else:
             out = F.linear(x, w, bias)
-        pair = self.adapters.get(name) if self.adapters and self.adapters_on else None
+        pair = self.adapter(name)
         if pair is not None and pair.split != "row":  # (a row-parallel one's: ``_row_linear``)
             out = out + unreduced_term(self, x, pair)
         return out
+
+    def adapter(self, name: str) -> AdapterPair | None:
+        """Weight ``name``'s LoRA pair while the adapters are on (``base_weights``); None
+        without one."""
+        return self.adapters.get(name) if self.adapters and self.adapters_on else None
 
     @contextlib.contextmanager
     def base_weights(self) -> Iterator[None]:
@@ -567,7 +573,7 @@ class ShardedModel(torch.nn.Module):
         """A row-parallel linear layer: this rank's input columns times its weight rows, summed
         over tp, then the bias (whole on every rank)."""
         out = reduce_from_tp(self.matmul(x, f"{name}.weight"), self.groups.tp_group)
-        pair = self.adapters.get(f"{name}.weight") if self.adapters and self.adapters_on else None
+        pair = self.adapter(f"{name}.weight")
         if pair is not None and pair.split == "row":
             out = out + reduced_term(self, x, pair)
         bias = self.param_or_none(f"{name}.bias")
@@ -774,7 +780,7 @@ class ShardedModel(torch.nn.Module):
             if traits.shared_gate:  # whole on every rank, as the shared output is after tp's sum
                 name = f"{m}.shared_expert_gate.weight"
                 gate = F.linear(h, self.param(name).to(h.dtype))
-                pair = self.adapters.get(name) if self.adapters and self.adapters_on else None
+                pair = self.adapter(name)
                 if pair is not None:  # whole, as the gate
                     gate = gate + unreduced_term(self, h, pair)
                 shared = torch.sigmoid(gate) * shared

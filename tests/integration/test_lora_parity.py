@@ -18,12 +18,12 @@ import sys
 import pytest
 from parity_support import TOLERANCES
 
-from rayhf.checks.lora import lora_cases
+from rayhf.checks.parity import CASES as PARITY_CASES
 from rayhf.checks.parity import PRECISIONS, covering, layouts
 
 pytestmark = pytest.mark.timeout(900)
 
-CASES = [c for c in lora_cases() if c != "llama3"]  # (Llama's RoPE scaling adapts the same)
+CASES = [c for c in PARITY_CASES if c != "llama3"]  # (Llama's RoPE scaling adapts the same)
 LR = 1e-4  # the check's AdamW learning rate
 
 
