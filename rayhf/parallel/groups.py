@@ -137,7 +137,8 @@ def build_groups(
     and ``ends`` (a pipeline's first and last stage).
 
     ``rank`` is this process's global rank; it need not belong to the layout (it must still call,
-    since group creation is collective); then the returned groups are all None.
+    since group creation is collective); then the returned groups are all None. A group is made
+    once in a world: later layouts with the same axis and ranks get it again.
     """
     size = dp * tp * pp
     assert dist.is_initialized() or size == 1, "build_groups needs torch.distributed"
@@ -162,7 +163,7 @@ def build_groups(
             continue
         for line in lines:
             ranks = [base + r for r in line]
-            group = dist.new_group(ranks)
+            group = _group(axis, ranks)
             if rank in ranks:
                 mine[axis] = group
                 if axis == "pp":
@@ -170,13 +171,34 @@ def build_groups(
     if pp > 1:
         for line in _lines(dp, pp, tp, "pp"):
             ends = [base + line[0], base + line[-1]]
-            group = dist.new_group(ends)
+            group = _group("ends", ends)
             if rank in ends:
                 mine["ends"] = group
     return ParallelGroups(
         dp, pp, tp, coords, mine["dp"], mine["pp"], mine["tp"], pp_ranks if member else (),
         mine["ends"], ep, mine["ep"], mine["expert_dp"], cp, mine["cp"],
     )  # fmt: skip
+
+
+# the groups made so far in this process's world, by axis and ranks, and that world
+_MADE: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+_MADE_IN: list[dist.ProcessGroup | None] = [None]
+
+
+def _group(axis: str, ranks: list[int]) -> dist.ProcessGroup | None:
+    """The ``axis`` group of ``ranks`` in this world, made by its first ``build_groups``.
+
+    A process that builds layout after layout (the checks run dozens) would otherwise make a
+    group, with its gloo threads and connections, for every one, and keep them. Every rank of
+    the world makes the same calls, so every rank finds or makes the same groups."""
+    world = dist.group.WORLD
+    if _MADE_IN[0] is not world:  # another world: its groups are gone with it
+        _MADE.clear()
+        _MADE_IN[0] = world
+    key = (axis, tuple(ranks))
+    if key not in _MADE:
+        _MADE[key] = dist.new_group(ranks)
+    return _MADE[key]
 
 
 def _lines(dp: int, pp: int, tp: int, axis: str) -> list[list[int]]:

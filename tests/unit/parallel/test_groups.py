@@ -35,6 +35,28 @@ def test_build_groups_of_one_rank_needs_no_torch_distributed():
         build_groups(2, 1, 1, rank=0)
 
 
+def test_a_world_makes_each_group_once_and_another_world_its_own():
+    """Layout after layout in one world (the checks build dozens) reuses the groups made for
+    the same axis and ranks: each holds gloo's threads and connections while it lives."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        first, again = build_groups(2, 2, 1, rank=0), build_groups(2, 2, 1, rank=0)
+        assert first.dp_group is not None and first.tp_group is not None
+        assert (again.dp_group, again.tp_group) == (first.dp_group, first.tp_group)
+        experts = build_groups(2, 2, 1, rank=0, ep=2)  # ep spans the dp ranks: its own group
+        assert experts.dp_group is first.dp_group and experts.ep_group is not first.dp_group
+        assert dist.get_process_group_ranks(experts.ep_group) == [0, 2]
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        assert build_groups(2, 2, 1, rank=0).dp_group is not first.dp_group
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_hosted_store_listens_before_its_address_is_handed_out():
     store, address = host_store()
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
