@@ -50,21 +50,25 @@ from rayhf.parallel.groups import host_store, join_store, leave_spawned
 RANK, ALPHA = 4, 8
 
 
-def targets(case: str) -> tuple[str, ...]:
+def targets(case: str, head: bool = False) -> tuple[str, ...]:
     """The last names of every linear layer in the case's decoder layers, but those PEFT reads
-    as the routed experts (``MoETraits.peft_fused``)."""
+    as the routed experts (``MoETraits.peft_fused``); with ``head``, "lm_head" after them where
+    the case's head is its own (untied)."""
     moe = FAMILIES[CASES[case].family].moe
+    model = _model(case, False)
     names = {
         name.rsplit(".", 1)[-1]
-        for name, m in _model(case, False).named_modules()
+        for name, m in model.named_modules()
         if ".layers." in name or ".h." in name
         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
     }
-    return tuple(sorted(names - set(moe.peft_fused if moe else ())))
+    own = head and not model_spec(model.config, value_head=False).tied
+    return (*sorted(names - set(moe.peft_fused if moe else ())), *(["lm_head"] if own else []))
 
 
-def peft_model(case: str, precision: str = "fp32"):
-    """The case's model wrapped by PEFT, its adapters drawn the same on every rank. Below fp32
+def peft_model(case: str, precision: str = "fp32", head: bool = False):
+    """The case's model wrapped by PEFT, its adapters drawn the same on every rank (``head``:
+    its LM head's too). Below fp32
     it attends as rayhf does: with torch's fused kernel (Hugging Face's default), or in the
     eager form where scores are soft-capped (Gemma 2) or sinks join them (gpt-oss, which
     Hugging Face runs only so), as rayhf does then; in fp32 eagerly."""
@@ -72,7 +76,10 @@ def peft_model(case: str, precision: str = "fp32"):
 
     conv1d = FAMILIES[CASES[case].family].block == "conv1d"  # GPT-2's weights are [in, out]
     config = LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=list(targets(case)), fan_in_fan_out=conv1d
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=list(targets(case, head)),
+        fan_in_fan_out=conv1d,
     )
     base = _model(case, False)  # (its first build seeds torch's generator: then draw)
     eager = model_spec(base.config, False).attn_softcap is not None or not base._supports_sdpa
@@ -93,7 +100,7 @@ def _peft_step(case: str, precision: str, rows: slice) -> tuple[torch.Tensor, di
     from rayhf.engines.torch_trainer import OptimizerConfig
 
     ids, mask = _batch()
-    ref, opt = peft_model(case, precision), OptimizerConfig()
+    ref, opt = peft_model(case, precision, head=True), OptimizerConfig()
     with torch.no_grad(), _autocast(precision, "cpu"):
         want = ref(input_ids=ids[rows], attention_mask=mask[rows]).logits.float()
     trained = [p for p in ref.parameters() if p.requires_grad]
@@ -125,10 +132,10 @@ def _check(case: str, dp: int, tp: int, pp: int, rank: int, precision: str) -> d
         return None
     ids, mask = _batch()
     rows = slice(groups.coords.dp_rank * 4 // dp, (groups.coords.dp_rank + 1) * 4 // dp)
-    ref = peft_model(case)
+    ref = peft_model(case, head=True)
     full = {k: v.clone() for k, v in from_peft(ref.state_dict()).items()}
     files = adapted(
-        model_files(ref.base_model.model.config, False), Lora(RANK, ALPHA, targets(case))
+        model_files(ref.base_model.model.config, False), Lora(RANK, ALPHA, targets(case, head=True))
     )
     model = RankModel(files, full, Tok(), groups=groups, numerics=Numerics(precision, master=True))
     engine = CallEngine(

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayhf.errors import RayhfError
-from rayhf.models.sharding import ParamShard, adaptable, param_shards
+from rayhf.models.sharding import HEAD, ParamShard, adaptable, param_shards
 from rayhf.models.spec import Lora, ModelSpec, module_named
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ class LoraConfig(BaseModel):
     """An adapter's term is scaled by alpha / rank (alpha / sqrt(rank) with rslora)."""
     targets: list[str] = Field(default_factory=lambda: [ALL_LINEAR], min_length=1)
     """The linear layers adapted, by module name or its last parts (PEFT's target_modules), or
-    "all-linear": every linear layer of the decoder layers. On a Mixture-of-Experts model never
+    "all-linear": every linear layer of the decoder layers. An LM head of its own (untied) is
+    adapted when named ("lm_head"), never by "all-linear". On a Mixture-of-Experts model never
     its routed experts or routers, nor a layer whose name PEFT reads as them (Qwen3-MoE's and
     GLM-4.5's gate_proj, up_proj, down_proj; Mixtral's w1, w2, w3)."""
     rslora: bool = False
@@ -62,14 +63,16 @@ class LoraConfig(BaseModel):
     where these fields are not given, and must equal those that are."""
 
 
-def linear_modules(spec: ModelSpec) -> list[str]:
+def linear_modules(spec: ModelSpec, head: bool = False) -> list[str]:
     """The modules LoRA can adapt: every 2-D weight's of the decoder layers (not a routed
-    expert's nor a router's: ``adaptable``)."""
+    expert's nor a router's: ``adaptable``), and with ``head`` an untied LM head (which
+    "all-linear" leaves out, as PEFT's does)."""
     base = dataclasses.replace(spec, lora=None)
     return [
         p.name.removesuffix(".weight")
         for p in param_shards(base)
         if p.name.endswith(".weight") and adaptable(spec, p)
+        if head or p.name != f"{HEAD}.weight"
     ]
 
 
@@ -92,13 +95,19 @@ def lora_of(config: LoraConfig, spec: ModelSpec, field: str) -> Lora:
                     f"{saved[key]!r}; drop it or make it equal"
                 )
         config = config.model_copy(update={k: v for k, v in saved.items() if k not in given})
-    linear = linear_modules(spec)
+    linear = linear_modules(spec, head=True)
     targets = config.targets
     if targets == [ALL_LINEAR]:
-        targets = sorted({m.rsplit(".", 1)[-1] for m in linear})
+        targets = sorted({m.rsplit(".", 1)[-1] for m in linear_modules(spec)})
     for t in targets:
         if not any(module_named(m, (t,)) for m in linear):
             names = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in linear}))
+            if t == HEAD and spec.tied:
+                raise RayhfError(
+                    f"{field}.targets: this {spec.family} model's LM head is its embedding "
+                    f"table (tied), which rayhf does not adapt; drop '{t}' or train it in full "
+                    f"({field}.trains)"
+                )
             moe = spec.traits.moe
             if moe is not None and t in moe.peft_fused:
                 raise RayhfError(
@@ -147,7 +156,8 @@ def merged(
         module = key.removesuffix(".lora_A.weight")
         delta = state[f"{module}.lora_B.weight"].float() @ a.float() * lora.scale
         w = out[f"{module}.weight"]
-        out[f"{module}.weight"] = (w.float() + (delta.T if conv1d else delta)).to(w.dtype)
+        kept_in_out = conv1d and module != HEAD  # (GPT-2's head is a linear layer)
+        out[f"{module}.weight"] = (w.float() + (delta.T if kept_in_out else delta)).to(w.dtype)
     return out
 
 

@@ -259,17 +259,18 @@ class AdapterPair:
 
 def adapter_pairs(spec: ModelSpec, weights: Iterable[ParamShard]) -> list[AdapterPair]:
     """The pairs of those of ``weights`` that ``spec.lora`` adapts: 2-D weights of the decoder
-    layers, never routed experts or a router (Hugging Face's routers are no linear layers, so
-    PEFT adapts neither). A column-parallel weight's B splits its rows as the weight does
-    (blocks too), a row-parallel one's A its columns; a weight held whole keeps both whole."""
+    layers or an untied LM head (vocab-parallel: a column split), never routed experts or a
+    router (Hugging Face's routers are no linear layers, so PEFT adapts neither). A
+    column-parallel weight's B splits its rows as the weight does (blocks too), a row-parallel
+    one's A its columns; a weight held whole keeps both whole."""
     lora, pairs = spec.lora, []
     assert lora is not None
-    kept_in_out = spec.traits.block == "conv1d"  # GPT-2's Conv1D weights are [in, out]
+    conv1d = spec.traits.block == "conv1d"  # GPT-2's Conv1D weights are [in, out]
     for p in weights:
         module = p.name.removesuffix(".weight")
         if not adaptable(spec, p) or ".lora_" in module or not lora.adapts(module):
             continue
-        out_dim = 1 if kept_in_out else 0
+        out_dim = 1 if conv1d and module != HEAD else 0  # (its head is a linear layer)
         n_out, n_in = p.shape[out_dim], p.shape[1 - out_dim]
         split: Split = "whole" if p.tp_dim is None else "column" if p.tp_dim == out_dim else "row"
         row, column = split == "row", split == "column"
@@ -285,10 +286,16 @@ def adapter_pairs(spec: ModelSpec, weights: Iterable[ParamShard]) -> list[Adapte
     return pairs
 
 
+HEAD = "lm_head"  # an untied LM head's module: LoRA adapts it only when named (as PEFT)
+
+
 def adaptable(spec: ModelSpec, p: ParamShard) -> bool:
     """Whether LoRA can adapt weight ``p``: a 2-D weight of the decoder layers, not a routed
-    expert's nor a router's, nor one whose name PEFT reads as the experts' (``peft_fused``)."""
+    expert's nor a router's, nor one whose name PEFT reads as the experts' (``peft_fused``);
+    or an LM head of its own (not tied to the embeddings)."""
     module = p.name.removesuffix(".weight")
+    if p.name == f"{HEAD}.weight":
+        return True
     if not (1 <= p.unit <= spec.n_layers and module != p.name and len(p.shape) == 2):
         return False
     moe = spec.traits.moe

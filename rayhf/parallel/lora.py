@@ -36,11 +36,17 @@ def adapters_of(model: ShardedModel) -> dict[str, AdapterPair]:
     return {pair.weight: pair for pair in adapter_pairs(model.spec, model.shards.values())}
 
 
-def unreduced_term(model: ShardedModel, x: torch.Tensor, pair: AdapterPair) -> torch.Tensor:
-    """A column-parallel or whole weight's adapter term of ``x``: this rank's output columns."""
+def unreduced_term(
+    model: ShardedModel, x: torch.Tensor, pair: AdapterPair, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A column-parallel or whole weight's adapter term of ``x``: this rank's output columns
+    (``dtype``: with the adapters cast to it, as an LM head computed in fp32 does)."""
     group = model.groups.tp_group if pair.split == "column" else None
-    a = copy_to_tp(model.param(pair.a.name), group)
-    return (_dropped(model, x, 1, 0) @ a.T) @ model.param(pair.b.name).T * _scale(model)
+    a, b = model.param(pair.a.name), model.param(pair.b.name)
+    if dtype is not None:
+        a, b = a.to(dtype), b.to(dtype)
+    a = copy_to_tp(a, group)
+    return (_dropped(model, x, 1, 0) @ a.T) @ b.T * _scale(model)
 
 
 def reduced_term(model: ShardedModel, x: torch.Tensor, pair: AdapterPair) -> torch.Tensor:

@@ -500,8 +500,11 @@ class ShardedModel(torch.nn.Module):
         x = copy_to_tp(x, self.groups.tp_group)
         if self.numerics.head_in_fp32:
             table = self.fp32_head() if fp32_table is None else fp32_table
+            pair = self.adapter(self.head_name)
             with torch.autocast(x.device.type, enabled=False):
                 logits = F.linear(x.float(), table)
+                if pair is not None:  # (a head's adapters: in fp32 as well)
+                    logits = logits + unreduced_term(self, x.float(), pair, torch.float32)
         else:
             logits = self.matmul(x, self.head_name)
         logits = gather_from_tp(logits, self.groups.tp_group, self.spec.vocab_size)

@@ -212,6 +212,55 @@ def _dropout_grads(model: RankModel, seed: int) -> tuple[torch.Tensor, dict[str,
     return scored.detach(), {n: g.clone() for n, g in grads.items() if g is not None}
 
 
+def test_an_lm_head_named_as_a_target_is_adapted_as_peft_adapts_it():
+    """Named, an untied LM head gets a vocab-parallel pair, PEFT's log-probs and its adapters'
+    gradients, and its term in fp32 where the head computes in fp32; "all-linear" leaves it
+    out, as PEFT's does, and a head tied to the embeddings is refused in one line."""
+    from rayhf.models.lora import LoraConfig, lora_of
+    from rayhf.models.precision import Numerics
+
+    head = (*targets("llama"), "lm_head")
+    spec = model_spec(_model("llama", False).config, value_head=False)
+    pairs = adapter_pairs(replace(spec, lora=Lora(RANK, ALPHA, head)), param_shards(spec))
+    (pair,) = [p for p in pairs if p.weight == "lm_head.weight"]
+    assert (pair.split, pair.a.tp_dim, pair.b.tp_dim) == ("column", None, 0)
+    assert pair.b.shape == (spec.vocab_size, RANK)
+    assert "lm_head" not in lora_of(LoraConfig(), spec, "lora").targets
+    assert "lm_head" in lora_of(LoraConfig(targets=["lm_head"]), spec, "lora").targets
+    tied = model_spec(_model("gemma2", False).config, value_head=False)
+    with pytest.raises(RayhfError, match=r"^lora\.targets: .* LM head is its embedding table"):
+        lora_of(LoraConfig(targets=["lm_head"]), tied, "lora")
+
+    ids, mask, tgt = _full_rows()
+    for case in ("llama", "gpt2"):  # GPT-2's decoder keeps [in, out]; its head is [out, in]
+        ref = peft_model(case, head=True)
+        lora = Lora(RANK, ALPHA, (*targets(case), "lm_head"))
+        model = _rayhf(case, from_peft(ref.state_dict()), lora)
+        logp = torch.log_softmax(ref(input_ids=ids, attention_mask=mask).logits, dim=-1)
+        want = logp[:, :-1].gather(-1, tgt[:, :-1, None]).squeeze(-1)
+        want.mean().backward()
+        got = model.score(ids, mask, tgt)[:, :-1, 0]
+        got.mean().backward()
+        assert (got - want).abs().max() < 1e-5, case
+        grads = {n: p.grad for n, p in ref.named_parameters() if "lm_head.lora_" in n}
+        theirs = from_peft(grads)
+        assert sorted(theirs) == [pair.a.name, pair.b.name], case
+        for name, g in theirs.items():
+            torch.testing.assert_close(model.module.param(name).grad, g, rtol=1e-4, atol=1e-7)
+
+    low = Numerics("bf16", master=True, fp32_lm_head=True)
+    ref = peft_model("llama", head=True)
+    model = _rayhf("llama", from_peft(ref.state_dict()), Lora(RANK, ALPHA, head), numerics=low)
+    x = torch.randn(5, spec.hidden_size)
+    with torch.no_grad():
+        on = model.module.lm_logits(x)
+        with model.module.base_weights():
+            off = model.module.lm_logits(x)
+        a, b = (model.module.param(n).float() for n in (pair.a.name, pair.b.name))
+    assert on.dtype == torch.float32
+    torch.testing.assert_close(on - off, (x @ a.T) @ b.T * ALPHA / RANK, rtol=1e-4, atol=1e-5)
+
+
 def test_adapter_dropout_draws_peft_s_masks_in_training_and_none_in_inference():
     ids, mask, _ = _full_rows()
     ref = peft_model("llama")
@@ -303,8 +352,8 @@ def test_a_train_call_with_dropout_seeds_the_generator_by_step_and_replica_then_
 def test_merged_weights_are_peft_s_merge_and_unload(case):
     from rayhf.models.lora import merged
 
-    ref = peft_model(case)
-    lora = Lora(RANK, ALPHA, targets(case))
+    ref = peft_model(case, head=True)  # the head too: a linear layer in GPT-2 as well
+    lora = Lora(RANK, ALPHA, (*targets(case), "lm_head"))
     state = merged(from_peft(ref.state_dict()), lora, conv1d=case == "gpt2")
     want = ref.merge_and_unload().state_dict()
     assert state.keys() == want.keys()
