@@ -60,7 +60,7 @@ WAYS: dict[str, tuple[dict, tuple[float, ...]]] = {  # overrides, learning-rate 
     # the head adapted too (PEFT's target_modules naming "lm_head"), where "head in full" trains it
     "LoRA rank 8, head adapted": ({"models.actor.lora.rank": 8, "models.actor.lora.alpha": ALPHA,
                                    "models.actor.lora.targets": [*LINEAR, "lm_head"]},
-                                  (1e-3, 2e-3, 5e-3)),
+                                  (5e-4, 1e-3, 2e-3, 5e-3)),
     # no adapter to speak of: what full fine-tuning does with the head, norms and embeddings frozen
     "linear layers in full, the rest frozen": ({"models.actor.lora.rank": 1,
                                                 "models.actor.lora.targets": ["q_proj"],
