@@ -13,10 +13,13 @@ the decoder layers at alpha 32 for both ranks, as "LoRA without regret" does, so
 suits both ranks; a fourth way trains the LM head in full beside rank-8 adapters (``lora.trains:
 [lm_head]``, PEFT's ``modules_to_save``), because with the head frozen both ranks level off after
 about 25 steps (at 24343ad's 120-step run) while full fine-tuning keeps rising, and a head trained
-in full lifts that level on this tiny model; a fifth trains every linear layer of the decoder in
-full and freezes the rest as LoRA does (the embeddings, the norms, the head; a rank-1 adapter of
-``q_proj`` beside it, as a LoRA config needs one), to tell what the adapters' rank costs from what
-the frozen modules cost. Reported: each rate's final reward (mean over seeds),
+in full lifts that level on this tiny model; a fifth adapts the head with rank-8 adapters as well
+(``lora.targets`` naming ``lm_head`` beside the decoder's linear layers, as PEFT's
+``target_modules`` may; nothing trains in full); a sixth trains every linear layer of the decoder
+in full and freezes the rest as LoRA does (the embeddings, the norms, the head; a rank-1 adapter
+of ``q_proj`` beside it, as a LoRA config needs one), to tell what the adapters' rank costs from
+what the frozen modules cost. A grid whose best rate is at its edge is extended until it is not
+(LoRA's to 2e-2, where it collapses). Reported: each rate's final reward (mean over seeds),
 the chosen rate's per seed, the trained parameters and seconds per step; the curves (the chosen
 rates, mean over the seeds) in docs/benchmarks/lora_demo.png. ``--hidden`` and ``--layers`` give
 the policy (SFT and GRPO alike) another width and depth, to see whether what freezing costs
