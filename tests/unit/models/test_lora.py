@@ -219,7 +219,7 @@ def test_an_lm_head_named_as_a_target_is_adapted_as_peft_adapts_it():
     from rayhf.models.lora import LoraConfig, lora_of
     from rayhf.models.precision import Numerics
 
-    head = (*targets("llama"), "lm_head")
+    head = targets("llama", head=True)
     spec = model_spec(_model("llama", False).config, value_head=False)
     pairs = adapter_pairs(replace(spec, lora=Lora(RANK, ALPHA, head)), param_shards(spec))
     (pair,) = [p for p in pairs if p.weight == "lm_head.weight"]
@@ -234,7 +234,7 @@ def test_an_lm_head_named_as_a_target_is_adapted_as_peft_adapts_it():
     ids, mask, tgt = _full_rows()
     for case in ("llama", "gpt2"):  # GPT-2's decoder keeps [in, out]; its head is [out, in]
         ref = peft_model(case, head=True)
-        lora = Lora(RANK, ALPHA, (*targets(case), "lm_head"))
+        lora = Lora(RANK, ALPHA, targets(case, head=True))
         model = _rayhf(case, from_peft(ref.state_dict()), lora)
         logp = torch.log_softmax(ref(input_ids=ids, attention_mask=mask).logits, dim=-1)
         want = logp[:, :-1].gather(-1, tgt[:, :-1, None]).squeeze(-1)
@@ -353,7 +353,7 @@ def test_merged_weights_are_peft_s_merge_and_unload(case):
     from rayhf.models.lora import merged
 
     ref = peft_model(case, head=True)  # the head too: a linear layer in GPT-2 as well
-    lora = Lora(RANK, ALPHA, (*targets(case), "lm_head"))
+    lora = Lora(RANK, ALPHA, targets(case, head=True))
     state = merged(from_peft(ref.state_dict()), lora, conv1d=case == "gpt2")
     want = ref.merge_and_unload().state_dict()
     assert state.keys() == want.keys()
