@@ -17,7 +17,7 @@ Writes docs/benchmarks/lora_decode.{md,json}.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
 from typing import Any
 
 import torch
@@ -58,19 +58,14 @@ def measure(rank: int, reps: int) -> dict[str, Any]:
         reps,
     )
     state = {n: module.param(n).detach() for n in module.shards}
-    merges = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        merged(state, lora)
-        merges.append(time.perf_counter() - began)
-    merges.sort()
+    merge = median_seconds({"merge": lambda: merged(state, lora)}, reps)["merge"]
     tokens = ROWS * NEW
     return {
         "rank": rank,
         "adapted_weights": len(module.adapters),
         "seconds": seconds,
         "tokens_per_s": {k: tokens / s for k, s in seconds.items()},
-        "merge_s": merges[len(merges) // 2],
+        "merge_s": merge,
     }
 
 
@@ -107,8 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     commit = git_commit()
     res = measure(args.rank, args.reps)
-    given = "".join(f" --{k} {v}" for k, v in vars(args).items() if v != ap.get_default(k))
-    text = report(res, given, commit)
+    text = report(res, "".join(f" {a}" for a in sys.argv[1:]), commit)
     print(text)
     write_results("lora_decode", text, res, commit)
 
