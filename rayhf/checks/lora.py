@@ -13,7 +13,11 @@ adapted model to it:
   (``logits_fp32``, ``grads_fp32``, ``peft_logits_fp32``, ``peft_grads_fp32``): how far each
   one's bf16 rounds;
 - ``step``: the adapters after one AdamW step, gathered, max abs difference; ``frozen``: the
-  largest change of any other weight (0: the base stays as it was).
+  largest change of any other weight (0: the base stays as it was);
+- in fp32 on one replica split over tp or pp, ``decode``: greedy decoding after the step by
+  the native decode step with the adapters merged into its lent weights against the same step
+  adding them unmerged: the tokens that differ (``decode_differ``) and the largest log-prob
+  difference.
 """
 
 from __future__ import annotations
@@ -179,6 +183,8 @@ def _check(case: str, dp: int, tp: int, pp: int, rank: int, precision: str) -> d
         "frozen": max(float((whole[n] - full[n]).abs().max()) for n in full if ".lora_" not in n),
         "trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),
     }  # fmt: skip
+    if precision == "fp32" and dp == 1 and tp * pp > 1:  # (split weights; dp repeats them)
+        row["decode_differ"], row["decode"] = _merged_against_unmerged(model)
     if precision != "fp32":  # both against fp32's numbers: how far each precision's rounds
         exact, exact_grads, _ = _peft_step(case, "fp32", rows)
         row["logits_fp32"] = _rel(logits, exact[keep])
@@ -190,6 +196,27 @@ def _check(case: str, dp: int, tp: int, pp: int, rank: int, precision: str) -> d
             {n: take_shard(grads[n], adapters[n], tp, tp_rank) for n in adapters}, exact_grads
         )
     return row
+
+
+def _merged_against_unmerged(model: Any) -> tuple[int, float]:
+    """Greedy tokens of a few prompts decoded with the adapters merged into the lent weights
+    and unmerged: how many differ, and the largest log-prob difference."""
+    from rayhf.parallel.decode import DecodeEngine, DecodeOptions
+    from rayhf.sampling import DecodeRules, GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=4, min_new_tokens=4, greedy=True)
+    rules, prompts = DecodeRules.of(cfg, model.eos_id, model.pad_id), [[3, 5, 7, 9], [4, 6]]
+    merged, unmerged = (
+        DecodeEngine(model.pipe, DecodeOptions(merge_adapters=m)).generate(prompts, rules, 0)
+        for m in (True, False)
+    )
+    differ = sum(
+        a != b
+        for x, y in zip(merged.tokens, unmerged.tokens, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    diff = torch.tensor(merged.logprobs) - torch.tensor(unmerged.logprobs)
+    return differ, float(diff.abs().max())
 
 
 def _rel_grads(got: dict, want: dict, names) -> float:

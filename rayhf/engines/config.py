@@ -142,6 +142,10 @@ class NativeEngineConfig(BaseEngineConfig):
     release_memory: bool = False
     """Free the KV cache and graphs after each call, for a role sharing the device (the next call
     allocates and captures again)."""
+    merge_adapters: bool = True
+    """With LoRA adapters, decode on copies of the adapted weights with the adapters merged in,
+    made again after each weight update (false: add each adapter's two products at every token,
+    and hold no such copies where the step lends none anyway: bf16 weights on GPUs)."""
 
     kinds = ("generate",)
     default_for = ("generate",)

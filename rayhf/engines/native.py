@@ -26,6 +26,7 @@ def decode_options(engine: NativeEngineConfig | None, model: RankModel) -> Decod
         max_rows=engine.max_rows,
         capture=engine.cuda_graphs and model.device.type == "cuda" and capturable,
         compile=engine.compile and model.groups.ep == 1,
+        merge_adapters=engine.merge_adapters,
     )
 
 

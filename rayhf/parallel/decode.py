@@ -68,6 +68,9 @@ class DecodeOptions:
     compact: bool = True  # move live rows into a smaller bucket once they fit one
     pack: bool = True  # on CPUs, multiply oneDNN-packed copies of the fp32 weights
     share_prompts: bool = True  # prefill a repeated prompt once
+    # lend LoRA-adapted weights with their adapters merged in, made at each weight update
+    # (False: the step adds each adapter's two products at every token); docs/decisions/
+    merge_adapters: bool = True
 
 
 class Slots:
@@ -263,7 +266,7 @@ class DecodeEngine:
         self.slots: Slots | None = None
         self.graphs: dict[Any, Any] = {}  # bucket key -> torch.cuda.CUDAGraph
         self.captured_weights: tuple[int, ...] = ()
-        self.lent: dict[str, torch.Tensor] | None = None  # see ``_lend_weights``
+        self.lent: dict[str, torch.Tensor] | None = None  # see ``lend_weights``
         self.lent_of: tuple[int, ...] = ()  # the weights' fingerprint when they were made
         self.pool: Any = None
         self.n_steps = 0  # decode steps run by this engine
@@ -289,29 +292,40 @@ class DecodeEngine:
             dtype, hidden = m.numerics.storage, m.spec.hidden_size
             self.slots = Slots(self.cache.n_rows, max_new, hidden, dtype, m.device, k, routes)
 
-    def _lend_weights(self) -> None:
+    def lend_weights(self) -> None:
         """The copies of the matmul weights the step multiplies, kept between calls and made
         again (or refreshed in place) when the weights change: cast to the autocast dtype for a
         model kept in fp32 that computes in bf16 (a trained role's master weights: else every
         weight is cast at every token), oneDNN-packed on CPUs (faster matmuls at decode's few
-        rows: docs/decisions/), an fp32 LM head (``Numerics.fp32_lm_head``) in fp32, none
-        otherwise."""
+        rows: docs/decisions/), an fp32 LM head (``Numerics.fp32_lm_head``) in fp32, each
+        LoRA-adapted weight with its adapter merged in (``DecodeOptions.merge_adapters``, while
+        the adapters are on), none otherwise."""
         m = self.model
         low = m.numerics.autocast
         pack = low is None and m.device.type == "cpu" and packable()
         pack = pack and self.options.pack and not self.options.compile  # inductor packs its own
-        if low is None and not pack and not m.numerics.head_in_fp32:
+        merge = self.merges
+        if low is None and not pack and not m.numerics.head_in_fp32 and not merge:
+            self.lent, self.lent_of = None, ()
             return
-        fingerprint = m.weights_fingerprint()
+        fingerprint = (merge, *m.weights_fingerprint())
         if self.lent is not None and fingerprint == self.lent_of:
             return
         with torch.no_grad():
-            if self.lent is not None and not pack:  # in place: a captured graph reads them
-                refresh_lent(self.lent, m)
+            in_place = self.lent is not None and self.lent_of[:1] == (merge,) and not pack
+            if in_place:  # a captured graph reads them
+                assert self.lent is not None
+                refresh_lent(self.lent, m, merge)
             else:
-                self.lent = lent_weights(m, low, pack)
+                self.lent = lent_weights(m, low, pack, merge)
                 self._forget_graphs()
         self.lent_of = fingerprint
+
+    @property
+    def merges(self) -> bool:
+        """Whether the lent weights hold the LoRA adapters merged in (see ``lend_weights``)."""
+        m = self.model
+        return self.options.merge_adapters and bool(m.adapters) and m.adapters_on
 
     def release(self) -> None:
         """Free the KV cache, the slots, the lent weights and the captured graphs (a colocated
@@ -360,12 +374,12 @@ class DecodeEngine:
         if pointers != self.captured_weights:  # new storage (a release, a move): recapture
             self._forget_graphs()
             self.captured_weights = pointers
-        self._lend_weights()
+        self.lend_weights()
         results: list[tuple[list[int], list[float], bool] | None] = [None] * n
         waiting = deque(range(n))
         rows: list[_Row | None] = [None] * n_slots
         call = _Call(prompts, results, rules, seed, feed, {}, {})
-        with torch.inference_mode(), self.model.reading_lent(self.lent):
+        with torch.inference_mode(), self.model.reading_lent(self.lent, self.merges):
             self._loop(rows, waiting, call, rules)
         out = GenerateOutput()
         for i, r in enumerate(results):

@@ -176,6 +176,7 @@ class ShardedModel(torch.nn.Module):
         self._freqs: dict[tuple[bool, str], torch.Tensor] = {}
         self.version = 0  # bumped by whoever changes the weights (``RankModel.changed``)
         self.lent: dict[str, torch.Tensor] | None = None  # see ``reading_lent``
+        self.lent_merged = False  # the lent weights hold the LoRA adapters merged in
         # GPT-2's blocks keep their matmul weights [in, out] (Conv1D); None: every one [out, in]
         conv1d = spec.traits.block == "conv1d"
         self.conv1d_prefix = f"{spec.prefix}.{spec.traits.layers}." if conv1d else None
@@ -235,22 +236,26 @@ class ShardedModel(torch.nn.Module):
     def weight_out_in(self, name: str) -> torch.Tensor:
         """Matmul weight ``name`` as ``[out, in]`` (GPT-2's Conv1D keeps ``[in, out]``)."""
         w = self.param(name)
-        return w.T if self._conv1d(name) else w
+        return w.T if self.kept_in_out(name) else w
 
-    def _conv1d(self, name: str) -> bool:
+    def kept_in_out(self, name: str) -> bool:
+        """Whether matmul weight ``name`` is kept ``[in, out]`` (GPT-2's Conv1D)."""
         return self.conv1d_prefix is not None and name.startswith(self.conv1d_prefix)
 
     @contextlib.contextmanager
-    def reading_lent(self, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    def reading_lent(
+        self, weights: dict[str, torch.Tensor] | None, merged: bool = False
+    ) -> Iterator[None]:
         """Matmuls inside read ``weights`` (a generator's, by ``lendable`` key; a fused group's
         bias under ``{key}.bias``): copies cast to the autocast dtype (what autocast would cast
         them to anyway), or oneDNN-packed copies on CPUs; the weights as they are where none is
-        lent (None: everywhere)."""
-        self.lent = weights
+        lent (None: everywhere). ``merged``: every adapted weight is lent with its LoRA
+        adapter merged in, so no adapter term is added."""
+        self.lent, self.lent_merged = weights, merged and weights is not None
         try:
             yield
         finally:
-            self.lent = None
+            self.lent, self.lent_merged = None, False
 
     def matmul(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None):
         """``x`` times matmul weight ``name`` (transposed: a linear layer), plus ``bias``; a lent
@@ -259,7 +264,7 @@ class ShardedModel(torch.nn.Module):
         w = lent[name] if lent is not None and name in lent else self.param(name)
         if w.is_mkldnn:
             out = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-        elif self._conv1d(name):
+        elif self.kept_in_out(name):
             out = x @ w if bias is None else torch.addmm(bias, x, w)
         else:
             out = F.linear(x, w, bias)
@@ -269,9 +274,11 @@ class ShardedModel(torch.nn.Module):
         return out
 
     def adapter(self, name: str) -> AdapterPair | None:
-        """Weight ``name``'s LoRA pair while the adapters are on (``base_weights``); None
-        without one."""
-        return self.adapters.get(name) if self.adapters and self.adapters_on else None
+        """Weight ``name``'s LoRA pair while the adapters are on (``base_weights``) and not
+        merged into lent weights; None without one."""
+        if not self.adapters or not self.adapters_on or self.lent_merged:
+            return None
+        return self.adapters.get(name)
 
     @contextlib.contextmanager
     def base_weights(self) -> Iterator[None]:
@@ -338,7 +345,8 @@ class ShardedModel(torch.nn.Module):
         bias); None where none are lent."""
         if self.lent is None or key not in self.lent:
             return None
-        if any(n.startswith(f"{key.rsplit('.', 1)[0]}.") for n in self.adapters):
+        prefix = f"{key.rsplit('.', 1)[0]}."
+        if any(n.startswith(prefix) and self.adapter(n) for n in self.adapters):
             return None  # each adapted weight on its own, its adapter beside it
         return self.matmul(h, key, self.lent.get(f"{key}.bias"))
 
@@ -782,10 +790,7 @@ class ShardedModel(torch.nn.Module):
             shared = self._gated_mlp(h, f"{m}.{traits.shared_module}")
             if traits.shared_gate:  # whole on every rank, as the shared output is after tp's sum
                 name = f"{m}.shared_expert_gate.weight"
-                gate = F.linear(h, self.param(name).to(h.dtype))
-                pair = self.adapter(name)
-                if pair is not None:  # whole, as the gate
-                    gate = gate + unreduced_term(self, h, pair)
+                gate = self.matmul(h, name)  # whole, as its adapter
                 shared = torch.sigmoid(gate) * shared
             out = out + shared
         return out

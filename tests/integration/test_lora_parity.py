@@ -57,6 +57,14 @@ def test_every_layout_gives_peft_s_logits_and_adapter_gradients_in_fp32(rows):
         assert r["grads"] < tol.grads, f"{_where(r)}: adapter gradients off by {r['grads']:.2e}"
 
 
+def test_the_decode_step_with_adapters_merged_samples_the_unmerged_step_s_tokens(rows):
+    decoded = [r for r in rows if "decode" in r]
+    assert {(r["tp"], r["pp"]) for r in decoded} >= {(2, 1), (1, 2), (2, 2)}
+    for r in decoded:
+        assert r["decode_differ"] == 0, f"{_where(r)}: {r['decode_differ']} tokens differ"
+        assert r["decode"] < 1e-4, f"{_where(r)}: log-probs differ by {r['decode']:.2e}"
+
+
 # bf16 rounds differently in any two implementations: each is held to how far PEFT's own bf16,
 # attending with the kernel rayhf uses, lands from its fp32 (measured, the largest over layouts:
 # 2.1x for logits, Gemma 2; 1.9x for adapter gradients, Qwen3 at tp 2)

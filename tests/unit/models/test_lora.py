@@ -360,3 +360,42 @@ def test_merged_weights_are_peft_s_merge_and_unload(case):
     for name, w in want.items():
         torch.testing.assert_close(state[name], w, rtol=1e-6, atol=1e-6, msg=name)
     assert any(not torch.equal(state[n], _model(case, False).state_dict()[n]) for n in state)
+
+
+def _greedy(engine, prompts: list[list[int]], model: RankModel):
+    from rayhf.sampling import DecodeRules, GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=6, min_new_tokens=6, greedy=True)
+    out = engine.generate(prompts, DecodeRules.of(cfg, model.eos_id, model.pad_id), 0)
+    return out.tokens, torch.tensor(out.logprobs)
+
+
+# gpt2: Conv1D weights and an untied head; qwen3_next: a shared expert's gate; qwen3_5_text:
+# Gated DeltaNet projections
+@pytest.mark.parametrize("case", ["llama", "gpt2", "qwen3_next", "qwen3_5_text"])
+def test_the_decode_step_lends_adapted_weights_merged_and_samples_the_unmerged_tokens(case):
+    from rayhf.parallel.decode import DecodeEngine, DecodeOptions
+
+    full = from_peft(peft_model(case, head=True).state_dict())
+    model = _rayhf(case, full, Lora(RANK, ALPHA, targets(case, head=True)))
+    module, prompts = model.module, [[3, 5, 7, 9], [4, 6], [8, 3, 11]]
+    merging = [DecodeEngine(model.pipe, DecodeOptions(pack=p)) for p in (True, False)]
+    unmerged = DecodeEngine(model.pipe, DecodeOptions(merge_adapters=False))
+    base = RankModel(model_files(_model(case, False).config, False), full, Tok())
+    for round_ in range(2):  # the second after the adapters changed in place (a train step)
+        tokens, logprobs = _greedy(unmerged, prompts, model)
+        for engine in merging:
+            got, got_logprobs = _greedy(engine, prompts, model)
+            assert engine.lent is not None and engine.merges
+            assert got == tokens, (case, round_)
+            torch.testing.assert_close(got_logprobs, logprobs, rtol=1e-4, atol=1e-4)
+        with module.base_weights():  # the reference's weights: the adapters neither on nor in
+            assert not merging[1].merges
+            assert (
+                _greedy(merging[1], prompts, model)[0]
+                == _greedy(DecodeEngine(base.pipe), prompts, base)[0]
+            )
+        with torch.no_grad():
+            for pair in module.adapters.values():
+                module.param(pair.b.name).mul_(-1.0)
+    assert tokens != _greedy(DecodeEngine(base.pipe), prompts, base)[0]  # the adapters matter

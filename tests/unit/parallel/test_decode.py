@@ -199,7 +199,7 @@ def test_a_trained_copy_generates_from_casts_it_refreshes_when_the_weights_chang
     casts = engine.lent
     assert casts is not None and all(t.dtype == torch.bfloat16 for t in casts.values())
     bare = DecodeEngine(model.pipe)
-    bare._lend_weights = lambda: None  # type: ignore[method-assign]
+    bare.lend_weights = lambda: None  # type: ignore[method-assign]
     assert bare.generate(MIXED, rules, 4) == plain[0]
     other, _ = _scaled("llama", {"n_heads": 4, "n_kv_heads": 2}, 5.0, seed=2)
     model.load_full_state(other.state_dict())  # in place: the same storage
