@@ -162,10 +162,11 @@ def held_after(
     packed = getattr(model, "packed_modules_mapping", None) or {}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     rename = getattr(mapper, "map_name", None)
-    names = [name for name, _ in model.named_parameters()]
+    names = [_plain(name) for name, _ in model.named_parameters()]
     parts, unused = targets(names, packed, sent, rename)
 
     def held(name: str, p: torch.Tensor) -> Held:
+        name = _plain(name)
         group = group_of(name, p.shape, parts.get(name, ()), sent)
         if group.problem:
             return Held(group, p.dtype, None)
@@ -185,9 +186,14 @@ def held_after(
         elif name in repacked:  # what was loaded is what its kernel holds
             params.append(repacked[name]())
         else:  # emptied by an earlier load and not loaded again by this one
-            params.append(Held(_unloaded(name, parts.get(name, ())), p.dtype, None))
+            params.append(Held(_unloaded(_plain(name), parts.get(_plain(name), ())), p.dtype, None))
     unused = tuple(n for n in unused if n not in skip)
     return HeldWeights(type(model).__name__, tuple(params), unused)
+
+
+def _plain(name: str) -> str:
+    """vLLM's parameter ``name`` without the wrapper a LoRA layer puts around its layer."""
+    return name.replace(".base_layer.", ".")
 
 
 def _unloaded(name: str, parts: tuple[str, ...]) -> Group:

@@ -4,6 +4,7 @@ sync checked by checksums, and a broken one named."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -32,7 +33,10 @@ def _tiny_model(tmp_path: Path, lora: Lora | None = None) -> RankModel:
 
 @pytest.fixture
 def vllm_here():
-    """vLLM in this process joins torch.distributed (a world of one): leave it as found."""
+    """vLLM in this process joins torch.distributed (a world of one): leave it as found. An
+    earlier test's engines are collected first: one collected while this test's starts (vLLM
+    collects garbage as it loads a model) would shut the new one's parallel groups down."""
+    gc.collect()
     yield
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -65,8 +69,9 @@ def test_vllm_greedy_tokens_match_the_native_engine(tmp_path, vllm_here):
 
 @needs_vllm
 def test_a_lora_model_s_vllm_samples_with_its_adapters_merged(tmp_path, vllm_here):
-    """vLLM runs no adapters here: each sync merges them into their weights, so its greedy
-    tokens are the native engine's, which applies them unmerged."""
+    """Asked to (``merge_adapters``), or where vLLM runs no adapters (GPT-2, an adapted head),
+    each sync merges them into their weights, so its greedy tokens are the native engine's,
+    which applies them unmerged."""
     from rayhf.engines.vllm_generator import VllmGenerator
 
     model = _tiny_model(tmp_path, Lora(4, 8.0, ("q_proj", "v_proj", "down_proj")))
@@ -79,7 +84,8 @@ def test_a_lora_model_s_vllm_samples_with_its_adapters_merged(tmp_path, vllm_her
     model.changed()
     want = native.generate(PROMPTS, GREEDY, seed=0)
     assert want.tokens != base, "the adapters change the answers"
-    vllm = VllmGenerator(model, seed=0, sleeps=False, checked_by=("actor_gen",))
+    vllm = VllmGenerator(model, 0, False, ("actor_gen",), merge_adapters=True)
+    assert not vllm.adapters
     got = vllm.generate(PROMPTS, GREEDY, seed=0)  # its sync checked: vLLM holds the merge
     assert got.tokens == want.tokens
 
@@ -220,3 +226,46 @@ def _hf_greedy(model, prompt: list[int], new: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
                          eos_token_id=eos, pad_token_id=pad)[0, len(prompt):].tolist()  # fmt: skip
     return out[: out.index(eos) + 1] if eos in out else out
+
+
+@needs_vllm
+def test_a_lora_model_s_adapters_reach_vllm_as_an_adapter_replaced_in_place(
+    tmp_path, vllm_here, monkeypatch
+):
+    """Where vLLM runs LoRA for the model, the frozen weights load once and each sync loads
+    the adapters alone, checked; its greedy tokens are the native engine's at every version,
+    and an adapter vLLM holds otherwise than sent is named."""
+    from rayhf.engines import vllm_generator
+    from rayhf.engines.vllm_generator import VllmGenerator
+    from rayhf.errors import RayhfError
+
+    model = _tiny_model(tmp_path, Lora(4, 8.0, ("q_proj", "v_proj", "down_proj")))
+    native = NativeGenerator(model)
+    vllm = VllmGenerator(model, seed=0, sleeps=False, checked_by=("actor_gen",))
+    assert vllm.adapters
+    seen = []
+    for _ in range(2):  # two trained versions of the adapters
+        with torch.no_grad():
+            for pair in model.module.adapters.values():
+                b = model.module.param(pair.b.name)
+                b.copy_(torch.randn_like(b))
+        model.changed()
+        want = native.generate(PROMPTS, GREEDY, seed=0)
+        assert vllm.generate(PROMPTS, GREEDY, seed=0).tokens == want.tokens
+        seen.append(want.tokens)
+    assert seen[0] != seen[1], "the second adapter answers differently"
+    loads = []
+    vllm.vllm.load_weights = lambda *a, **k: loads.append(1)  # type: ignore[method-assign]
+    model.changed()
+    vllm.sync()
+    assert not loads, "the frozen weights are not sent again"
+    written = vllm_generator.write_adapter
+
+    def astray(state, *args):  # what reaches vLLM is not the rank's adapter
+        name = next(n for n in state if ".lora_B." in n)
+        written({**state, name: state[name] + 1.0}, *args)
+
+    monkeypatch.setattr(vllm_generator, "write_adapter", astray)
+    model.changed()
+    with pytest.raises(RayhfError, match=r"^vLLM LoRA adapter sync: its lora_B tensors differ"):
+        vllm.sync()
