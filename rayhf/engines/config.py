@@ -162,17 +162,17 @@ class VllmEngineConfig(BaseEngineConfig):
     """vLLM samples a generate call (one whole model per rank), the rank's model scores; the
     rank's calls on vLLM share one vLLM engine. A LoRA role's adapters reach it as a LoRA
     adapter where vLLM runs one for the model (the frozen weights loaded once), else merged into
-    the weights they adapt, at each sync (``merge_adapters``)."""
+    the weights they adapt, at each sync (``lora_adapter``)."""
 
     engine: Literal["vllm"] = "vllm"
     """Sampling on vLLM."""
     check_sync: bool = True
     """Compare, after every weight sync into vLLM, a checksum of each of vLLM's parameters with the
     rank's weights, and stop the run naming any that differs (false: skip)."""
-    merge_adapters: bool = False
-    """With LoRA adapters, load the weights with them merged in at every sync, rather than the
-    adapters alone as vLLM's LoRA (which a model vLLM runs no LoRA for gets anyway): vLLM then
-    decodes faster but every sync moves the whole model."""
+    lora_adapter: bool = True
+    """With LoRA adapters, load them alone at each sync, as vLLM's own LoRA adapter, where vLLM runs
+    LoRA for the model; false (and where it does not): the weights with them merged in, which vLLM
+    decodes faster, but every sync moves the whole model."""
 
     kinds = ("generate",)
     whole_model_ranks = True
@@ -194,7 +194,7 @@ class VllmEngineConfig(BaseEngineConfig):
     ) -> Generator:
         from rayhf.engines.vllm_generator import VllmGenerator
 
-        return VllmGenerator(model, seed, sleeps, checked_by, self.merge_adapters)
+        return VllmGenerator(model, seed, sleeps, checked_by, not self.lora_adapter)
 
 
 class TorchEngineConfig(BaseEngineConfig):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,7 @@ def test_vllm_greedy_tokens_match_the_native_engine(tmp_path, vllm_here):
 
 @needs_vllm
 def test_a_lora_model_s_vllm_samples_with_its_adapters_merged(tmp_path, vllm_here):
-    """Asked to (``merge_adapters``), or where vLLM runs no adapters (GPT-2, an adapted head),
+    """Asked to (``lora_adapter: false``), or where vLLM runs no adapters (GPT-2, an adapted head),
     each sync merges them into their weights, so its greedy tokens are the native engine's,
     which applies them unmerged."""
     from rayhf.engines.vllm_generator import VllmGenerator
@@ -269,3 +270,23 @@ def test_a_lora_model_s_adapters_reach_vllm_as_an_adapter_replaced_in_place(
     model.changed()
     with pytest.raises(RayhfError, match=r"^vLLM LoRA adapter sync: its lora_B tensors differ"):
         vllm.sync()
+
+
+@needs_vllm
+def test_vllm_runs_the_adapters_of_the_models_it_has_lora_for_and_pairs_alone(tmp_path):
+    from transformers import GPT2Config
+
+    from rayhf.engines.vllm_generator import _lora_options, vllm_runs_adapters
+    from rayhf.models.hf import model_files
+    from rayhf.models.lora import adapted
+
+    q = Lora(4, 8.0, ("q_proj",))
+    llama = _tiny_model(tmp_path, q).files
+    assert vllm_runs_adapters(llama)
+    assert not vllm_runs_adapters(_tiny_model(tmp_path).files)  # (no adapters)
+    trains = adapted(llama, replace(q, trains=("norm",)))  # vLLM's carry no module in full
+    assert not vllm_runs_adapters(trains)
+    gpt2 = model_files(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=32), False)
+    assert not vllm_runs_adapters(adapted(gpt2, Lora(4, 8.0, ("c_attn",))))  # no LoRA for it
+    assert _lora_options(None) == {}
+    assert _lora_options(4)["max_lora_rank"] == 8 and _lora_options(16)["max_lora_rank"] == 16

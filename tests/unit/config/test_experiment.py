@@ -96,7 +96,7 @@ def test_an_engine_section_keeps_only_its_own_fields_through_a_dump(tmp_path):
     raw = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert raw["engines"] == {
         "actor_train": {"engine": "deepspeed", "zero_stage": 3, "offload": False},
-        "actor_gen": {"engine": "vllm", "check_sync": False},
+        "actor_gen": {"engine": "vllm", "check_sync": False, "lora_adapter": True},
     }
     assert load_config(tmp_path / "config.yaml") == cfg
     assert cfg.engine_of("critic_train", "train").engine == "torch"  # the kind's default

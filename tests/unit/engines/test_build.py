@@ -33,7 +33,7 @@ class FakeVllm:
 
     made: ClassVar[list[FakeVllm]] = []
 
-    def __init__(self, model, seed, sleeps, checked_by) -> None:
+    def __init__(self, model, seed, sleeps, checked_by, merge_adapters=False) -> None:
         self.model, self.seed, self.sleeps, self.checked_by = model, seed, sleeps, checked_by
         FakeVllm.made.append(self)
 

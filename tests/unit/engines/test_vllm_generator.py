@@ -134,7 +134,7 @@ class FakeLLM:
                 if name in params:
                     params[name].copy_(t)
 
-    def generate(self, requests, params, use_tqdm):
+    def generate(self, requests, params, use_tqdm, lora_request=None):
         self.log.append(("generate", requests, params))
         out = []
         for r in requests:
@@ -224,7 +224,7 @@ def test_a_checked_load_reports_what_the_worker_s_model_holds(fake_vllm, files):
 class FakeEngine:
     """Stands in for ``VllmEngine``: answers ``[8, EOS]`` or ``[8, 9]`` by the prompt's parity."""
 
-    def __init__(self, hf_config, max_model_len, seed, sleeps, dtype) -> None:
+    def __init__(self, hf_config, max_model_len, seed, sleeps, dtype, lora_rank=None) -> None:
         self.args = (max_model_len, seed, sleeps)
         self.dtype = DTYPES[dtype]  # as VllmEngine keeps it
         self.loads: list[dict[str, torch.Tensor]] = []
