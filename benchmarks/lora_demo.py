@@ -18,13 +18,13 @@ in full lifts that level on this tiny model; a fifth adapts the head with rank-8
 ``target_modules`` may; nothing trains in full); a sixth trains every linear layer of the decoder
 in full and freezes the rest as LoRA does (the embeddings, the norms, the head; a rank-1 adapter
 of ``q_proj`` beside it, as a LoRA config needs one), to tell what the adapters' rank costs from
-what the frozen modules cost. A grid whose best rate is at its edge is extended until it is not
-(LoRA's to 2e-2, where it collapses). Reported: each rate's final reward (mean over seeds),
-the chosen rate's per seed, the trained parameters and seconds per step; the curves (the chosen
-rates, mean over the seeds) in docs/benchmarks/lora_demo.png. ``--hidden`` and ``--layers`` give
-the policy (SFT and GRPO alike) another width and depth, to see whether what freezing costs
-shrinks when the decoder has more to adapt; the page is then ``lora_demo_h<hidden>_l<layers>``
-(and ``_sft<steps>`` after it, for another ``--sft-steps``).
+what the frozen modules cost. A grid whose best rate is at its edge grows past that edge, one step
+of the 1-2-5 ladder at a time, until it is not (at most 3 steps). Reported: each rate's final
+reward (mean over seeds), the chosen rate's per seed, the trained parameters and seconds per
+step; the curves (the chosen rates, mean over the seeds) in docs/benchmarks/lora_demo.png.
+``--hidden`` and ``--layers`` give the policy (SFT and GRPO alike) another width and depth, to
+see whether what freezing costs shrinks when the decoder has more to adapt; the page is then
+``lora_demo_h<hidden>_l<layers>`` (and ``_sft<steps>`` after it, for another ``--sft-steps``).
 Writes docs/benchmarks/lora_demo.{md,json}.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 import tempfile
@@ -147,6 +148,22 @@ def chosen_rate(grid: dict[float, list[float]]) -> float:
     return max(grid, key=lambda lr: statistics.fmean(grid[lr]))
 
 
+EXTEND = 3  # rates a grid may grow by past each edge
+
+
+def beyond_edge(grid: dict[float, list[float]], start: tuple[float, ...]) -> list[float]:
+    """The next rate past the edge of ``grid`` (sorted) where its best rate is, on the 1-2-5
+    ladder; none where the best is inside, or the grid has grown by ``EXTEND`` past ``start``."""
+    best, rates = chosen_rate(grid), list(grid)
+    if best not in (rates[0], rates[-1]) or len(rates) >= len(start) + EXTEND:
+        return []
+    exponent = math.floor(math.log10(best) + 1e-9)
+    ladder = [m * 10.0**e for e in (exponent - 1, exponent, exponent + 1) for m in (1, 2, 5)]
+    i = min(range(len(ladder)), key=lambda j: abs(ladder[j] - best))
+    step = ladder[i - 1] if best == rates[0] else ladder[i + 1]
+    return [float(f"{step:.3g}")]
+
+
 def report(res: dict, commit: str, args: str) -> str:
     w, seeds = res["window"], res["seeds"]
     sized = "" if res["name"] == "lora_demo" else " (the policy: hidden {}, {} layers)"
@@ -227,14 +244,15 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             base = sft_base(tmp, args.sft_steps, sized)
             for way in args.ways:
-                rates = WAYS[way][1]
                 began = time.perf_counter()
-                runs = {
-                    lr: [one_run(tmp, base, way, lr, s, args.steps) for s in args.seeds]
-                    for lr in rates
-                }
+                runs: dict[float, list[list[dict]]] = {}
+                rates = list(WAYS[way][1])
+                while rates:  # the grid, then a step past whichever edge the best rate is at
+                    for lr in rates:
+                        runs[lr] = [one_run(tmp, base, way, lr, s, args.steps) for s in args.seeds]
+                    grid = {lr: [final(r, args.window) for r in runs[lr]] for lr in sorted(runs)}
+                    rates = beyond_edge(grid, WAYS[way][1])
                 firsts += [rows[0]["task_reward"] for each in runs.values() for rows in each]
-                grid = {lr: [final(r, args.window) for r in each] for lr, each in runs.items()}
                 lr = chosen_rate(grid)
                 res["ways"][way] = {
                     "grid": grid,

@@ -127,6 +127,16 @@ def test_lora_demo_reports_each_way_at_its_best_mean_over_the_seeds(monkeypatch)
     assert bench.final(rows, 5) == 1.0 and bench.final(rows, 10) == 0.5
 
 
+def test_lora_demo_grows_a_grid_past_the_edge_its_best_rate_is_at(monkeypatch):
+    bench = _load(BENCHMARKS_DIR / "lora_demo.py", monkeypatch)
+    start = (1e-3, 2e-3, 5e-3)
+    assert bench.beyond_edge({1e-3: [0.7], 2e-3: [0.6], 5e-3: [0.5]}, start) == [5e-4]
+    assert bench.beyond_edge({1e-3: [0.5], 2e-3: [0.6], 5e-3: [0.7]}, start) == [1e-2]
+    assert bench.beyond_edge({5e-4: [0.7], 1e-3: [0.8], 2e-3: [0.6], 5e-3: [0.5]}, start) == []
+    grown = {2e-4: [0.9], 5e-4: [0.8], 1e-3: [0.7], 2e-3: [0.6], 5e-3: [0.5], 1e-4: [0.95]}
+    assert bench.beyond_edge(grown, start) == []  # three steps past it: no further
+
+
 def _linked(page: Path) -> set[Path]:
     """The files a Markdown page links to, resolved (outside links and anchors dropped)."""
     targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
