@@ -53,6 +53,7 @@ from rayhf.models.files import ModelFiles
 from rayhf.models.lora import adapter_config_text, merged, write_adapter
 from rayhf.models.precision import DTYPES
 from rayhf.models.sharding import HEAD
+from rayhf.models.spec import Lora
 from rayhf.parallel.layout import Layout
 from rayhf.sampling import GenerateOutput, GenerationConfig
 
@@ -251,7 +252,9 @@ def _held_adapter(worker: Any, lora_id: int) -> HeldAdapter:
     return HeldAdapter(a % modulus(dtype), b % modulus(dtype), dtype, n)
 
 
-def verify_adapter(held: HeldAdapter, state: dict[str, torch.Tensor], lora: Any, hint: str) -> None:
+def verify_adapter(
+    held: HeldAdapter, state: dict[str, torch.Tensor], lora: Lora, hint: str
+) -> None:
     """Raise a one-line ``RayhfError`` if vLLM's adapter is not the rank's ``state`` (its
     ``lora_A`` and ``lora_B`` tensors; B scaled as vLLM scales it)."""
     sent = {n: t.to(held.dtype) for n, t in state.items() if ".lora_" in n}
@@ -295,7 +298,7 @@ class VllmGenerator:
         # full_state sends a tied head as its own tensor; vLLM holds only the embedding
         self._tied = frozenset({"lm_head.weight"} if model.spec.tied else ())
         self._version = -1  # the model version vLLM holds
-        self._base: tuple[int, ...] = ()  # the frozen weights vLLM holds (``_frozen``)
+        self._base: tuple[int, ...] = ()  # the frozen weights' fingerprint vLLM holds them at
         self._adapter_dir: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -332,12 +335,7 @@ class VllmGenerator:
         the adapters as a PEFT directory vLLM loads in place."""
         module, lora = self.model.module, self.model.spec.lora
         assert lora is not None
-        frozen = tuple(
-            x
-            for p in module.parameters()
-            if not p.requires_grad
-            for x in (p.data_ptr(), p._version)
-        )
+        frozen = module.weights_fingerprint(frozen=True)
         if frozen != self._base:
             self._load({k: v for k, v in self.model.full_state().items() if ".lora_" not in k})
             self._base = frozen

@@ -154,11 +154,25 @@ def merged(
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removesuffix(".lora_A.weight")
-        delta = state[f"{module}.lora_B.weight"].float() @ a.float() * lora.scale
-        w = out[f"{module}.weight"]
+        b, w = state[f"{module}.lora_B.weight"], out[f"{module}.weight"]
         kept_in_out = conv1d and module != HEAD  # (GPT-2's head is a linear layer)
-        out[f"{module}.weight"] = (w.float() + (delta.T if kept_in_out else delta)).to(w.dtype)
+        out[f"{module}.weight"] = merge_pair(w, a, b, lora.scale, kept_in_out)
     return out
+
+
+def merge_pair(
+    w: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    kept_in_out: bool,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Weight ``w`` with its adapter pair merged in, ``W + scale B A`` summed in fp32, in
+    ``dtype`` (None: ``w``'s); ``kept_in_out``: ``w`` is kept ``[in, out]`` (GPT-2's Conv1D).
+    Whole weights or one rank's shards alike: the pair is split as its weight is."""
+    delta = b.float() @ a.float() * scale
+    return (w.float() + (delta.T if kept_in_out else delta)).to(dtype or w.dtype)
 
 
 def adapted(files: ModelFiles, lora: Lora | None, config_text: str | None = None) -> ModelFiles:

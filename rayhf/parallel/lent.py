@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from rayhf.models.lora import merge_pair
 from rayhf.parallel.model import ShardedModel
 
 
@@ -60,8 +61,7 @@ def lent_weights(
             if biases[0] is not None:
                 lent[f"{key}.bias"] = torch.cat(biases)  # type: ignore[arg-type]
         if pack and weight.numel() >= PACK_MIN_ELEMENTS:
-            conv1d = len(names) == 1 and model.weight_out_in(names[0]) is not model.param(names[0])
-            out_in = weight.T if conv1d else weight
+            out_in = weight.T if len(names) == 1 and model.kept_in_out(names[0]) else weight
             weight = torch.ops.mkldnn._reorder_linear_weight(out_in.contiguous(), None)
         lent[key] = weight
     return lent
@@ -75,10 +75,8 @@ def _kept(model: ShardedModel, name: str, merge: bool, dtype: torch.dtype | None
     if pair is None:
         return weight if dtype is None else weight.to(dtype)
     assert model.spec.lora is not None
-    a, b = model.param(pair.a.name).float(), model.param(pair.b.name).float()
-    delta = b @ a * model.spec.lora.scale  # [out, in] on this rank, as the weight's shard
-    kept_in_out = model.weight_out_in(name) is not weight  # GPT-2's Conv1D: [in, out]
-    return (weight.float() + (delta.T if kept_in_out else delta)).to(dtype or weight.dtype)
+    a, b = model.param(pair.a.name), model.param(pair.b.name)
+    return merge_pair(weight, a, b, model.spec.lora.scale, model.kept_in_out(name), dtype)
 
 
 def _bias(model: ShardedModel, weight: str) -> torch.Tensor | None:

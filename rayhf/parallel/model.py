@@ -290,11 +290,13 @@ class ShardedModel(torch.nn.Module):
         finally:
             self.adapters_on = True
 
-    def weights_fingerprint(self) -> tuple[int, ...]:
+    def weights_fingerprint(self, frozen: bool = False) -> tuple[int, ...]:
         """Changes whenever the weights may have: a new version, new storage, an update in
-        place (a copy of them is stale then)."""
-        params = list(self.parameters())
-        return (self.version, *(p.data_ptr() for p in params), *(p._version for p in params))
+        place (a copy of them is stale then). ``frozen``: the weights that do not train alone
+        (a LoRA role's base), which a new version leaves as they were."""
+        params = [p for p in self.parameters() if not (frozen and p.requires_grad)]
+        version = () if frozen else (self.version,)
+        return (*version, *(p.data_ptr() for p in params), *(p._version for p in params))
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards under their Hugging Face names."""
